@@ -1,0 +1,43 @@
+# dsv4lab — set-up, tests and the headless reproduction. Every target installs what it needs first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: install test test-fast reproduce browser-deps tiny clean-runs help
+
+help:
+	@echo "make install    create $(VENV) and install dsv4lab with all extras (idempotent)"
+	@echo "make test       run the test suite (what CI runs)"
+	@echo "make reproduce  run every notebook headless on data/tiny into runs/<timestamp>_<commit>/"
+	@echo "make tiny       regenerate data/tiny byte-for-byte"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# torch first: a bare "torch" requirement would pull a multi-GB CUDA build. Keep an existing torch
+# (a CUDA or ROCm build installed beforehand); otherwise install the CPU wheel.
+install: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e ".[all]"
+	@$(PY) -c "import dsv4lab, torch; print('dsv4lab', dsv4lab.__version__, '| torch', torch.__version__)"
+
+# Debian's chromium for the JupyterLab browser test (playwright cannot download its own browser here).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not browser and not notebooks and not distributed"
+
+reproduce: install
+	$(VENV)/bin/dsv4lab reproduce
+
+tiny: install
+	$(VENV)/bin/dsv4lab make-checkpoint --preset tiny --seed 0 --out data/tiny --overwrite
+
+clean-runs:
+	rm -rf runs/

@@ -1,0 +1,652 @@
+"""Native DeepSeek-V4 checkpoints: the expected tensor table, lazy reading, validation and writing.
+
+* :func:`expected_tensors` — every tensor a checkpoint of a given :class:`ModelArgs` holds (spec §2.2), with
+  safetensors dtype codes and shapes; no tensor is allocated. For ``flash`` it gives the real index's 69,187
+  tensors and 159,609,485,896 bytes.
+* :class:`Checkpoint` — opens ``model.safetensors.index.json`` + shards (or one ``model.safetensors``), parses
+  the shard headers itself (so truncated or corrupt files are reported, not crashed on) and reads tensors one at
+  a time, memory-mapped; :meth:`Checkpoint.validate` lists every problem with tensor, file, expected and found.
+* :func:`write_checkpoint` / :func:`make_random_checkpoint` — write the native format deterministically
+  (sorted index, fixed shard split, per-tensor seeds), into a temporary folder that is renamed into place only
+  when complete, so a failure leaves nothing half-written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from .config import ConfigError, ModelArgs, ceil_div
+from . import quant
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+DTYPE_SIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1,
+              "I16": 2, "I32": 4, "I64": 8, "BOOL": 1, "F4": 1}
+TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+               "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
+               "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+DTYPE_CODE = {v: k for k, v in TORCH_DTYPE.items()}
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be used; ``problems`` lists every finding (tensor or file, expected, found)."""
+
+    def __init__(self, path: str | Path, problems: list[str]):
+        self.path = str(path)
+        self.problems = list(problems)
+        shown = "\n  ".join(self.problems[:50])
+        more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
+        super().__init__(f"{path}: {len(self.problems)} problem(s):\n  {shown}{more}")
+
+
+# ============================================================================================ expected table
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the native format. ``component`` groups tensors for byte accounting (spec §5.1)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    component: str
+    block: int | None  # block index (layer, or n_layers + i for mtp.i); None for globals
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZE[self.dtype]
+
+    @property
+    def is_scale(self) -> bool:
+        return self.name.endswith(".scale")
+
+    @property
+    def logical_params(self) -> int:
+        """Parameters this tensor stores (packed FP4 bytes hold two; scales count as their own numel)."""
+        return self.numel * (2 if self.dtype == "I8" and ".experts." in self.name else 1)
+
+
+def block_prefix(args: ModelArgs, block: int) -> str:
+    return f"layers.{block}." if block < args.n_layers else f"mtp.{block - args.n_layers}."
+
+
+def _linear(name: str, out_f: int, in_f: int, fmt: str, component: str, block: int | None) -> list[TensorSpec]:
+    if fmt == "fp8":
+        return [TensorSpec(name + ".weight", "F8_E4M3", (out_f, in_f), component, block),
+                TensorSpec(name + ".scale", "F8_E8M0", (ceil_div(out_f, 128), ceil_div(in_f, 128)), component, block)]
+    if fmt == "fp4":
+        return [TensorSpec(name + ".weight", "I8", (out_f, in_f // 2), component, block),
+                TensorSpec(name + ".scale", "F8_E8M0", (out_f, in_f // 32), component, block)]
+    return [TensorSpec(name + ".weight", "BF16", (out_f, in_f), component, block)]
+
+
+def block_tensors(args: ModelArgs, block: int) -> list[TensorSpec]:
+    """The tensors of one transformer block (main layer or MTP block), in the file's order."""
+    p = block_prefix(args, block)
+    d, b = args.dim, block
+    dense = args.dtype
+    t: list[TensorSpec] = []
+    for site in ("attn", "ffn"):
+        t += [TensorSpec(f"{p}hc_{site}_fn", "F32", (args.mix_hc, args.hc_dim), "mhc", b),
+              TensorSpec(f"{p}hc_{site}_base", "F32", (args.mix_hc,), "mhc", b),
+              TensorSpec(f"{p}hc_{site}_scale", "F32", (3,), "mhc", b)]
+    t += [TensorSpec(f"{p}attn_norm.weight", "BF16", (d,), "norms", b),
+          TensorSpec(f"{p}ffn_norm.weight", "BF16", (d,), "norms", b),
+          TensorSpec(f"{p}attn.attn_sink", "F32", (args.n_heads,), "norms", b)]
+    t += _linear(f"{p}attn.wq_a", args.q_lora_rank, d, dense, "attention", b)
+    t += [TensorSpec(f"{p}attn.q_norm.weight", "BF16", (args.q_lora_rank,), "norms", b)]
+    t += _linear(f"{p}attn.wq_b", args.n_heads * args.head_dim, args.q_lora_rank, dense, "attention", b)
+    t += _linear(f"{p}attn.wkv", args.head_dim, d, dense, "attention", b)
+    t += [TensorSpec(f"{p}attn.kv_norm.weight", "BF16", (args.head_dim,), "norms", b)]
+    t += _linear(f"{p}attn.wo_a", args.o_groups * args.o_lora_rank, args.wo_a_in_per_group, dense, "attention", b)
+    t += _linear(f"{p}attn.wo_b", d, args.o_groups * args.o_lora_rank, dense, "attention", b)
+    ratio = args.compress_ratios[block]
+    if ratio > 0:
+        coff = 2 if ratio == 4 else 1
+        c = args.head_dim
+        t += [TensorSpec(f"{p}attn.compressor.ape", "F32", (ratio, coff * c), "compressor", b),
+              TensorSpec(f"{p}attn.compressor.wkv.weight", "BF16", (coff * c, d), "compressor", b),
+              TensorSpec(f"{p}attn.compressor.wgate.weight", "BF16", (coff * c, d), "compressor", b),
+              TensorSpec(f"{p}attn.compressor.norm.weight", "BF16", (c,), "compressor", b)]
+    if ratio == 4:
+        ic = args.index_head_dim
+        t += _linear(f"{p}attn.indexer.wq_b", args.index_n_heads * ic, args.q_lora_rank, dense, "indexer", b)
+        t += [TensorSpec(f"{p}attn.indexer.weights_proj.weight", "BF16", (args.index_n_heads, d), "indexer", b),
+              TensorSpec(f"{p}attn.indexer.compressor.ape", "F32", (4, 2 * ic), "indexer_compressor", b),
+              TensorSpec(f"{p}attn.indexer.compressor.wkv.weight", "BF16", (2 * ic, d), "indexer_compressor", b),
+              TensorSpec(f"{p}attn.indexer.compressor.wgate.weight", "BF16", (2 * ic, d), "indexer_compressor", b),
+              TensorSpec(f"{p}attn.indexer.compressor.norm.weight", "BF16", (ic,), "indexer_compressor", b)]
+    t += [TensorSpec(f"{p}ffn.gate.weight", "BF16", (args.n_routed_experts, d), "router", b)]
+    if args.is_hash_layer(block):
+        t += [TensorSpec(f"{p}ffn.gate.tid2eid", "I64", (args.vocab_size, args.n_activated_experts), "router", b)]
+    else:
+        t += [TensorSpec(f"{p}ffn.gate.bias", "F32", (args.n_routed_experts,), "router", b)]
+    inter = args.moe_inter_dim
+    for s in range(args.n_shared_experts):
+        # the real model has one shared expert named plainly "shared_experts"; more get an index
+        sp = f"{p}ffn.shared_experts." if args.n_shared_experts == 1 else f"{p}ffn.shared_experts.{s}."
+        t += _linear(sp + "w1", inter, d, dense, "shared_expert", b)
+        t += _linear(sp + "w2", d, inter, dense, "shared_expert", b)
+        t += _linear(sp + "w3", inter, d, dense, "shared_expert", b)
+    for e in range(args.n_routed_experts):
+        ep = f"{p}ffn.experts.{e}."
+        t += _linear(ep + "w1", inter, d, args.expert_dtype, "routed_experts", b)
+        t += _linear(ep + "w2", d, inter, args.expert_dtype, "routed_experts", b)
+        t += _linear(ep + "w3", inter, d, args.expert_dtype, "routed_experts", b)
+    if block >= args.n_layers:
+        t += _linear(f"{p}e_proj", d, d, dense, "mtp", b)
+        t += _linear(f"{p}h_proj", d, d, dense, "mtp", b)
+        t += [TensorSpec(f"{p}enorm.weight", "BF16", (d,), "mtp", b),
+              TensorSpec(f"{p}hnorm.weight", "BF16", (d,), "mtp", b),
+              TensorSpec(f"{p}norm.weight", "BF16", (d,), "mtp", b),
+              TensorSpec(f"{p}hc_head_fn", "F32", (args.hc_mult, args.hc_dim), "mtp", b),
+              TensorSpec(f"{p}hc_head_base", "F32", (args.hc_mult,), "mtp", b),
+              TensorSpec(f"{p}hc_head_scale", "F32", (1,), "mtp", b)]
+    return t
+
+
+def global_tensors(args: ModelArgs) -> list[TensorSpec]:
+    return [TensorSpec("embed.weight", "BF16", (args.vocab_size, args.dim), "embedding", None),
+            TensorSpec("head.weight", "BF16", (args.vocab_size, args.dim), "lm_head", None),
+            TensorSpec("norm.weight", "BF16", (args.dim,), "final", None),
+            TensorSpec("hc_head_fn", "F32", (args.hc_mult, args.hc_dim), "final", None),
+            TensorSpec("hc_head_base", "F32", (args.hc_mult,), "final", None),
+            TensorSpec("hc_head_scale", "F32", (1,), "final", None)]
+
+
+def expected_tensors(args: ModelArgs) -> list[TensorSpec]:
+    """Every tensor of a native checkpoint for ``args``: globals, then blocks 0..n_layers-1, then MTP blocks."""
+    out = global_tensors(args)
+    for block in range(args.n_blocks):
+        out += block_tensors(args, block)
+    return out
+
+
+@dataclass
+class Inventory:
+    """Counts and bytes of a tensor table (expected or found)."""
+
+    tensors: int = 0
+    total_bytes: int = 0
+    by_dtype: dict[str, list[int]] = field(default_factory=dict)  # dtype -> [count, bytes]
+    by_component: dict[str, int] = field(default_factory=dict)    # component -> bytes
+    logical_params: int = 0
+    params_main: int = 0      # weights (scales excluded) of main layers + globals
+    params_with_mtp: int = 0  # weights (scales excluded) of everything
+
+    @classmethod
+    def of(cls, specs: Iterable[TensorSpec], args: ModelArgs | None = None) -> "Inventory":
+        inv = cls()
+        for s in specs:
+            inv.tensors += 1
+            inv.total_bytes += s.nbytes
+            c = inv.by_dtype.setdefault(s.dtype, [0, 0])
+            c[0] += 1
+            c[1] += s.nbytes
+            inv.by_component[s.component] = inv.by_component.get(s.component, 0) + s.nbytes
+            inv.logical_params += s.logical_params
+            if not s.is_scale:
+                inv.params_with_mtp += s.logical_params
+                if s.block is None or args is None or s.block < args.n_layers:
+                    inv.params_main += s.logical_params
+        return inv
+
+    def to_dict(self) -> dict:
+        return dict(tensors=self.tensors, total_bytes=self.total_bytes,
+                    by_dtype={k: dict(count=v[0], bytes=v[1]) for k, v in sorted(self.by_dtype.items())},
+                    by_component=dict(sorted(self.by_component.items())), logical_params=self.logical_params,
+                    params_main=self.params_main, params_with_mtp=self.params_with_mtp)
+
+    def format(self) -> str:
+        lines = [f"tensors      {self.tensors:,}", f"bytes        {self.total_bytes:,}  ({self.total_bytes / 1e9:.3f} GB)",
+                 f"parameters   {self.params_main / 1e9:.2f} B main + embed/head, "
+                 f"{self.params_with_mtp / 1e9:.2f} B with MTP (scales excluded)", "by dtype:"]
+        for k, (n, b) in sorted(self.by_dtype.items()):
+            lines.append(f"  {k:<8} {n:>8,} tensors {b:>18,} bytes")
+        lines.append("by component:")
+        for k, b in sorted(self.by_component.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {k:<20} {b:>18,} bytes")
+        return "\n".join(lines)
+
+
+def inventory(args: ModelArgs) -> Inventory:
+    """The expected inventory of ``args`` (allocates no tensor)."""
+    return Inventory.of(expected_tensors(args), args)
+
+
+# ============================================================================================ reading
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    begin: int  # absolute byte offset of the data in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], list[str]]:
+    """Parse one shard's header without reading data. Returns (tensors, metadata, problems)."""
+    problems: list[str] = []
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return {}, {}, [f"{path.name}: file is truncated ({size} bytes, no safetensors header)"]
+            (n,) = struct.unpack("<Q", head)
+            if n > 100_000_000 or 8 + n > size:
+                return {}, {}, [f"{path.name}: header length {n} does not fit the file size {size} (truncated or corrupt)"]
+            raw = fh.read(n)
+    except OSError as err:
+        return {}, {}, [f"{path.name}: cannot read ({err})"]
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return {}, {}, [f"{path.name}: header is not valid JSON ({err})"]
+    meta = header.pop("__metadata__", {}) or {}
+    data_start = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, h in header.items():
+        try:
+            b, e = h["data_offsets"]
+            info = TensorInfo(name, h["dtype"], tuple(h["shape"]), path.name, data_start + b, data_start + e)
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{name}: malformed header entry in {path.name}")
+            continue
+        if info.end > size:
+            problems.append(f"{name}: data ends at byte {info.end} but {path.name} has {size} bytes (shard truncated)")
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        if info.dtype in DTYPE_SIZE and numel * DTYPE_SIZE[info.dtype] != info.nbytes:
+            problems.append(f"{name}: header of {path.name} gives {info.nbytes} bytes for {info.dtype}{list(info.shape)}")
+        out[name] = info
+    return out, meta, problems
+
+
+class Checkpoint:
+    """A native checkpoint folder, opened lazily: only headers are read until a tensor is asked for.
+
+    Attributes:
+        path: the folder.
+        args: its :class:`ModelArgs` (from ``config.json``).
+        tensors: name → :class:`TensorInfo` for every tensor found in the shard headers.
+        weight_map: name → shard file as the index declares it.
+        problems: structural problems found while opening (missing shards, truncation, ...).
+    """
+
+    def __init__(self, path: str | Path, args: ModelArgs | None = None):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointError(path, [f"{path}: no such file or directory"])
+        if not self.path.is_dir():
+            raise CheckpointError(path, [f"{path}: not a checkpoint directory (expected a folder with config.json "
+                                         f"and {INDEX_NAME} or {SINGLE_NAME})"])
+        try:
+            self.args = args or ModelArgs.from_json(self.path / "config.json")
+        except ConfigError as err:
+            raise CheckpointError(path, [str(err)]) from None
+        self.problems: list[str] = []
+        self.metadata: dict[str, dict] = {}
+        index = self.path / INDEX_NAME
+        if index.exists():
+            try:
+                idx = json.loads(index.read_text())
+                self.weight_map: dict[str, str] = dict(idx["weight_map"])
+                self.index_total_size = int(idx.get("metadata", {}).get("total_size", -1))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                raise CheckpointError(path, [f"{INDEX_NAME}: unreadable index ({err})"]) from None
+            files = sorted(set(self.weight_map.values()))
+        elif (self.path / SINGLE_NAME).exists():
+            files, self.weight_map, self.index_total_size = [SINGLE_NAME], {}, -1
+        else:
+            raise CheckpointError(path, [f"{path}: neither {INDEX_NAME} nor {SINGLE_NAME} found"])
+        self.files = files
+        self.tensors: dict[str, TensorInfo] = {}
+        for f in files:
+            fp = self.path / f
+            if not fp.exists():
+                self.problems.append(f"{f}: shard listed in the index is missing")
+                continue
+            found, meta, probs = read_safetensors_header(fp)
+            self.metadata[f] = meta
+            self.problems += probs
+            for name, info in found.items():
+                if name in self.tensors:
+                    self.problems.append(f"{name}: present in both {self.tensors[name].file} and {f}")
+                self.tensors[name] = info
+        if not self.weight_map:
+            self.weight_map = {n: i.file for n, i in self.tensors.items()}
+        self._handles: dict[str, object] = {}
+
+    # ------------------------------------------------------------------ access
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return sorted(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            where = f" (the index maps it to {self.weight_map[name]})" if name in self.weight_map else ""
+            raise CheckpointError(self.path, [f"{name}: tensor not found in any shard{where}"])
+        return self.tensors[name]
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            from safetensors import safe_open
+            self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (memory-mapped; only its bytes are touched)."""
+        return self._handle(self.info(name).file).get_tensor(name)
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Read rows (dim 0) or columns (dim 1) ``[start, stop)`` of a tensor without reading the rest."""
+        sl = self._handle(self.info(name).file).get_slice(name)
+        idx = [slice(None)] * len(self.info(name).shape)
+        idx[dim] = slice(start, stop)
+        return sl[tuple(idx)]
+
+    def raw_bytes(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 memmap (no torch conversion; used for fast scans)."""
+        info = self.info(name)
+        return np.memmap(self.path / info.file, dtype=np.uint8, mode="r", offset=info.begin, shape=(info.nbytes,))
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, scan_scales: bool = True, progress: bool = False) -> "ValidationReport":
+        """Check every expected tensor's presence, dtype and shape, the index, and (optionally) every E8M0
+        scale byte for NaN (0xFF). Returns a report; nothing is raised."""
+        rep = ValidationReport(path=str(self.path))
+        rep.problems += self.problems
+        expected = expected_tensors(self.args)
+        exp_names = {s.name for s in expected}
+        for s in expected:
+            info = self.tensors.get(s.name)
+            if info is None:
+                in_index = s.name in self.weight_map
+                rep.problems.append(
+                    f"{s.name}: missing (expected {s.dtype}{list(s.shape)}"
+                    + (f"; the index maps it to {self.weight_map[s.name]} but that shard lacks it)" if in_index
+                       else "; not in the index)"))
+                continue
+            if s.name not in self.weight_map and self.weight_map:
+                rep.problems.append(f"{s.name}: in {info.file} but not listed in {INDEX_NAME}")
+            elif self.weight_map.get(s.name, info.file) != info.file:
+                rep.problems.append(f"{s.name}: index says {self.weight_map[s.name]}, found in {info.file}")
+            if info.dtype != s.dtype:
+                rep.problems.append(f"{s.name}: dtype {info.dtype} in {info.file}, expected {s.dtype}")
+            if tuple(info.shape) != s.shape:
+                rep.problems.append(f"{s.name}: shape {list(info.shape)} in {info.file}, expected {list(s.shape)}")
+        for name in sorted(set(self.tensors) - exp_names):
+            rep.warnings.append(f"{name}: unexpected tensor in {self.tensors[name].file} (ignored)")
+        for name in sorted(set(self.weight_map) - set(self.tensors)):
+            if name not in exp_names:
+                rep.problems.append(f"{name}: listed in {INDEX_NAME} ({self.weight_map[name]}) but in no shard")
+        found_bytes = sum(i.nbytes for i in self.tensors.values())
+        if self.index_total_size >= 0 and self.index_total_size != found_bytes:
+            rep.warnings.append(f"{INDEX_NAME}: metadata.total_size {self.index_total_size:,} != "
+                                f"{found_bytes:,} bytes found in the shards")
+        if scan_scales:
+            rep.problems += self.scan_nan_scales(progress=progress)
+        component = {s.name: s.component for s in expected}
+        rep.inventory = Inventory.of(
+            [TensorSpec(i.name, i.dtype, i.shape, component.get(i.name, "unexpected"), None)
+             for i in self.tensors.values()])
+        return rep
+
+    def scan_nan_scales(self, progress: bool = False) -> list[str]:
+        """Every E8M0 tensor holding a 0xFF (NaN) byte, with the first offending index."""
+        names = [n for n, i in sorted(self.tensors.items()) if i.dtype == "F8_E8M0"]
+        out = []
+        for name in _progress(names, progress, "scanning E8M0 scales"):
+            info = self.tensors[name]
+            if info.end > (self.path / info.file).stat().st_size:
+                continue  # reported as truncation already
+            raw = self.raw_bytes(name)
+            hits = np.flatnonzero(raw == 255)
+            if hits.size:
+                pos = np.unravel_index(int(hits[0]), info.shape) if info.shape else ()
+                out.append(f"{name}: {hits.size} scale byte(s) are 0xFF (NaN) in {info.file}, first at "
+                           f"{[int(p) for p in pos]}")
+        return out
+
+
+@dataclass
+class ValidationReport:
+    path: str
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    inventory: Inventory | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_if_failed(self) -> None:
+        if self.problems:
+            raise CheckpointError(self.path, self.problems)
+
+
+def _progress(items, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency, but progress must never be the reason a scan fails
+        return items
+    return tqdm(items, desc=desc, unit="tensor", leave=False)
+
+
+# ============================================================================================ writing
+def _shard_plan(specs: list[TensorSpec], n_shards: int) -> list[list[TensorSpec]]:
+    """Split the ordered table into ``n_shards`` contiguous runs of about equal bytes."""
+    total = sum(s.nbytes for s in specs)
+    target = total / n_shards
+    shards: list[list[TensorSpec]] = [[]]
+    acc = 0
+    for s in specs:
+        if acc >= target * len(shards) and len(shards) < n_shards:
+            shards.append([])
+        shards[-1].append(s)
+        acc += s.nbytes
+    return [sh for sh in shards if sh]
+
+
+def default_shard_count(total_bytes: int) -> int:
+    return max(2, ceil_div(total_bytes, 4 << 30))
+
+
+def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable[[TensorSpec], torch.Tensor],
+                     *, n_shards: int | None = None, extra_files: Mapping[str, str | Path] | None = None,
+                     overwrite: bool = False, progress: bool = False, specs: list[TensorSpec] | None = None) -> Path:
+    """Write a native checkpoint: ``config.json``, ``model-0000i-of-0000n.safetensors`` and the index.
+
+    ``make_tensor(spec)`` supplies each tensor (checked against the spec's dtype and shape). Files are written
+    into a temporary sibling folder and renamed into place at the end; on any error nothing is left behind.
+    ``extra_files`` maps a file name in the checkpoint to a source path to copy (e.g. ``tokenizer.json``).
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
+    specs = specs if specs is not None else expected_tensors(args)
+    n_shards = n_shards or default_shard_count(sum(s.nbytes for s in specs))
+    plan = _shard_plan(specs, n_shards)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(tmp, 0o777 & ~umask)
+        (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
+        weight_map: dict[str, str] = {}
+        total = 0
+        bar = _progress(range(len(plan)), progress, f"writing {out.name}")
+        for i in bar:
+            fname = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+            tensors: dict[str, torch.Tensor] = {}
+            for s in plan[i]:
+                t = make_tensor(s).contiguous()
+                if DTYPE_CODE.get(t.dtype) != s.dtype or tuple(t.shape) != s.shape:
+                    raise CheckpointError(out, [f"{s.name}: produced {DTYPE_CODE.get(t.dtype, t.dtype)}"
+                                                f"{list(t.shape)}, expected {s.dtype}{list(s.shape)}"])
+                tensors[s.name] = t
+                weight_map[s.name] = fname
+                total += s.nbytes
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            del tensors
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# ------------------------------------------------------------------------------------ random weights
+def _rng(seed: int, name: str) -> np.random.Generator:
+    """Per-tensor generator: the value of a tensor depends on (seed, name) only, not on write order."""
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _normal(rng: np.random.Generator, shape, std: float) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(size=shape, dtype=np.float32) * np.float32(std))
+
+
+def random_quantized(spec: TensorSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random FP8 (``F8_E4M3``) or FP4 (``I8``) weight and its E8M0 scale, quantized together.
+
+    FP8 weights get a per-128×128-block magnitude of 2**U{-3..3}, FP4 experts a per-32-group magnitude of
+    2**U{-4..4}, so the scales exercise a wide exponent range, as real checkpoints do.
+    """
+    rng = _rng(seed, spec.name)
+    if spec.dtype == "F8_E4M3":
+        out_f, in_f = spec.shape
+        w = _normal(rng, (out_f, in_f), in_f ** -0.5)
+        mult = torch.from_numpy((2.0 ** rng.integers(-3, 4, size=(ceil_div(out_f, 128), ceil_div(in_f, 128))))
+                                .astype(np.float32))
+        w = w * mult.repeat_interleave(128, 0)[:out_f].repeat_interleave(128, 1)[:, :in_f]
+        return quant.fp8_block_quantize(w)
+    out_f, in_f = spec.shape[0], spec.shape[1] * 2
+    w = _normal(rng, (out_f, in_f), in_f ** -0.5)
+    mult = torch.from_numpy((2.0 ** rng.integers(-4, 5, size=(out_f, in_f // 32))).astype(np.float32))
+    return quant.fp4_quantize(w * mult.repeat_interleave(32, 1))
+
+
+def random_tensor(spec: TensorSpec, args: ModelArgs, seed: int) -> torch.Tensor:
+    """A realistic random value for one unquantized tensor (never zeros)."""
+    name, shape = spec.name, spec.shape
+    rng = _rng(seed, name)
+    if spec.dtype == "I64":  # tid2eid: k distinct experts per token id
+        keys = rng.random(size=(shape[0], args.n_routed_experts))
+        return torch.from_numpy(np.argsort(keys, axis=1)[:, : shape[1]].astype(np.int64))
+    if name.endswith("norm.weight"):
+        return (1.0 + _normal(rng, shape, 0.1)).to(torch.bfloat16)
+    if name == "embed.weight":
+        return _normal(rng, shape, 1.0).to(torch.bfloat16)
+    if name.endswith("attn_sink"):
+        return _normal(rng, shape, 1.0)
+    if "hc_" in name and name.endswith("_fn"):
+        return _normal(rng, shape, shape[1] ** -0.5)
+    if "hc_" in name and name.endswith("_base"):
+        return _normal(rng, shape, 0.5)
+    if "hc_" in name and name.endswith("_scale"):
+        return torch.from_numpy(rng.uniform(0.5, 1.5, size=shape).astype(np.float32))
+    if name.endswith("ape"):
+        return _normal(rng, shape, 0.5)
+    if name.endswith("gate.bias"):
+        return _normal(rng, shape, 0.1)
+    if spec.dtype == "BF16" and len(shape) == 2:  # head, compressor wkv/wgate, weights_proj, gate.weight
+        return _normal(rng, shape, shape[1] ** -0.5).to(torch.bfloat16)
+    return _normal(rng, shape, 1.0).to(TORCH_DTYPE[spec.dtype])
+
+
+class _RandomSource:
+    """Hands out random tensors by spec; a quantized weight's scale is produced with it and kept until asked."""
+
+    def __init__(self, args: ModelArgs, seed: int):
+        self.args, self.seed = args, seed
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def __call__(self, spec: TensorSpec) -> torch.Tensor:
+        if spec.name in self._pending:
+            return self._pending.pop(spec.name)
+        if spec.name.endswith(".weight") and spec.dtype in ("F8_E4M3", "I8"):
+            w, scale = random_quantized(spec, self.seed)
+            self._pending[spec.name[: -len(".weight")] + ".scale"] = scale
+            return w
+        return random_tensor(spec, self.args, self.seed)
+
+
+def make_random_checkpoint(args: ModelArgs, seed: int, out: str | Path, *, n_shards: int | None = None,
+                           tokenizer: str | Path | None = None, overwrite: bool = False,
+                           progress: bool = False) -> Path:
+    """Write a random checkpoint of ``args`` (byte-for-byte reproducible from ``seed``)."""
+    extra = {"tokenizer.json": tokenizer} if tokenizer else None
+    return write_checkpoint(out, args, _RandomSource(args, seed), n_shards=n_shards, extra_files=extra,
+                            overwrite=overwrite, progress=progress)
+
+
+def write_state_dict(out: str | Path, args: ModelArgs, state: Mapping[str, torch.Tensor], **kw) -> Path:
+    """Write native tensors held in memory (e.g. a quantized trained model) as a checkpoint."""
+    missing = [s.name for s in expected_tensors(args) if s.name not in state]
+    if missing:
+        raise CheckpointError(out, [f"{n}: missing from the state dict" for n in missing])
+    return write_checkpoint(out, args, lambda s: state[s.name], **kw)
+
+
+def iter_block_names(args: ModelArgs, block: int) -> Iterator[str]:
+    for s in block_tensors(args, block):
+        yield s.name
+
+
+def file_hashes(folder: str | Path) -> dict[str, str]:
+    """sha256 of every file in a folder (for reproducibility checks)."""
+    import hashlib
+    out = {}
+    for p in sorted(Path(folder).iterdir()):
+        if p.is_file():
+            out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def group_by_block(specs: Iterable[TensorSpec]) -> dict[int | None, list[TensorSpec]]:
+    out: dict[int | None, list[TensorSpec]] = defaultdict(list)
+    for s in specs:
+        out[s.block].append(s)
+    return out
