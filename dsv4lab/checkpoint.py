@@ -485,21 +485,27 @@ def default_shard_count(total_bytes: int) -> int:
 
 def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable[[TensorSpec], torch.Tensor],
                      *, n_shards: int | None = None, extra_files: Mapping[str, str | Path] | None = None,
-                     overwrite: bool = False, progress: bool = False, specs: list[TensorSpec] | None = None) -> Path:
+                     overwrite: bool = False, progress: bool = False, specs: list[TensorSpec] | None = None,
+                     shards: list[list[TensorSpec]] | None = None) -> Path:
     """Write a native checkpoint: ``config.json``, ``model-0000i-of-0000n.safetensors`` and the index.
 
     ``make_tensor(spec)`` supplies each tensor (checked against the spec's dtype and shape). Files are written
     into a temporary sibling folder and renamed into place at the end; on any error nothing is left behind.
     ``extra_files`` maps a file name in the checkpoint to a source path to copy (e.g. ``tokenizer.json``).
+    ``shards`` fixes which tensors go to which shard file (to keep another checkpoint's sharding when copying
+    it); without it the table is split into ``n_shards`` runs of about equal bytes.
     """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")
-    specs = specs if specs is not None else expected_tensors(args)
-    n_shards = n_shards or default_shard_count(sum(s.nbytes for s in specs))
-    plan = _shard_plan(specs, n_shards)
+    if shards is not None:
+        plan = [list(sh) for sh in shards if sh]
+    else:
+        specs = specs if specs is not None else expected_tensors(args)
+        n_shards = n_shards or default_shard_count(sum(s.nbytes for s in specs))
+        plan = _shard_plan(specs, n_shards)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)

@@ -210,20 +210,27 @@ def _calc_dtype(x: torch.Tensor) -> torch.dtype:
 def act_quant_fp8(x: torch.Tensor, block: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, per ``block`` along K: E4M3 values and power-of-two scales (``amax`` floored at 1e-4).
 
-    Returns ``(x_q float8_e4m3fn [..., K], scale [..., K/block])`` with ``x ≈ x_q · scale``; scales are in the
-    calculation dtype (fp32, or fp64 for fp64 inputs) and are exact powers of two (E8M0-representable).
+    Returns ``(x_q float8_e4m3fn [..., K], scale [..., ceil(K/block)])`` with ``x ≈ x_q · scale``; scales are in
+    the calculation dtype (fp32, or fp64 for fp64 inputs) and are exact powers of two (E8M0-representable).
+    DeepSeek-V4's widths are multiples of 128; for other widths (small test models) the last block is partial,
+    consistent with the partial edge blocks of the 128×128 weight scales.
     """
     calc = _calc_dtype(x)
-    xb = _blocked(x.to(calc), block)
+    k = x.shape[-1]
+    pad = -k % block
+    xc = x.to(calc)
+    if pad:
+        xc = torch.nn.functional.pad(xc, (0, pad))
+    xb = _blocked(xc, block)
     s = pow2_scale(xb.abs().amax(-1).clamp_min(1e-4), FP8_E4M3_MAX)
     q = (xb / s[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2), s
+    return q.flatten(-2)[..., :k], s
 
 
 def act_qdq_fp8(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
     """Quantize-dequantize simulation of :func:`act_quant_fp8`, in the calculation dtype."""
     q, s = act_quant_fp8(x, block)
-    return (_blocked(q.to(s.dtype), block) * s[..., None]).flatten(-2)
+    return q.to(s.dtype) * s.repeat_interleave(block, -1)[..., : q.shape[-1]]
 
 
 def fp8_qdq(v: torch.Tensor, block: int = 64) -> torch.Tensor:
@@ -240,9 +247,10 @@ def fp4_qdq(v: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     calc = _calc_dtype(v)
     vb = _blocked(v.to(calc), block)
     s = pow2_scale(vb.abs().amax(-1).clamp_min(E2M1_MAX * 2.0 ** -126), E2M1_MAX)[..., None]
-    codes = e2m1_encode((vb / s).clamp(-E2M1_MAX, E2M1_MAX))
+    nan = torch.isnan(vb)  # NaN propagates (a poisoned input must stay visible), it is not encoded
+    codes = e2m1_encode((vb / s).clamp(-E2M1_MAX, E2M1_MAX).masked_fill(nan, 0.0))
     q = e2m1_decode(codes, calc)
-    return (q * s).flatten(-2).to(v.dtype)
+    return (q * s).masked_fill(nan, float("nan")).flatten(-2).to(v.dtype)
 
 
 def act_quant_int8(x: torch.Tensor, block: int = FP4_BLOCK, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

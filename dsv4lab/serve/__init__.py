@@ -1,1 +1,14 @@
-"""serve"""
+"""OpenAI-compatible serving of any checkpoint dsv4lab can load, and the benchmarks of the engine and endpoint.
+
+Modules (importing this package imports none of them, and nothing imports FastAPI until a server is built):
+
+- :mod:`~dsv4lab.serve.encoding` — DeepSeek-V4's chat encoder, the small models' simple chat format, and the
+  parsing of generated text into reasoning / answer / tool calls.
+- :mod:`~dsv4lab.serve.detokenizer` — incremental detokenization for streaming.
+- :mod:`~dsv4lab.serve.protocol` — request models, validation, OpenAI error shapes with vLLM's wording.
+- :mod:`~dsv4lab.serve.scheduler` — the request queue and the batched engine loop over cache slots.
+- :mod:`~dsv4lab.serve.app` — the FastAPI app; :mod:`~dsv4lab.serve.server` — loading, uvicorn, a
+  background server for tests and notebooks.
+- :mod:`~dsv4lab.serve.bench_engine` (``dsv4lab bench engine``), :mod:`~dsv4lab.serve.bench_serve`
+  (``dsv4lab bench serve``), :mod:`~dsv4lab.serve.verify_endpoint` (``dsv4lab verify endpoint``).
+"""

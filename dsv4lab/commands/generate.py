@@ -1,0 +1,90 @@
+"""``dsv4lab generate`` — greedy or sampled generation from a checkpoint.
+
+With ``--json`` it prints one JSON object with ``output_ids`` and ``hash`` (the trajectory hash: first 16 hex
+digits of sha256 over the output ids as little-endian int32), plus the prompt ids, text, and timing. Under
+``torchrun`` with ``--tp``/``--ep`` only rank 0 prints.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+NAME = "generate"
+HELP = "generate tokens from a checkpoint (--json prints output_ids and the trajectory hash)"
+
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+          "fp64": "float64", "float64": "float64"}
+
+
+def add_arguments(p):
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
+    g.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 5,6,7")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-bos", action="store_true", help="do not prepend BOS to --prompt text")
+    p.add_argument("--backend", default="reference", help="reference (default) or triton")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="compute dtype (default bf16)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the prompt in chunks of this many tokens")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (run under torchrun)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def parse_ids(text: str) -> list[int]:
+    from ..cli import UserError
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"--prompt-ids {text!r}: expected comma-separated integers") from None
+    if not ids:
+        raise UserError("--prompt-ids is empty")
+    return ids
+
+
+def run(args) -> int:
+    import torch
+
+    from ..cli import UserError
+    from ..engine.sampling import trajectory_hash
+
+    dtype = getattr(torch, DTYPES[args.dtype])
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tp > 1 or args.ep > 1:
+        from ..parallel import load_parallel
+        m, rank = load_parallel(args.checkpoint, tp=args.tp, ep=args.ep, dtype=dtype, backend=args.backend)
+    else:
+        import dsv4lab
+        m, rank = dsv4lab.load(args.checkpoint, device=device, dtype=dtype, backend=args.backend, max_batch=1), 0
+    if args.prompt is not None:
+        if m.tokenizer is None:
+            raise UserError(f"{args.checkpoint} has no tokenizer.json: use --prompt-ids")
+        ids = m.tokenizer.encode(args.prompt, add_bos=not args.no_bos)
+    else:
+        ids = parse_ids(args.prompt_ids)
+        bad = [i for i in ids if not 0 <= i < m.args.vocab_size]
+        if bad:
+            raise UserError(f"--prompt-ids: ids {bad} outside the vocabulary [0, {m.args.vocab_size})")
+    t0 = time.perf_counter()
+    out = m.generate(ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                     prefill_chunk=args.prefill_chunk)
+    dt = time.perf_counter() - t0
+    if rank != 0:
+        return 0
+    text = m.tokenizer.decode(out) if m.tokenizer is not None else None
+    res = dict(prompt_ids=ids, output_ids=out, hash=trajectory_hash(out), text=text, backend=m.backend,
+               dtype=args.dtype, seconds=round(dt, 4))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        if text is not None:
+            prompt_text = m.tokenizer.decode(ids)
+            print(f"{prompt_text}\033[1m{text}\033[0m" if sys.stdout.isatty() else prompt_text + text)
+        print(f"output_ids {out}")
+        print(f"hash {res['hash']}  ({len(out)} tokens in {dt:.2f} s, backend {m.backend}, {args.dtype})")
+    return 0

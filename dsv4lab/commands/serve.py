@@ -1,0 +1,69 @@
+"""``dsv4lab serve`` — an OpenAI-compatible HTTP server for a checkpoint (FastAPI + uvicorn).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (prompt as text or token ids),
+``POST /v1/chat/completions`` (DeepSeek-V4 chat encoding, or the simple chat format of the small models),
+both streamed (SSE) or not, and ``GET /health`` (with the number of running and waiting sequences).
+Binds to loopback unless ``--host`` says otherwise. See ``docs/serving.md``.
+"""
+from __future__ import annotations
+
+import sys
+
+NAME = "serve"
+HELP = "OpenAI-compatible server (/v1/models, /v1/completions, /v1/chat/completions, /health)"
+
+
+def add_arguments(p):
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder (e.g. data/tiny)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--backend", default="reference", help="engine backend (default: reference)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype (bfloat16, float32, ...)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generated tokens per sequence (default and maximum: the model's cache length)")
+    p.add_argument("--max-concurrency", type=int, default=8,
+                   help="sequences decoded together (cache slots, default 8)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="requests that may wait for a slot; 0 answers 429 when all slots are busy")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
+    p.add_argument("--chat-format", default="auto", choices=["auto", "dsv4", "simple"],
+                   help="chat prompt format (auto: dsv4 when the tokenizer has DeepSeek-V4's extra tokens)")
+    p.add_argument("--no-batch-prefill", action="store_true",
+                   help="prefill prompts that arrive together one at a time")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args) -> int:
+    from pathlib import Path
+    from ..cli import UserError
+
+    if not Path(args.checkpoint).is_dir():
+        raise UserError(f"--checkpoint {args.checkpoint}: no such folder")
+    if args.max_concurrency < 1:
+        raise UserError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_queue < 0:
+        raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    try:
+        import uvicorn
+        from ..serve.server import ServerOptions, build_app
+    except ImportError as err:
+        raise UserError(f"serving needs the 'serve' extra (pip install 'dsv4lab[serve]'): {err}") from None
+
+    opts = ServerOptions(checkpoint=args.checkpoint, backend=args.backend, device=args.device, dtype=args.dtype,
+                         max_model_len=args.max_model_len, max_concurrency=args.max_concurrency,
+                         max_queue=args.max_queue, served_model_name=args.served_model_name,
+                         api_key=args.api_key, chat_format=args.chat_format,
+                         batch_prefill=not args.no_batch_prefill)
+    print(f"loading {args.checkpoint} (backend {args.backend}, {args.device}, {args.dtype})", file=sys.stderr)
+    app, scheduler = build_app(opts)
+    cfg = app.state.config
+    print(f"serving model '{cfg.served_model_name}' on http://{args.host}:{args.port}/v1 "
+          f"(max_model_len {cfg.max_model_len}, {scheduler.max_running} slots, chat format "
+          f"{cfg.chat_format.name if cfg.chat_format else 'none'})", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        scheduler.stop()
+    return 0

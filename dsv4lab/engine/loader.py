@@ -1,0 +1,152 @@
+"""``dsv4lab.load``: build the model, read the native checkpoint into it, allocate caches, pick a backend.
+
+Loading reads one tensor at a time (memory-mapped), in the checkpoint's own format; nothing is dequantized at
+load. Optional layout repairs (:mod:`dsv4lab.layouts`) are applied to each tensor as it is read, so a repaired
+layout costs nothing on the hot path. Under tensor/expert parallelism each rank reads only its slices.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..checkpoint import Checkpoint, CheckpointError
+from ..config import ModelArgs
+from ..model.numerics import Numerics
+from ..model.transformer import Transformer
+
+# Tensors the reference holds in fp32 although the file stores bf16 (spec §2.4: norms are fp32 parameters).
+_NORM_RE = re.compile(r"(^|\.)(norm|q_norm|kv_norm|attn_norm|ffn_norm|enorm|hnorm)\.weight$")
+_EXPERT_RE = re.compile(r"^(?P<prefix>(layers|mtp)\.\d+\.ffn\.experts\.)(?P<which>w[123])(?P<scale>_scale)?$")
+
+CACHE_DEQUANT_LIMIT = 2 << 30  # memoise dequantized weights for models whose native bytes are below this
+
+
+class ShardPlan:
+    """Which slice of each tensor a rank reads (tensor parallel rows/columns, expert-parallel ranges).
+
+    The single-process plan reads everything. :mod:`dsv4lab.parallel` provides plans for ``--tp``/``--ep``.
+    """
+
+    tp_size = 1
+    n_local_experts: int | None = None
+    expert_offset = 0
+
+    def slice_for(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """``(dim, start, stop)`` to read, or None for the whole tensor."""
+        return None
+
+    def all_reduce(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return None
+
+
+def _read(ck: Checkpoint, name: str, plan: ShardPlan, repairs) -> torch.Tensor:
+    info = ck.info(name)
+    if repairs is not None:
+        # a repair may permute rows or columns across the whole tensor: repair first, then slice
+        t = repairs.apply(name, ck.get(name), ck)
+        sl = plan.slice_for(name, tuple(info.shape))
+        return t if sl is None else t.narrow(sl[0], sl[1], sl[2] - sl[1]).contiguous()
+    sl = plan.slice_for(name, tuple(info.shape))
+    return ck.get(name) if sl is None else ck.get_slice(name, *sl)
+
+
+def _convert(name: str, t: torch.Tensor) -> torch.Tensor:
+    if _NORM_RE.search(name):
+        return t.float()
+    return t
+
+
+def load_weights(model: Transformer, ck: Checkpoint, plan: ShardPlan, device, repairs=None,
+                 progress: bool = False) -> dict[str, int]:
+    """Fill every buffer of ``model`` from ``ck``; returns bytes read per dtype code."""
+    read_bytes: dict[str, int] = {}
+    buffers = [(n, m, b) for m_name, m in model.named_modules() for b, _ in list(m._buffers.items())
+               for n in [f"{m_name}.{b}" if m_name else b] if m._buffers[b] is not None
+               and m._buffers[b].device.type == "meta"]
+    it = buffers
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(buffers, desc=f"loading {ck.path.name}", unit="tensor", leave=False)
+    for full, module, attr in it:
+        em = _EXPERT_RE.match(full)
+        if em:
+            bank = module
+            names = [f"{em['prefix']}{e}.{em['which']}.{'scale' if em['scale'] else 'weight'}"
+                     for e in range(bank.expert_offset, bank.expert_offset + bank.n_experts)]
+            parts = [_read(ck, n, plan, repairs) for n in names]
+            t = torch.stack(parts)
+            for n in names:
+                code = ck.info(n).dtype
+                read_bytes[code] = read_bytes.get(code, 0) + parts[0].numel() * parts[0].element_size()
+        else:
+            if full not in ck:
+                raise CheckpointError(ck.path, [f"{full}: missing from the checkpoint"])
+            t = _convert(full, _read(ck, full, plan, repairs))
+            code = ck.info(full).dtype
+            read_bytes[code] = read_bytes.get(code, 0) + t.numel() * t.element_size()
+        want = module._buffers[attr]
+        if tuple(t.shape) != tuple(want.shape):
+            raise CheckpointError(ck.path, [f"{full}: shape {list(t.shape)} read, model expects {list(want.shape)}"])
+        if t.dtype != want.dtype:
+            if t.element_size() == want.element_size() == 1:
+                t = t.view(want.dtype)  # e.g. I8 bytes of packed FP4
+            else:
+                raise CheckpointError(ck.path, [f"{full}: dtype {t.dtype} read, model expects {want.dtype}"])
+        module._buffers[attr] = t.to(device)
+    return read_bytes
+
+
+def build_model(args: ModelArgs, plan: ShardPlan | None = None) -> Transformer:
+    """The model on the ``meta`` device (no memory): shapes and parameter counts only."""
+    plan = plan or ShardPlan()
+    return Transformer(args, plan.tp_size, plan.n_local_experts, plan.expert_offset)
+
+
+def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+         act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: str = "reference",
+         max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
+         validate: bool = True, progress: bool = False, fault: str | None = None):
+    """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
+
+    Args:
+        checkpoint: folder with ``config.json``, the safetensors index and shards.
+        device: torch device for weights and caches.
+        dtype: compute dtype (``torch.bfloat16`` follows the reference's rounding; ``float32``/``float64`` for
+            oracles).
+        act_quant, kv_fp8_sim, indexer_fp4_sim: the reference's quantization simulations (see
+            :class:`~dsv4lab.model.numerics.Numerics`).
+        backend: ``"reference"`` or ``"triton"`` (falls back to the reference per op where no kernel exists).
+        max_batch: cache slots (concurrent sequences).
+        max_seq_len: positions the caches hold (default: the config's ``max_seq_len``).
+        repairs: a layout repair spec (path or :class:`dsv4lab.layouts.RepairSpec`) applied while loading.
+        plan: a tensor/expert-parallel shard plan (see :mod:`dsv4lab.parallel`).
+        validate: check the whole checkpoint (names, dtypes, shapes, truncation, NaN scales) first.
+        fault: a deliberate model fault for the verification tests (see ``dsv4lab.model.ops.MODEL_FAULTS``).
+    """
+    from .runner import ModelRunner
+    from .backends import make_ops
+
+    ck = Checkpoint(checkpoint)
+    if validate:
+        small = sum(i.nbytes for i in ck.tensors.values()) < (1 << 30)
+        ck.validate(scan_scales=small, progress=progress).raise_if_failed()
+    args = ck.args if max_seq_len is None else ck.args.replace(max_seq_len=max_seq_len)
+    plan = plan or ShardPlan()
+    if repairs is not None and not hasattr(repairs, "apply"):
+        from ..layouts import RepairSpec
+        repairs = RepairSpec.load(repairs)
+    model = build_model(args, plan)
+    read_bytes = load_weights(model, ck, plan, device, repairs, progress)
+    numerics = Numerics(dtype, act_quant, kv_fp8_sim, indexer_fp4_sim)
+    ops = make_ops(backend, numerics, fault=fault)
+    native = sum(read_bytes.values())
+    for m in model.modules():
+        if hasattr(m, "cache_dequant"):
+            m.cache_dequant = native < CACHE_DEQUANT_LIMIT
+    model.allocate(max_batch, numerics.act, numerics.acc, device)
+    runner = ModelRunner(model, ops, checkpoint=Path(checkpoint), plan=plan, read_bytes=read_bytes)
+    runner.reset()
+    return runner

@@ -1,0 +1,83 @@
+"""One transformer block (attention + MoE, each wrapped in mHC) and the MTP block (spec §3.2, §3.9)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelArgs
+from .attention import Attention
+from .linear import Linear
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE
+from .norm import RMSNorm
+
+
+def _f32(*shape) -> torch.Tensor:
+    return torch.empty(*shape, dtype=torch.float32, device="meta")
+
+
+class Block(nn.Module):
+    """``X [b, n, hc, D]`` → ``X``: ``X = hc_post(attn(norm(hc_pre(X))))`` then the same around the MoE."""
+
+    def __init__(self, args: ModelArgs, layer: int, tp_size: int = 1, n_local_experts: int | None = None,
+                 expert_offset: int = 0):
+        super().__init__()
+        self.args, self.layer = args, layer
+        for site in ("attn", "ffn"):
+            self.register_buffer(f"hc_{site}_fn", _f32(args.mix_hc, args.hc_dim))
+            self.register_buffer(f"hc_{site}_base", _f32(args.mix_hc))
+            self.register_buffer(f"hc_{site}_scale", _f32(3))
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args, layer, tp_size)
+        self.ffn = MoE(args, layer, n_local_experts, expert_offset)
+
+    def forward(self, X, start, lengths, slots, ids, ops, all_reduce=None, trace=None):
+        a, acc = self.args, ops.numerics.acc
+        b, n = X.shape[:2]
+        t_attn = (lambda k, v: trace(f"attn.{k}", v)) if trace else None
+        t_ffn = (lambda k, v: trace(f"ffn.{k}", v)) if trace else None
+        u, post, comb = hc_pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a, acc)
+        if trace:
+            trace("mhc.attn_post", post)
+            trace("mhc.attn_comb", comb)
+        h = self.attn(ops.rms_norm(u, self.attn_norm.weight, a.norm_eps), start, lengths, slots, ops,
+                      all_reduce, t_attn)
+        X = hc_post(h, X, post, comb)
+        u, post, comb = hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a, acc)
+        if trace:
+            trace("mhc.ffn_post", post)
+            trace("mhc.ffn_comb", comb)
+        f = self.ffn(ops.rms_norm(u, self.ffn_norm.weight, a.norm_eps).reshape(b * n, -1), ids.reshape(-1), ops,
+                     all_reduce, t_ffn)
+        X = hc_post(f.view(b, n, -1), X, post, comb)
+        if trace:
+            trace("out", X)
+        return X
+
+
+class MTPBlock(Block):
+    """Multi-token prediction block: embeds the *next* token, mixes it with the main model's final streams,
+    runs one SWA block and its own ``hc_head`` (the embedding and LM head are the main model's)."""
+
+    def __init__(self, args: ModelArgs, layer: int, tp_size: int = 1, n_local_experts: int | None = None,
+                 expert_offset: int = 0):
+        super().__init__(args, layer, tp_size, n_local_experts, expert_offset)
+        self.e_proj = Linear(args.dim, args.dim, args.dtype)
+        self.h_proj = Linear(args.dim, args.dim, args.dtype)
+        self.enorm = RMSNorm(args.dim, args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.register_buffer("hc_head_fn", _f32(args.hc_mult, args.hc_dim))
+        self.register_buffer("hc_head_base", _f32(args.hc_mult))
+        self.register_buffer("hc_head_scale", _f32(1))
+
+    def forward_mtp(self, X_main, next_embed, start, lengths, slots, next_ids, ops, all_reduce=None):
+        """Returns the MTP block's normed hidden state ``[b, n, D]`` (the caller applies the LM head)."""
+        a = self.args
+        e = ops.rms_norm(next_embed, self.enorm.weight, a.norm_eps)
+        xh = ops.rms_norm(X_main, self.hnorm.weight, a.norm_eps)
+        Xm = ops.linear(e, self.e_proj)[:, :, None, :] + ops.linear(xh, self.h_proj)
+        Xm = self.forward(Xm, start, lengths, slots, next_ids, ops, all_reduce)
+        y = hc_head(Xm, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a, ops.numerics.acc)
+        return ops.rms_norm(y, self.norm.weight, a.norm_eps)

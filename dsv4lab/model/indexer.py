@@ -1,0 +1,68 @@
+"""Lightning indexer of CSA layers (spec §3.6): picks the compressed entries each query attends to.
+
+``qi = wq_b(qr)`` per index head, rotated (last rope dims), Hadamard-transformed and FP4-simulated; keys come from
+the indexer's own ratio-4 compressor. ``score[t] = Σ_h relu(qi_h·K[t])·w_h`` with ``w = weights_proj(x)·scale``;
+a query at position ``p`` may pick only completed entries ``t < (p+1)//4``; it attends to the top
+``min(index_topk, (p+1)//4)`` of them. Ties are broken towards the lower entry index (a stable sort), so the
+selection is deterministic on every backend.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import quant
+from ..config import ModelArgs
+from .compressor import Compressor
+from .linear import Linear
+
+
+class Indexer(nn.Module):
+    def __init__(self, args: ModelArgs, n_local_heads: int):
+        super().__init__()
+        self.args = args
+        self.n_local_heads = n_local_heads
+        self.head_dim = args.index_head_dim
+        self.wq_b = Linear(args.q_lora_rank, n_local_heads * args.index_head_dim, args.dtype)
+        self.weights_proj = Linear(args.dim, n_local_heads, "bf16")
+        self.compressor = Compressor(args, 4, args.index_head_dim, is_indexer=True)
+
+    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
+        """``qr [b, s, q_lora]`` → ``qi [b, s, h, d]`` (rotated at each query position via ``cos/sin [b, s, ·]``)."""
+        nm = ops.numerics
+        b, s, _ = qr.shape
+        qi = ops.linear(qr, self.wq_b).view(b, s, self.n_local_heads, self.head_dim)
+        qi = ops.rope(qi, cos[:, :, None], sin[:, :, None])
+        qi = quant.hadamard_transform(qi)
+        if nm.indexer_fp4_sim:
+            qi = quant.fp4_qdq(qi, 32)
+        return qi
+
+    def head_weights(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """``w [b, s, h] = weights_proj(x) · index_head_dim^-0.5 · index_n_heads^-0.5`` (in act)."""
+        return ops.linear(x, self.weights_proj) * self.args.index_scale
+
+    @staticmethod
+    def scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, act: torch.dtype, acc: torch.dtype):
+        """``Σ_h relu(qi_h · K_t) · w_h`` → ``[b, s, T]`` in ``act`` (the reference's bf16 math: each product
+        is accumulated in fp32 and rounded to bf16)."""
+        dots = torch.einsum("bshd,btd->bsht", qi.to(acc), keys.to(acc)).to(act)
+        return (dots.relu() * w[..., None]).to(acc).sum(2).to(act)
+
+
+def select_topk(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
+    """Causal top-k over compressed entries.
+
+    ``scores [b, s, T]`` for entries ``0..T-1``; ``positions [b, s]``. Entry ``t`` is visible to a query at
+    ``p`` iff ``t < (p+1)//ratio``. Returns ``[b, s, min(topk, T)]`` entry indices, −1 where fewer are visible.
+    Ties go to the lower index (stable sort).
+    """
+    b, s, T = scores.shape
+    k = min(topk, T)
+    if k == 0:
+        return torch.empty(b, s, 0, dtype=torch.long, device=scores.device)
+    visible = torch.arange(T, device=scores.device)[None, None, :] < ((positions + 1) // ratio)[..., None]
+    masked = scores.to(torch.promote_types(scores.dtype, torch.float32)).masked_fill(~visible, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]
+    picked_visible = torch.gather(visible, -1, order)
+    return torch.where(picked_visible, order, torch.full_like(order, -1))

@@ -1,0 +1,59 @@
+"""mHC — manifold-constrained hyper-connections (spec §3.2).
+
+The residual stream is ``hc_mult`` (4) parallel streams ``X [b, s, n, D]``. Around each sub-layer,
+:func:`hc_pre` mixes them into the sub-layer input ``u`` and produces the ``post`` gains and the doubly
+stochastic ``comb`` matrix (Sinkhorn); :func:`hc_post` writes the sub-layer output back into every stream.
+:func:`hc_head` collapses the streams before the final norm (main model and MTP).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelArgs
+
+
+def _mix_logits(x_flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    # RMS over all n·D values (norm_eps, not hc_eps), applied after the projection.
+    return (x_flat @ fn.to(x_flat.dtype).T) * torch.rsqrt(x_flat.square().mean(-1, keepdim=True) + eps)
+
+
+def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax (+eps), column normalisation, then ``iters-1`` × (rows, columns). ``c [..., n, n]``."""
+    c = c.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, args: ModelArgs,
+           acc: torch.dtype):
+    """``X [b,s,n,D]`` with a site's ``fn [(2+n)·n, n·D]``, ``base``, ``scale [3]`` →
+    ``(u [b,s,D] in X.dtype, post [b,s,n] acc, comb [b,s,n,n] acc)``."""
+    n = args.hc_mult
+    x = X.flatten(-2).to(acc)
+    m = _mix_logits(x, fn, args.norm_eps)
+    scale, base = scale.to(acc), base.to(acc)
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + args.hc_eps
+    post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+    comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
+    u = (pre[..., None] * X.to(acc)).sum(-2)
+    return u.to(X.dtype), post, comb
+
+
+def hc_post(out: torch.Tensor, X_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``X_new[k] = post[k]·out + Σ_j comb[j,k]·X_res[j]`` in ``post.dtype``, returned in ``X_res.dtype``."""
+    acc = post.dtype
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb, X_res.to(acc))
+    return (post[..., None] * out.to(acc)[..., None, :] + mixed).to(X_res.dtype)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, args: ModelArgs,
+            acc: torch.dtype) -> torch.Tensor:
+    """Collapse the streams: ``y = Σ_j (sigmoid(m_j·scale + base_j) + eps)·X_j`` → ``X.dtype``."""
+    x = X.flatten(-2).to(acc)
+    m = _mix_logits(x, fn, args.norm_eps)
+    pre = torch.sigmoid(m * scale.to(acc)[0] + base.to(acc)) + args.hc_eps
+    return (pre[..., None] * X.to(acc)).sum(-2).to(X.dtype)

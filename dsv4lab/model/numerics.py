@@ -1,0 +1,50 @@
+"""Numerics switches of the reference forward, visible in one place.
+
+The reference follows DeepSeek's dtype boundaries (spec §3.10): tensors the reference keeps in bf16 are held
+in ``act`` (bf16, or the compute dtype when running in float32/float64), math the reference does in fp32 is
+done in ``acc`` (fp32, or fp64 when the compute dtype is float64). So ``dtype=torch.float64`` with every
+simulation off is the exact-math oracle, and ``dtype=torch.bfloat16`` with every simulation on reproduces the
+reference's rounding points.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Compute dtype and the three quantization simulations of the reference.
+
+    Attributes:
+        dtype: compute dtype of the tensors the reference holds in bf16 (bfloat16, float32 or float64).
+        act_quant: quantize the input of every FP8/FP4 Linear per token, per 128 wide block, to E4M3 with a
+            power-of-two scale (the real kernels' activation path).
+        kv_fp8_sim: FP8 round trip of the non-rope dims of window and compressed KV (block 64).
+        indexer_fp4_sim: FP4 round trip of the indexer's queries and keys after the Hadamard rotation (block 32).
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    act_quant: bool = True
+    kv_fp8_sim: bool = True
+    indexer_fp4_sim: bool = True
+
+    def __post_init__(self):
+        if self.dtype not in (torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"compute dtype must be bfloat16, float32 or float64, got {self.dtype}")
+
+    @property
+    def act(self) -> torch.dtype:
+        """Where the reference holds bf16 tensors."""
+        return self.dtype
+
+    @property
+    def acc(self) -> torch.dtype:
+        """Where the reference computes in fp32."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @classmethod
+    def exact(cls, dtype: torch.dtype = torch.float64) -> "Numerics":
+        """All quantization simulations off (the transformers-parity and self-consistency setting)."""
+        return cls(dtype=dtype, act_quant=False, kv_fp8_sim=False, indexer_fp4_sim=False)

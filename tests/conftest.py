@@ -1,0 +1,53 @@
+"""Shared fixtures. Triton's interpreter must be selected before any kernel module is imported."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "data" / "tiny"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs a CUDA/ROCm GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    return TINY
+
+
+@pytest.fixture
+def tiny_copy(tmp_path) -> Path:
+    """A private copy of data/tiny that a test may damage."""
+    dst = tmp_path / "tiny"
+    shutil.copytree(TINY, dst)
+    return dst
+
+
+_models: dict = {}
+
+
+def load_tiny(**kw):
+    """Session-cached loads of data/tiny (loading is cheap, but tests share them)."""
+    import dsv4lab
+    key = tuple(sorted((k, str(v)) for k, v in kw.items()))
+    if key not in _models:
+        _models[key] = dsv4lab.load(TINY, **kw)
+    m = _models[key]
+    m.reset()
+    return m
