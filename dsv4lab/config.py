@@ -168,7 +168,6 @@ class ModelArgs:
         need(self.dim % self.fp4_block_size == 0, "dim", f"must be a multiple of fp4_block_size={self.fp4_block_size}")
         need(self.moe_inter_dim % self.fp4_block_size == 0, "moe_inter_dim",
              f"must be a multiple of fp4_block_size={self.fp4_block_size}")
-        need(self.dim % 128 == 0 or self.dim % 64 == 0, "dim", "must be a multiple of 64")
         need(self.dtype in ("fp8", "bf16"), "dtype", "expected 'fp8' or 'bf16'")
         need(self.expert_dtype in ("fp4", "fp8"), "expert_dtype", "expected 'fp4' or 'fp8'")
         need(self.scale_fmt == "ue8m0", "scale_fmt", "only 'ue8m0' (power-of-two E8M0 scales) is supported")

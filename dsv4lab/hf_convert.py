@@ -216,7 +216,10 @@ def hf_name(native: str) -> str | None:
 
 
 def hf_state_dict(checkpoint: str | Path | Checkpoint) -> dict[str, torch.Tensor]:
-    """transformers' state dict (fp32, tid2eid int64) of a native checkpoint, MTP excluded."""
+    """transformers' state dict (fp32, tid2eid int64) of a native checkpoint, MTP excluded.
+
+    Every tensor is materialised in fp32: meant for test-size models, not for the 284 B-parameter checkpoint.
+    """
     ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
     args = ck.args
     check_convertible(args)
@@ -258,6 +261,14 @@ def load_transformers_model(checkpoint: str | Path, dtype: torch.dtype = torch.f
     if result.missing_keys or result.unexpected_keys:
         raise ConversionError(f"{ck.path}: transformers weights not filled: {sorted(result.missing_keys)}; "
                               f"converted tensors with no place: {sorted(result.unexpected_keys)}")
+    # DeepSeek's YaRN scales frequencies only; a cos/sin magnitude factor other than 1 is spec §3.11 item 4.
+    for name, module in model.named_modules():
+        if type(module).__name__ != "DeepseekV4RotaryEmbedding":
+            continue
+        for label in module.layer_types:  # the rope-parameter sets: "main" (SWA) and "compress" (CSA/HCA)
+            factor = getattr(module, f"{label}_attention_scaling")
+            if factor != 1.0:
+                raise ConversionError(f"{name}: transformers scales {label!r} cos/sin by {factor}, expected 1.0")
     return model.to(dtype).eval()
 
 

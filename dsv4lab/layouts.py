@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 import json
 import math
 import os
@@ -612,7 +611,8 @@ class FingerprintResult:
         perm: suspect index ``i`` holds reference index ``perm[i]`` (rows: ``suspect(x)[:, i] ==
             reference(x)[:, perm[i]]``; cols: ``suspect(x) == reference(x')`` with ``x'[:, perm[i]] = x[:, i]``).
         block: the permutation's block structure (``None`` for the identity).
-        residual: ``‖suspect − aligned reference‖ / ‖reference‖`` after alignment (0 for an exact permutation).
+        residual: ``‖suspect − aligned reference‖ / ‖reference‖`` after alignment (0 for an exact
+            permutation).
         residual_unaligned: the same before alignment.
         confidence: the smallest gap, over all suspect indices, between the matched similarity (cosine, 1 for
             an exact match) and the best alternative; 0 means some index is indistinguishable from another.
@@ -666,7 +666,8 @@ def _unit_columns(m: torch.Tensor) -> torch.Tensor:
     return torch.where(norm > 0, m / norm.clamp_min(1e-300), torch.zeros_like(m))
 
 
-def match_columns(suspect: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def match_columns(suspect: Sequence[torch.Tensor],
+                  reference: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Match the columns of suspect matrices to those of reference matrices by mean cosine similarity.
 
     ``suspect`` and ``reference`` are lists of ``[n_g, m]`` matrices (one per probe group; the score of a pair is
@@ -839,10 +840,10 @@ def fingerprint_recorded(inputs: torch.Tensor, outputs: torch.Tensor,
     distinct outputs separate once ``n`` is a few dozen. With ``groups > 1`` the call holds the recorded inputs
     restricted to each of ``groups`` contiguous input groups (``groups·n`` rows) and each recorded output is
     matched to the span of a suspect output's per-group parts (:func:`match_subspaces`), which sees through
-    scales that did not follow their rows; it needs ``n`` well above ``groups``. Columns: the suspect's response to the unit inputs
-    (**1 call**), then either the reference's responses solved by least squares (needs ``n ≥ in`` independent
-    rows) or, for ``out ≥ in``, the permuted inputs solved from the suspect's responses; **1 more call**
-    measures the residual.
+    scales that did not follow their rows; it needs ``n`` well above ``groups``. Columns: the suspect's response
+    to the unit inputs (**1 call**), then either the reference's responses solved by least squares (needs
+    ``n ≥ in`` independent rows) or, for ``out ≥ in``, the permuted inputs solved from the suspect's responses;
+    **1 more call** measures the residual.
     """
     x, y = inputs, outputs.to(torch.float64)
     if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
@@ -1009,7 +1010,7 @@ def diagnose_linear(weight: torch.Tensor, scale: torch.Tensor | None,
         try:
             w, s = cand.invert(weight, scale)
             res = ev.residual(w, s)
-        except (LayoutError, quant.QuantError, RuntimeError) as err:
+        except (LayoutError, quant.QuantError, RuntimeError, IndexError) as err:
             diag.tried.append((f"{cand.describe()}: not applicable ({err})", math.inf))
             continue
         diag.tried.append((cand.describe(), res))
@@ -1150,21 +1151,20 @@ class RepairSpec:
             shape = rule.layout.shape_after(shape, role, fmt, inverse=True)
         return shape
 
+    def apply(self, name: str, tensor: torch.Tensor, checkpoint) -> torch.Tensor:
+        """Repair one tensor of ``checkpoint`` (a :class:`~dsv4lab.checkpoint.Checkpoint`) as it is read — what
+        ``dsv4lab.load(..., repairs=SPEC)`` calls; a scale learns its weight's format from the headers."""
+        if not self.rules_for(name):
+            return tensor
+        base, _ = linear_name(name)
+        w = checkpoint.tensors.get(base + ".weight")
+        if w is None:
+            raise LayoutError(f"{name}: a repair rule matches it but {base}.weight is not in {checkpoint.path}")
+        return self.repair(name, tensor, weight_dtype=w.dtype, weight_shape=w.shape)
+
     def bind(self, checkpoint) -> Callable[[str, torch.Tensor], torch.Tensor]:
-        """A ``(name, tensor) → tensor`` repair function for tensors of ``checkpoint`` (a
-        :class:`~dsv4lab.checkpoint.Checkpoint`); scale formats come from the weights' headers."""
-        tensors = checkpoint.tensors
-
-        def repair(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            if not self.rules_for(name):
-                return tensor
-            base, _ = linear_name(name)
-            w = tensors.get(base + ".weight")
-            if w is None:
-                raise LayoutError(f"{name}: a repair rule matches it but {base}.weight is not in {checkpoint.path}")
-            return self.repair(name, tensor, weight_dtype=w.dtype, weight_shape=w.shape)
-
-        return repair
+        """:meth:`apply` bound to ``checkpoint``: a ``(name, tensor) → tensor`` repair function."""
+        return lambda name, tensor: self.apply(name, tensor, checkpoint)
 
     def to_json(self) -> dict:
         return {"format": SPEC_FORMAT, "source": self.source, "rules": [r.to_json() for r in self.rules]}
@@ -1417,6 +1417,11 @@ def tensor_class(linear: str) -> str:
     return re.sub(r"\.experts\.\d+\.", ".experts.*.", s)
 
 
+def class_regex(pattern: str) -> str:
+    """The exact regex of a :func:`tensor_class` pattern (each ``*`` is one index)."""
+    return re.escape(pattern).replace(r"\*", r"\d+")
+
+
 def load_golden_dumps(path: str | Path) -> dict[str, Recorded]:
     """Recorded linear activations: a ``.safetensors``, ``.pt`` or ``.npz`` file holding ``{linear}.input``
     ``[n, in]`` and ``{linear}.output`` ``[n, out]`` for each recorded linear (e.g. ``layers.0.ffn.experts.3.w2``)."""
@@ -1531,7 +1536,7 @@ def _residual_after(layout: Layout | None, w, s, ev: "_Evaluator") -> float:
     try:
         w2, s2 = (w, s) if layout is None else layout.invert(w, s)
         return ev.residual(w2, s2)
-    except (LayoutError, quant.QuantError, RuntimeError):
+    except (LayoutError, quant.QuantError, RuntimeError, IndexError):
         return math.inf
 
 
@@ -1544,9 +1549,11 @@ def fingerprint_checkpoint(suspect: str | Path, *, reference: str | Path | None 
     The reference is a trusted checkpoint (each linear as ``x ↦ x @ dequant(W_ref)ᵀ``; default ``tol=1e-6``,
     since both sides are exact in fp64) or golden dumps (:func:`load_golden_dumps`; default ``tol=0.1``, since
     recorded activations carry the trusted run's rounding). Per tensor class (:func:`tensor_class`) each member
-    is first checked against the layouts already found in its class (one probe batch each) and fully diagnosed
-    (:func:`diagnose_linear`) only when none fits; a layout that fits every member becomes one glob rule, one
-    that fits some members a rule naming them. ``only`` restricts the linears (globs on linear names).
+    is first checked against the layouts already found in its class — against a trusted checkpoint by undoing
+    the layout and comparing bytes (no dequantization), against dumps by the residual on the recorded
+    activations — and fully diagnosed (:func:`diagnose_linear`) only when none fits. A layout that fits every
+    member becomes one rule for the class (a glob, or an exact regex if the glob would also match linears of
+    another class), one that fits some members a rule naming them. ``only`` restricts the linears (globs).
     """
     from .checkpoint import Checkpoint, CheckpointError
     from .checkpoint import _progress as progress_bar
@@ -1558,6 +1565,7 @@ def fingerprint_checkpoint(suspect: str | Path, *, reference: str | Path | None 
     ref = Checkpoint(reference) if reference is not None else None
     dumps = (golden if isinstance(golden, Mapping) else load_golden_dumps(golden)) if golden is not None else None
     tol = tol if tol is not None else (1e-6 if ref is not None else 0.1)
+    all_linears = checkpoint_linears(sus, quantized_only=False)
     linears = checkpoint_linears(sus)
     if only:
         linears = [lin for lin in linears if any(fnmatch.fnmatchcase(lin, g) for g in only)]
@@ -1574,7 +1582,7 @@ def fingerprint_checkpoint(suspect: str | Path, *, reference: str | Path | None 
         rep = ClassReport(pattern, len(members))
         found: list[Layout | None] = [None]
         assigned: dict[str, Layout | None] = {}
-        residuals: dict[str, tuple[float, float]] = {}
+        residuals: dict[str, float] = {}
         for lin in members:
             next(ticks, None)
             w, s = sus.get(lin + ".weight"), sus.get(lin + ".scale")
@@ -1627,7 +1635,9 @@ def fingerprint_checkpoint(suspect: str | Path, *, reference: str | Path | None 
                 evidence.update(example=d.name, residual_before=d.residual_before)
                 if d.rows is not None:
                     evidence.update(fingerprint_confidence=d.rows.confidence, probe_calls=d.rows.probe_calls)
-            if covers_class:
+            if covers_class and any(fnmatch.fnmatchcase(x, pattern) for x in all_linears if tensor_class(x) != pattern):
+                rules.append(RepairRule(lay, regex=class_regex(pattern), evidence=evidence))
+            elif covers_class:
                 rules.append(RepairRule(lay, glob=pattern, evidence=evidence))
             else:
                 rules.append(RepairRule(lay, names=tuple(names), evidence=evidence))
@@ -1646,8 +1656,8 @@ __all__ = [
     "NibbleSwap", "KMajor", "Inverse", "PRESHUFFLE_16x16", "PRESHUFFLE_32x16", "paper_w2_permutation",
     "layout_from_json", "layout_from_perm", "weight_format", "dequantize", "linear_op", "invert_permutation",
     "BlockStructure", "detect_block_structure", "FingerprintResult", "fingerprint", "fingerprint_recorded",
-    "match_columns", "probe_inputs", "Recorded", "Diagnosis", "diagnose_linear", "RepairRule", "RepairSpec",
-    "apply_repairs", "load_repairs", "repair_checkpoint", "Fault", "FAULTS", "inject_fault_into_checkpoint",
-    "checkpoint_linears", "tensor_class", "load_golden_dumps", "fingerprint_checkpoint", "CheckpointFingerprint",
-    "ClassReport",
+    "match_columns", "match_subspaces", "match_scores", "probe_inputs", "Recorded", "Diagnosis", "diagnose_linear",
+    "RepairRule", "RepairSpec", "apply_repairs", "load_repairs", "repair_checkpoint", "Fault", "FAULTS",
+    "inject_fault_into_checkpoint", "checkpoint_linears", "tensor_class", "class_regex", "load_golden_dumps",
+    "fingerprint_checkpoint", "CheckpointFingerprint", "ClassReport",
 ]

@@ -279,11 +279,11 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: str = "c
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """``x @ H_n · n^-0.5`` over the last dim (H symmetric), computed in fp32/fp64, returned in ``x.dtype``."""
+    """``x @ H_n · n^-0.5`` over the last dim (H symmetric), evaluated in fp64 (correctly rounded to fp32 first,
+    as an fp32 transform would be, then to ``x.dtype``) so it does not depend on batch shape or kernel."""
     n = x.shape[-1]
-    calc = _calc_dtype(x)
-    h = hadamard_matrix(n, calc, str(x.device))
-    return (x.to(calc) @ h * n ** -0.5).to(x.dtype)
+    h = hadamard_matrix(n, torch.float64, str(x.device))
+    return (x.to(torch.float64) @ h * n ** -0.5).to(_calc_dtype(x)).to(x.dtype)
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("annotations", "functools", "torch")]

@@ -1,4 +1,4 @@
-"""``dsv4lab fingerprint SUSPECT (--reference DIR | --golden FILE)`` — find permuted weight layouts, write a repair spec.
+"""``dsv4lab fingerprint SUSPECT (--reference DIR | --golden FILE)`` — find permuted layouts, write a repair spec.
 
 Every quantized linear of the suspect checkpoint is treated as ``x ↦ x @ dequant(W)ᵀ`` (one linear dequantized
 at a time) and compared with a trusted checkpoint or with recorded activations. Per tensor class (layer and
@@ -25,7 +25,8 @@ def add_arguments(p):
     src.add_argument("--reference", metavar="DIR", help="trusted checkpoint with the same tensors")
     src.add_argument("--golden", metavar="FILE", help="recorded activations: <linear>.input [n, in] and "
                      "<linear>.output [n, out] (.safetensors, .npz or .pt)")
-    p.add_argument("--out", metavar="SPEC", help="repair spec to write (default: runs/fingerprint/<suspect>.repairs.json)")
+    p.add_argument("--out", metavar="SPEC",
+                   help="repair spec to write (default: runs/fingerprint/<suspect>.repairs.json)")
     p.add_argument("--report", metavar="JSON", help="also write the full per-class report as JSON")
     p.add_argument("--only", metavar="GLOB", action="append",
                    help="only linears matching this glob (repeatable), e.g. '*.ffn.experts.*.w2'")

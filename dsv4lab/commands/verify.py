@@ -11,10 +11,10 @@ NAME = "verify"
 HELP = "correctness hierarchy: kernels, layers, model, record (golden oracles), endpoint (any OpenAI server)"
 
 SUBCOMMANDS = {
-    "kernels": "dsv4lab.verify_cli.kernels",
-    "layers": "dsv4lab.verify_cli.layers",
-    "model": "dsv4lab.verify_cli.model",
-    "record": "dsv4lab.verify_cli.record",
+    "kernels": "dsv4lab.verify.cli_kernels",
+    "layers": "dsv4lab.verify.cli_layers",
+    "model": "dsv4lab.verify.cli_model",
+    "record": "dsv4lab.verify.cli_record",
     "endpoint": "dsv4lab.serve.verify_endpoint",
 }
 

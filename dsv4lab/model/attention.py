@@ -19,7 +19,7 @@ from torch import nn
 from .. import quant
 from ..config import ModelArgs
 from .compressor import Compressor
-from .indexer import Indexer, select_topk
+from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import rope_table
@@ -130,10 +130,10 @@ class Attention(nn.Module):
                 qi = self.indexer.queries(qr, cos_q, sin_q, ops)
                 w = self.indexer.head_weights(x, ops)
                 n_keys = int(((start + lengths) // 4).max())
-                scores = self.indexer.scores(qi, w, self.ikv[slots, :n_keys], nm.act, nm.acc)
+                scores = ops.indexer_scores(qi, w, self.ikv[slots, :n_keys])
                 if all_reduce is not None:
                     scores = all_reduce(scores)
-                sel = select_topk(scores, positions, 4, a.index_topk)
+                sel = ops.indexer_topk(scores, positions, 4, a.index_topk)
                 if trace is not None:
                     trace("indexer_selection", sel)
                 idx.append(torch.where(sel >= 0, sel + base, -1))

@@ -7,7 +7,6 @@ from torch import nn
 from ..config import ModelArgs
 from .attention import Attention
 from .linear import Linear
-from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .norm import RMSNorm
 
@@ -33,24 +32,24 @@ class Block(nn.Module):
         self.ffn = MoE(args, layer, n_local_experts, expert_offset)
 
     def forward(self, X, start, lengths, slots, ids, ops, all_reduce=None, trace=None):
-        a, acc = self.args, ops.numerics.acc
+        a = self.args
         b, n = X.shape[:2]
         t_attn = (lambda k, v: trace(f"attn.{k}", v)) if trace else None
         t_ffn = (lambda k, v: trace(f"ffn.{k}", v)) if trace else None
-        u, post, comb = hc_pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a, acc)
+        u, post, comb = ops.hc_pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a)
         if trace:
             trace("mhc.attn_post", post)
             trace("mhc.attn_comb", comb)
         h = self.attn(ops.rms_norm(u, self.attn_norm.weight, a.norm_eps), start, lengths, slots, ops,
                       all_reduce, t_attn)
-        X = hc_post(h, X, post, comb)
-        u, post, comb = hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a, acc)
+        X = ops.hc_post(h, X, post, comb)
+        u, post, comb = ops.hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
         if trace:
             trace("mhc.ffn_post", post)
             trace("mhc.ffn_comb", comb)
         f = self.ffn(ops.rms_norm(u, self.ffn_norm.weight, a.norm_eps).reshape(b * n, -1), ids.reshape(-1), ops,
                      all_reduce, t_ffn)
-        X = hc_post(f.view(b, n, -1), X, post, comb)
+        X = ops.hc_post(f.view(b, n, -1), X, post, comb)
         if trace:
             trace("out", X)
         return X
@@ -79,5 +78,5 @@ class MTPBlock(Block):
         xh = ops.rms_norm(X_main, self.hnorm.weight, a.norm_eps)
         Xm = ops.linear(e, self.e_proj)[:, :, None, :] + ops.linear(xh, self.h_proj)
         Xm = self.forward(Xm, start, lengths, slots, next_ids, ops, all_reduce)
-        y = hc_head(Xm, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a, ops.numerics.acc)
+        y = ops.hc_head(Xm, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a)
         return ops.rms_norm(y, self.norm.weight, a.norm_eps)

@@ -88,7 +88,7 @@ class Compressor(nn.Module):
                 sc_slots = torch.cat((sc_all[tok_a][..., :c], sc_all[tok_b][..., c:]), 1)
             else:
                 kv_slots, sc_slots = kv_all[tok_b], sc_all[tok_b]
-            pooled = (sc_slots.softmax(1) * kv_slots).sum(1)  # [nb, c] fp32
+            pooled = ops.compressor_pool(kv_slots, sc_slots)  # [nb, c] fp32
             entries = self.finish(pooled, blocks, ops, cos, sin)
         keep = min(n, 2 * r)  # only the last 2r positions can ever be needed again
         ring_pos = pos[n - keep:] % (2 * r)

@@ -42,13 +42,6 @@ class Indexer(nn.Module):
         """``w [b, s, h] = weights_proj(x) · index_head_dim^-0.5 · index_n_heads^-0.5`` (in act)."""
         return ops.linear(x, self.weights_proj) * self.args.index_scale
 
-    @staticmethod
-    def scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, act: torch.dtype, acc: torch.dtype):
-        """``Σ_h relu(qi_h · K_t) · w_h`` → ``[b, s, T]`` in ``act`` (the reference's bf16 math: each product
-        is accumulated in fp32 and rounded to bf16)."""
-        dots = torch.einsum("bshd,btd->bsht", qi.to(acc), keys.to(acc)).to(act)
-        return (dots.relu() * w[..., None]).to(acc).sum(2).to(act)
-
 
 def select_topk(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
     """Causal top-k over compressed entries.

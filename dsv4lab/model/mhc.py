@@ -12,9 +12,12 @@ import torch
 from ..config import ModelArgs
 
 
-def _mix_logits(x_flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    # RMS over all n·D values (norm_eps, not hc_eps), applied after the projection.
-    return (x_flat @ fn.to(x_flat.dtype).T) * torch.rsqrt(x_flat.square().mean(-1, keepdim=True) + eps)
+def _mix_logits(x_flat: torch.Tensor, fn: torch.Tensor, eps: float, calc: torch.dtype) -> torch.Tensor:
+    # RMS over all n·D values (norm_eps, not hc_eps), applied after the projection; reductions in calc.
+    acc = x_flat.dtype
+    proj = (x_flat.to(calc) @ fn.to(calc).T).to(acc)
+    ms = x_flat.to(calc).square().mean(-1, keepdim=True).to(acc)
+    return proj * torch.rsqrt(ms + eps)
 
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -28,32 +31,36 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, args: ModelArgs,
-           acc: torch.dtype):
+           acc: torch.dtype, calc: torch.dtype | None = None):
     """``X [b,s,n,D]`` with a site's ``fn [(2+n)·n, n·D]``, ``base``, ``scale [3]`` →
     ``(u [b,s,D] in X.dtype, post [b,s,n] acc, comb [b,s,n,n] acc)``."""
     n = args.hc_mult
+    calc = calc or acc
     x = X.flatten(-2).to(acc)
-    m = _mix_logits(x, fn, args.norm_eps)
+    m = _mix_logits(x, fn, args.norm_eps, calc)
     scale, base = scale.to(acc), base.to(acc)
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + args.hc_eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
     comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
-    u = (pre[..., None] * X.to(acc)).sum(-2)
+    u = (pre[..., None] * X.to(acc)).to(calc).sum(-2).to(acc)
     return u.to(X.dtype), post, comb
 
 
-def hc_post(out: torch.Tensor, X_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(out: torch.Tensor, X_res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            calc: torch.dtype | None = None) -> torch.Tensor:
     """``X_new[k] = post[k]·out + Σ_j comb[j,k]·X_res[j]`` in ``post.dtype``, returned in ``X_res.dtype``."""
     acc = post.dtype
-    mixed = torch.einsum("bsjk,bsjd->bskd", comb, X_res.to(acc))
+    calc = calc or acc
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb.to(calc), X_res.to(calc)).to(acc)
     return (post[..., None] * out.to(acc)[..., None, :] + mixed).to(X_res.dtype)
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, args: ModelArgs,
-            acc: torch.dtype) -> torch.Tensor:
+            acc: torch.dtype, calc: torch.dtype | None = None) -> torch.Tensor:
     """Collapse the streams: ``y = Σ_j (sigmoid(m_j·scale + base_j) + eps)·X_j`` → ``X.dtype``."""
+    calc = calc or acc
     x = X.flatten(-2).to(acc)
-    m = _mix_logits(x, fn, args.norm_eps)
+    m = _mix_logits(x, fn, args.norm_eps, calc)
     pre = torch.sigmoid(m * scale.to(acc)[0] + base.to(acc)) + args.hc_eps
-    return (pre[..., None] * X.to(acc)).sum(-2).to(X.dtype)
+    return (pre[..., None] * X.to(acc)).to(calc).sum(-2).to(acc).to(X.dtype)

@@ -5,6 +5,12 @@ in ``act`` (bf16, or the compute dtype when running in float32/float64), math th
 done in ``acc`` (fp32, or fp64 when the compute dtype is float64). So ``dtype=torch.float64`` with every
 simulation off is the exact-math oracle, and ``dtype=torch.bfloat16`` with every simulation on reproduces the
 reference's rounding points.
+
+Reductions (every matmul, einsum, sum and mean) are evaluated in ``calc`` = float64 and rounded to ``acc`` where
+the reference has an fp32 result. Any fp32 accumulation order is a valid reading of "fp32 accumulation"; taking
+the (almost always) correctly rounded one makes the reference's output independent of batch size, kernel
+choice and CPU instruction set — a row computed alone equals the same row in a batch, bit for bit, and a hash
+recorded on one machine holds on another. ``exact_reductions=False`` uses plain ``acc`` arithmetic instead.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ class Numerics:
     act_quant: bool = True
     kv_fp8_sim: bool = True
     indexer_fp4_sim: bool = True
+    exact_reductions: bool = True
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32, torch.float64):
@@ -43,6 +50,11 @@ class Numerics:
     def acc(self) -> torch.dtype:
         """Where the reference computes in fp32."""
         return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
+    def calc(self) -> torch.dtype:
+        """Where reductions are evaluated before rounding to ``acc``."""
+        return torch.float64 if self.exact_reductions else self.acc
 
     @classmethod
     def exact(cls, dtype: torch.dtype = torch.float64) -> "Numerics":

@@ -32,29 +32,35 @@ class ReferenceOps:
         output in ``act``."""
         nm = self.numerics
         if nm.act_quant and lin.act_quant:
-            xq = quant.act_qdq_fp8(x)  # exact E4M3 values × power-of-two scales, in acc
+            xq = quant.act_qdq_fp8(x)  # exact E4M3 values × power-of-two scales
         else:
-            xq = x.to(nm.acc)
-        return (xq @ lin.dequantized(nm.acc).T).to(nm.act)
+            xq = x
+        return self._matmul(xq, lin.dequantized(nm.calc)).to(nm.act)
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ wᵀ`` evaluated in ``calc`` and rounded to ``acc`` (see :class:`Numerics`)."""
+        nm = self.numerics
+        return (x.to(nm.calc) @ w.to(nm.calc).T).to(nm.acc)
 
     def linear_f32(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
         """An fp32 projection (router gate, compressor wkv/wgate, head): ``x.float() @ W.float()ᵀ`` in ``acc``."""
-        nm = self.numerics
-        return x.to(nm.acc) @ lin.dequantized(nm.acc).T
+        return self._matmul(x, lin.dequantized(self.numerics.calc))
 
     def grouped_wo_a(self, o: torch.Tensor, lin: Linear, groups: int) -> torch.Tensor:
         """``o [b,s,G,in_g] → [b,s,G,rank]`` with ``wo_a`` viewed as ``[G, rank, in_g]`` (bf16 einsum in the
         reference: no activation quantization, fp32 accumulation, bf16 output)."""
         nm = self.numerics
-        w = lin.dequantized(nm.acc).view(groups, -1, o.shape[-1])
-        return torch.einsum("bsgd,grd->bsgr", o.to(nm.acc), w).to(nm.act)
+        w = lin.dequantized(nm.calc).view(groups, -1, o.shape[-1])
+        return torch.einsum("bsgd,grd->bsgr", o.to(nm.calc), w).to(nm.acc).to(nm.act)
 
     # ---------------------------------------------------------------- elementwise
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm in ``acc`` with the weight in ``acc``; result in ``x.dtype``."""
-        xf = x.to(self.numerics.acc)
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-        return (weight.to(self.numerics.acc) * xf).to(x.dtype)
+        nm = self.numerics
+        xf = x.to(nm.acc)
+        ms = xf.to(nm.calc).square().mean(-1, keepdim=True).to(nm.acc)
+        xf = xf * torch.rsqrt(ms + eps)
+        return (weight.to(nm.acc) * xf).to(x.dtype)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last ``2·cos.shape[-1]`` dims of ``x`` (interleaved pairs)."""
@@ -86,42 +92,100 @@ class ReferenceOps:
             h = weight.to(acc) * h
         return self.linear(h.to(self.numerics.act), w2)
 
-    def routed_experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, bank: ExpertBank,
-                       limit: float, trace=None) -> torch.Tensor:
-        """Σ over each token's routed experts owned by ``bank``, accumulated in ``acc`` in expert-id order.
-
-        ``x [T, D]`` (act), ``idx [T, k]`` global expert ids, ``weights [T, k]`` (acc). Returns ``[T, D]`` in acc.
-        With ``trace`` (a callable ``(stage, tensor)``) the per-slot stage-1/activation/stage-2 values are
-        recorded as ``[T, k, ·]`` tensors (NaN where the slot's expert lives on another rank).
-        """
+    def moe_stage1(self, x: torch.Tensor, idx: torch.Tensor, bank: ExpertBank) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate/up projections of each token's routed experts: ``x [T, D]``, ``idx [T, k]`` →
+        ``(g, u) [T, k, I]`` in acc (each rounded to act first, as the reference's Linear outputs bf16).
+        Slots whose expert is not in ``bank`` (another expert-parallel rank) are NaN."""
         nm = self.numerics
         T, k = idx.shape
-        y = torch.zeros(T, bank.dim, dtype=nm.acc, device=x.device)
-        if trace is not None:
-            st_g = torch.full((T, k, bank.inter), float("nan"), dtype=nm.acc, device=x.device)
-            st_u, st_h = st_g.clone(), st_g.clone()
-            st_o = torch.full((T, k, bank.dim), float("nan"), dtype=nm.acc, device=x.device)
-        xq = quant.act_qdq_fp8(x) if nm.act_quant else x.to(nm.acc)
+        g = torch.full((T, k, bank.inter), float("nan"), dtype=nm.acc, device=x.device)
+        u = g.clone()
+        xq = quant.act_qdq_fp8(x) if nm.act_quant else x
         for e in torch.unique(idx).tolist():
             if not bank.owns(e):
                 continue
             tok, slot = (idx == e).nonzero(as_tuple=True)
-            xe = xq[tok]
-            g = (xe @ bank.dequantized("w1", e, nm.acc).T).to(nm.act).to(nm.acc)
-            u = (xe @ bank.dequantized("w3", e, nm.acc).T).to(nm.act).to(nm.acc)
-            h = self.swiglu(g, u, limit) * weights[tok, slot, None].to(nm.acc)
-            h_act = h.to(nm.act)
-            hq = quant.act_qdq_fp8(h_act) if nm.act_quant else h_act.to(nm.acc)
-            out = (hq @ bank.dequantized("w2", e, nm.acc).T).to(nm.act)
-            y.index_add_(0, tok, out.to(nm.acc))
-            if trace is not None:
-                st_g[tok, slot], st_u[tok, slot], st_h[tok, slot], st_o[tok, slot] = g, u, h, out.to(nm.acc)
-        if trace is not None:
-            trace("stage1_w1", st_g)
-            trace("stage1_w3", st_u)
-            trace("activation", st_h)
-            trace("stage2_w2", st_o)
+            g[tok, slot] = self._matmul(xq[tok], bank.dequantized("w1", e, nm.calc)).to(nm.act).to(nm.acc)
+            u[tok, slot] = self._matmul(xq[tok], bank.dequantized("w3", e, nm.calc)).to(nm.act).to(nm.acc)
+        return g, u
+
+    def moe_activation(self, g: torch.Tensor, u: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+        """Clamped SwiGLU times the routing weight: ``[T, k, I]`` in acc."""
+        return self.swiglu(g, u, limit) * weights[..., None].to(g.dtype)
+
+    def moe_stage2(self, h: torch.Tensor, idx: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
+        """Down projection of each slot: ``h [T, k, I]`` (acc) → ``[T, k, D]`` in acc (act-rounded outputs;
+        the input is rounded to act and activation-quantized as the reference's ``w2(bf16(h))``)."""
+        nm = self.numerics
+        T, k, _ = h.shape
+        out = torch.full((T, k, bank.dim), float("nan"), dtype=nm.acc, device=h.device)
+        h_act = h.to(nm.act)
+        hq = quant.act_qdq_fp8(h_act) if nm.act_quant else h_act
+        for e in torch.unique(idx).tolist():
+            if not bank.owns(e):
+                continue
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            out[tok, slot] = self._matmul(hq[tok, slot], bank.dequantized("w2", e, nm.calc)).to(nm.act).to(nm.acc)
+        return out
+
+    @staticmethod
+    def moe_combine(out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Σ over slots in expert-id order (the reference loops experts in index order), skipping NaN slots
+        (experts on other ranks): ``[T, k, D]`` → ``[T, D]``."""
+        order = torch.sort(idx, dim=-1, stable=True).indices
+        out = torch.gather(out, 1, order[..., None].expand_as(out))
+        y = torch.zeros_like(out[:, 0])
+        for s in range(out.shape[1]):
+            y = y + torch.nan_to_num(out[:, s], nan=0.0)
         return y
+
+    def routed_experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, bank: ExpertBank,
+                       limit: float, trace=None) -> torch.Tensor:
+        """Σ over each token's routed experts owned by ``bank``: stage 1 → activation → stage 2 → combine.
+
+        ``x [T, D]`` (act), ``idx [T, k]`` global expert ids, ``weights [T, k]`` (acc). Returns ``[T, D]`` in acc.
+        ``trace`` (a callable ``(stage, tensor)``) receives the per-slot stage outputs.
+        """
+        g, u = self.moe_stage1(x, idx, bank)
+        h = self.moe_activation(g, u, weights, limit)
+        out = self.moe_stage2(h, idx, bank)
+        if trace is not None:
+            trace("stage1_w1", g)
+            trace("stage1_w3", u)
+            trace("activation", h)
+            trace("stage2_w2", out)
+        return self.moe_combine(out, idx)
+
+    # ---------------------------------------------------------------- mHC
+    def hc_pre(self, X, fn, base, scale, args):
+        from .mhc import hc_pre
+        return hc_pre(X, fn, base, scale, args, self.numerics.acc, self.numerics.calc)
+
+    def hc_post(self, out, X, post, comb):
+        from .mhc import hc_post
+        return hc_post(out, X, post, comb, self.numerics.calc)
+
+    def hc_head(self, X, fn, base, scale, args):
+        from .mhc import hc_head
+        return hc_head(X, fn, base, scale, args, self.numerics.acc, self.numerics.calc)
+
+    # ---------------------------------------------------------------- compressor and indexer
+    def compressor_pool(self, kv_slots: torch.Tensor, sc_slots: torch.Tensor) -> torch.Tensor:
+        """Per channel softmax over the slots of each entry: ``[nb, slots, c]`` × 2 → ``[nb, c]`` (acc)."""
+        calc, acc = self.numerics.calc, self.numerics.acc
+        w = sc_slots.to(calc).softmax(1).to(acc)
+        return (w.to(calc) * kv_slots.to(calc)).sum(1).to(acc)
+
+    def indexer_scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``Σ_h relu(qi_h·K_t)·w_h``: ``qi [b,s,h,d]``, ``w [b,s,h]``, ``keys [b,T,d]`` → ``[b,s,T]`` in act (each
+        dot product accumulated in fp32 and rounded to bf16, then the bf16 head sum, as the reference)."""
+        act, calc = self.numerics.act, self.numerics.calc
+        dots = torch.einsum("bshd,btd->bsht", qi.to(calc), keys.to(calc)).to(self.numerics.acc).to(act)
+        return (dots.relu() * w[..., None]).to(calc).sum(2).to(self.numerics.acc).to(act)
+
+    def indexer_topk(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
+        from .indexer import select_topk
+        return select_topk(scores, positions, ratio, topk)
 
     # ---------------------------------------------------------------- attention
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
@@ -137,13 +201,13 @@ class ReferenceOps:
         valid = idx >= 0
         g = torch.gather(kv, 1, idx.clamp_min(0).reshape(b, -1, 1).expand(-1, -1, d)).reshape(b, s, -1, d)
         # masked slots must contribute nothing even when the row they alias is NaN-poisoned
-        g = torch.where(valid[..., None], g.to(nm.acc), 0.0)
-        z = torch.einsum("bshd,bskd->bshk", q.to(nm.acc), g) * scale
+        g = torch.where(valid[..., None], g.to(nm.calc), 0.0)
+        z = (torch.einsum("bshd,bskd->bshk", q.to(nm.calc), g).to(nm.acc) * scale)
         z = z.masked_fill(~valid[:, :, None, :], float("-inf"))
         m = z.amax(-1, keepdim=True)
         e = torch.exp(z - m)
-        denom = e.sum(-1, keepdim=True) + torch.exp(sink.to(nm.acc)[None, None, :, None] - m)
-        num = torch.einsum("bshk,bskd->bshd", e.to(nm.act).to(nm.acc), g)
+        denom = e.to(nm.calc).sum(-1, keepdim=True).to(nm.acc) + torch.exp(sink.to(nm.acc)[None, None, :, None] - m)
+        num = torch.einsum("bshk,bskd->bshd", e.to(nm.act).to(nm.calc), g).to(nm.acc)
         return (num / denom).to(nm.act)
 
     # ---------------------------------------------------------------- state hygiene

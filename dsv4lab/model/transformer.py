@@ -11,7 +11,6 @@ from torch import nn
 from ..config import ModelArgs
 from .block import Block, MTPBlock
 from .linear import ExpertBank, Linear
-from .mhc import hc_head
 from .norm import RMSNorm
 
 
@@ -80,7 +79,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, start, lengths, slots, ops, all_reduce=None, trace=None, return_hidden=False):
         X = self.hidden(tokens, start, lengths, slots, ops, all_reduce, trace)
-        y = hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args, ops.numerics.acc)
+        y = ops.hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args)
         logits = self.logits(y, ops)
         if trace:
             trace("final_hidden", y)

@@ -223,6 +223,44 @@ def _logical_values(spec) -> int:
 
 
 # ============================================================================================ weights per token
+@dataclass(frozen=True)
+class _OpWeights:
+    """The checkpoint tensors one op reads, summed (all experts, whole embedding table)."""
+
+    nbytes: float
+    values: float          # logical weight values (scales excluded)
+    mm_values: float       # values of 2-D weight matrices (the multiply-adds)
+    formats: tuple         # ((format, values), ...)
+    components: tuple      # ((component, bytes), ...)
+    layers: frozenset
+
+
+@functools.lru_cache(maxsize=16)
+def _op_weights(args: ModelArgs) -> dict[str, _OpWeights]:
+    """Group the checkpoint table by op once per model (the table of Flash has 69,187 tensors)."""
+    acc: dict[str, dict[str, Any]] = {}
+    for spec in _tensor_table(args):
+        op = op_of_tensor(spec.name)
+        if op is None:
+            continue
+        a = acc.setdefault(op, dict(nbytes=0.0, values=0.0, mm=0.0, formats={}, components={}, layers=set()))
+        if spec.block is not None and spec.block < args.n_layers:
+            a["layers"].add(spec.block)
+        if op == "router.topk":  # tid2eid: one row per token is a lookup, not a weight stream
+            continue
+        values = _logical_values(spec)
+        a["nbytes"] += spec.nbytes
+        a["values"] += values
+        a["components"][spec.component] = a["components"].get(spec.component, 0.0) + spec.nbytes
+        if values:
+            fmt = "fp4" if (spec.dtype == "I8" and op.startswith("routed.")) else _FORMAT_OF_DTYPE[spec.dtype]
+            a["formats"][fmt] = a["formats"].get(fmt, 0) + values
+            if len(spec.shape) == 2:
+                a["mm"] += values
+    return {op: _OpWeights(a["nbytes"], a["values"], a["mm"], tuple(a["formats"].items()),
+                           tuple(a["components"].items()), frozenset(a["layers"])) for op, a in acc.items()}
+
+
 def weight_bytes_per_token(args: ModelArgs, batch: int = 1) -> dict[str, float]:
     """Weight bytes read per generated token, by §5.1 component (batch 1 reproduces spec §5.1 exactly).
 
@@ -232,16 +270,13 @@ def weight_bytes_per_token(args: ModelArgs, batch: int = 1) -> dict[str, float]:
         raise ConfigError(f"batch {batch}: must be >= 1")
     frac = expected_distinct_experts(args.n_routed_experts, args.n_activated_experts, batch) / args.n_routed_experts
     out = {c: 0.0 for c in COMPONENTS}
-    for spec in _tensor_table(args):
-        op = op_of_tensor(spec.name)
-        if op is None or op == "router.topk":  # MTP not read; tid2eid rows are lookups, not weights
-            continue
+    for op, w in _op_weights(args).items():
         if op == "embed":
-            out["embedding"] += batch * spec.shape[1] * 2
-        elif op.startswith("routed."):
-            out["routed_experts"] += spec.nbytes * frac
-        else:
-            out[spec.component] += spec.nbytes
+            out["embedding"] += batch * args.dim * 2
+            continue
+        scale = frac if op.startswith("routed.") else 1.0
+        for comp, nbytes in w.components:
+            out[comp] += nbytes * scale
     return {c: v / batch for c, v in out.items()}
 
 
@@ -268,6 +303,7 @@ class Op:
     replicated: bool = False
     message_bytes: float = 0.0    # collectives: payload per call
     components: dict[str, float] = field(default_factory=dict)  # weight_bytes by §5.1 component
+    latency_bound: bool = False   # decode: a chain of dependent steps, not a stream of bytes (see LATENCY_BOUND_OPS)
     note: str = ""
 
     @property
@@ -389,6 +425,11 @@ _REPLICATED = {
                                        "indexer.compressor.proj", "indexer.compressor.pool", "indexer.topk",
                                        "shared.w13", "shared.act", "shared.w2"},
 }
+# Decode kernels whose batch-1 work is a chain of dependent steps — softmax over attended rows, Sinkhorn
+# iterations, top-k selection, softmax pooling over a few slots — so a handful of work-groups run them and their
+# time is set by latency, not by bytes (the paper calls its attention kernel "launch-bound").
+LATENCY_BOUND_OPS = frozenset({"attn.core", "mhc.attn.pre", "mhc.ffn.pre", "router.topk", "compressor.pool",
+                               "indexer.compressor.pool", "indexer.score", "indexer.topk"})
 # ops whose bytes every rank reads in full whatever the weight layout (MQA: one shared latent KV for all heads)
 _KV_REPLICATED = {"attn.core", "indexer.score", "indexer.topk"}
 
@@ -421,34 +462,22 @@ def _build(args: ModelArgs, *, phase: str, tp: int, ep: int, batch: int, context
     replicated = _REPLICATED[sharding]
 
     # ---------------------------------------------------------------- weights from the checkpoint table
-    acc: dict[str, dict[str, Any]] = {}
-    layers_of: dict[str, set[int]] = {}
     distinct = expected_distinct_experts(E, k, rows_per_pass)  # per pass (a chunk of a prefill)
     frac = distinct / E
-    for spec in _tensor_table(args):
-        op = op_of_tensor(spec.name)
-        if op is None:
-            continue
-        a = acc.setdefault(op, dict(weight_bytes=0.0, values=0.0, formats={}, components={}, mm_values=0.0))
-        if spec.block is not None:
-            layers_of.setdefault(op, set()).add(spec.block)
-        if op == "router.topk":  # tid2eid: one row per token is a lookup
-            continue
-        if op == "embed":
-            nbytes, values = rows_per_pass * D * 2, 0
-        elif op.startswith("routed."):
-            nbytes, values = spec.nbytes * frac, _logical_values(spec) * frac
+    acc: dict[str, dict[str, Any]] = {}
+    layers_of: dict[str, frozenset] = {}
+    for op, w in _op_weights(args).items():
+        layers_of[op] = w.layers
+        if op == "embed":  # the looked-up rows only
+            nbytes, scale = rows_per_pass * D * 2, 0.0
+            comps = {"embedding": nbytes * chunks}
         else:
-            nbytes, values = spec.nbytes, _logical_values(spec)
-        nbytes *= chunks  # every pass streams the weights again
-        a["weight_bytes"] += nbytes
-        a["values"] += values
-        a["components"][spec.component] = a["components"].get(spec.component, 0.0) + nbytes
-        if values and not spec.name.endswith(".scale"):
-            fmt = "fp4" if (spec.dtype == "I8" and op.startswith("routed.")) else _FORMAT_OF_DTYPE[spec.dtype]
-            a["formats"][fmt] = a["formats"].get(fmt, 0) + values
-            if len(spec.shape) == 2:
-                a["mm_values"] += values
+            scale = frac if op.startswith("routed.") else 1.0
+            nbytes = w.nbytes * scale
+            comps = {c: b * scale * chunks for c, b in w.components}
+        acc[op] = dict(weight_bytes=nbytes * chunks,  # every pass streams the weights again
+                       values=w.values * scale, mm_values=w.mm_values * scale,
+                       formats=dict(w.formats), components=comps)
 
     ops: dict[str, Op] = {}
 
@@ -462,7 +491,7 @@ def _build(args: ModelArgs, *, phase: str, tp: int, ep: int, batch: int, context
                weight_bytes=a["weight_bytes"],
                weight_format=max(a["formats"], key=a["formats"].get) if a["formats"] else None,
                m=m_rows if m_rows is not None else rows_per_pass, replicated=rep, note=note,
-               components=dict(a["components"]))
+               components=dict(a["components"]), latency_bound=decode and name in LATENCY_BOUND_OPS)
         if name.startswith("routed."):
             imbalance = ep_load_imbalance(E, k, rows_per_pass, ep)
             o.weight_bytes_rank = a["weight_bytes"] / tp * imbalance
@@ -730,6 +759,6 @@ def prefill(args: ModelArgs, *, tokens: int, tp: int = 1, ep: int = 1, batch: in
                   kv_format=kv_format, sharding=sharding)
 
 
-__all__ = ["COMPONENTS", "SHARDINGS", "KV_FORMATS", "Op", "StepCost", "decode_step", "prefill",
+__all__ = ["COMPONENTS", "SHARDINGS", "KV_FORMATS", "LATENCY_BOUND_OPS", "Op", "StepCost", "decode_step", "prefill",
            "weight_bytes_per_token", "kv_read_bytes", "kv_row_bytes", "index_key_bytes", "attention_rows",
            "index_keys", "expected_distinct_experts", "ep_load_imbalance", "op_of_tensor"]

@@ -96,7 +96,8 @@ class _Generation:
 class _Output:
     """One choice's output as it grows: token ids, text (stop strings applied), logprobs, finish reason."""
 
-    def __init__(self, tokenizer, skip_ids: set[int], stop_strings: list[str]):
+    def __init__(self, tokenizer, skip_ids: set[int], stop_strings: list[str], eos_id: int | None):
+        self.eos_id = eos_id
         self.detok = IncrementalDetokenizer(tokenizer, skip_ids) if tokenizer is not None else None
         self.stop_strings = stop_strings
         self.token_ids: list[int] = []
@@ -118,17 +119,16 @@ class _Output:
             self.token_ids.append(event.token_id)
             if event.logprob is not None:
                 self.logprobs.append((event.token_id, event.logprob, event.top_logprobs or []))
-            if self.detok is not None:
+            # A stop token (EOS, stop_token_ids) ends the text without appearing in it, as in vLLM.
+            if self.detok is not None and event.finish_reason != "stop":
                 self.raw += self.detok.add(event.token_id)
         if event.finish_reason is not None and self.finish_reason is None:
             self.finish_reason = event.finish_reason
             if event.finish_reason == "stop" and event.token_id is not None:
-                self.stop_reason = None if event.token_id == self._eos else event.token_id
+                self.stop_reason = None if event.token_id == self.eos_id else event.token_id
         if self.finish_reason is not None and self.detok is not None:
             self.raw += self.detok.flush()
         return self._release()
-
-    _eos: int | None = None
 
     def _release(self) -> str:
         if self.stop_strings:
@@ -237,11 +237,9 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                               stop_token_ids=frozenset(stop_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def new_output(req, skip_ids: set[int]) -> _Output:
-        out = _Output(tokenizer, skip_ids, req.stop_strings())
-        out._eos = eos_id
         if req.stop_strings() and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)", "stop")
-        return out
+        return _Output(tokenizer, skip_ids, req.stop_strings(), eos_id)
 
     def usage(prompt_len: int, out: _Output) -> dict:
         return {"prompt_tokens": prompt_len, "completion_tokens": len(out.token_ids),
@@ -386,22 +384,22 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                     d["usage"] = usage(len(prompt_ids), out)
                 return sse(d)
             try:
-                first, lp_start = True, 0
+                first, sent = True, 0  # tokens (ids, logprobs) already sent in a chunk
                 async for event in gen.events():
                     text = out.add(event)
                     if out.error is not None:
                         yield sse(error_body(500, out.error))
                         break
-                    lp = completion_logprobs(out, req, prompt_ids, lp_start, req.echo and first)
-                    lp_start = len(out.logprobs)
                     if first and req.echo:
                         text = echo_text + text
-                    first = False
-                    c = choice(text, lp, out.finish_reason)
+                    if not (text or out.finished):
+                        continue  # a token that completes no text yet (half a character, a skipped special)
+                    c = choice(text, completion_logprobs(out, req, prompt_ids, sent, req.echo and first),
+                               out.finish_reason)
                     if req.return_token_ids:
-                        c["token_ids"] = [event.token_id] if event.token_id is not None else []
-                    if text or out.finished or lp:
-                        yield chunk(c, continuous)
+                        c["token_ids"] = out.token_ids[sent:]
+                    first, sent = False, len(out.token_ids)
+                    yield chunk(c, continuous)
                     if out.finished:
                         break
                 if include_usage and out.error is None:
@@ -510,7 +508,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                 return sse(d)
             try:
                 yield chunk({"role": "assistant", "content": ""})
-                lp_start = 0
+                sent = 0  # tokens (ids, logprobs) already sent in a chunk
                 async for event in gen.events():
                     text = out.add(event)
                     if out.error is not None:
@@ -525,11 +523,10 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                     for kind, piece in pieces:
                         key = "reasoning_content" if kind == "reasoning" else "content"
                         delta[key] = delta.get(key, "") + piece
-                    lp = chat_logprobs(out, req, lp_start)
-                    lp_start = len(out.logprobs)
-                    ids = ([event.token_id] if event.token_id is not None else []) if req.return_token_ids else None
-                    if delta or (lp and lp["content"]) or ids:
-                        yield chunk(delta, logprobs=lp, token_ids=ids)
+                    if delta or (out.finished and sent < len(out.token_ids)):
+                        ids = out.token_ids[sent:] if req.return_token_ids else None
+                        yield chunk(delta, logprobs=chat_logprobs(out, req, sent), token_ids=ids)
+                        sent = len(out.token_ids)
                     if out.finished:
                         if tool_calls:
                             yield chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(tool_calls)]})

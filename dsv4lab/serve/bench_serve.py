@@ -35,6 +35,8 @@ def add_arguments(p):
     p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--checkpoint", default=None,
                    help="instead of --url: start `dsv4lab serve` for this checkpoint in-process on loopback")
+    p.add_argument("--backend", default="reference", help="with --checkpoint: engine backend")
+    p.add_argument("--dtype", default="bfloat16", help="with --checkpoint: compute dtype")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
@@ -257,7 +259,7 @@ def run(args) -> int:
     if args.checkpoint:
         from .server import BackgroundServer, ServerOptions, build_app
         app, scheduler = build_app(ServerOptions(checkpoint=args.checkpoint, max_concurrency=max(levels),
-                                                 api_key=args.api_key))
+                                                 api_key=args.api_key, backend=args.backend, dtype=args.dtype))
         server = BackgroundServer(app, scheduler=scheduler).start()
         url = server.url
     try:

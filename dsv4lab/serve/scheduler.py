@@ -171,13 +171,14 @@ class Scheduler:
                     break
                 aborted, self._aborted = self._aborted, set()
                 admitted = []
+                if aborted:  # requests that left while still queued never get a slot
+                    kept = collections.deque(s for s in self._waiting if s.request_id not in aborted)
+                    self.counters["aborted"] += len(self._waiting) - len(kept)
+                    self._waiting = kept
                 while self._waiting and self._free_slots:
                     seq = self._waiting.popleft()
-                    if seq.request_id in aborted:
-                        continue
                     seq.slot = self._free_slots.pop()
                     admitted.append(seq)
-                self._waiting = collections.deque(s for s in self._waiting if s.request_id not in aborted)
             for seq in list(self._running):
                 if seq.request_id in aborted:
                     self._retire(seq, None)

@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..engine.sampling import trajectory_hash
-
 HELP = "check any OpenAI-compatible server against a golden file's fixed-id oracles (greedy + teacher-forced)"
 
 TOP_LOGPROBS = 5
@@ -40,6 +38,13 @@ def add_arguments(p):
     p.add_argument("--no-teacher-forced", action="store_true", help="skip the teacher-forced scoring request")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="report path stem (default runs/verify_endpoint/<time>)")
+
+
+def trajectory_hash(ids: list[int]) -> str:
+    """The project's trajectory hash (:func:`dsv4lab.engine.sampling.trajectory_hash`), imported on use so the
+    CLI parser stays free of torch."""
+    from ..engine.sampling import trajectory_hash as engine_hash
+    return engine_hash(ids)
 
 
 def load_golden(path: str | Path) -> list[dict]:

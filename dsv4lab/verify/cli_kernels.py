@@ -1,0 +1,68 @@
+"""``dsv4lab verify kernels [--backend NAME] [--op NAME]`` — every registered op against the reference."""
+from __future__ import annotations
+
+import sys
+
+HELP = "run every registered op of each backend against the reference on random inputs; print the metrics"
+
+
+def add_arguments(p):
+    p.add_argument("--backend", action="append", default=None,
+                   help="backend(s) to check (default: reference, plus triton when importable); repeatable")
+    p.add_argument("--op", action="append", default=None, help="only these ops (repeatable); see --list")
+    p.add_argument("--list", action="store_true", help="list the registered ops and exit")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="report folder (default runs/verify/<stamp>_kernels)")
+
+
+def _backends(names, device):
+    import importlib.util
+
+    from ..engine.backends import make_ops
+    from ..model.numerics import Numerics
+    if names is None:
+        names = ["reference"]
+        if importlib.util.find_spec("triton") is not None:
+            names.append("triton")
+    out = []
+    for n in names:
+        try:
+            out.append(make_ops(n, Numerics()))
+        except Exception as e:  # report and continue: one missing backend must not hide the others
+            print(f"backend {n}: unavailable ({type(e).__name__}: {e})", file=sys.stderr)
+    return out
+
+
+def run(args) -> int:
+    import os
+
+    import torch
+
+    from ..cli import UserError
+    from .kernels import run_kernel_checks
+    from .registry import OPS, op_names
+    from .report import md_table, write_report
+
+    if args.list:
+        for c in OPS:
+            print(f"{c.name:<18} {c.method:<18} {c.kind:<12} {len(c.shapes)} shapes  {c.description}")
+        return 0
+    if args.op:
+        unknown = sorted(set(args.op) - set(op_names()))
+        if unknown:
+            raise UserError(f"unknown op(s) {unknown}; registered: {', '.join(op_names())}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run in the interpreter on a CPU
+    backends = _backends(args.backend, device)
+    rows = run_kernel_checks(backends, args.op, device, args.seed)
+    cols = ["op", "impl", "shape", "output", "ok", "max_abs", "rel_l2", "cosine", "nmse", "message"]
+    for r in rows:
+        print(r.get("line") or f"FAIL {r['op']}[{r['impl']}]({r['shape']}): {r.get('message')}")
+    n_bad = sum(not r["ok"] for r in rows)
+    md = [f"# verify kernels ({device})", "", f"{len(rows)} checks, {n_bad} failed.", "", md_table(rows, cols)]
+    folder = write_report(args.out, "kernels", dict(device=device, backends=[b.name for b in backends], rows=rows,
+                                                    failed=n_bad), "\n".join(md))
+    print(f"{len(rows)} checks, {n_bad} failed; report in {folder}")
+    return 1 if n_bad else 0

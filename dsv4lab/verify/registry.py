@@ -1,0 +1,268 @@
+"""Kernel-level registry: every op a backend may implement, with random inputs over a grid of shapes.
+
+An op is a method of :class:`dsv4lab.model.ops.ReferenceOps` (``linear``, ``routed_experts``, ``moe_stage1``,
+``sparse_attention``, ``hc_pre`` ...). A backend *implements* an op by overriding that method; it may also expose
+several variants of one op through ``variants(method) -> {name: callable}`` (e.g. the three routed-MoE decode
+routes). :func:`implementations` finds them, so a new kernel registers itself by being wired into a backend —
+nothing to list twice.
+
+Inputs are fresh random values (never zeros) from a seeded generator, shapes include irregular ones, and rows a
+correct kernel must never read are poisoned with NaN (masked attention slots, experts no token picked).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import quant
+from ..config import get_preset
+from ..model.linear import ExpertBank, Linear
+from ..model.numerics import Numerics
+from ..model.rope import rope_table
+
+
+@dataclass
+class OpCase:
+    """One registered op: the ops method, input maker, shape grid and tolerance kind."""
+
+    name: str
+    method: str
+    make: Callable[[dict, torch.Generator, str, Numerics], tuple]
+    shapes: list[dict]
+    kind: str
+    description: str = ""
+    numerics: Numerics = field(default_factory=Numerics)
+
+
+# ------------------------------------------------------------------------------------------ input makers
+def randn(gen, *shape, scale=1.0, device="cpu", dtype=torch.float32):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+
+def make_linear(fmt: str, out_f: int, in_f: int, gen: torch.Generator, device="cpu", act_quant=None) -> Linear:
+    """A materialised :class:`Linear` with random weights whose scales span several exponents."""
+    lin = Linear(in_f, out_f, fmt, act_quant)
+    w = torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5
+    if fmt == "fp8":
+        mult = torch.exp2(torch.randint(-3, 4, (-(-out_f // 128), -(-in_f // 128)), generator=gen).float())
+        w = w * mult.repeat_interleave(128, 0)[:out_f].repeat_interleave(128, 1)[:, :in_f]
+        q, s = quant.fp8_block_quantize(w)
+    elif fmt == "fp4":
+        mult = torch.exp2(torch.randint(-4, 5, (out_f, in_f // 32), generator=gen).float())
+        q, s = quant.fp4_quantize(w * mult.repeat_interleave(32, 1))
+    else:
+        q, s = w.to(torch.bfloat16 if fmt == "bf16" else torch.float32), None
+    lin._buffers["weight"] = q.to(device)
+    lin._buffers["scale"] = None if s is None else s.to(device)
+    return lin
+
+
+def make_bank(n_experts: int, dim: int, inter: int, gen: torch.Generator, device="cpu", offset: int = 0) -> ExpertBank:
+    bank = ExpertBank(n_experts, dim, inter, "fp4", offset)
+    for which, (n, k) in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
+        ws, ss = [], []
+        for _ in range(n_experts):
+            lin = make_linear("fp4", n, k, gen)
+            ws.append(lin.weight)
+            ss.append(lin.scale)
+        bank._buffers[which] = torch.stack(ws).to(device)
+        bank._buffers[which + "_scale"] = torch.stack(ss).to(device)
+    return bank
+
+
+def routing(gen, T: int, n_experts: int, k: int, device="cpu", skip: int = 2):
+    """Distinct experts per token, never picking the last ``skip`` experts (so some experts get no token)."""
+    keys = torch.rand(T, n_experts - skip, generator=gen)
+    idx = keys.argsort(-1)[:, :k]
+    w = torch.rand(T, k, generator=gen) + 0.1
+    w = w / w.sum(-1, keepdim=True) * 1.5
+    return idx.to(device), w.to(device)
+
+
+def _x(gen, shape, nm, device, scale=1.0):
+    return randn(gen, *shape, scale=scale, device=device).to(nm.act)
+
+
+def _linear_case(fmt):
+    def make(s, gen, device, nm):
+        lin = make_linear(fmt, s["N"], s["K"], gen, device)
+        return (_x(gen, (s["M"], s["K"]), nm, device, 3.0), lin)
+    return make
+
+
+def _moe_inputs(s, gen, device, nm):
+    bank = make_bank(s["E"], s["D"], s["I"], gen, device)
+    idx, w = routing(gen, s["T"], s["E"], s["k"], device)
+    x = _x(gen, (s["T"], s["D"]), nm, device, 2.0)
+    return x, idx, w, bank
+
+
+def _make_routed(s, gen, device, nm):
+    x, idx, w, bank = _moe_inputs(s, gen, device, nm)
+    return (x, idx, w.to(nm.acc), bank, 10.0)
+
+
+def _make_stage1(s, gen, device, nm):
+    x, idx, _, bank = _moe_inputs(s, gen, device, nm)
+    return (x, idx, bank)
+
+
+def _make_activation(s, gen, device, nm):
+    g = randn(gen, s["T"], s["k"], s["I"], scale=6.0, device=device, dtype=nm.acc)
+    u = randn(gen, s["T"], s["k"], s["I"], scale=6.0, device=device, dtype=nm.acc)
+    w = torch.rand(s["T"], s["k"], generator=gen).to(device=device, dtype=nm.acc)
+    return (g, u, w, 10.0)
+
+
+def _make_stage2(s, gen, device, nm):
+    _, idx, _, bank = _moe_inputs(s, gen, device, nm)
+    h = randn(gen, s["T"], s["k"], s["I"], scale=2.0, device=device, dtype=nm.acc)
+    return (h, idx, bank)
+
+
+def _make_attention(s, gen, device, nm):
+    b, q_len, h, d, n_kv, k = s["b"], s["s"], s["h"], s["d"], s["n_kv"], s["k"]
+    q = _x(gen, (b, q_len, h, d), nm, device)
+    kv = _x(gen, (b, n_kv, d), nm, device)
+    idx = torch.stack([torch.stack([torch.randperm(n_kv, generator=gen)[:k] for _ in range(q_len)])
+                       for _ in range(b)]).to(device)
+    masked = torch.rand(b, q_len, k, generator=gen) < s.get("masked", 0.3)
+    masked[..., 0] = False  # every query sees at least one row
+    idx = torch.where(masked.to(device), -1, idx)
+    # poison every KV row no query may read: a kernel that reads outside its index set produces NaN
+    used = torch.zeros(b, n_kv, dtype=torch.bool, device=device)
+    for bi in range(b):
+        sel = idx[bi][idx[bi] >= 0]
+        used[bi, sel] = True
+    kv = torch.where(used[..., None], kv, torch.full_like(kv, float("nan")))
+    sink = randn(gen, h, device=device, dtype=nm.acc)
+    return (q, kv, idx, sink, d ** -0.5)
+
+
+def _make_pool(s, gen, device, nm):
+    kv = randn(gen, s["nb"], s["slots"], s["c"], device=device, dtype=nm.acc)
+    sc = randn(gen, s["nb"], s["slots"], s["c"], scale=2.0, device=device, dtype=nm.acc)
+    if s.get("empty_half"):  # overlap mode's first entry: half the slots are empty (−inf scores)
+        sc[0, : s["slots"] // 2] = float("-inf")
+        kv[0, : s["slots"] // 2] = 0.0
+    return (kv, sc)
+
+
+def _make_indexer_scores(s, gen, device, nm):
+    qi = _x(gen, (s["b"], s["s"], s["h"], s["d"]), nm, device)
+    w = _x(gen, (s["b"], s["s"], s["h"]), nm, device, 0.1)
+    keys = _x(gen, (s["b"], s["T"], s["d"]), nm, device)
+    return (qi, w, keys)
+
+
+def _make_topk(s, gen, device, nm):
+    scores = _x(gen, (s["b"], s["s"], s["T"]), nm, device)
+    positions = (torch.arange(s["s"]) + s["p0"]).expand(s["b"], -1).to(device)
+    return (scores, positions, 4, s["k"])
+
+
+def _make_hc_pre(s, gen, device, nm):
+    a = get_preset("tiny").replace(dim=s["D"])
+    X = _x(gen, (s["b"], s["n"], a.hc_mult, s["D"]), nm, device)
+    fn = randn(gen, a.mix_hc, a.hc_dim, scale=a.hc_dim ** -0.5, device=device)
+    base = randn(gen, a.mix_hc, scale=0.5, device=device)
+    scale = (torch.rand(3, generator=gen) + 0.5).to(device)
+    return (X, fn, base, scale, a)
+
+
+def _make_hc_post(s, gen, device, nm):
+    X = _x(gen, (s["b"], s["n"], 4, s["D"]), nm, device)
+    out = _x(gen, (s["b"], s["n"], s["D"]), nm, device)
+    post = (2 * torch.rand(s["b"], s["n"], 4, generator=gen)).to(device=device, dtype=nm.acc)
+    comb = torch.rand(s["b"], s["n"], 4, 4, generator=gen).to(device=device, dtype=nm.acc)
+    return (out, X, post, comb / comb.sum(-1, keepdim=True))
+
+
+def _make_norm(s, gen, device, nm):
+    return (_x(gen, (s["M"], s["D"]), nm, device, 5.0), (1 + 0.1 * torch.randn(s["D"], generator=gen)).to(device), 1e-6)
+
+
+def _make_rope(s, gen, device, nm):
+    a = get_preset("tiny")
+    cos, sin = rope_table(a, 1, 512, nm.acc, device)
+    pos = torch.randint(0, 512, (s["M"],), generator=gen).to(device)
+    x = _x(gen, (s["M"], s["h"], a.head_dim), nm, device)
+    return (x, cos[pos][:, None], sin[pos][:, None])
+
+
+def _make_wo_a(s, gen, device, nm):
+    lin = make_linear("fp8", s["G"] * s["R"], s["in_g"], gen, device, act_quant=False)
+    return (_x(gen, (s["b"], s["s"], s["G"], s["in_g"]), nm, device), lin, s["G"])
+
+
+def _make_f32(s, gen, device, nm):
+    lin = make_linear("bf16", s["N"], s["K"], gen, device)
+    return (_x(gen, (s["M"], s["K"]), nm, device), lin)
+
+
+MOE_SHAPES = [dict(T=1, E=16, k=4, D=256, I=128), dict(T=3, E=12, k=3, D=96, I=64),
+              dict(T=37, E=16, k=4, D=160, I=96)]
+
+OPS: list[OpCase] = [
+    OpCase("linear_fp8", "linear", _linear_case("fp8"),
+           [dict(M=1, N=96, K=256), dict(M=3, N=200, K=192), dict(M=17, N=256, K=384), dict(M=1, N=1000, K=640)],
+           "quantized", "FP8 E4M3 weight, 128×128 E8M0 block scales, per-token FP8 activations"),
+    OpCase("linear_fp4", "linear", _linear_case("fp4"),
+           [dict(M=1, N=128, K=256), dict(M=5, N=72, K=96), dict(M=33, N=256, K=128)],
+           "quantized", "FP4 E2M1 weight, 1×32 E8M0 scales, per-token FP8 activations"),
+    OpCase("linear_bf16", "linear", _linear_case("bf16"), [dict(M=2, N=8, K=256), dict(M=9, N=64, K=96)],
+           "reduction", "BF16 weight (indexer weights_proj)"),
+    OpCase("linear_f32", "linear_f32", _make_f32, [dict(M=1, N=16, K=256), dict(M=7, N=129, K=96)],
+           "reduction", "fp32 projection of a BF16 weight (router, compressor, head)"),
+    OpCase("grouped_wo_a", "grouped_wo_a", _make_wo_a, [dict(b=1, s=1, G=4, R=64, in_g=192),
+                                                       dict(b=2, s=5, G=2, R=32, in_g=96)],
+           "reduction", "grouped output projection (bf16 einsum over groups)"),
+    OpCase("moe_stage1", "moe_stage1", _make_stage1, MOE_SHAPES, "quantized", "routed experts w1/w3 (FP4)"),
+    OpCase("moe_activation", "moe_activation", _make_activation, [dict(T=3, k=4, I=128), dict(T=1, k=6, I=96)],
+           "elementwise", "clamped SwiGLU × routing weight"),
+    OpCase("moe_stage2", "moe_stage2", _make_stage2, MOE_SHAPES, "quantized", "routed experts w2 (FP4)"),
+    OpCase("routed_experts", "routed_experts", _make_routed, MOE_SHAPES, "quantized",
+           "whole routed MoE: stage 1, activation, stage 2, combine"),
+    OpCase("sparse_attention", "sparse_attention", _make_attention,
+           [dict(b=1, s=1, h=8, d=96, n_kv=80, k=48), dict(b=2, s=5, h=4, d=64, n_kv=37, k=20, masked=0.5),
+            dict(b=1, s=3, h=2, d=512, n_kv=200, k=160)], "attention", "gathered KV with attention sink"),
+    OpCase("compressor_pool", "compressor_pool", _make_pool,
+           [dict(nb=3, slots=8, c=96, empty_half=True), dict(nb=2, slots=16, c=64)], "reduction",
+           "softmax pooling of compressor slots"),
+    OpCase("indexer_scores", "indexer_scores", _make_indexer_scores,
+           [dict(b=1, s=1, h=4, d=64, T=75), dict(b=2, s=6, h=8, d=128, T=33)], "attention",
+           "ReLU-weighted index scores"),
+    OpCase("indexer_topk", "indexer_topk", _make_topk,
+           [dict(b=1, s=4, T=75, k=16, p0=290), dict(b=2, s=9, T=10, k=16, p0=0)], "exact",
+           "causal top-k of compressed entries (ties → lower index)"),
+    OpCase("hc_pre", "hc_pre", _make_hc_pre, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "reduction",
+           "mHC pre-mix and Sinkhorn"),
+    OpCase("hc_post", "hc_post", _make_hc_post, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "elementwise",
+           "mHC post-mix"),
+    OpCase("rms_norm", "rms_norm", _make_norm, [dict(M=1, D=256), dict(M=7, D=96)], "elementwise", "RMSNorm"),
+    OpCase("rope", "rope", _make_rope, [dict(M=3, h=8), dict(M=1, h=1)], "elementwise", "interleaved RoPE"),
+]
+
+
+def op_names() -> list[str]:
+    return [o.name for o in OPS]
+
+
+def implementations(ops, case: OpCase) -> dict[str, Callable]:
+    """The implementations of ``case`` that a backend provides: its override of the method and any variants.
+
+    The reference backend counts as an implementation of everything (it is compared with itself, a sanity check
+    that must be bitwise).
+    """
+    from ..model.ops import ReferenceOps
+    out: dict[str, Callable] = {}
+    method = getattr(type(ops), case.method, None)
+    if type(ops) is ReferenceOps or (method is not None and method is not getattr(ReferenceOps, case.method)):
+        out[ops.name] = getattr(ops, case.method)
+    variants = getattr(ops, "variants", None)
+    if variants is not None:
+        for vname, fn in (variants(case.method) or {}).items():
+            out[f"{ops.name}:{vname}"] = fn
+    return out
