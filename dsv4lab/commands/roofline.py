@@ -141,8 +141,9 @@ def _print_report(rep: dict, top: int) -> None:
     print(f"bytes per {unit} on the busiest rank     {rep['bytes_per_token_per_rank']:>18,.0f}  "
           f"(weights {rep['weight_bytes_per_token_per_rank']:,.0f}, KV {rep['kv_bytes_per_token_per_rank']:,.0f})")
     print(f"FLOPs per {unit}                          {rep['flops_per_token']:>18,.0f}")
-    print(f"roofline bound (peak {rep['bandwidth_gbps_peak']:,.0f} GB/s)  {rep['bound_tok_s']:>14,.1f} tok/s   "
-          f"at achievable bandwidth {rep['bandwidth_bound_tok_s_achievable']:,.1f} tok/s")
+    print(f"roofline bound (peak bandwidth and compute)  {rep['bound_tok_s']:>10,.1f} tok/s   bytes alone: "
+          f"{rep['bandwidth_bound_tok_s']:,.1f} at {rep['bandwidth_gbps_peak']:,.0f} GB/s peak, "
+          f"{rep['bandwidth_bound_tok_s_achievable']:,.1f} at {rep['bandwidth_gbps_achievable']:,.0f} GB/s achievable")
     pred = rep["predicted"]
     print(f"model with penalties ({pred['allreduce']} all-reduce)   {pred['tok_s']:>10,.1f} tok/s   "
           f"step {pred['step_us']:,.0f} us, MBU {pred['mbu_pct']:.1f}%  "

@@ -87,7 +87,7 @@ class Attention(nn.Module):
 
         qr = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm.weight, a.norm_eps)
         q = ops.linear(qr, self.wq_b).view(b, n, H, d)
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + a.norm_eps)  # per-head RMS in act, no weight
+        q = ops.head_rms(q, a.norm_eps)  # per-head RMS in act, no weight
         q = ops.rope(q, cos_q[:, :, None], sin_q[:, :, None])
         kv = ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm.weight, a.norm_eps)
         kv = ops.rope(kv, cos_q, sin_q)
@@ -130,9 +130,7 @@ class Attention(nn.Module):
                 qi = self.indexer.queries(qr, cos_q, sin_q, ops)
                 w = self.indexer.head_weights(x, ops)
                 n_keys = int(((start + lengths) // 4).max())
-                scores = ops.indexer_scores(qi, w, self.ikv[slots, :n_keys])
-                if all_reduce is not None:
-                    scores = all_reduce(scores)
+                scores = ops.indexer_scores(qi, w, self.ikv[slots, :n_keys], all_reduce=all_reduce)
                 sel = ops.indexer_topk(scores, positions, 4, a.index_topk)
                 if trace is not None:
                     trace("indexer_selection", sel)
@@ -144,9 +142,7 @@ class Attention(nn.Module):
         o = ops.sparse_attention(q, kv_all, torch.cat(idx, -1), self.attn_sink, a.softmax_scale)
         o = ops.rope(o, cos_q[:, :, None], sin_q[:, :, None], inverse=True)
         o = ops.grouped_wo_a(o.reshape(b, n, self.n_local_groups, -1), self.wo_a, self.n_local_groups)
-        y = ops.linear(o.flatten(2), self.wo_b)
-        if all_reduce is not None:
-            y = all_reduce(y)
+        y = ops.linear(o.flatten(2), self.wo_b, all_reduce=all_reduce)  # wo_b is split by columns under TP
 
         # window ring: the last min(L, W) tokens of each row
         for i in range(b):

@@ -17,7 +17,11 @@ def _mix_logits(x_flat: torch.Tensor, fn: torch.Tensor, eps: float, calc: torch.
     acc = x_flat.dtype
     proj = (x_flat.to(calc) @ fn.to(calc).T).to(acc)
     ms = x_flat.to(calc).square().mean(-1, keepdim=True).to(acc)
-    return proj * torch.rsqrt(ms + eps)
+    return proj * torch.rsqrt((ms + eps).to(calc)).to(acc)
+
+
+def _sigmoid(x: torch.Tensor, calc: torch.dtype) -> torch.Tensor:
+    return torch.sigmoid(x.to(calc)).to(x.dtype)
 
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -39,10 +43,10 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     x = X.flatten(-2).to(acc)
     m = _mix_logits(x, fn, args.norm_eps, calc)
     scale, base = scale.to(acc), base.to(acc)
-    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + args.hc_eps
-    post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    pre = _sigmoid(m[..., :n] * scale[0] + base[:n], calc) + args.hc_eps
+    post = 2 * _sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n], calc)
     comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
+    comb = sinkhorn(comb.to(calc), args.hc_sinkhorn_iters, args.hc_eps).to(acc)
     u = (pre[..., None] * X.to(acc)).to(calc).sum(-2).to(acc)
     return u.to(X.dtype), post, comb
 
@@ -62,5 +66,5 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     calc = calc or acc
     x = X.flatten(-2).to(acc)
     m = _mix_logits(x, fn, args.norm_eps, calc)
-    pre = torch.sigmoid(m * scale.to(acc)[0] + base.to(acc)) + args.hc_eps
+    pre = _sigmoid(m * scale.to(acc)[0] + base.to(acc), calc) + args.hc_eps
     return (pre[..., None] * X.to(acc)).to(calc).sum(-2).to(acc).to(X.dtype)

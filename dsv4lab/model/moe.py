@@ -7,7 +7,6 @@ choice only) or, in hash layers, ``tid2eid[token id]``; weights ``s[idx]`` renor
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelArgs
@@ -32,12 +31,7 @@ class Gate(Linear):
         """``x [T, D]``, ``ids [T]`` → ``(idx [T, k] expert ids, weights [T, k] in acc)``."""
         a = self.args
         logits = ops.linear_f32(x, self)
-        if a.score_func == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
-        elif a.score_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(-1)
+        scores = ops.router_scores(logits, a.score_func)
         if self.hash_routed:
             idx = self.tid2eid[ids.clamp(0, a.vocab_size - 1)]
         else:
@@ -46,7 +40,8 @@ class Gate(Linear):
             idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : a.n_activated_experts]
         weights = scores.gather(1, idx)
         if a.score_func != "softmax":
-            weights = weights / weights.sum(-1, keepdim=True)
+            total = weights.to(torch.float64).sum(-1, keepdim=True).to(weights.dtype)  # exact-order independent
+            weights = weights / total
         return idx, weights * a.route_scale
 
 
@@ -81,9 +76,7 @@ class MoE(nn.Module):
         if trace is not None:
             trace("router_idx", idx)
             trace("router_weights", weights)
-        y = ops.routed_experts(x, idx, weights, self.experts, a.swiglu_limit, trace=trace)
-        if all_reduce is not None:
-            y = all_reduce(y)
+        y = ops.routed_experts(x, idx, weights, self.experts, a.swiglu_limit, trace=trace, all_reduce=all_reduce)
         shared = self.shared_experts if isinstance(self.shared_experts, nn.ModuleList) else [self.shared_experts]
         z = torch.zeros_like(y)
         for se in shared:

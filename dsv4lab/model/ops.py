@@ -27,15 +27,19 @@ class ReferenceOps:
         self.numerics = numerics
 
     # ---------------------------------------------------------------- projections
-    def linear(self, x: torch.Tensor, lin: Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, lin: Linear, all_reduce=None) -> torch.Tensor:
         """``x [..., in] → [..., out]``: activation quantization (if on for this projection), fp32 accumulation,
-        output in ``act``."""
+        output in ``act``. ``all_reduce`` (tensor parallelism: a row-split projection) sums the ranks' partial
+        products before the result is rounded, so a split projection rounds exactly like the whole one."""
         nm = self.numerics
         if nm.act_quant and lin.act_quant:
             xq = quant.act_qdq_fp8(x)  # exact E4M3 values × power-of-two scales
         else:
             xq = x
-        return self._matmul(xq, lin.dequantized(nm.calc)).to(nm.act)
+        y = xq.to(nm.calc) @ lin.dequantized(nm.calc).T
+        if all_reduce is not None:
+            y = all_reduce(y)
+        return y.to(nm.acc).to(nm.act)
 
     def _matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``x @ wᵀ`` evaluated in ``calc`` and rounded to ``acc`` (see :class:`Numerics`)."""
@@ -59,7 +63,7 @@ class ReferenceOps:
         nm = self.numerics
         xf = x.to(nm.acc)
         ms = xf.to(nm.calc).square().mean(-1, keepdim=True).to(nm.acc)
-        xf = xf * torch.rsqrt(ms + eps)
+        xf = xf * self.elementwise(torch.rsqrt, ms + eps)
         return (weight.to(nm.acc) * xf).to(x.dtype)
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -78,7 +82,12 @@ class ReferenceOps:
         if limit > 0:
             up = up.clamp(-limit, limit)
             gate = gate.clamp(max=limit)
-        return F.silu(gate) * up
+        return self.elementwise(F.silu, gate) * up
+
+    def elementwise(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """A transcendental function evaluated in ``calc`` and rounded to ``x.dtype`` (correctly rounded, so the
+        result does not depend on which vectorised libm variant the CPU runs)."""
+        return fn(x.to(self.numerics.calc)).to(x.dtype)
 
     # ---------------------------------------------------------------- experts
     def expert_mlp(self, x: torch.Tensor, w1: Linear, w2: Linear, w3: Linear, limit: float,
@@ -128,19 +137,19 @@ class ReferenceOps:
             out[tok, slot] = self._matmul(hq[tok, slot], bank.dequantized("w2", e, nm.calc)).to(nm.act).to(nm.acc)
         return out
 
-    @staticmethod
-    def moe_combine(out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Σ over slots in expert-id order (the reference loops experts in index order), skipping NaN slots
-        (experts on other ranks): ``[T, k, D]`` → ``[T, D]``."""
-        order = torch.sort(idx, dim=-1, stable=True).indices
-        out = torch.gather(out, 1, order[..., None].expand_as(out))
-        y = torch.zeros_like(out[:, 0])
-        for s in range(out.shape[1]):
-            y = y + torch.nan_to_num(out[:, s], nan=0.0)
-        return y
+    def moe_combine(self, out: torch.Tensor, idx: torch.Tensor, all_reduce=None) -> torch.Tensor:
+        """Σ over slots, skipping NaN slots (experts on other ranks): ``[T, k, D]`` → ``[T, D]`` in acc.
+
+        The slot outputs are act-rounded, so their sum in ``calc`` is exact and independent of order — the
+        reference's expert-order fp32 loop, an expert-parallel split and any kernel's order all agree; ``all_reduce``
+        sums the ranks' partial sums before rounding."""
+        y = torch.nan_to_num(out.to(self.numerics.calc), nan=0.0).sum(1)
+        if all_reduce is not None:
+            y = all_reduce(y)
+        return y.to(self.numerics.acc)
 
     def routed_experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, bank: ExpertBank,
-                       limit: float, trace=None) -> torch.Tensor:
+                       limit: float, trace=None, all_reduce=None) -> torch.Tensor:
         """Σ over each token's routed experts owned by ``bank``: stage 1 → activation → stage 2 → combine.
 
         ``x [T, D]`` (act), ``idx [T, k]`` global expert ids, ``weights [T, k]`` (acc). Returns ``[T, D]`` in acc.
@@ -154,12 +163,31 @@ class ReferenceOps:
             trace("stage1_w3", u)
             trace("activation", h)
             trace("stage2_w2", out)
-        return self.moe_combine(out, idx)
+        return self.moe_combine(out, idx, all_reduce)
 
     # ---------------------------------------------------------------- mHC
     def hc_pre(self, X, fn, base, scale, args):
         from .mhc import hc_pre
         return hc_pre(X, fn, base, scale, args, self.numerics.acc, self.numerics.calc)
+
+    def head_rms(self, q: torch.Tensor, eps: float) -> torch.Tensor:
+        """Per-head RMS normalisation without weight, in act tensors as the reference does it
+        (``q * rsqrt(mean(q²) + eps)`` with bf16 squares, the mean accumulated wider and rounded to act)."""
+        act = q.dtype
+        ms = q.square().to(self.numerics.calc).mean(-1, keepdim=True).to(self.numerics.acc).to(act)
+        return q * self.elementwise(torch.rsqrt, ms + eps)
+
+    def router_scores(self, logits: torch.Tensor, score_func: str) -> torch.Tensor:
+        """Router scores from fp32 logits (``sqrt(softplus)`` for DeepSeek-V4), evaluated in calc."""
+        calc, acc = self.numerics.calc, self.numerics.acc
+        lc = logits.to(calc)
+        if score_func == "sqrtsoftplus":
+            s = F.softplus(lc).sqrt()
+        elif score_func == "sigmoid":
+            s = lc.sigmoid()
+        else:
+            s = lc.softmax(-1)
+        return s.to(acc)
 
     def hc_post(self, out, X, post, comb):
         from .mhc import hc_post
@@ -173,15 +201,19 @@ class ReferenceOps:
     def compressor_pool(self, kv_slots: torch.Tensor, sc_slots: torch.Tensor) -> torch.Tensor:
         """Per channel softmax over the slots of each entry: ``[nb, slots, c]`` × 2 → ``[nb, c]`` (acc)."""
         calc, acc = self.numerics.calc, self.numerics.acc
-        w = sc_slots.to(calc).softmax(1).to(acc)
+        w = sc_slots.to(calc).softmax(1).to(acc)  # the softmax's exp and sum in calc
         return (w.to(calc) * kv_slots.to(calc)).sum(1).to(acc)
 
-    def indexer_scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    def indexer_scores(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, all_reduce=None) -> torch.Tensor:
         """``Σ_h relu(qi_h·K_t)·w_h``: ``qi [b,s,h,d]``, ``w [b,s,h]``, ``keys [b,T,d]`` → ``[b,s,T]`` in act (each
-        dot product accumulated in fp32 and rounded to bf16, then the bf16 head sum, as the reference)."""
+        dot product accumulated in fp32 and rounded to bf16, then the bf16 head sum, as the reference;
+        ``all_reduce`` adds the other ranks' heads before rounding)."""
         act, calc = self.numerics.act, self.numerics.calc
         dots = torch.einsum("bshd,btd->bsht", qi.to(calc), keys.to(calc)).to(self.numerics.acc).to(act)
-        return (dots.relu() * w[..., None]).to(calc).sum(2).to(self.numerics.acc).to(act)
+        y = (dots.relu() * w[..., None]).to(calc).sum(2)
+        if all_reduce is not None:
+            y = all_reduce(y)
+        return y.to(self.numerics.acc).to(act)
 
     def indexer_topk(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
         from .indexer import select_topk
@@ -205,8 +237,9 @@ class ReferenceOps:
         z = (torch.einsum("bshd,bskd->bshk", q.to(nm.calc), g).to(nm.acc) * scale)
         z = z.masked_fill(~valid[:, :, None, :], float("-inf"))
         m = z.amax(-1, keepdim=True)
-        e = torch.exp(z - m)
-        denom = e.to(nm.calc).sum(-1, keepdim=True).to(nm.acc) + torch.exp(sink.to(nm.acc)[None, None, :, None] - m)
+        e = self.elementwise(torch.exp, z - m)
+        denom = e.to(nm.calc).sum(-1, keepdim=True).to(nm.acc) + self.elementwise(
+            torch.exp, sink.to(nm.acc)[None, None, :, None] - m)
         num = torch.einsum("bshk,bskd->bshd", e.to(nm.act).to(nm.calc), g).to(nm.acc)
         return (num / denom).to(nm.act)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ModelArgs, get_preset
-from .costmodel import Op, StepCost, decode_step, prefill, weight_bytes_per_token
+from .costmodel import Op, StepCost, decode_step, prefill
 from .hardware import DATA_DIR, Hardware, HardwareError, Quantity, load_hardware
 
 PAPER_DIR = DATA_DIR / "paper"
@@ -295,7 +295,7 @@ def time_step(step: StepCost, hw: Hardware, *, bandwidth: str = "achievable", al
         notes.append(f"{hw.name}: no FP32 vector rate in the catalogue; vector ops cost their bytes only")
     if step.collectives and hw.allreduce_us(allreduce) is None:
         notes.append(f"{hw.name}: no {allreduce} all-reduce latency in the catalogue"
-                     + (f"; using the library figure" if hw.allreduce_us("library") else "; collectives cost 0"))
+                     + ("; using the library figure" if hw.allreduce_us("library") else "; collectives cost 0"))
     return StepTime(step, hw, ops, colls, notes)
 
 
@@ -409,8 +409,8 @@ def predict_account(hardware: str | Hardware = "h200-sxm", *, tp: int = 2, ep: i
         mbu_basis="measured copy bandwidth" if hw.get("memory.bw_achievable_gbps") else "peak bandwidth",
         kernel_launches=step.launches, collectives=step.total("launches", step.collectives),
         assumptions=st.assumptions, ops=detail,
-        what_if={"no launch overhead": step.tokens / ((step_us - comp["kernel_overhead"]) / 1e6),
-                 "no launch overhead, no collectives": step.tokens / (
+        what_if={"no overhead on streaming kernels": step.tokens / ((step_us - comp["kernel_overhead"]) / 1e6),
+                 "no overhead on streaming kernels, no collectives": step.tokens / (
                      (step_us - comp["kernel_overhead"] - comp["collectives"]) / 1e6)},
     )
 
