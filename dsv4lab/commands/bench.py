@@ -4,13 +4,14 @@ from __future__ import annotations
 from ._dispatch import add_subcommands
 
 NAME = "bench"
-HELP = "benchmarks: kernels (--suite decode|prefill), engine, serve (HTTP), e2e"
+HELP = "benchmarks: kernels (--suite decode|prefill), engine, serve (HTTP), e2e, collectives"
 
 SUBCOMMANDS = {
     "kernels": "dsv4lab.perf.bench_kernels",
     "engine": "dsv4lab.serve.bench_engine",
     "serve": "dsv4lab.serve.bench_serve",
     "e2e": "dsv4lab.perf.bench_e2e",
+    "collectives": "dsv4lab.perf.bench_collectives",
 }
 
 

@@ -33,6 +33,8 @@ def add_arguments(p):
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (run under torchrun)")
+    p.add_argument("--collective", default="auto", choices=("auto", "library", "peer_read"),
+                   help="all-reduce strategy under --tp/--ep (auto: peer-read on GPUs for small messages)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -57,7 +59,8 @@ def run(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.tp > 1 or args.ep > 1:
         from ..parallel import load_parallel
-        m, rank = load_parallel(args.checkpoint, tp=args.tp, ep=args.ep, dtype=dtype, backend=args.backend)
+        m, rank = load_parallel(args.checkpoint, tp=args.tp, ep=args.ep, dtype=dtype, backend=args.backend,
+                                collective=args.collective)
     else:
         import dsv4lab
         m, rank = dsv4lab.load(args.checkpoint, device=device, dtype=dtype, backend=args.backend, max_batch=1), 0

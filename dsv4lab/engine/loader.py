@@ -84,9 +84,10 @@ def load_weights(model: Transformer, ck: Checkpoint, plan: ShardPlan, device, re
         else:
             if full not in ck:
                 raise CheckpointError(ck.path, [f"{full}: missing from the checkpoint"])
-            t = _convert(full, _read(ck, full, plan, repairs))
+            raw = _read(ck, full, plan, repairs)
             code = ck.info(full).dtype
-            read_bytes[code] = read_bytes.get(code, 0) + t.numel() * t.element_size()
+            read_bytes[code] = read_bytes.get(code, 0) + raw.numel() * raw.element_size()  # file bytes, not fp32
+            t = _convert(full, raw)
         want = module._buffers[attr]
         if tuple(t.shape) != tuple(want.shape):
             raise CheckpointError(ck.path, [f"{full}: shape {list(t.shape)} read, model expects {list(want.shape)}"])

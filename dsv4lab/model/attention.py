@@ -80,6 +80,8 @@ class Attention(nn.Module):
         """``x [b, n, D]`` (normed, act) at positions ``start[i] + t``; returns ``[b, n, D]`` in act."""
         a, nm = self.args, ops.numerics
         b, n, _ = x.shape
+        if trace is not None:
+            trace("input", x)
         d, W, H = a.head_dim, a.window_size, self.n_local_heads
         positions = start[:, None] + torch.arange(n, device=x.device)[None, :]
         pos_c = positions.clamp(max=self.cos.shape[0] - 1)  # padded tail may run past the table

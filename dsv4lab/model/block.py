@@ -32,7 +32,12 @@ class Block(nn.Module):
         self.ffn = MoE(args, layer, n_local_experts, expert_offset)
 
     def forward(self, X, start, lengths, slots, ids, ops, all_reduce=None, trace=None):
+        """``all_reduce``: one callable for every cross-rank sum, or an object whose ``attention`` and ``moe``
+        attributes are the callables (or None) of each site, when heads and experts are split over different
+        rank groups (see :mod:`dsv4lab.parallel`)."""
         a = self.args
+        attn_reduce = getattr(all_reduce, "attention", all_reduce)
+        moe_reduce = getattr(all_reduce, "moe", all_reduce)
         b, n = X.shape[:2]
         t_attn = (lambda k, v: trace(f"attn.{k}", v)) if trace else None
         t_ffn = (lambda k, v: trace(f"ffn.{k}", v)) if trace else None
@@ -41,14 +46,14 @@ class Block(nn.Module):
             trace("mhc.attn_post", post)
             trace("mhc.attn_comb", comb)
         h = self.attn(ops.rms_norm(u, self.attn_norm.weight, a.norm_eps), start, lengths, slots, ops,
-                      all_reduce, t_attn)
+                      attn_reduce, t_attn)
         X = ops.hc_post(h, X, post, comb)
         u, post, comb = ops.hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
         if trace:
             trace("mhc.ffn_post", post)
             trace("mhc.ffn_comb", comb)
         f = self.ffn(ops.rms_norm(u, self.ffn_norm.weight, a.norm_eps).reshape(b * n, -1), ids.reshape(-1), ops,
-                     all_reduce, t_ffn)
+                     moe_reduce, t_ffn)
         X = ops.hc_post(f.view(b, n, -1), X, post, comb)
         if trace:
             trace("out", X)

@@ -80,7 +80,8 @@ class ExpertBank(nn.Module):
     """The routed experts of one MoE layer (or of one expert-parallel rank), stacked.
 
     Buffers: ``w1, w3 [E, I, D/2]`` int8 packed E2M1 with ``w1_scale, w3_scale [E, I, D/32]``; ``w2 [E, D, I/2]``
-    with ``w2_scale [E, D, I/32]`` (FP8 experts: ``[E, N, K]`` E4M3 with block scales).
+    with ``w2_scale [E, D, I/32]`` (FP8 experts: ``[E, N, K]`` E4M3 with block scales; ``"f32"``: ``[E, N, K]``
+    float32 without scales, the trainable form used by :mod:`dsv4lab.train`).
     """
 
     def __init__(self, n_experts: int, dim: int, inter: int, fmt: str = "fp4", expert_offset: int = 0):
@@ -91,6 +92,9 @@ class ExpertBank(nn.Module):
             if fmt == "fp4":
                 w = torch.empty(n_experts, n, k // 2, dtype=torch.int8, device="meta")
                 s = torch.empty(n_experts, n, k // 32, dtype=torch.float8_e8m0fnu, device="meta")
+            elif fmt == "f32":  # float master weights (training): no scales
+                w = torch.empty(n_experts, n, k, dtype=torch.float32, device="meta")
+                s = None
             else:
                 w = torch.empty(n_experts, n, k, dtype=torch.float8_e4m3fn, device="meta")
                 s = torch.empty(n_experts, -(-n // 128), -(-k // 128), dtype=torch.float8_e8m0fnu, device="meta")
@@ -113,6 +117,8 @@ class ExpertBank(nn.Module):
         if hit is not None:
             return hit
         local = expert - self.expert_offset
+        if self.fmt == "f32":  # the weight itself (a view), so gradients reach a trainable bank
+            return getattr(self, which)[local].to(dtype)
         w, s = getattr(self, which)[local], getattr(self, which + "_scale")[local]
         out = quant.fp4_dequant(w, s, dtype) if self.fmt == "fp4" else quant.fp8_block_dequant(w, s, dtype)
         if self.cache_dequant:

@@ -72,6 +72,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, ops, all_reduce=None, trace=None) -> torch.Tensor:
         """``x [T, D]`` (normed, act), ``ids [T]`` → ``[T, D]`` in act."""
         nm, a = ops.numerics, self.args
+        if trace is not None:
+            trace("input", x)
         idx, weights = self.gate(x, ids, ops)
         if trace is not None:
             trace("router_idx", idx)

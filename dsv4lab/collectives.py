@@ -1,0 +1,181 @@
+"""All-reduce strategies for tensor and expert parallelism: the library collective and a peer-read one.
+
+A strategy is a callable ``t -> sum of t over the group's ranks`` (the result may alias ``t``). The model calls
+it at the places its math sums over ranks (after ``wo_b``, the indexer's head sum, the routed-expert combine).
+
+* ``library`` — ``torch.distributed.all_reduce`` (gloo on CPUs, NCCL/RCCL on GPUs).
+* ``peer_read`` — one kernel launch per all-reduce: every rank copies its message into a buffer its peers can
+  address (torch symmetric memory, no NVLink multicast), signals, and sums everyone's copy itself
+  (:mod:`dsv4lab_kernels.allreduce`). Capturable in CUDA graphs. GPUs only.
+* ``auto`` — ``peer_read`` where it is available, ``library`` otherwise (CPUs always take the library path).
+
+Under ``peer_read`` and ``auto`` messages larger than ``max_peer_read_bytes`` (prefill) take the library path;
+``peer_read`` differs from ``auto`` only in raising an error where the peer-read path is unavailable.
+
+Every rank must make the same choice for the same call; the choice depends on the message size only, which is
+the same on every rank.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+
+STRATEGIES = ("library", "peer_read", "auto")
+DEFAULT_PEER_READ_BYTES = 256 << 10  # messages up to this size take the peer-read path under "auto"
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LibraryAllReduce:
+    """``torch.distributed.all_reduce`` (sum) over ``group`` (None: the default group), in place."""
+
+    name = "library"
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        t = t.contiguous()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+class PeerReadAllReduce:
+    """One-shot peer-read all-reduce over ``group`` on CUDA/ROCm devices, through torch symmetric memory.
+
+    Args:
+        group: process group (None: the default group); every rank of it must construct this together.
+        device: this rank's GPU.
+        capacity_bytes: largest message; the symmetric buffer holds two halves of it plus the flags.
+        num_programs: programs per launch (fixed for the life of the object: the protocol needs every program
+            in every call).
+        block, num_warps: elements per program per loop step, and warps per program.
+    """
+
+    name = "peer_read"
+
+    def __init__(self, group=None, device: torch.device | str | None = None,
+                 capacity_bytes: int = DEFAULT_PEER_READ_BYTES, num_programs: int = 32, block: int = 1024,
+                 num_warps: int = 4):
+        import torch.distributed as dist
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if self.device.type != "cuda":
+            raise ValueError(f"the peer-read all-reduce needs GPUs; device {self.device} is not one "
+                             "(use the library strategy on CPUs)")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # peer reads only, never NVLink multicast
+        import torch.distributed._symmetric_memory as symm_mem
+        from dsv4lab_kernels import allreduce as kernel
+
+        self._kernel = kernel
+        self.group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.capacity_bytes = -(-capacity_bytes // 256) * 256
+        self.num_programs, self.block, self.num_warps = num_programs, block, num_warps
+        flag_bytes, total = kernel.buffer_bytes(self.capacity_bytes, num_programs, self.world)
+        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        group_name = self.group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before rendezvous by torch < 2.9
+            try:
+                symm_mem.enable_symm_mem_for_group(group_name)
+            except Exception:  # deprecated no-op (or already enabled) in newer releases
+                pass
+        handle = symm_mem.rendezvous(self.buffer, group_name)
+        # every rank's buffer mapped into this process; the tensor may start inside a pooled allocation, at the
+        # same offset on every rank
+        offset = self.buffer.data_ptr() - int(handle.buffer_ptrs[self.rank])
+        peers = [handle.get_buffer(r, (total,), torch.uint8, offset) for r in range(self.world)]
+        if peers[self.rank].data_ptr() != self.buffer.data_ptr():
+            raise RuntimeError("symmetric memory: this rank's mapped buffer is not the allocated one")
+        self._handle = handle  # keeps the peers' mappings alive
+        self._flags = tuple(b[:flag_bytes].view(torch.int64) for b in peers)
+        self._data = tuple(b[flag_bytes:] for b in peers)
+        self._views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+        self.epochs = torch.zeros(num_programs, dtype=torch.int64, device=self.device)
+        self.buffer.zero_()
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # nobody signals a peer before the peer has zeroed its flags
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        x = t.contiguous()
+        out = torch.empty_like(x)
+        views = self._views.get(x.dtype)
+        if views is None:
+            views = self._views[x.dtype] = tuple(b.view(x.dtype) for b in self._data)
+        self._kernel.one_shot_all_reduce(x.view(-1), out.view(-1), views, self._flags, self.epochs, self.rank,
+                                         self.block, self.num_warps)
+        return out
+
+    def fits(self, t: torch.Tensor) -> bool:
+        return t.dtype in self._kernel.SUPPORTED_DTYPES and t.numel() * t.element_size() <= self.capacity_bytes
+
+
+class SizeSwitchAllReduce:
+    """``small`` for messages it fits (``small.fits(t)``), ``large`` otherwise."""
+
+    name = "auto"
+
+    def __init__(self, small: PeerReadAllReduce, large: AllReduce):
+        self.small, self.large = small, large
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return self.small(t) if self.small.fits(t) else self.large(t)
+
+
+class CountingAllReduce:
+    """Wraps a strategy and counts its calls and payload bytes (per rank)."""
+
+    def __init__(self, inner: AllReduce):
+        self.inner = inner
+        self.calls = 0
+        self.bytes = 0
+
+    @property
+    def name(self) -> str:
+        return getattr(self.inner, "name", type(self.inner).__name__)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.bytes += t.numel() * t.element_size()
+        return self.inner(t)
+
+    def reset(self) -> None:
+        self.calls = self.bytes = 0
+
+
+def peer_read_available(device: torch.device | str) -> bool:
+    """Whether this process can run the peer-read strategy on ``device`` (a GPU with symmetric memory)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return False
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None for m in ("torch.distributed._symmetric_memory", "triton"))
+
+
+def make_all_reduce(strategy: str, group=None, device: torch.device | str = "cpu",
+                    max_peer_read_bytes: int = DEFAULT_PEER_READ_BYTES) -> AllReduce:
+    """The all-reduce callable of ``strategy`` (see :data:`STRATEGIES`) for ``group`` on ``device``.
+
+    Every rank of ``group`` must call this together (the peer-read setup is collective).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown all-reduce strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    library = LibraryAllReduce(group)
+    if strategy == "library":
+        return library
+    if not peer_read_available(device):
+        if strategy == "peer_read":
+            raise ValueError(f"the peer-read all-reduce needs GPUs with torch symmetric memory and triton; "
+                             f"device {device} has none (use --collective library or auto)")
+        return library
+    try:
+        peer = PeerReadAllReduce(group, device, capacity_bytes=max_peer_read_bytes)
+    except Exception as err:
+        if strategy == "peer_read":
+            raise
+        print(f"dsv4lab: peer-read all-reduce unavailable ({err}); using the library all-reduce", file=sys.stderr)
+        return library
+    return SizeSwitchAllReduce(peer, library)  # messages past the buffer's capacity take the library path

@@ -1,0 +1,308 @@
+"""The Triton backend: :class:`TritonOps` overrides the ops it has decode kernels for and inherits the rest.
+
+Kernels (``kernels/``, imported as ``dsv4lab_kernels``):
+
+* ``linear`` (FP8 and BF16 weights), ``linear_f32`` (BF16/fp32 weights), ``grouped_wo_a`` (FP8 weight read
+  directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`;
+* ``routed_experts``, ``moe_stage1``, ``moe_stage2`` — packed FP4 experts, :mod:`dsv4lab_kernels.fp4_moe_decode`;
+* ``sparse_attention`` — :mod:`dsv4lab_kernels.attention_decode` (plus :meth:`TritonOps.attention_from_caches`,
+  the two-cache form the static decode step uses).
+
+Every other op, and every call a kernel does not cover (more than :attr:`DecodeConfig.max_rows` token rows, a
+float64 oracle dtype, tensor-parallel partial sums, a trace request), runs the reference implementation; each
+such fallback is counted, logged once per (op, reason), and listed by :meth:`TritonOps.report`.
+
+On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` is set here, before
+any kernel module is imported, unless the caller chose otherwise).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from ..model.linear import ExpertBank, Linear
+from ..model.numerics import Numerics
+from ..model.ops import ReferenceOps
+
+log = logging.getLogger("dsv4lab.triton")
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def kernel_module(name: str):
+    """Import ``dsv4lab_kernels.<name>``; from a bare source tree (no ``pip install -e .``) the folder
+    ``kernels/`` beside the package is registered under that name first."""
+    if importlib.util.find_spec("dsv4lab_kernels") is None:
+        root = Path(__file__).resolve().parents[2] / "kernels"
+        if not (root / "__init__.py").exists():
+            raise ImportError("dsv4lab_kernels is not installed and no kernels/ folder was found beside dsv4lab/")
+        spec = importlib.util.spec_from_file_location("dsv4lab_kernels", root / "__init__.py",
+                                                      submodule_search_locations=[str(root)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["dsv4lab_kernels"] = mod
+        spec.loader.exec_module(mod)
+    return importlib.import_module(f"dsv4lab_kernels.{name}")
+
+
+gemv = kernel_module("fp8_gemv")
+moe = kernel_module("fp4_moe_decode")
+attn = kernel_module("attention_decode")
+
+# Ops of ReferenceOps this backend replaces with kernels; the others always run the reference.
+KERNEL_OPS = ("linear", "linear_f32", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
+              "sparse_attention")
+REFERENCE_ONLY_OPS = ("rms_norm", "rope", "swiglu", "expert_mlp", "moe_activation", "moe_combine", "hc_pre",
+                      "hc_post", "hc_head", "compressor_pool", "indexer_scores", "indexer_topk")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Which route and geometry each decode kernel uses (the defaults are what the benchmark picked on an H200;
+    the interpreter gets large blocks so it launches few programs).
+
+    Attributes:
+        moe_route: ``"fma"`` (reference semantics), ``"int8"`` (the paper's route) or ``"dot_scaled"``.
+        gemv_route: ``"fma"`` or ``"dot"`` for the FP8 projections.
+        max_rows: token rows up to which the decode kernels run; larger calls (prefill) fall back.
+    """
+
+    moe_route: str = "fma"
+    moe_geometry: "moe.MoeGeometry | None" = None
+    gemv_route: str = "fma"
+    gemv_block_n: int = 32
+    gemv_block_k: int = 512
+    gemv_target_programs: int = 264
+    attention_geometry: "attn.AttentionGeometry | None" = None
+    max_rows: int = 64
+
+    @classmethod
+    def for_device(cls) -> "DecodeConfig":
+        if interpreting():
+            return cls(moe_geometry=moe.MoeGeometry(block_n_up=128, block_n_down=256, block_k=256),
+                       gemv_block_n=256, gemv_block_k=256, gemv_target_programs=1,
+                       attention_geometry=attn.AttentionGeometry(block_h=16, block_r=64))
+        return cls(moe_geometry=moe.MoeGeometry(), attention_geometry=attn.AttentionGeometry())
+
+    def gemv_geometry(self, n: int, k: int):
+        """Block sizes and the K split for an ``[n, k]`` projection: split K until the grid has about
+        ``gemv_target_programs`` programs (deterministic: the partials are summed in a fixed order)."""
+        bn = min(self.gemv_block_n, 1 << max(n - 1, 1).bit_length())
+        bk = min(self.gemv_block_k, 128 * -(-k // 128))
+        row_blocks = -(-n // bn)
+        split = max(1, min(-(-self.gemv_target_programs // row_blocks), -(-k // bk)))
+        return gemv.GemvGeometry(block_n=bn, block_k=bk, split_k=split)
+
+
+@dataclass
+class _Record:
+    kernel: Counter = field(default_factory=Counter)
+    reference: Counter = field(default_factory=Counter)
+
+
+class TritonOps(ReferenceOps):
+    """Decode kernels where they exist, the reference everywhere else (counted and reported)."""
+
+    name = "triton"
+
+    def __init__(self, numerics: Numerics, config: DecodeConfig | None = None):
+        super().__init__(numerics)
+        self.config = config or DecodeConfig.for_device()
+        self.calls = _Record()
+        self._logged: set[tuple[str, str]] = set()
+        for op in REFERENCE_ONLY_OPS:  # count the inherited ops too, so the report lists every op that ran
+            setattr(self, op, self._counted_reference(op, getattr(super(), op)))
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _counted_reference(self, op, fn):
+        def run(*args, **kwargs):
+            self._fallback(op, "no kernel")
+            return fn(*args, **kwargs)
+        run.__name__ = op
+        run.__doc__ = fn.__doc__
+        return run
+
+    def _kernel(self, op: str) -> None:
+        self.calls.kernel[op] += 1
+
+    def _fallback(self, op: str, reason: str) -> None:
+        self.calls.reference[(op, reason)] += 1
+        if (op, reason) not in self._logged and reason != "no kernel":
+            self._logged.add((op, reason))
+            log.warning("triton backend: %s runs the reference (%s)", op, reason)
+
+    def _unsupported(self, rows: int, *tensors: torch.Tensor) -> str | None:
+        """Why the decode kernels cannot take this call (None if they can)."""
+        if self.numerics.dtype not in (torch.bfloat16, torch.float32):
+            return f"{self.numerics.dtype} numerics"
+        if rows > self.config.max_rows:
+            return f"{rows} rows > {self.config.max_rows} (prefill)"
+        if not interpreting() and any(t.device.type != "cuda" for t in tensors):
+            return "tensor not on a GPU"
+        return None
+
+    def report(self) -> str:
+        """Which ops ran on kernels and which ran the reference (and why), with call counts."""
+        lines = ["op                  kernel calls  reference calls (reason)"]
+        ops = sorted(set(self.calls.kernel) | {op for op, _ in self.calls.reference})
+        for op in ops:
+            ref = ", ".join(f"{n} ({why})" for (o, why), n in sorted(self.calls.reference.items()) if o == op)
+            lines.append(f"{op:<20}{self.calls.kernel.get(op, 0):>12}  {ref or '-'}")
+        return "\n".join(lines)
+
+    def summary(self) -> dict:
+        return dict(kernel=dict(self.calls.kernel),
+                    reference={f"{op} ({why})": n for (op, why), n in self.calls.reference.items()})
+
+    # ------------------------------------------------------------------ projections
+    def linear(self, x: torch.Tensor, lin: Linear, all_reduce=None, route: str | None = None,
+               geometry=None) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        why = self._unsupported(rows, x, lin.weight)
+        if why is None and all_reduce is not None:
+            why = "tensor-parallel partial sum"
+        if why is None and lin.fmt not in ("fp8", "bf16", "f32"):
+            why = f"{lin.fmt} Linear"
+        if why is not None:
+            self._fallback("linear", why)
+            return super().linear(x, lin, all_reduce)
+        self._kernel("linear")
+        nm = self.numerics
+        geo = geometry or self.config.gemv_geometry(lin.out_features, lin.in_features)
+        return gemv.fp8_gemv(x, lin.weight, lin.scale if lin.fmt == "fp8" else None,
+                             act_quant=nm.act_quant and lin.act_quant, out_dtype=nm.act,
+                             route=route or self.config.gemv_route, geometry=geo)
+
+    def linear_f32(self, x: torch.Tensor, lin: Linear, route: str | None = None) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        why = self._unsupported(rows, x, lin.weight)
+        if why is None and lin.fmt not in ("bf16", "f32"):
+            why = f"{lin.fmt} weight"
+        if why is not None:
+            self._fallback("linear_f32", why)
+            return super().linear_f32(x, lin)
+        self._kernel("linear_f32")
+        geo = self.config.gemv_geometry(lin.out_features, lin.in_features)
+        return gemv.fp8_gemv(x, lin.weight, None, act_quant=False, out_dtype=self.numerics.acc,
+                             route=route or self.config.gemv_route, geometry=geo)
+
+    def grouped_wo_a(self, o: torch.Tensor, lin: Linear, groups: int, route: str | None = None) -> torch.Tensor:
+        rows = o.numel() // max(o.shape[-1] * groups, 1)
+        why = self._unsupported(rows, o, lin.weight)
+        if why is None and lin.fmt != "fp8":
+            why = f"{lin.fmt} wo_a"
+        if why is not None:
+            self._fallback("grouped_wo_a", why)
+            return super().grouped_wo_a(o, lin, groups)
+        self._kernel("grouped_wo_a")
+        geo = self.config.gemv_geometry(lin.out_features // groups, lin.in_features)
+        y = gemv.fp8_gemv(o.flatten(-2), lin.weight, lin.scale, act_quant=False, out_dtype=self.numerics.act,
+                          groups=groups, route=route or self.config.gemv_route, geometry=geo)
+        return y.view(*o.shape[:-1], lin.out_features // groups)
+
+    # ------------------------------------------------------------------ routed experts
+    def _moe_unsupported(self, x: torch.Tensor, bank: ExpertBank) -> str | None:
+        why = self._unsupported(x.shape[0], x, bank.w1)
+        if why is None and bank.fmt != "fp4":
+            why = f"{bank.fmt} experts"
+        return why
+
+    def routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route: str | None = None,
+                       geometry=None):
+        why = self._moe_unsupported(x, bank)
+        if why is None and all_reduce is not None:
+            why = "expert-parallel partial sum"
+        if why is None and trace is not None:
+            why = "per-stage trace requested"
+        if why is not None:
+            self._fallback("routed_experts", why)
+            return super().routed_experts(x, idx, weights, bank, limit, trace=trace, all_reduce=all_reduce)
+        self._kernel("routed_experts")
+        nm = self.numerics
+        return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit,
+                                     route=route or self.config.moe_route,
+                                     geometry=geometry or self.config.moe_geometry, act_quant=nm.act_quant,
+                                     act_dtype=nm.act).to(nm.acc)
+
+    def moe_stage1(self, x, idx, bank, route: str | None = None):
+        why = self._moe_unsupported(x, bank)
+        if why is not None:
+            self._fallback("moe_stage1", why)
+            return super().moe_stage1(x, idx, bank)
+        self._kernel("moe_stage1")
+        nm = self.numerics
+        g, u = moe.moe_gate_up(x, idx, None, moe.ExpertTensors.of(bank), 0.0, route=route or self.config.moe_route,
+                               geometry=self.config.moe_geometry, act_quant=nm.act_quant, act_dtype=nm.act,
+                               write_gu=True)
+        return g.to(nm.acc), u.to(nm.acc)
+
+    def moe_stage2(self, h, idx, bank, route: str | None = None):
+        why = self._moe_unsupported(h, bank)
+        if why is not None:
+            self._fallback("moe_stage2", why)
+            return super().moe_stage2(h, idx, bank)
+        self._kernel("moe_stage2")
+        nm = self.numerics
+        return moe.moe_down(h.to(nm.act), idx, moe.ExpertTensors.of(bank), route=route or self.config.moe_route,
+                            geometry=self.config.moe_geometry, act_quant=nm.act_quant, act_dtype=nm.act,
+                            per_slot=True).to(nm.acc)
+
+    # ------------------------------------------------------------------ attention
+    def sparse_attention(self, q, kv, idx, sink, scale, geometry=None):
+        b, s, h, d = q.shape
+        why = self._unsupported(b * s, q, kv)
+        if why is not None:
+            self._fallback("sparse_attention", why)
+            return super().sparse_attention(q, kv, idx, sink, scale)
+        self._kernel("sparse_attention")
+        batch = torch.arange(b, device=q.device).repeat_interleave(s)
+        o = attn.sparse_attention_decode(q.reshape(b * s, h, d), kv, idx.reshape(b * s, -1), batch, sink, scale,
+                                         geometry=geometry or self.config.attention_geometry)
+        return o.view(b, s, h, d)
+
+    def attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale):
+        """Decode attention straight from the caches: ``q [b, H, d]``, the window ring ``win_kv [slots, W, d]``
+        with ``win_rows [b, W]`` and optionally ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]`` (−1 = masked),
+        each row ``i`` reading cache slot ``slots[i]``. Returns ``[b, H, d]``."""
+        self._kernel("sparse_attention")
+        return attn.sparse_attention_decode(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
+                                            batch_b=slots if cmp_kv is not None else None,
+                                            geometry=self.config.attention_geometry)
+
+    # ------------------------------------------------------------------ variants for `verify kernels`
+    def variants(self, method: str) -> dict:
+        """Every route / geometry worth checking of ``method`` (each has the reference method's signature)."""
+        g = self.config
+        if method == "routed_experts":
+            out = {r: partial(self.routed_experts, route=r) for r in moe.ROUTES}
+            split = replace(g.moe_geometry, slot_split=2, block_k=128)
+            out["fma_slot_split2"] = partial(self.routed_experts, route="fma", geometry=split)
+            return out
+        if method in ("moe_stage1", "moe_stage2"):
+            return {r: partial(getattr(self, method), route=r) for r in moe.ROUTES}
+        if method == "linear":
+            out = {r: partial(self.linear, route=r) for r in gemv.ROUTES}
+            out["fma_split3"] = partial(self.linear, geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=3))
+            return out
+        if method == "linear_f32":
+            return {r: partial(self.linear_f32, route=r) for r in gemv.ROUTES}
+        if method == "grouped_wo_a":
+            return {r: partial(self.grouped_wo_a, route=r) for r in gemv.ROUTES}
+        if method == "sparse_attention":
+            return {f"splits{n}": partial(self.sparse_attention,
+                                          geometry=replace(g.attention_geometry, splits=n, block_r=16))
+                    for n in (1, 3)}
+        return {}

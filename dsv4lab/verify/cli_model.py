@@ -1,0 +1,104 @@
+"""``dsv4lab verify model --checkpoint DIR [--backend B]`` — the model-level tiers against the golden oracles.
+
+Exits 0 when every binding tier passes. On failure it runs the layer oracle and names the first layer and stage
+that diverge from the golden digests. Writes ``model.json`` and ``model.md`` to ``--out``.
+"""
+from __future__ import annotations
+
+HELP = "fixed-id oracles, 256-token hash, teacher-forced cached-vs-recompute around every boundary; localises failures"
+
+
+def add_arguments(p):
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--golden", default=None, help="golden JSON (default data/golden/<checkpoint folder name>.json)")
+    p.add_argument("--backend", default="reference")
+    p.add_argument("--device", default=None)
+    p.add_argument("--kl-bound", type=float, default=None,
+                   help="teacher-forced KL bound (default: 1e-9 for the reference, the backend's stated bound otherwise)")
+    p.add_argument("--skip-trajectory", action="store_true", help="skip the 256-token trajectory tier")
+    p.add_argument("--layers", choices=["on-failure", "always", "never"], default="on-failure")
+    p.add_argument("--repairs", default=None, help="a layout repair spec applied while loading")
+    p.add_argument("--inject-fault", default=None, metavar="NAME",
+                   help="run the reference backend with a deliberate model fault (see dsv4lab.model.ops.MODEL_FAULTS) "
+                        "to see how the harness reports it")
+    p.add_argument("--out", default=None)
+
+
+def render(res: dict, golden_path) -> str:
+    from .report import md_table
+    lines = [f"# verify model: {'PASS' if res['ok'] else 'FAIL'}", "",
+             f"backend `{res['backend']}`, golden `{golden_path}`, checkpoint matches the golden's: "
+             f"{res['checkpoint_matches_golden']}, teacher-forced KL bound {res['kl_bound']:g}", ""]
+    t = res["tiers"]
+    lines += ["## Fixed-id oracles", "", md_table(
+        [dict(r, got=r["hash"], expected=r["expected_hash"]) for r in t["oracles"]["rows"]],
+        ["name", "ok", "got", "expected", "first_mismatch", "got_token", "expected_token"]), ""]
+    if "trajectory" in t:
+        tr = t["trajectory"]
+        lines += [f"## {tr['n_tokens']}-token trajectory", "",
+                  f"hash {tr['hash']} (golden {tr['expected_hash']}): {'ok' if tr['ok'] else 'MISMATCH at token ' + str(tr['first_mismatch'])}", ""]
+    c = t["cached_vs_recompute"]
+    lines += ["## Teacher-forced cached vs recompute", "",
+              f"max KL {c['max_kl']:.3g}, first position above the bound: {c['first_divergence']}, "
+              f"argmax agreement {c['argmax_agreement']:.4f}", "", md_table(c["boundaries"], ["boundary", "positions", "max_kl", "ok"]), ""]
+    if "vs_reference" in t:
+        v = t["vs_reference"]
+        lines += ["## Teacher-forced agreement with the reference", "",
+                  f"max KL {v['max_kl']:.3g}, mean {v['mean_kl']:.3g}, first position above the bound: {v['first_divergence']}", ""]
+    if "layers" in res and res["layers"].get("note"):
+        lines += ["## Layer oracle", "", res["layers"]["note"], ""]
+    elif "layers" in res:
+        L = res["layers"]
+        if L["first"]:
+            f = L["first"]
+            lines += ["## Layer oracle", "", f"**first divergence: {f['block']} — {f['stage']}** ({f['note']})", ""]
+        else:
+            lines += ["## Layer oracle", "", "every traced stage matches the golden digests", ""]
+        bad = [r for r in L["rows"] if not r["ok"]][:20]
+        if bad:
+            lines += [md_table(bad, ["block", "stage", "rel_err", "cosine", "jaccard", "note"])]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    import dsv4lab
+
+    from .model import golden_path_for, load_golden, verify_model
+    from .report import write_report
+
+    gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
+    golden = load_golden(gpath)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    runner = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend=args.backend, max_batch=1,
+                          repairs=args.repairs, fault=args.inject_fault)
+    ref = None
+    if args.backend != "reference":
+        ref = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend="reference", max_batch=1,
+                           repairs=args.repairs)
+    res = verify_model(runner, golden, Path(args.checkpoint), ref, args.kl_bound, args.skip_trajectory, args.layers)
+    if hasattr(runner.ops, "report"):
+        res["backend_report"] = runner.ops.report()
+    md = render(res, gpath)
+    folder = write_report(args.out, "model", dict(res, checkpoint=str(args.checkpoint), golden=str(gpath)), md)
+    for name, tier in res["tiers"].items():
+        flag = "ok  " if tier["ok"] else ("FAIL" if tier.get("binding", True) else "diff")
+        extra = ""
+        if name == "oracles":
+            extra = ", ".join(f"{r['name']}: {r['hash']}" for r in tier["rows"])
+        elif name == "trajectory":
+            extra = f"hash {tier['hash']} (golden {tier['expected_hash']})"
+        else:
+            extra = f"max KL {tier['max_kl']:.3g}, first divergence {tier['first_divergence']}"
+        print(f"{flag} {name}: {extra}")
+    if "layers" in res and res["layers"].get("note"):
+        print(f"layer oracle: {res['layers']['note']}")
+    elif "layers" in res:
+        f = res["layers"]["first"]
+        print(f"layer oracle: first divergence at {f['block']} — {f['stage']} ({f['note']})" if f
+              else "layer oracle: every traced stage matches the golden digests")
+    print(f"{'PASS' if res['ok'] else 'FAIL'}; report in {folder}")
+    return 0 if res["ok"] else 1

@@ -1,0 +1,195 @@
+"""Sparse attention decode with an attention sink, over KV rows gathered by index from up to two caches
+(the sliding-window ring and the compressed entries) — no concatenated copy of the caches is ever made.
+
+For one query row ``r`` and head ``h`` (K = V, one shared latent head):
+``z_t = (q_h · kv_t) · scale`` over the selected rows ``t``; ``M = max_t z_t``;
+``o_h = Σ_t act(exp(z_t − M)) · kv_t / (Σ_t exp(z_t − M) + exp(sink_h − M))`` — the reference's
+:meth:`~dsv4lab.model.ops.ReferenceOps.sparse_attention` term for term (the probabilities are rounded to the
+activation dtype before P·V, as the reference kernel does).
+
+A program owns one query row, ``BLOCK_H`` heads and one of ``splits`` contiguous slices of the selected rows.
+It makes two passes over its rows: the first finds the slice's max score, the second accumulates with that max,
+so with ``splits=1`` every probability is taken relative to the true maximum exactly as in the reference. With
+``splits > 1`` (flash-decoding: more programs for long selections) each slice writes ``(max, denominator,
+numerator)`` and a combine kernel rescales them to the global max; the bf16 rounding of each probability is then
+relative to its slice's max (a rounding-level difference).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import round_to_bf16
+from .fp8_gemv import interpreting
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Heads per program, KV rows per step, slices of the selected rows (programs per query and head block)."""
+
+    block_h: int = 16
+    block_r: int = 16
+    splits: int = 1
+    num_warps: int = 8
+
+
+@triton.jit
+def _gather_rows(j0, Ka, Ktot, rows_a, rows_b, kva_row0, kvb_row0, stride_na, stride_nb, d, d_ok,
+                 BLOCK_R: tl.constexpr):
+    """KV rows for selection positions ``j0..j0+BLOCK_R``: positions ``< Ka`` index cache A, the rest cache B."""
+    j = j0 + tl.arange(0, BLOCK_R)
+    in_a = j < Ka
+    in_b = (j >= Ka) & (j < Ktot)
+    ra = tl.load(rows_a + j, mask=in_a, other=-1)
+    rb = tl.load(rows_b + (j - Ka), mask=in_b, other=-1)
+    row = tl.where(in_a, ra, rb)
+    valid = row >= 0
+    ptr = tl.where(in_a, kva_row0 + tl.maximum(ra, 0) * stride_na, kvb_row0 + tl.maximum(rb, 0) * stride_nb)
+    kv = tl.load(ptr[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    return kv, valid
+
+
+@triton.jit
+def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, bat_b_ptr, sink_ptr,
+                        out_ptr, pm_ptr, pl_ptr, pacc_ptr,
+                        H, D, Ka, Kb, scale,
+                        stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb,
+                        SPLITS: tl.constexpr, ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                other=0.0).to(tl.float32)
+    if not DOT_FP32:
+        q = q.to(tl.bfloat16)
+    Ktot = Ka + Kb
+    per = tl.cdiv(tl.cdiv(Ktot, SPLITS), BLOCK_R) * BLOCK_R
+    j_lo = sp * per
+    j_hi = tl.minimum(j_lo + per, Ktot)
+    kva_row0 = kva_ptr + tl.load(bat_a_ptr + r) * stride_ba
+    kvb_row0 = kvb_ptr + tl.load(bat_b_ptr + r) * stride_bb
+    rows_a = rows_a_ptr + r * stride_ra
+    rows_b = rows_b_ptr + r * stride_rb
+
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for j0 in range(j_lo, j_hi, BLOCK_R):
+        kv, valid = _gather_rows(j0, Ka, tl.minimum(Ktot, j_hi), rows_a, rows_b, kva_row0, kvb_row0, stride_na,
+                                 stride_nb, d, d_ok, BLOCK_R)
+        if DOT_FP32:
+            z = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
+        else:
+            z = tl.dot(q, tl.trans(kv.to(tl.bfloat16))) * scale
+        z = tl.where(valid[None, :], z, float("-inf"))
+        m = tl.maximum(m, tl.max(z, axis=1))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    for j0 in range(j_lo, j_hi, BLOCK_R):
+        kv, valid = _gather_rows(j0, Ka, tl.minimum(Ktot, j_hi), rows_a, rows_b, kva_row0, kvb_row0, stride_na,
+                                 stride_nb, d, d_ok, BLOCK_R)
+        if DOT_FP32:
+            z = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
+        else:
+            z = tl.dot(q, tl.trans(kv.to(tl.bfloat16))) * scale
+        p = tl.exp(tl.where(valid[None, :], z, float("-inf")) - m_safe[:, None])
+        den += tl.sum(p, axis=1)
+        if ROUND_ACT:
+            p = round_to_bf16(p)
+        if DOT_FP32:
+            acc += tl.dot(p, kv, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(tl.bfloat16), kv.to(tl.bfloat16))
+    if SPLITS == 1:
+        sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+        o = acc / (den + tl.exp(sink - m))[:, None]
+        if ROUND_ACT:
+            o = round_to_bf16(o)
+        tl.store(out_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & d_ok[None, :])
+    else:
+        part = (r * SPLITS + sp) * H + h
+        tl.store(pm_ptr + part, m, mask=h_ok)
+        tl.store(pl_ptr + part, den, mask=h_ok)
+        tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, D, stride_qr, stride_qh,
+                         SPLITS: tl.constexpr, ROUND_ACT: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < H
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(pm_ptr + (r * SPLITS + s) * H + h, mask=h_ok, other=float("-inf")))
+    den = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    for s in tl.static_range(SPLITS):
+        part = (r * SPLITS + s) * H + h
+        ms = tl.load(pm_ptr + part, mask=h_ok, other=float("-inf"))
+        w = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
+        den += w * tl.load(pl_ptr + part, mask=h_ok, other=0.0)
+        acc += w[:, None] * tl.load(pacc_ptr + part[:, None] * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                                    other=0.0)
+    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+    o = acc / (den + tl.exp(sink - m))[:, None]
+    if ROUND_ACT:
+        o = round_to_bf16(o)
+    tl.store(out_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
+
+
+def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Tensor, batch_a: torch.Tensor,
+                            sink: torch.Tensor, scale: float, kv_b: torch.Tensor | None = None,
+                            rows_b: torch.Tensor | None = None, batch_b: torch.Tensor | None = None,
+                            geometry: AttentionGeometry | None = None) -> torch.Tensor:
+    """Attention with a sink for query rows ``q [R, H, d]`` over rows gathered from one or two caches.
+
+    ``kv_a [B_a, n_a, d]`` with ``rows_a [R, K_a]`` (row indices into ``kv_a[batch_a[r]]``, −1 = masked) and
+    optionally ``kv_b``/``rows_b``/``batch_b`` likewise; ``sink [H]`` fp32. Returns ``[R, H, d]`` in ``q.dtype``.
+    """
+    g = geometry or AttentionGeometry()
+    q = q.contiguous()
+    R, H, D = q.shape
+    assert q.stride(2) == 1 and kv_a.stride(2) == 1 and kv_a.shape[2] == D
+    assert rows_a.shape[0] == R and batch_a.shape == (R,)
+    if kv_b is None:
+        kv_b, rows_b, batch_b = kv_a, rows_a[:, :0], batch_a
+    assert kv_b.stride(2) == 1 and kv_b.shape[2] == D and rows_b.shape[0] == R and kv_b.dtype == kv_a.dtype
+    rows_a = rows_a.contiguous()
+    rows_b = rows_b.contiguous()
+    Ka, Kb = rows_a.shape[1], rows_b.shape[1]
+    splits = max(1, min(g.splits, triton.cdiv(max(Ka + Kb, 1), g.block_r)))
+    out = torch.empty_like(q)
+    if splits > 1:
+        pm = torch.empty(R, splits, H, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+        pacc = torch.empty(R, splits, H, D, dtype=torch.float32, device=q.device)
+    else:
+        pm = pl = pacc = out
+    sink = sink.to(torch.float32).contiguous()
+    block_d = triton.next_power_of_2(D)
+    grid = (R, triton.cdiv(H, g.block_h), splits)
+    _attn_decode_kernel[grid](q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, out, pm, pl, pacc,
+                              H, D, Ka, Kb, float(scale), q.stride(0), q.stride(1), kv_a.stride(0), kv_a.stride(1),
+                              kv_b.stride(0), kv_b.stride(1), rows_a.stride(0), max(rows_b.stride(0), 1),
+                              SPLITS=splits, ROUND_ACT=q.dtype == torch.bfloat16, DOT_FP32=interpreting(),
+                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps)
+    if splits > 1:
+        _attn_combine_kernel[(R, triton.cdiv(H, g.block_h))](pm, pl, pacc, sink, out, H, D, out.stride(0),
+                                                              out.stride(1), SPLITS=splits,
+                                                              ROUND_ACT=q.dtype == torch.bfloat16,
+                                                              BLOCK_H=g.block_h, BLOCK_D=block_d,
+                                                              num_warps=g.num_warps)
+    return out

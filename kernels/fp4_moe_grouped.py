@@ -1,0 +1,474 @@
+"""Grouped FP4 MoE GEMM for prefill: gate/up (+ clamped SwiGLU, routing weight, FP8 re-quantization) and down.
+
+The slots (token, top-k position) are first grouped by expert into blocks of ``rows`` rows
+(``kernels/moe_sort.py``). One program computes a ``BLOCK_N``-wide output tile for one block: it unpacks each
+packed E2M1 weight tile (with its 1×32 E8M0 scales) **once** and multiplies it with all ``rows`` activation rows of
+the block on tensor cores, so the unpack cost is divided by ``rows`` — the paper's "unpack reuse across rows" and
+the reason its 64-row sorter beat the 32-row one.
+
+Operands are swapped (``accᵀ[N, rows] = W[N, K] · Xᵀ[K, rows]``): the unpacked weight tile is the MMA's first
+operand and the block's rows its second, so 16…128-row blocks all map onto the MMA shapes.
+
+Three routes, all computing the reference's products exactly (E2M1 × 2^s and E4M3 × 2^s are exact in bf16 and
+fp32) and differing only in fp32 summation order:
+
+* ``bf16`` — weights unpacked to bf16 (value × scale), activations pre-dequantized to bf16;
+* ``fp8`` — weights upcast exactly to E4M3 relative to the largest 1×32 scale of each K tile (exact while a
+  tile's scales span at most :data:`FP8_ROUTE_MAX_SPREAD` binades, which :func:`fp8_route_exact` checks), FP8
+  dots, and the two remaining scales applied to the fp32 partial once per K tile (the block-FP8 scheme of the
+  dense GEMM);
+* ``scaled`` — ``tl.dot_scaled`` with the packed E2M1 weights and their E8M0 scales as they are stored, and the
+  FP8 activations with their per-128 scale repeated per 32 (Triton emulates it where the hardware has no MX
+  tensor cores, e.g. through bf16 on sm_90).
+
+For the ``bf16``/``fp8`` routes the activations are stored with the even K columns first and the odd ones second
+(``quantize_activations(..., deq_split/q_split)``), so a weight byte's low nibble meets the first half and its
+high nibble the second and no interleave is needed.
+
+Stage 1 with ``fuse=True`` ends in the reference's activation: each of g, u rounded to bf16, clamped SwiGLU, times
+the routing weight, rounded to bf16, then FP8-quantized per row over its 128 columns (``BLOCK_N = 128`` is the
+quantization block), written per sorted row in the layout stage 2 reads. Stage 2 writes each slot's bf16 output;
+:func:`combine_slots` sums a token's slots exactly (fp64) and rounds once, as ``ReferenceOps.moe_combine``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import e2m1_pair_to_f32_scaled, e8m0_to_f32, pow2
+from .fp8_gemm import interpreting, pow2_exponent, quantize_activations, quantize_block_fp8, to_bf16
+from .moe_sort import SortedRouting, sort_by_expert
+
+ROUTES = ("bf16", "fp8", "scaled")
+FP8_ROUTE_MAX_SPREAD = 14  # binades of 1×32 scales one K tile may span for the exact E2M1 → E4M3 upcast
+ROUTE_ID = {name: i for i, name in enumerate(ROUTES)}
+
+
+# ============================================================================================ unpacking
+@triton.jit
+def _load_weight_halves(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The packed tile ``W[e, rn, k0:k0+BLOCK_K]`` decoded: the even columns (low nibbles) and the odd columns
+    (high nibbles) as ``value · 2^-14`` fp32 ``[BLOCK_N, BLOCK_K/32, 16]``, and the scale bytes
+    ``[BLOCK_N, BLOCK_K/32]`` (int32)."""
+    G: tl.constexpr = BLOCK_K // 32
+    gi = tl.arange(0, G)
+    bj = tl.arange(0, 16)
+    g_ok = (k0 + 32 * gi) < K
+    byte = (k0 // 2) + gi[:, None] * 16 + bj[None, :]
+    w_row = w_ptr + e.to(tl.int64) * stride_we + rn[:, None, None].to(tl.int64) * stride_wn
+    wb = tl.load(w_row + byte[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None], other=0).to(tl.int32)
+    sc = tl.load(s_ptr + e.to(tl.int64) * stride_se + rn[:, None].to(tl.int64) * stride_sn + k0 // 32 + gi[None, :],
+                 mask=n_ok[:, None] & g_ok[None, :], other=0).to(tl.int32)  # 0: never the tile's largest scale
+    lo, hi = e2m1_pair_to_f32_scaled(wb & 0xFF)
+    return lo, hi, sc
+
+
+@triton.jit
+def _unpack_bf16(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile as two bf16 halves ``[BLOCK_N, BLOCK_K/2]`` (even columns, odd columns), value × scale (exact)."""
+    lo, hi, sc = _load_weight_halves(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                                     BLOCK_N, BLOCK_K)
+    scale = (e8m0_to_f32(sc) * 16384.0)[:, :, None]  # × 2^14: the codec returns value · 2^-14
+    w_lo = tl.reshape((lo * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
+    w_hi = tl.reshape((hi * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
+    return w_lo, w_hi
+
+
+@triton.jit
+def _unpack_fp8(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tile as two E4M3 halves times ``2^(s − ref)`` per 32-group, and ``2^ref`` per row (fp32).
+
+    ``ref`` = the row's largest scale in the tile − 6: E2M1 values (0.5 … 6) times ``2^-8 … 2^6`` are all exact
+    in E4M3 (384 ≤ 448 at the top, 2^-9 is its smallest subnormal), so up to 14 binades of scale spread are exact.
+    """
+    lo, hi, sc = _load_weight_halves(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                                     BLOCK_N, BLOCK_K)
+    ref = tl.max(sc, axis=1) - 6
+    rel = pow2(tl.maximum(sc - ref[:, None] + 14, -126))[:, :, None]  # + 14: the codec gives value · 2^-14
+    w_lo = tl.reshape((lo * rel).to(tl.float8e4nv), (BLOCK_N, BLOCK_K // 2))
+    w_hi = tl.reshape((hi * rel).to(tl.float8e4nv), (BLOCK_N, BLOCK_K // 2))
+    return w_lo, w_hi, e8m0_to_f32(ref)
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr):
+    if UPCAST:  # the CPU interpreter computes bf16/fp8 dots wrongly: feed it fp32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok, k0, K,
+                     stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ROUTE: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """``acc[BLOCK_N, ROWS] += W[e, rn, k0:k0+BLOCK_K] · X[xrow, k0:k0+BLOCK_K]ᵀ`` for one route."""
+    x_rows = x_ptr + xrow[None, :].to(tl.int64) * stride_xm
+    if ROUTE == 2:  # tl.dot_scaled on the stored E2M1 bytes and E8M0 scales
+        G: tl.constexpr = BLOCK_K // 32
+        kk = tl.arange(0, BLOCK_K)
+        kj = tl.arange(0, BLOCK_K // 2)
+        gi = tl.arange(0, G)
+        k_ok = (k0 + kk) < K
+        xt = tl.load(x_rows + (k0 + kk)[:, None], mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        xsc = tl.load(xs_ptr + xrow[:, None].to(tl.int64) * stride_xs + k0 // 32 + gi[None, :],
+                      mask=row_ok[:, None] & ((k0 + 32 * gi) < K)[None, :], other=127)
+        w_row = w_ptr + e.to(tl.int64) * stride_we + rn[:, None].to(tl.int64) * stride_wn
+        wb = tl.load(w_row + (k0 // 2 + kj)[None, :], mask=n_ok[:, None] & ((k0 + 2 * kj) < K)[None, :], other=0)
+        wsc = tl.load(s_ptr + e.to(tl.int64) * stride_se + rn[:, None].to(tl.int64) * stride_sn + k0 // 32
+                      + gi[None, :], mask=n_ok[:, None] & ((k0 + 32 * gi) < K)[None, :], other=127)
+        acc = tl.dot_scaled(wb, wsc, "e2m1", xt, xsc, "e4m3", acc)
+    else:
+        kj = tl.arange(0, BLOCK_K // 2)
+        k_ok = (k0 // 2 + kj) < K // 2
+        m = k_ok[:, None] & row_ok[None, :]
+        xe = tl.load(x_rows + (k0 // 2 + kj)[:, None], mask=m, other=0.0)
+        xo = tl.load(x_rows + K // 2 + (k0 // 2 + kj)[:, None], mask=m, other=0.0)
+        if ROUTE == 0:
+            w_lo, w_hi = _unpack_bf16(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
+                                      BLOCK_N, BLOCK_K)
+            acc = _mma(w_lo, xe, acc, UPCAST)
+            acc = _mma(w_hi, xo, acc, UPCAST)
+        else:
+            w_lo, w_hi, w_top = _unpack_fp8(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se,
+                                            stride_sn, BLOCK_N, BLOCK_K)
+            part = _mma(w_lo, xe, tl.zeros((BLOCK_N, ROWS), dtype=tl.float32), UPCAST)
+            part = _mma(w_hi, xo, part, UPCAST)
+            sx = tl.load(xs_ptr + xrow.to(tl.int64) * stride_xs + k0 // 128, mask=row_ok, other=0.0)
+            acc += part * w_top[:, None] * sx[None, :]
+    return acc
+
+
+# ============================================================================================ stage 1: gate/up
+@triton.jit
+def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
+                    out0_ptr, out1_ptr, D, I, TOPK, limit,
+                    stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_o0, stride_o1,
+                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
+                    FUSE: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    blk = pid // n_tiles  # consecutive programs share a block: its rows stay in L2 across the N tiles
+    tile = pid % n_tiles
+    e = tl.load(block_expert_ptr + blk)
+    if e >= 0:
+        rows = blk * ROWS + tl.arange(0, ROWS)
+        slot = tl.load(sorted_ptr + rows)
+        valid = slot >= 0
+        tok = tl.where(valid, slot // TOPK, 0)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < I
+        acc_g = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            acc_g = _accumulate_tile(acc_g, w1_ptr, s1_ptr, e, rn, n_ok, x_ptr, xs_ptr, tok, valid, k0, D,
+                                     stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
+                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, UPCAST)
+            acc_u = _accumulate_tile(acc_u, w3_ptr, s3_ptr, e, rn, n_ok, x_ptr, xs_ptr, tok, valid, k0, D,
+                                     stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
+                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, UPCAST)
+        # the reference's Linear outputs bf16: round g and u before the activation
+        g = to_bf16(acc_g).to(tl.float32)
+        u = to_bf16(acc_u).to(tl.float32)
+        keep = n_ok[:, None] & valid[None, :]
+        if FUSE:
+            if limit > 0:
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                g = tl.minimum(g, limit)
+            rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
+            h = g / (1.0 + tl.exp(-g)) * u * rw[None, :]
+            h = tl.where(keep, to_bf16(h).to(tl.float32), 0.0)
+            ex = pow2_exponent(tl.max(tl.abs(h), axis=0))  # per row, over this 128-column quantization block
+            q = quantize_block_fp8(h, ex[None, :])
+            row_off = rows[None, :].to(tl.int64) * stride_o0
+            if ROUTE == 2:
+                tl.store(out0_ptr + row_off + rn[:, None], q, mask=keep)
+                sub = tl.arange(0, 4)
+                byte = tl.broadcast_to((ex + 127).to(tl.uint8)[:, None], (ROWS, 4))
+                tl.store(out1_ptr + rows[:, None].to(tl.int64) * stride_o1 + tile * 4 + sub[None, :], byte,
+                         mask=valid[:, None] & ((tile * BLOCK_N + 32 * sub) < I)[None, :])
+            else:
+                split = (rn % 2) * (I // 2) + rn // 2
+                if ROUTE == 0:
+                    tl.store(out0_ptr + row_off + split[:, None], (q.to(tl.float32) * pow2(ex)[None, :]).to(
+                        tl.bfloat16), mask=keep)
+                else:
+                    tl.store(out0_ptr + row_off + split[:, None], q, mask=keep)
+                    tl.store(out1_ptr + rows.to(tl.int64) * stride_o1 + tile, pow2(ex), mask=valid)
+        else:
+            off = slot[None, :].to(tl.int64) * stride_o0 + rn[:, None]
+            tl.store(out0_ptr + off, g, mask=keep)
+            tl.store(out1_ptr + off, u, mask=keep)
+
+
+# ============================================================================================ stage 2: down
+@triton.jit
+def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, out_ptr, D, I,
+                 stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
+                 X_SORTED: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(D, BLOCK_N)
+    blk = pid // n_tiles
+    tile = pid % n_tiles
+    e = tl.load(block_expert_ptr + blk)
+    if e >= 0:
+        rows = blk * ROWS + tl.arange(0, ROWS)
+        slot = tl.load(sorted_ptr + rows)
+        valid = slot >= 0
+        if X_SORTED:
+            xrow = rows
+        else:
+            xrow = tl.where(valid, slot, 0)
+        rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < D
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            acc = _accumulate_tile(acc, w2_ptr, s2_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, valid, k0, I,
+                                   stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
+                                   BLOCK_N, BLOCK_K, ROWS, ROUTE, UPCAST)
+        off = slot[None, :].to(tl.int64) * stride_o + rn[:, None]
+        tl.store(out_ptr + off, to_bf16(acc), mask=n_ok[:, None] & valid[None, :])
+
+
+# ============================================================================================ combine
+@triton.jit
+def _combine_kernel(out_ptr, idx_ptr, y_ptr, D, TOPK, expert_lo, expert_hi, stride_o, stride_y,
+                    BLOCK_D: tl.constexpr, OUT_F64: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float64)  # a sum of k bf16 values is exact in fp64: order-free
+    for j in range(0, TOPK):
+        ex = tl.load(idx_ptr + t * TOPK + j)
+        width = tl.where((ex >= expert_lo) & (ex < expert_hi), D, 0)  # slots of other ranks: read nothing
+        v = tl.load(out_ptr + (t * TOPK + j).to(tl.int64) * stride_o + d, mask=d < width, other=0.0)
+        v = v.to(tl.float64)
+        acc += tl.where(v != v, 0.0, v)  # the reference skips NaN slots (nan_to_num)
+    if OUT_F64:
+        tl.store(y_ptr + t.to(tl.int64) * stride_y + d, acc, mask=d < D)
+    else:
+        tl.store(y_ptr + t.to(tl.int64) * stride_y + d, acc.to(tl.float32), mask=d < D)
+
+
+# ============================================================================================ launchers
+@dataclass(frozen=True)
+class MoEGeometry:
+    """Launch geometry of the two grouped GEMMs (stage 1 needs ``block_n1 = 128``: the FP8 block of h)."""
+
+    rows: int = 64
+    block_n1: int = 128
+    block_k1: int = 128
+    warps1: int = 4
+    stages1: int = 3
+    block_n2: int = 128
+    block_k2: int = 128
+    warps2: int = 4
+    stages2: int = 3
+
+    def replace(self, **kw) -> "MoEGeometry":
+        from dataclasses import replace
+        return replace(self, **kw)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _check_bank(bank) -> None:
+    assert bank.fmt == "fp4", f"grouped FP4 MoE: expert bank format is {bank.fmt!r}, expected 'fp4'"
+    E, I, D = bank.n_experts, bank.inter, bank.dim
+    for name, shape in (("w1", (E, I, D // 2)), ("w3", (E, I, D // 2)), ("w2", (E, D, I // 2)),
+                        ("w1_scale", (E, I, D // 32)), ("w3_scale", (E, I, D // 32)), ("w2_scale", (E, D, I // 32))):
+        t = getattr(bank, name)
+        assert tuple(t.shape) == shape, f"expert bank {name}: shape {list(t.shape)}, expected {list(shape)}"
+        assert t.is_contiguous(), f"expert bank {name} must be contiguous"
+
+
+_EXACT_CACHE: dict[tuple, bool] = {}
+
+
+def fp8_route_exact(bank, block_k: int = 128) -> bool:
+    """Whether every ``block_k``-wide K tile of every expert weight has 1×32 scales within
+    :data:`FP8_ROUTE_MAX_SPREAD` binades, so the ``fp8`` route's upcast to E4M3 is exact."""
+    key = tuple((getattr(bank, n).data_ptr(), tuple(getattr(bank, n).shape)) for n in ("w1_scale", "w3_scale",
+                                                                                    "w2_scale")) + (block_k,)
+    hit = _EXACT_CACHE.get(key)
+    if hit is not None:
+        return hit
+    ok = True
+    per = block_k // 32
+    for name in ("w1_scale", "w3_scale", "w2_scale"):
+        s = _u8(getattr(bank, name)).to(torch.int16)
+        g = s.shape[-1]
+        pad = -g % per
+        hi = torch.nn.functional.pad(s, (0, pad), value=0).view(*s.shape[:-1], -1, per).amax(-1)
+        lo = torch.nn.functional.pad(s, (0, pad), value=255).view(*s.shape[:-1], -1, per).amin(-1)
+        ok = ok and bool(((hi - lo) <= FP8_ROUTE_MAX_SPREAD).all())
+    _EXACT_CACHE[key] = ok
+    return ok
+
+
+def _activation_operands(x: torch.Tensor, route: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` quantized as the reference does, in the layout ``route`` reads: (values, scales)."""
+    if route == "bf16":
+        qa = quantize_activations(x, q=False, deq_split=True)
+        return qa["deq_split"], qa["scale"]
+    if route == "fp8":
+        qa = quantize_activations(x, q=False, q_split=True)
+        return qa["q_split"], qa["scale"]
+    qa = quantize_activations(x, q=True, scales32=True)
+    return qa["q"], qa["scale32"]
+
+
+def _h_buffers(n_rows: int, inter: int, route: str, device, poison: bool):
+    """Stage 1's fused output (h, FP8-quantized per 128 columns) in the layout of ``route``."""
+    nan_fill = float("nan") if poison else None
+    if route == "bf16":
+        h = torch.empty(n_rows, inter, dtype=torch.bfloat16, device=device)
+        hs = torch.empty(1, 1, dtype=torch.float32, device=device)
+        if poison:
+            h.fill_(nan_fill)
+        return h, hs
+    h = torch.empty(n_rows, inter, dtype=torch.float8_e4m3fn, device=device)
+    if poison:
+        h.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
+    if route == "fp8":
+        hs = torch.empty(n_rows, triton.cdiv(inter, 128), dtype=torch.float32, device=device)
+        if poison:
+            hs.fill_(nan_fill)
+    else:
+        hs = torch.empty(n_rows, triton.cdiv(inter, 32), dtype=torch.uint8, device=device)
+        if poison:
+            hs.fill_(255)  # E8M0 NaN
+    return h, hs
+
+
+def _check_route(route: str, bank, geo: MoEGeometry) -> None:
+    assert route in ROUTES, f"unknown MoE route {route!r}; known: {', '.join(ROUTES)}"
+    assert geo.block_k1 % 32 == 0 and geo.block_k2 % 32 == 0, "BLOCK_K must be a multiple of the FP4 group (32)"
+    if route == "fp8":
+        assert 128 % geo.block_k1 == 0 and 128 % geo.block_k2 == 0, "fp8 route: BLOCK_K must divide 128"
+        assert fp8_route_exact(bank, max(geo.block_k1, geo.block_k2)), \
+            f"fp8 route: some K tile's FP4 scales span more than {FP8_ROUTE_MAX_SPREAD} binades (the E4M3 upcast " \
+            "would not be exact)"
+
+
+def gate_up(xv: torch.Tensor, xs: torch.Tensor, bank, routing: SortedRouting, route: str, geo: MoEGeometry,
+            weights: torch.Tensor | None = None, limit: float = 0.0, fuse: bool = True, poison: bool = False):
+    """Stage 1 on pre-quantized activations ``(xv, xs)`` (see :func:`_activation_operands`).
+
+    ``fuse=True``: returns ``(h, h_scale)`` per sorted row (stage 2's input); ``weights [T·k]`` fp32 needed.
+    ``fuse=False``: returns ``(g, u)`` fp32 ``[T·k, I]`` (bf16-rounded; rows of unowned slots are NaN).
+    """
+    E, I, D = bank.n_experts, bank.inter, bank.dim
+    rows = routing.rows
+    n_slots = xv.shape[0] * routing.top_k
+    dev = xv.device
+    if fuse:
+        assert geo.block_n1 == 128, "fused stage 1 quantizes h per 128 columns: block_n1 must be 128"
+        assert weights is not None and weights.dtype == torch.float32 and weights.is_contiguous()
+        out0, out1 = _h_buffers(routing.sorted_slots.shape[0], I, route, dev, poison)
+        so0, so1 = out0.stride(0), out1.stride(0)
+        rw = weights
+    else:
+        out0 = torch.full((n_slots, I), float("nan"), dtype=torch.float32, device=dev)
+        out1 = torch.full_like(out0, float("nan"))
+        so0 = so1 = I
+        rw = routing.sorted_slots  # unused
+    grid = (routing.max_blocks * triton.cdiv(I, geo.block_n1),)
+    w1, w3 = _u8(bank.w1), _u8(bank.w3)
+    s1, s3 = _u8(bank.w1_scale), _u8(bank.w3_scale)
+    _gate_up_kernel[grid](xv, xs, w1, w3, s1, s3, routing.sorted_slots, routing.block_expert, rw, out0, out1,
+                          D, I, routing.top_k, float(limit), xv.stride(0), xs.stride(0), w1.stride(0), w1.stride(1),
+                          s1.stride(0), s1.stride(1), so0, so1, ROWS=rows, BLOCK_N=geo.block_n1,
+                          BLOCK_K=geo.block_k1, ROUTE=ROUTE_ID[route], FUSE=fuse, UPCAST=interpreting(),
+                          num_warps=geo.warps1, num_stages=geo.stages1)
+    return out0, out1
+
+
+def down(hv: torch.Tensor, hs: torch.Tensor, bank, routing: SortedRouting, route: str, geo: MoEGeometry,
+         n_slots: int, x_sorted: bool = True) -> torch.Tensor:
+    """Stage 2: bf16 per-slot outputs ``[n_slots, D]`` (rows of slots not in the bank are left unwritten).
+
+    ``x_sorted``: ``hv`` rows are sorted rows (stage 1's fused output) rather than slot ids."""
+    E, I, D = bank.n_experts, bank.inter, bank.dim
+    out = torch.empty(n_slots, D, dtype=torch.bfloat16, device=hv.device)
+    w2, s2 = _u8(bank.w2), _u8(bank.w2_scale)
+    grid = (routing.max_blocks * triton.cdiv(D, geo.block_n2),)
+    _down_kernel[grid](hv, hs, w2, s2, routing.sorted_slots, routing.block_expert, out, D, I, hv.stride(0),
+                       hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+                       ROWS=routing.rows, BLOCK_N=geo.block_n2, BLOCK_K=geo.block_k2, ROUTE=ROUTE_ID[route],
+                       X_SORTED=x_sorted, UPCAST=interpreting(), num_warps=geo.warps2, num_stages=geo.stages2)
+    return out
+
+
+def combine_slots(out: torch.Tensor, idx: torch.Tensor, expert_lo: int, expert_hi: int, all_reduce=None,
+                  block_d: int = 512) -> torch.Tensor:
+    """``Σ`` over each token's owned slots ``[T·k, D]`` (bf16) → ``[T, D]`` fp32, as ``ReferenceOps.moe_combine``:
+    the exact sum (fp64) rounded once, after ``all_reduce`` (expert parallelism) adds the other ranks' sums."""
+    T, k = idx.shape
+    D = out.shape[1]
+    idx32 = idx.to(torch.int32).contiguous()
+    y = torch.empty(T, D, dtype=torch.float64 if all_reduce is not None else torch.float32, device=out.device)
+    if T:
+        block_d = min(block_d, triton.next_power_of_2(D))
+        _combine_kernel[(T, triton.cdiv(D, block_d))](out, idx32, y, D, k, expert_lo, expert_hi, out.stride(0),
+                                                      y.stride(0), BLOCK_D=block_d, OUT_F64=all_reduce is not None)
+    if all_reduce is not None:
+        y = all_reduce(y).to(torch.float32)
+    return y
+
+
+def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, bank, limit: float,
+                   route: str = "bf16", geo: MoEGeometry = MoEGeometry(), poison: bool = False,
+                   routing: SortedRouting | None = None, all_reduce=None) -> torch.Tensor:
+    """The routed MoE of ``x [T, D]`` (bf16): sort → quantize → gate/up + SwiGLU → down → combine; ``[T, D]`` fp32.
+
+    ``poison`` fills the intermediate buffers with NaN first (tests: a read of a padding row shows up).
+    """
+    _check_bank(bank)
+    _check_route(route, bank, geo)
+    assert x.dtype == torch.bfloat16 and x.is_contiguous(), "routed_experts: x must be contiguous bf16 [T, D]"
+    T, k = idx.shape
+    if routing is None:
+        routing = sort_by_expert(idx, bank.n_experts, geo.rows, bank.expert_offset)
+    xv, xs = _activation_operands(x, route)
+    h, hs = gate_up(xv, xs, bank, routing, route, geo, weights.reshape(-1).float().contiguous(), limit,
+                    fuse=True, poison=poison)
+    out = down(h, hs, bank, routing, route, geo, T * k, x_sorted=True)
+    return combine_slots(out, idx, bank.expert_offset, bank.expert_offset + bank.n_experts, all_reduce)
+
+
+def _owned(idx: torch.Tensor, bank) -> torch.Tensor:
+    return (idx >= bank.expert_offset) & (idx < bank.expert_offset + bank.n_experts)
+
+
+def moe_stage1(x: torch.Tensor, idx: torch.Tensor, bank, route: str = "bf16",
+               geo: MoEGeometry = MoEGeometry()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ReferenceOps.moe_stage1``: ``(g, u) [T, k, I]`` fp32, bf16-rounded, NaN for slots of other ranks."""
+    _check_bank(bank)
+    _check_route(route, bank, geo)
+    T, k = idx.shape
+    routing = sort_by_expert(idx, bank.n_experts, geo.rows, bank.expert_offset)
+    xv, xs = _activation_operands(x.contiguous(), route)
+    g, u = gate_up(xv, xs, bank, routing, route, geo, fuse=False)
+    return g.view(T, k, -1), u.view(T, k, -1)
+
+
+def moe_stage2(h: torch.Tensor, idx: torch.Tensor, bank, route: str = "bf16",
+               geo: MoEGeometry = MoEGeometry()) -> torch.Tensor:
+    """``ReferenceOps.moe_stage2``: ``h [T, k, I]`` fp32 → ``[T, k, D]`` fp32 (bf16-rounded; NaN for other ranks)."""
+    _check_bank(bank)
+    _check_route(route, bank, geo)
+    T, k, I = h.shape
+    routing = sort_by_expert(idx, bank.n_experts, geo.rows, bank.expert_offset)
+    hv, hsc = _activation_operands(h.reshape(T * k, I).to(torch.bfloat16).contiguous(), route)
+    out = down(hv, hsc, bank, routing, route, geo, T * k, x_sorted=False)
+    out = torch.where(_owned(idx, bank).reshape(-1, 1), out.float(), float("nan"))
+    return out.view(T, k, -1)

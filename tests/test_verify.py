@@ -1,0 +1,129 @@
+"""The correctness harness: compare helper, kernel registry, model/layer oracles, golden files, fault injection."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv4lab
+from dsv4lab.layouts import FAULTS, inject_fault_into_checkpoint
+from dsv4lab.model.ops import MODEL_FAULTS
+from dsv4lab.verify.compare import compare, tolerance
+from dsv4lab.verify.model import load_golden, record_golden, verify_model
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "data" / "golden" / "tiny.json"
+CLI = [sys.executable, "-m", "dsv4lab"]
+
+
+def test_compare_helper_nan_positions_worst_element_and_tolerance():
+    ref = torch.randn(5, 7, dtype=torch.float64)
+    out = ref.clone()
+    assert compare("same", out, ref, kind="exact").ok
+    out[3, 2] += 1.0
+    c = compare("one off", out, ref, dtype=torch.float32, kind="reduction")
+    assert not c.ok and c.worst["index"] == [3, 2] and c.n_bad == 1 and "beyond" in c.message
+    nan_ref = ref.clone()
+    nan_ref[0, 0] = float("nan")
+    c = compare("nan", ref, nan_ref, kind="reduction")
+    assert not c.ok and c.nan_mismatch == 1
+    both = compare("nan both", nan_ref.clone(), nan_ref, kind="exact")
+    assert both.ok
+    assert tolerance(torch.bfloat16, "quantized").rtol > tolerance(torch.float32, "reduction").rtol
+
+
+def test_verify_kernels_reference_is_bitwise():
+    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.model.ops import ReferenceOps
+    from dsv4lab.verify.kernels import run_kernel_checks
+    rows = run_kernel_checks([ReferenceOps(Numerics())], None, "cpu", 0)
+    assert rows and all(r["ok"] and r["bitwise_equal"] for r in rows)
+    ops = {r["op"] for r in rows}
+    assert {"linear_fp8", "linear_fp4", "moe_stage1", "moe_activation", "moe_stage2", "sparse_attention",
+            "compressor_pool", "indexer_scores", "hc_pre", "rms_norm"} <= ops
+
+
+def test_verify_model_cli_passes_on_tiny(tmp_path):
+    r = subprocess.run(CLI + ["verify", "model", "--checkpoint", str(ROOT / "data" / "tiny"), "--out",
+                              str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "model.json").read_text())
+    assert res["ok"] and set(res["tiers"]) == {"oracles", "trajectory", "cached_vs_recompute"}
+    assert res["tiers"]["cached_vs_recompute"]["max_kl"] == 0.0
+    assert (tmp_path / "model.md").exists()
+
+
+def test_rerecording_reproduces_the_committed_golden(tmp_path):
+    out = tmp_path / "tiny.json"
+    record_golden(ROOT / "data" / "tiny", out)
+    assert out.read_bytes() == GOLDEN.read_bytes()
+
+
+def test_flash_golden_carries_the_paper_france_oracle():
+    g = load_golden(ROOT / "data" / "golden" / "flash.json")
+    o = g["oracles"][0]
+    assert o["expected_ids"][-1] == 1 and o["hash"] == o["paper_hash"] == "6f41fe2f01d52507"
+    assert max(g["teacher_forced"]["boundaries"].values()) == 2048
+
+
+# ------------------------------------------------------------------------------------------ fault injection
+LAYOUT_EXPECT = {  # fault → (block, stage substring) the layer oracle must name
+    "paper_w2_blocks": ("layers.0", "stage 2"),
+    "writer_preshuffle": ("layers.0", "stage 1 (w1"),
+    "swapped_nibbles": ("layers.1", "stage 1"),
+    "scales_not_permuted": ("layers.0", "stage 2"),
+    "gate_up_interleave_w2": ("layers.0", "stage 2"),
+}
+MODEL_EXPECT = {
+    "no_shared_clamp": (None, "shared expert"),
+    "rope_first_half": ("layers.0", "attention output"),
+    "rope_non_interleaved": ("layers.0", "attention output"),
+    "compressed_rope_block_end": ("layers.1", "compressor entries"),
+    "stale_compressor_state": ("layers.1", "compressor entries"),
+}
+
+
+def _check(res, expect):
+    assert not res["ok"], "the fault went undetected"
+    first = res["layers"]["first"]
+    assert first is not None
+    block, stage = expect
+    if block is not None:
+        assert first["block"] == block, first
+    assert stage in first["stage"], first
+
+
+def test_every_catalogue_fault_is_expected_here_and_in_the_troubleshooting_guide():
+    assert set(LAYOUT_EXPECT) == set(FAULTS) and set(MODEL_EXPECT) == set(MODEL_FAULTS)
+    guide = (ROOT / "docs" / "troubleshooting.md").read_text()
+    for name in list(FAULTS) + list(MODEL_FAULTS):
+        assert f"| `{name}` |" in guide, f"docs/troubleshooting.md has no row for {name}"
+
+
+@pytest.mark.parametrize("fault", sorted(LAYOUT_EXPECT))
+def test_layout_faults_fail_verify_model_and_are_localised(fault, tmp_path):
+    bad = tmp_path / "tiny"
+    inject_fault_into_checkpoint(ROOT / "data" / "tiny", fault, bad)
+    m = dsv4lab.load(bad, max_batch=1)
+    res = verify_model(m, load_golden(GOLDEN), bad, tiers=("oracles",))
+    _check(res, LAYOUT_EXPECT[fault])
+
+
+@pytest.mark.parametrize("fault", sorted(MODEL_EXPECT))
+def test_model_faults_fail_verify_model_and_are_localised(fault):
+    m = dsv4lab.load(ROOT / "data" / "tiny", max_batch=1, fault=fault)
+    res = verify_model(m, load_golden(GOLDEN), ROOT / "data" / "tiny", tiers=("oracles",))
+    _check(res, MODEL_EXPECT[fault])
+
+
+def test_w2_fault_cli_exits_nonzero_and_names_stage_2(tmp_path):
+    bad = tmp_path / "tiny"
+    inject_fault_into_checkpoint(ROOT / "data" / "tiny", "paper_w2_blocks", bad)
+    r = subprocess.run(CLI + ["verify", "model", "--checkpoint", str(bad), "--golden", str(GOLDEN), "--skip-trajectory",
+                              "--out", str(tmp_path / "rep")], capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "layers.0 — MoE stage 2 (w2 down projection)" in r.stdout
+    md = (tmp_path / "rep" / "model.md").read_text()
+    assert "MoE stage 2 (w2 down projection)" in md
