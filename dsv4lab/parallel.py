@@ -334,9 +334,8 @@ def load_parallel(checkpoint: str | Path, tp: int = 1, ep: int = 1, dtype: torch
     rank, world, dev = init_distributed(device)
     layout = Layout(world, rank, tp, ep)
     shapes = {name: tuple(info.shape) for name, info in ck.tensors.items()}
-    ParallelPlan(ck.args, layout, shapes)  # validate the slices before creating groups and buffers
-    reducer = make_site_reducer(layout, dev, collective)
-    plan = ParallelPlan(ck.args, layout, shapes, reducer)
+    plan = ParallelPlan(ck.args, layout, shapes)  # validates the slices before any group or buffer exists
+    plan.reducer = reducer = make_site_reducer(layout, dev, collective)
     runner = load(checkpoint, device=dev, dtype=dtype, backend=backend, max_batch=max_batch, plan=plan, **load_kw)
     if verbose:
         rep = plan.load_report(ck)

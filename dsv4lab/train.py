@@ -186,8 +186,7 @@ class TrainingOps(ReferenceOps):
         return super().routed_experts(x, idx, weights, bank, limit, trace, all_reduce)
 
     def indexer_topk(self, scores, positions, ratio, topk):
-        if scores.requires_grad:
-            self._pending_indexer = (scores, positions, ratio)
+        self._pending_indexer = (scores, positions, ratio)
         return super().indexer_topk(scores.detach(), positions, ratio, topk)
 
     def sparse_attention(self, q, kv, idx, sink, scale):
@@ -360,19 +359,20 @@ class TrainConfig:
         indexer_weight: weight of the indexer's KL loss.
         bias_update_rate: ``noaux_tc`` bias step per optimizer step.
         eval_every: steps between held-out evaluations (0: only at the end).
-        eval_windows: held-out windows evaluated during training (all of them at the end).
+        eval_windows: held-out windows (of the preset's ``max_seq_len``) evaluated during training; all of them
+            at the end.
     """
 
     preset: str = "tiny"
     seed: int = 0
-    seq_len: int = 1024
-    batch_size: int = 16
+    seq_len: int = 4096
+    batch_size: int = 4
     steps: int = 0
-    time_budget_s: float = 270.0
+    time_budget_s: float = 330.0
     calibration_steps: int = 12
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 60
+    warmup_steps: int = 40
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -381,6 +381,9 @@ class TrainConfig:
     bias_update_rate: float = 2e-3
     eval_every: int = 200
     eval_windows: int = 16
+
+
+EVAL_BATCH = 16  # held-out windows per forward during training
 
 
 def learning_rate(cfg: TrainConfig, step: int, total: int) -> float:
@@ -454,13 +457,21 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
     device = torch.device(device)
     torch.manual_seed(cfg.seed)
     args = get_preset(cfg.preset)
-    if cfg.seq_len > args.max_seq_len:
-        raise ValueError(f"seq_len {cfg.seq_len} exceeds the preset's max_seq_len {args.max_seq_len}")
+    if cfg.seq_len > args.max_position_embeddings:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds the model's max_position_embeddings "
+                         f"{args.max_position_embeddings}")
+    eval_len = args.max_seq_len  # held-out windows as `export` evaluates them: one prefill of max_seq_len tokens
+    # max_seq_len only sizes caches and RoPE tables (it is not part of the checkpoint): train on longer rows if
+    # asked, which amortises the per-row work of the compressors over more tokens
+    args = args.replace(max_seq_len=max(args.max_seq_len, cfg.seq_len))
     model = build_trainable(args, cfg.seed, device)
     ops = TrainingOps(training_numerics())
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=1e-8)
     train_stream = torch.from_numpy(streams["train"].astype(np.int64))
-    eval_windows = heldout_windows(streams["heldout"], cfg.seq_len)
+    eval_windows = heldout_windows(streams["heldout"], eval_len)
+    if len(eval_windows) == 0:
+        raise ValueError(f"the held-out stream has {len(streams['heldout'])} tokens: fewer than one evaluation "
+                         f"window of {eval_len + 1}")
     rng = np.random.default_rng(cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {args.summary()}; {n_params:,} trainable parameters; {len(train_stream):,} training tokens; "
@@ -517,7 +528,7 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
                 f"{dt * 1e3:.0f} ms")
         if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
             ev = evaluate_nll(model, ReferenceOps(training_numerics()), eval_windows[:cfg.eval_windows],
-                              cfg.batch_size, device)
+                              EVAL_BATCH, device)
             evals.append(dict(step=step, heldout_nll=ev["nll"], heldout_ppl=ev["ppl"], tokens=ev["tokens"]))
             log(f"  held-out ({ev['tokens']:,} tokens): nll {ev['nll']:.3f}, ppl {ev['ppl']:.2f}")
         if time.perf_counter() - t_start > 1.15 * cfg.time_budget_s and (not cfg.steps):
@@ -526,7 +537,7 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
             break
     train_seconds = time.perf_counter() - t_start
     t_eval = time.perf_counter()
-    ev = evaluate_nll(model, ReferenceOps(training_numerics()), eval_windows, cfg.batch_size, device)
+    ev = evaluate_nll(model, ReferenceOps(training_numerics()), eval_windows, EVAL_BATCH, device)
     evals.append(dict(step=step, heldout_nll=ev["nll"], heldout_ppl=ev["ppl"], tokens=ev["tokens"], final=True))
     log(f"final held-out ({ev['tokens']:,} tokens, float32): nll {ev['nll']:.4f}, ppl {ev['ppl']:.3f} "
         f"({time.perf_counter() - t_eval:.1f} s)")
@@ -540,12 +551,21 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
 
 # ============================================================================================ weights I/O
 def save_weights(model: Transformer, out_dir: str | Path, max_shard_bytes: int = 12 << 20) -> list[Path]:
-    """Save the float32 state (parameters and router buffers) as safetensors shards of at most ~12 MiB."""
+    """Save the trained state (parameters and router buffers) as safetensors shards of at most ~12 MiB.
+
+    Tensors the native checkpoint stores as BF16 (embedding, head, norms, router and compressor weights) are
+    saved in bf16 — they are only ever used rounded to bf16 — and everything else in float32: the routed
+    experts and dense projections (the inputs of FP4/FP8 quantization and of the ablation), and the F32 tensors.
+    """
     from safetensors.torch import save_file
 
+    from .checkpoint import expected_tensors
+
+    bf16_in_file = {s.name for s in expected_tensors(model.args) if s.dtype == "BF16"}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: (v.detach().to(torch.bfloat16) if k in bf16_in_file else v.detach()).cpu().contiguous()
+             for k, v in model.state_dict().items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(state):
@@ -565,7 +585,7 @@ def save_weights(model: Transformer, out_dir: str | Path, max_shard_bytes: int =
 
 
 def load_weights_f32(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The float32 state written by :func:`save_weights`."""
+    """The state written by :func:`save_weights`, every float tensor as float32."""
     from safetensors.torch import load_file
 
     files = sorted(Path(folder).glob("weights-*.safetensors"))
@@ -573,7 +593,7 @@ def load_weights_f32(folder: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{folder}: no weights-*.safetensors (the output of `dsv4lab train-small train`)")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        state.update({k: v.float() if v.is_floating_point() else v for k, v in load_file(str(f)).items()})
     return state
 
 

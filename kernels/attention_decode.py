@@ -56,8 +56,8 @@ def _gather_rows(j0, Ka, Ktot, rows_a, rows_b, kva_row0, kvb_row0, stride_na, st
 def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, bat_b_ptr, sink_ptr,
                         out_ptr, pm_ptr, pl_ptr, pacc_ptr,
                         H, D, Ka, Kb, scale,
-                        stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb,
-                        SPLITS: tl.constexpr, ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
+                        stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb, SPLITS,
+                        ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -109,7 +109,7 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
             acc += tl.dot(p.to(tl.bfloat16), kv.to(tl.bfloat16))
     if SPLITS == 1:
         sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
-        o = acc / (den + tl.exp(sink - m))[:, None]
+        o = acc / (den + tl.exp(sink - m_safe))[:, None]
         if ROUND_ACT:
             o = round_to_bf16(o)
         tl.store(out_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -122,8 +122,8 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
 
 
 @triton.jit
-def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, D, stride_qr, stride_qh,
-                         SPLITS: tl.constexpr, ROUND_ACT: tl.constexpr, BLOCK_H: tl.constexpr,
+def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, D, stride_qr, stride_qh, SPLITS,
+                         ROUND_ACT: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -131,19 +131,20 @@ def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, D, stri
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(0, SPLITS):
         m = tl.maximum(m, tl.load(pm_ptr + (r * SPLITS + s) * H + h, mask=h_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     den = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(0, SPLITS):
         part = (r * SPLITS + s) * H + h
         ms = tl.load(pm_ptr + part, mask=h_ok, other=float("-inf"))
-        w = tl.where(ms == float("-inf"), 0.0, tl.exp(ms - m))
+        w = tl.exp(ms - m_safe)  # 0 for an empty slice (max −inf)
         den += w * tl.load(pl_ptr + part, mask=h_ok, other=0.0)
         acc += w[:, None] * tl.load(pacc_ptr + part[:, None] * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                                     other=0.0)
     sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
-    o = acc / (den + tl.exp(sink - m))[:, None]
+    o = acc / (den + tl.exp(sink - m_safe))[:, None]
     if ROUND_ACT:
         o = round_to_bf16(o)
     tl.store(out_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
@@ -183,12 +184,11 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
     grid = (R, triton.cdiv(H, g.block_h), splits)
     _attn_decode_kernel[grid](q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, out, pm, pl, pacc,
                               H, D, Ka, Kb, float(scale), q.stride(0), q.stride(1), kv_a.stride(0), kv_a.stride(1),
-                              kv_b.stride(0), kv_b.stride(1), rows_a.stride(0), max(rows_b.stride(0), 1),
-                              SPLITS=splits, ROUND_ACT=q.dtype == torch.bfloat16, DOT_FP32=interpreting(),
+                              kv_b.stride(0), kv_b.stride(1), rows_a.stride(0), max(rows_b.stride(0), 1), splits, ROUND_ACT=q.dtype == torch.bfloat16, DOT_FP32=interpreting(),
                               BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps)
     if splits > 1:
         _attn_combine_kernel[(R, triton.cdiv(H, g.block_h))](pm, pl, pacc, sink, out, H, D, out.stride(0),
-                                                              out.stride(1), SPLITS=splits,
+                                                              out.stride(1), splits,
                                                               ROUND_ACT=q.dtype == torch.bfloat16,
                                                               BLOCK_H=g.block_h, BLOCK_D=block_d,
                                                               num_warps=g.num_warps)

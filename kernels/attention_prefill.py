@@ -8,9 +8,11 @@ query and ``BLOCK_H`` of its heads as the MMA's M dimension, gathers ``BLOCK_N``
 contiguous ``d``-wide row) and runs an online softmax over them: ``S = Q·KVᵀ·scale`` (fp32), running max ``m``,
 ``l = Σ exp(S−m)`` in fp32, ``acc += bf16(exp(S−m))·KV``; at the end ``out = acc / (l + exp(sink − m))``. The
 reference takes the exponentials against the final max and rounds them to bf16 for the numerator only; the online
-form rounds against the running max, a difference within bf16 rounding. Masked slots are never loaded (a NaN
-row they alias stays invisible). ``SPLIT_D`` > 1 gives each program a ``d/SPLIT_D`` slice of the output (fewer
-registers for ``d = 512``; the scores are recomputed per slice).
+form rounds against the running max, a difference within bf16 rounding; ``EXACT_MAX`` configurations (names
+ending in ``x``) first find the final max in a scores-only pass and then round exactly as the reference does, for
+a third more MMA work. Masked slots are never loaded (a NaN row they alias stays invisible). ``SPLIT_D`` > 1 gives
+each program a ``d/SPLIT_D`` slice of the output (fewer registers for ``d = 512``; the scores are recomputed per
+slice).
 
 **Indexer scores** (``ReferenceOps.indexer_scores``): ``Σ_h bf16(relu(bf16(q_h·K_t))·w_h)`` → bf16. A program
 takes ``BLOCK_Q`` queries × all heads as the MMA's M (``BLOCK_Q·BLOCK_H`` rows) against ``BLOCK_T`` keys, then
@@ -38,7 +40,7 @@ TOPK_MAX_ENTRIES = 8192  # 32,768 tokens at ratio 4: beyond this the top-k row n
 def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, H, DIM, NKV, K, scale,
                              sq_b, sq_s, sq_h, skv_b, skv_n, si_b, si_s, so_b, so_s, so_h,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             SPLIT_D: tl.constexpr, UPCAST: tl.constexpr):
+                             SPLIT_D: tl.constexpr, EXACT_MAX: tl.constexpr, UPCAST: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -60,6 +62,17 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, H, DIM,
     acc = tl.zeros((BLOCK_H, OUT_D), dtype=tl.float32)
     idx_row = idx_ptr + b.to(tl.int64) * si_b + s.to(tl.int64) * si_s
     kv_base = kv_ptr + b.to(tl.int64) * skv_b
+    if EXACT_MAX:  # a first pass for the final max, so every exponential is taken against it (the reference's)
+        for j0 in range(0, K, BLOCK_N):
+            rj = j0 + tl.arange(0, BLOCK_N)
+            row = tl.load(idx_row + rj, mask=rj < K, other=-1)
+            valid = row >= 0
+            kv = tl.load(kv_base + row[:, None].to(tl.int64) * skv_n + rd[None, :],
+                         mask=valid[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                kv = kv.to(tl.float32)
+            z = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)) * scale, float("-inf"))
+            m = tl.maximum(m, tl.max(z, axis=1))
     for j0 in range(0, K, BLOCK_N):
         rj = j0 + tl.arange(0, BLOCK_N)
         row = tl.load(idx_row + rj, mask=rj < K, other=-1)
@@ -70,7 +83,10 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, H, DIM,
             kv = kv.to(tl.float32)
         z = tl.dot(q, tl.trans(kv)) * scale
         z = tl.where(valid[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
+        if EXACT_MAX:
+            m_new = m
+        else:
+            m_new = tl.maximum(m, tl.max(z, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible row yet: keep exp() finite
         alpha = tl.exp(m - m_ref)
         p = tl.exp(z - m_ref[:, None])
@@ -94,12 +110,15 @@ def _sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, H, DIM,
 
 
 ATTENTION_CONFIGS = {
-    # name: (BLOCK_H cap, BLOCK_N, SPLIT_D, num_warps, num_stages)
-    "h64n32": (64, 32, 1, 8, 2),
-    "h64n64": (64, 64, 1, 8, 2),
-    "h64n32d2": (64, 32, 2, 4, 2),
-    "h32n32": (32, 32, 1, 4, 2),
-    "h16n16": (16, 16, 1, 4, 2),
+    # name: (BLOCK_H cap, BLOCK_N, SPLIT_D, EXACT_MAX, num_warps, num_stages)
+    "h64n32": (64, 32, 1, False, 8, 2),
+    "h64n64": (64, 64, 1, False, 8, 2),
+    "h64n32d2": (64, 32, 2, False, 4, 2),
+    "h32n32": (32, 32, 1, False, 4, 2),
+    "h64n32x": (64, 32, 1, True, 8, 2),
+    "h16n16": (16, 16, 1, False, 4, 2),
+    "h16n16x": (16, 16, 1, True, 4, 2),
+    "h16n64x": (16, 64, 1, True, 4, 2),
 }
 
 
@@ -112,7 +131,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
     assert idx.shape[:2] == (b, S), f"idx {list(idx.shape)} vs q {list(q.shape)}"
     assert q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16, "sparse_attention: bf16 q and kv"
     assert q.stride(-1) == 1 and kv.stride(-1) == 1, "sparse_attention: q and kv contiguous along d"
-    cap, block_n, split_d, warps, stages = ATTENTION_CONFIGS[config]
+    cap, block_n, split_d, exact_max, warps, stages = ATTENTION_CONFIGS[config]
     block_h = max(16, min(cap, triton.next_power_of_2(H)))
     block_d = triton.next_power_of_2(DIM)
     split_d = split_d if block_d // split_d >= 16 else 1
@@ -129,7 +148,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
                                    q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
                                    idx.stride(0), idx.stride(1), out.stride(0), out.stride(1), out.stride(2),
                                    BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_D=split_d,
-                                   UPCAST=interpreting(), num_warps=warps, num_stages=stages)
+                                   EXACT_MAX=exact_max, UPCAST=interpreting(), num_warps=warps, num_stages=stages)
     return out
 
 
@@ -196,29 +215,34 @@ def indexer_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_
 
 # ============================================================================================ indexer top-k
 @triton.jit
-def _topk_kernel(scores_ptr, pos_ptr, out_ptr, S, T, KOUT, ratio, ss_b, ss_s, so_b, so_s,
-                 BLOCK_T: tl.constexpr):
-    row = tl.program_id(0)
+def _topk_kernel(scores_ptr, pos_ptr, out_ptr, ROWS, S, T, KOUT, ratio, ss_b, ss_s, so_b, so_s,
+                 BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)  # BLOCK_S query rows, each sorted on its own
+    row_ok = row < ROWS
     b = row // S
     s = row % S
-    p = tl.load(pos_ptr + row)
+    p = tl.load(pos_ptr + row, mask=row_ok, other=0)
     visible = ((p + 1) // ratio).to(tl.int32)
     t = tl.arange(0, BLOCK_T)
-    sc = tl.load(scores_ptr + b.to(tl.int64) * ss_b + s.to(tl.int64) * ss_s + t, mask=t < T, other=0.0)
+    base = b.to(tl.int64) * ss_b + s.to(tl.int64) * ss_s
+    sc = tl.load(scores_ptr + base[:, None] + t[None, :], mask=row_ok[:, None] & (t < T)[None, :], other=0.0)
     sc = sc.to(tl.float32) + 0.0  # −0 → +0: torch orders them as equal
     bits = sc.to(tl.int32, bitcast=True)
     order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving as a signed integer
-    order = tl.where(t < visible, order, -2147483648)  # invisible entries last (they come out as −1)
-    key = (order.to(tl.int64) << 32) | (2147483647 - t).to(tl.int64)
+    order = tl.where(t[None, :] < visible[:, None], order, -2147483648)  # invisible entries last (→ −1)
+    key = (order.to(tl.int64) << 32) | (2147483647 - t[None, :]).to(tl.int64)
     key = tl.sort(key, descending=True)
     picked = 2147483647 - (key & 0xFFFFFFFF).to(tl.int32)
-    picked = tl.where(picked < visible, picked, -1)
-    tl.store(out_ptr + b.to(tl.int64) * so_b + s.to(tl.int64) * so_s + t, picked.to(tl.int64), mask=t < KOUT)
+    picked = tl.where(picked < visible[:, None], picked, -1)
+    o = out_ptr + (b.to(tl.int64) * so_b + s.to(tl.int64) * so_s)[:, None] + t[None, :]
+    tl.store(o, picked.to(tl.int64), mask=row_ok[:, None] & (t < KOUT)[None, :])
 
 
 def indexer_topk(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int,
-                 num_warps: int = 4) -> torch.Tensor:
-    """``select_topk``: ``scores [b, s, T]``, ``positions [b, s]`` → ``[b, s, min(topk, T)]`` int64 (−1 = none)."""
+                 rows_per_program: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """``select_topk``: ``scores [b, s, T]``, ``positions [b, s]`` → ``[b, s, min(topk, T)]`` int64 (−1 = none).
+
+    ``rows_per_program`` query rows share a program (default: as many as fill 2,048 keys, at most 16)."""
     b, S, T = scores.shape
     assert tuple(positions.shape) == (b, S), f"positions {list(positions.shape)} vs scores {list(scores.shape)}"
     assert T <= TOPK_MAX_ENTRIES, f"indexer_topk: {T} entries exceed the one-program limit {TOPK_MAX_ENTRIES}"
@@ -229,8 +253,10 @@ def indexer_topk(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk
         return out
     pos = positions.to(torch.int64).contiguous()
     block_t = max(16, triton.next_power_of_2(T))
-    _topk_kernel[(b * S,)](scores, pos, out, S, T, k, ratio, scores.stride(0), scores.stride(1), out.stride(0),
-                           out.stride(1), BLOCK_T=block_t, num_warps=num_warps)
+    block_s = rows_per_program or max(1, min(16, 2048 // block_t))
+    grid = (triton.cdiv(b * S, block_s),)
+    _topk_kernel[grid](scores, pos, out, b * S, S, T, k, ratio, scores.stride(0), scores.stride(1), out.stride(0),
+                       out.stride(1), BLOCK_S=block_s, BLOCK_T=block_t, num_warps=num_warps)
     return out
 
 

@@ -190,7 +190,8 @@ def _gate_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, g_pt
             if HAS_LIMIT:
                 u = tl.minimum(tl.maximum(u, -limit), limit)
                 g = tl.minimum(g, limit)
-            act = g / (1.0 + tl.exp(-g)) * u
+            g64 = g.to(tl.float64)  # the reference evaluates transcendentals in fp64, rounded once to fp32
+            act = (g64 / (1.0 + tl.exp(-g64))).to(tl.float32) * u
         for si in tl.static_range(TOPK):
             to_slot = tl.sum(tl.where(s[None, :] == si, match.to(tl.int32), 0), axis=1) > 0  # [BLOCK_M]
             out_off = (t[:, None] * TOPK + si) * I + n[None, :]
@@ -211,8 +212,8 @@ def _gate_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, g_pt
 @triton.jit
 def _down_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr, slot_out_ptr,
                  T, D, I, expert_offset, n_local,
-                 stride_we, stride_wn, stride_se, stride_sn,
-                 TOPK: tl.constexpr, SLOT_SPLIT: tl.constexpr, PER_SLOT_OUT: tl.constexpr, ROUTE: tl.constexpr,
+                 stride_we, stride_wn, stride_se, stride_sn, SLOT_SPLIT,
+                 TOPK: tl.constexpr, PER_SLOT_OUT: tl.constexpr, ROUTE: tl.constexpr,
                  ACT_QUANT: tl.constexpr, ROUND_ACT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
@@ -365,8 +366,8 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
     bn = min(geo.block_n_down, triton.next_power_of_2(D))
     grid = (T, split, triton.cdiv(D, bn))
     _down_kernel[grid](h, idx, ex.w2, ex.w2_scale, y, part, slot_out, T, D, I, ex.expert_offset, ex.n_experts,
-                       ex.w2.stride(0), ex.w2.stride(1), ex.w2_scale.stride(0), ex.w2_scale.stride(1),
-                       TOPK=k, SLOT_SPLIT=split, PER_SLOT_OUT=per_slot, ROUTE=r, ACT_QUANT=act_quant,
+                       ex.w2.stride(0), ex.w2.stride(1), ex.w2_scale.stride(0), ex.w2_scale.stride(1), split,
+                       TOPK=k, PER_SLOT_OUT=per_slot, ROUTE=r, ACT_QUANT=act_quant,
                        ROUND_ACT=act_dtype == torch.bfloat16, BLOCK_N=bn,
                        BLOCK_K=geo.block_k, num_warps=geo.num_warps)
     if per_slot:
@@ -396,3 +397,24 @@ def reference_int8_route(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch
     dots = torch.einsum("mgk,ngk->mng", xq.long().view(M, K // 32, 32).double(), w2x.view(N, K // 32, 32).double())
     ws = quant.e8m0_decode(w_scale, torch.float64)
     return (dots * ws[None] * xs.double()[:, None, :] * 0.5).sum(-1)
+
+
+def reference_int8_moe(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ex: ExpertTensors,
+                       limit: float) -> torch.Tensor:
+    """Oracle of the whole routed MoE along the INT8 route: :func:`reference_int8_route` for each projection with
+    the reference's rounding points (bf16 projection outputs, SwiGLU in fp32 with the silu in fp64, a bf16 input
+    to the down projection, an exact sum over slots). Experts outside ``ex`` are skipped. Returns ``[T, D]`` fp32."""
+    T, k = idx.shape
+    y = torch.zeros(T, ex.dim, dtype=torch.float64, device=x.device)
+    for t in range(T):
+        for s in range(k):
+            e = int(idx[t, s]) - ex.expert_offset
+            if not 0 <= e < ex.n_experts:
+                continue
+            g = reference_int8_route(x[t:t + 1], ex.w1[e], ex.w1_scale[e]).float().bfloat16().float()
+            u = reference_int8_route(x[t:t + 1], ex.w3[e], ex.w3_scale[e]).float().bfloat16().float()
+            if limit > 0:
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            h = torch.nn.functional.silu(g.double()).float() * u * weights[t, s].float()
+            y[t] += reference_int8_route(h.bfloat16(), ex.w2[e], ex.w2_scale[e]).float().bfloat16().double()[0]
+    return y.float()

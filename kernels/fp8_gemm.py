@@ -8,7 +8,8 @@ E8M0 scale per 128×128 block. Both factors are exact, so
 
 with the inner dot on FP8 tensor cores (fp32 accumulation) and the two scales applied once per K block — the same
 products as the reference, summed in another fp32 order. Partial edge blocks (K or N not multiples of 128, as in
-the tiny model) are masked.
+the tiny model) are masked. The same kernel runs the grouped ``wo_a`` projection (:func:`grouped_bf16_fp8_gemm`),
+whose bf16 activations the reference does not quantize: the E4M3 weight tile is upcast to bf16 (exact) instead.
 
 :func:`quantize_activations` is the reference quantizer as a kernel. Besides ``x_q`` and the per-128 scales it can
 emit the layouts the grouped FP4 MoE GEMM consumes (``kernels/fp4_moe_grouped.py``): the dequantized values in
@@ -144,10 +145,11 @@ def quantize_activations(x: torch.Tensor, *, q: bool = True, deq_split: bool = F
 # ============================================================================================ FP8 GEMM
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K,
-                     stride_x, stride_xs, stride_w, stride_ws, stride_y,
+                     stride_x, stride_xg, stride_xs, stride_w, stride_ws, stride_y, stride_yg,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     UPCAST: tl.constexpr, OUT_BF16: tl.constexpr):
+                     X_BF16: tl.constexpr, UPCAST: tl.constexpr, OUT_BF16: tl.constexpr):
     pid = tl.program_id(0)
+    grp = tl.program_id(1)  # weight group (grouped wo_a): rows grp·N … grp·N + N − 1 of the weight
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # grouped order: GROUP_M row tiles share each weight column tile while it is in L2
@@ -161,22 +163,28 @@ def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K,
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
+    w_row = grp * N + rn
+    x_rows = x_ptr + grp.to(tl.int64) * stride_xg + rm[:, None].to(tl.int64) * stride_x
+    w_rows = w_ptr + w_row[:, None].to(tl.int64) * stride_w
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
         x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if X_BF16:
+            w = w.to(tl.bfloat16)  # E4M3 values are exact in bf16
         if UPCAST:
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             part = tl.dot(x, tl.trans(w))
         kb = k0 // 128
-        sx = tl.load(xs_ptr + rm.to(tl.int64) * stride_xs + kb, mask=m_ok, other=0.0)
-        sw = e8m0_to_f32(tl.load(ws_ptr + (rn // 128) * stride_ws + kb, mask=n_ok, other=127).to(tl.int32))
-        acc += part * sx[:, None] * sw[None, :]
-    y = y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
+        sw = e8m0_to_f32(tl.load(ws_ptr + (w_row // 128) * stride_ws + kb, mask=n_ok, other=127).to(tl.int32))
+        if X_BF16:
+            acc += part * sw[None, :]
+        else:
+            sx = tl.load(xs_ptr + rm.to(tl.int64) * stride_xs + kb, mask=m_ok, other=0.0)
+            acc += part * sx[:, None] * sw[None, :]
+    y = y_ptr + grp.to(tl.int64) * stride_yg + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
     if OUT_BF16:
         tl.store(y, to_bf16(acc), mask=m_ok[:, None] & n_ok[None, :])
     else:
@@ -215,19 +223,42 @@ def fp8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_s
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return y
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _fp8_gemm_kernel[grid](xq, x_scale, w, ws, y, M, N, K, xq.stride(0), x_scale.stride(0), w.stride(0),
-                           ws.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-                           UPCAST=interpreting(), OUT_BF16=out_dtype == torch.bfloat16, num_warps=warps,
-                           num_stages=stages)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), 1)
+    _fp8_gemm_kernel[grid](xq, x_scale, w, ws, y, M, N, K, xq.stride(0), 0, x_scale.stride(0), w.stride(0),
+                           ws.stride(0), y.stride(0), 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                           X_BF16=False, UPCAST=interpreting(), OUT_BF16=out_dtype == torch.bfloat16,
+                           num_warps=warps, num_stages=stages)
+    return y
+
+
+def grouped_bf16_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int,
+                          config: str = "m128n128") -> torch.Tensor:
+    """The grouped output projection ``wo_a`` at large M: ``x [M, G, K]`` (bf16, not quantized: the reference
+    applies ``wo_a`` as a bf16 einsum) times ``W[g·N:(g+1)·N, :]ᵀ`` per group, FP8 weight upcast exactly to bf16
+    in-kernel with its 128×128 scale applied per K block; fp32 accumulation, ``[M, G, N]`` bf16 out."""
+    M, G, K = x.shape
+    assert G == groups and w.shape[0] % groups == 0 and w.shape[1] == K, \
+        f"grouped GEMM: x {list(x.shape)}, weight {list(w.shape)}, groups {groups}"
+    assert x.dtype == torch.bfloat16 and w.dtype == torch.float8_e4m3fn, "grouped GEMM: bf16 x, E4M3 weight"
+    assert x.stride(-1) == 1 and w.stride(-1) == 1, "grouped GEMM: operands contiguous along K"
+    N = w.shape[0] // groups
+    bm, bn, bk, gm, warps, stages = FP8_GEMM_CONFIGS[config]
+    ws = w_scale.view(torch.uint8) if w_scale.dtype != torch.uint8 else w_scale
+    y = torch.empty(M, G, N, dtype=torch.bfloat16, device=x.device)
+    if M == 0:
+        return y
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), G)
+    _fp8_gemm_kernel[grid](x, x, w, ws, y, M, N, K, x.stride(0), x.stride(1), 0, w.stride(0), ws.stride(0),
+                           y.stride(0), y.stride(1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, X_BF16=True,
+                           UPCAST=interpreting(), OUT_BF16=True, num_warps=warps, num_stages=stages)
     return y
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: str = "m128n128") -> torch.Tensor:
     """The reference's FP8 projection ``x [..., K] → [..., N]`` (bf16 out): quantize, then the block GEMM."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.is_contiguous():
+    x2 = x.reshape(-1, x.shape[-1])  # a view when the rows are evenly strided (padding columns are never read)
+    if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     qa = quantize_activations(x2)
     y = fp8_block_gemm(qa["q"], qa["scale"], w, w_scale, config=config)

@@ -46,8 +46,8 @@ def interpreting() -> bool:
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
-                     M, N, K, n_per_group, stride_xm, stride_xg, stride_wn, stride_sn,
-                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, ROUTE: tl.constexpr, SPLIT_K: tl.constexpr,
+                     M, N, K, n_per_group, stride_xm, stride_xg, stride_wn, stride_sn, SPLIT_K,
+                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, ROUTE: tl.constexpr,
                      OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -182,7 +182,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, bm))
     _fp8_gemv_kernel[grid](x2, weight, s, out, part, M, N, Kg, n_per_group, x2.stride(0), Kg, weight.stride(0),
-                           stride_sn, W_FP8=w_fp8, ACT_QUANT=act_quant, ROUTE=ROUTES.index(route), SPLIT_K=split,
+                           stride_sn, split, W_FP8=w_fp8, ACT_QUANT=act_quant, ROUTE=ROUTES.index(route),
                            OUT_BF16=out_dtype == torch.bfloat16, DOT_FP32=interpreting(), BLOCK_M=bm,
                            BLOCK_N=block_n, BLOCK_K=g.block_k, num_warps=g.num_warps)
     if split > 1:

@@ -14,7 +14,7 @@ import torch
 
 from conftest import TINY
 from dsv4lab.checkpoint import Checkpoint, expected_tensors
-from dsv4lab.collectives import CountingAllReduce, LibraryAllReduce, make_all_reduce
+from dsv4lab.collectives import CountingAllReduce, LibraryAllReduce, SizeSwitchAllReduce, make_all_reduce
 from dsv4lab.config import get_preset
 from dsv4lab.parallel import Layout, ParallelError, ParallelPlan, check_split, run_parallel
 
@@ -90,18 +90,30 @@ def test_strategy_choice_on_cpu():
         make_all_reduce("peer_read", None, "cpu")
     with pytest.raises(ValueError, match="unknown all-reduce strategy"):
         make_all_reduce("ring", None, "cpu")
+    # the size switch: small messages to the peer-read path (under "auto" only while capturing a CUDA graph)
+    class Small:
+        def fits(self, t):
+            return t.numel() <= 4
+
+        def __call__(self, t):
+            return t + 1
+    small, large = torch.zeros(4), torch.zeros(5)
+    assert SizeSwitchAllReduce(Small(), lambda t: t - 1)(small).eq(1).all()
+    assert SizeSwitchAllReduce(Small(), lambda t: t - 1)(large).eq(-1).all()
+    assert SizeSwitchAllReduce(Small(), lambda t: t - 1, graphs_only=True)(small).eq(-1).all()  # not capturing
     counted = CountingAllReduce(lambda t: t * 2)
     assert torch.equal(counted(torch.ones(3, dtype=torch.float64)), torch.full((3,), 2.0, dtype=torch.float64))
     assert (counted.calls, counted.bytes) == (1, 24)
 
 
 # ============================================================================================ TP/EP generation
-LAYOUTS = [(2, 1), (1, 2), (2, 2)]  # TP2, EP2, both over the same 2 ranks (DeepSeek's scheme)
+LAYOUTS = [(2, 1), (1, 2)]  # TP2, EP2 (both at once, DeepSeek's scheme, is the torchrun CLI test below)
 
 
-def _generate_ranks(rank, world, checkpoint, layouts):
+def _generate_ranks(rank, world, checkpoint, layouts, bench_out):
     from dsv4lab.engine.sampling import trajectory_hash
     from dsv4lab.parallel import load_parallel
+    from dsv4lab.perf import bench_collectives
     ck = Checkpoint(checkpoint)
     out = []
     for tp, ep in layouts:
@@ -112,6 +124,9 @@ def _generate_ranks(rank, world, checkpoint, layouts):
         out.append(dict(tp=tp, ep=ep, ids=ids, hash=trajectory_hash(ids), report=runner.plan.load_report(ck),
                         loader_bytes=sum(runner.read_bytes.values()), counts=runner.plan.reducer.counts(),
                         predicted=runner.plan.collectives_per_token()))
+    # the collectives benchmark in the same process group (CPU: the library path only)
+    bench_collectives._worker(rank, world, dict(sizes=[4096, 8192], iters=5, reps=2, layer=False, out=bench_out,
+                                                commit=None, budget_s=120))
     return out
 
 
@@ -122,8 +137,13 @@ def single_process():
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_parallel(_generate_ranks, 2, str(TINY), LAYOUTS)
+def bench_json(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench") / "collectives.json"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(bench_json):
+    return run_parallel(_generate_ranks, 2, str(TINY), LAYOUTS, str(bench_json))
 
 
 @pytest.mark.distributed
@@ -164,22 +184,23 @@ def test_collectives_per_token_match_the_plan(case, two_ranks):
 
 
 @pytest.mark.distributed
-def test_torchrun_generate_prints_the_single_process_json(tmp_path):
+def test_torchrun_generate_prints_the_single_process_json(single_process):
+    """``torchrun ... generate --tp 2 --ep 2`` prints, from rank 0 only, what ``dsv4lab generate`` prints."""
+    import dsv4lab
     cmd = ["--checkpoint", str(TINY), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
            str(NEW_TOKENS), "--json"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "dsv4lab", "generate", *cmd], capture_output=True, text=True,
-                         env=env, timeout=120)
-    assert one.returncode == 0, one.stderr
     tp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "dsv4lab",
-                         "generate", *cmd, "--tp", "2", "--ep", "2"], capture_output=True, text=True, env=env,
-                        timeout=180)
+                         "generate", *cmd, "--tp", "2", "--ep", "2"], capture_output=True, text=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180)
     assert tp.returncode == 0, tp.stderr[-3000:]
     lines = [ln for ln in tp.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, tp.stdout  # rank 0 only
-    a, b = json.loads(one.stdout), json.loads(lines[0])
-    a.pop("seconds"), b.pop("seconds")
-    assert a == b
+    got = json.loads(lines[0])
+    got.pop("seconds")
+    ids = single_process["output_ids"]
+    text = dsv4lab.load(TINY, max_batch=1).tokenizer.decode(ids)
+    assert got == dict(prompt_ids=PROMPT, output_ids=ids, hash=single_process["hash"], text=text,
+                       backend="reference", dtype="bf16")
     assert "loaded" in tp.stderr and "all-reduces per decode token: 15" in tp.stderr
 
 
@@ -222,7 +243,8 @@ def test_peer_read_kernel_equals_rank_ordered_sum(world):
     epochs = [torch.zeros(programs, dtype=torch.int64).share_memory_() for _ in range(world)]
     dtypes = [torch.bfloat16, torch.float64, torch.float16, torch.float32] if world == 2 else \
         [torch.bfloat16, torch.float64]
-    cases = [(dt, n, 10 * i + j) for i, dt in enumerate(dtypes) for j, n in enumerate((1, 47, 100))]
+    sizes = (1, 47, 100) if world == 2 else (47, 100)
+    cases = [(dt, n, 10 * i + j) for i, dt in enumerate(dtypes) for j, n in enumerate(sizes)]
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
     ctx = mp.start_processes(_peer_read_rank, args=(world, buffers, epochs, cases, block, results), nprocs=world,
@@ -275,16 +297,13 @@ def test_peer_read_matches_nccl_bit_for_bit_on_gpus():
     assert run_parallel(_gpu_peer_read_vs_nccl, 2) == [[], []]
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
-def test_bench_collectives_runs_on_cpu(tmp_path):
-    out = tmp_path / "coll.json"
-    r = subprocess.run([sys.executable, "-m", "dsv4lab", "bench", "collectives", "--nproc", "2", "--sizes", "4,8",
-                        "--iters", "5", "--reps", "2", "--out", str(out)], capture_output=True, text=True,
-                       timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    doc = json.loads(out.read_text())
+def test_bench_collectives_on_cpu(two_ranks, bench_json):
+    """The benchmark's worker ran in the ranks above (CPU: library all-reduce only, eager)."""
+    from dsv4lab.perf.bench_collectives import format_table
+    doc = json.loads(bench_json.read_text())
     assert {(row["variant"], row["mode"], row["message_bytes"]) for row in doc["rows"]} == {
         ("library", "eager", 4096), ("library", "eager", 8192)}
-    assert all(row["us_median"] > 0 for row in doc["rows"]) and doc["commit"]
-    assert "library" in r.stdout
+    assert all(row["us_median"] > 0 and len(row["us_samples"]) == 2 for row in doc["rows"])
+    assert doc["world"] == 2 and doc["torch"] and "aborted" not in doc
+    assert "library" in format_table(doc)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsv4lab import quant
+from dsv4lab.checkpoint import expected_tensors
 from dsv4lab.config import get_preset
 from dsv4lab.model.numerics import Numerics
 from dsv4lab.model.ops import ReferenceOps
@@ -57,33 +58,48 @@ def test_indexer_loss_reaches_only_the_indexer():
     assert touched and all(".attn.indexer." in n for n in touched)
 
 
-def test_gradient_equals_finite_difference_through_the_caches():
-    # float64 end to end: the directional derivative from autograd (through in-place cache writes, compressor
-    # rings, sparse attention and the MoE loops) equals a central difference of the loss
-    model = build_trainable(ARGS, seed=3).double()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    ops = TrainingOps(Numerics(torch.float64, False, False, False, exact_reductions=False))
-    w = _window(2, 40, 2)
-    loss = lm_losses(model, ops, w, 0.3, 1.0)["total"]
-    loss.backward()
-    g = torch.Generator().manual_seed(4)
-    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in model.parameters()]
-    analytic = sum(float((p.grad * d).sum()) for p, d in zip(model.parameters(), direction))
-    eps = 1e-6
+def _directional_check(model, ops, w, mtp_weight, indexer_weight, key, params, seed):
+    """Autograd's directional derivative of losses[key] along a random direction in ``params`` vs a central
+    difference (float64)."""
+    for p in model.parameters():
+        p.grad = None
+    lm_losses(model, ops, w, mtp_weight, indexer_weight)[key].backward()
+    g = torch.Generator().manual_seed(seed)
+    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    norm = sum(float(d.square().sum()) for d in direction) ** 0.5
+    direction = [d / norm for d in direction]  # a unit step: tiny per weight, so no router/indexer choice flips
+    analytic = sum(float((p.grad * d).sum()) for p, d in zip(params, direction))
+    eps = 1e-4
 
     def loss_at(sign):
         with torch.no_grad():
-            for p, d in zip(model.parameters(), direction):
+            for p, d in zip(params, direction):
                 p.add_(sign * eps * d)
-            out = float(lm_losses(model, ops, w, 0.3, 1.0)["total"])
-            for p, d in zip(model.parameters(), direction):
+            out = float(lm_losses(model, ops, w, mtp_weight, indexer_weight)[key])
+            for p, d in zip(params, direction):
                 p.sub_(sign * eps * d)
         return out
 
     numeric = (loss_at(1) - loss_at(-1)) / (2 * eps)
-    assert abs(numeric - analytic) <= 1e-5 * abs(analytic)
+    return analytic, numeric
+
+
+def test_gradient_equals_finite_difference_through_the_caches():
+    # float64 end to end: the directional derivative from autograd (through in-place cache writes, compressor
+    # rings, sparse attention, mHC and the MoE loops) equals a central difference of the loss
+    model = build_trainable(ARGS, seed=3).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    ops = TrainingOps(Numerics(torch.float64, False, False, False, exact_reductions=False))
+    w = _window(2, 40, 2)
+    analytic, numeric = _directional_check(model, ops, w, 0.3, 0.0, "total", list(model.parameters()), 4)
+    assert abs(numeric - analytic) <= 1e-6 * abs(analytic)
+    # the indexer's KL treats the attention target as a constant: exact for the indexer's own parameters
+    indexer = [p for n, p in model.named_parameters() if ".attn.indexer." in n]
+    analytic, numeric = _directional_check(model, ops, w, 0.0, 1.0, "indexer", indexer, 5)
+    assert abs(numeric - analytic) <= 1e-6 * abs(analytic)
 
 
 def test_indexer_kl_is_zero_at_the_target_and_finite_without_visible_entries():
@@ -137,6 +153,7 @@ def test_native_export_loads_as_the_same_model(tmp_path):
                           indexer_fp4_sim=False, max_batch=1)
     ids = _window(1, 70, 9)[:, :70]
     ref = runner.forward(ids, 0).double()
+    assert not torch.isnan(ref).any()
     q_state, stats = requantize(ARGS, state, NATIVE_EXPERTS, NATIVE_DENSE)
     assert 0.01 < stats["experts"]["rel_error"] < 0.3 and stats["experts"]["bytes_per_param"] == 0.5 + 1 / 32
     model = trainable_from_state(ARGS, q_state).double()
@@ -144,7 +161,7 @@ def test_native_export_loads_as_the_same_model(tmp_path):
     model.allocate(1, torch.float64, torch.float64, "cpu")
     with torch.no_grad():
         got = model(ids, torch.zeros(1, dtype=torch.long), torch.tensor([70]), torch.tensor([0]), ops)
-    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-10
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6  # the runner returns float32 logits
 
 
 def test_fp4_group_formats_are_on_the_grid_and_finer_groups_err_less():
@@ -170,30 +187,34 @@ def test_fp4_group_formats_are_on_the_grid_and_finer_groups_err_less():
 
 def test_fp8_dense_formats():
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(200, 300, generator=g) * torch.linspace(0.01, 3, 200)[:, None]  # rows of very different size
+    w = torch.randn(200, 300, generator=g) * torch.logspace(-5, 0, 200)[:, None]  # rows 5 decades apart
     blk, nb = fp8_dense_qdq(w, DenseFormat("block128", "e8m0"))
     ch, nc = fp8_dense_qdq(w, DenseFormat("channel", "e8m0"))
     chf, ncf = fp8_dense_qdq(w, DenseFormat("channel", "f32"))
     assert nb == 200 * 300 + 2 * 3 and nc == 200 * 300 + 200 and ncf == 200 * 300 + 4 * 200
     rel = [float((x - w).norm() / w.norm()) for x in (blk, ch, chf)]
     assert all(r < 0.05 for r in rel)
-    small = slice(0, 20)  # small rows lose the most precision under a shared 128x128 block scale
+    small = slice(0, 20)  # E4M3 is floating point: only rows pushed into its subnormals by a shared scale lose
     assert float((ch - w)[small].norm()) < float((blk - w)[small].norm())
 
 
 @pytest.mark.slow
 def test_train_steps_save_and_reload(tmp_path):
     streams = {"train": np.random.default_rng(0).integers(6, 4096, 5000).astype(np.uint16),
-               "heldout": np.random.default_rng(1).integers(6, 4096, 200).astype(np.uint16)}
+               "heldout": np.random.default_rng(1).integers(6, 4096, 1100).astype(np.uint16)}
     cfg = TrainConfig(seq_len=48, batch_size=2, steps=3, warmup_steps=2, eval_every=0)
     model, report = train(cfg, streams, "cpu", log=lambda m: None)
     assert report["steps"] == 3 and len(report["history"]) == 3 and report["skipped_steps"] == 0
-    assert report["evals"][-1]["tokens"] == 4 * 48
+    assert report["evals"][-1]["tokens"] == ARGS.max_seq_len  # one window of the preset's max_seq_len
     save_weights(model, tmp_path, max_shard_bytes=4 << 20)
     assert all(f.stat().st_size <= 16 << 20 for f in tmp_path.iterdir())
     back = load_weights_f32(tmp_path)
     assert back.keys() == model.state_dict().keys()
-    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    bf16 = {s.name for s in expected_tensors(ARGS) if s.dtype == "BF16"}
+    assert {"embed.weight", "head.weight", "layers.4.ffn.gate.weight", "mtp.0.enorm.weight"} <= bf16
+    for k, v in model.state_dict().items():  # BF16-in-file tensors come back bf16-rounded, the rest exactly
+        assert torch.equal(back[k], v.to(torch.bfloat16).float() if k in bf16 else v), k
+    assert back["layers.3.ffn.experts.w2"].dtype == torch.float32
 
 
 # ------------------------------------------------------------------------------------------- data/tiny-py

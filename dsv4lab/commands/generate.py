@@ -34,7 +34,7 @@ def add_arguments(p):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (run under torchrun)")
     p.add_argument("--collective", default="auto", choices=("auto", "library", "peer_read"),
-                   help="all-reduce strategy under --tp/--ep (auto: peer-read on GPUs for small messages)")
+                   help="all-reduce strategy under --tp/--ep (auto: peer-read inside CUDA graphs, else library)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

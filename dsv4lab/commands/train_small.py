@@ -109,7 +109,7 @@ def run(args) -> int:
             torch.use_deterministic_algorithms(True, warn_only=True)
         model, report = train(cfg, streams, args.device, log=_log)
         out = Path(args.out)
-        paths = save_weights(model, out)
+        paths = save_weights(model, out, max_shard_bytes=15 << 20)  # files of at most 16 MiB travel back
         report["tokens"] = meta
         (out / "train_log.json").write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {len(paths)} weight shards and train_log.json to {out}: {report['steps']} steps in "

@@ -1,6 +1,8 @@
-"""The Triton backend: :class:`TritonOps` overrides the ops it has decode kernels for and inherits the rest.
+"""The Triton backend: :class:`TritonOps` runs each op on a kernel where one applies and the reference otherwise.
 
-Kernels (``kernels/``, imported as ``dsv4lab_kernels``):
+For every op the order is: the prefill kernels (:class:`~dsv4lab.engine.triton_prefill.TritonPrefillOps`, many
+token rows), then the decode kernels (few rows), then the reference. Decode kernels (``kernels/``, imported as
+``dsv4lab_kernels``):
 
 * ``linear`` (FP8 and BF16 weights), ``linear_f32`` (BF16/fp32 weights), ``grouped_wo_a`` (FP8 weight read
   directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`;
@@ -8,9 +10,9 @@ Kernels (``kernels/``, imported as ``dsv4lab_kernels``):
 * ``sparse_attention`` — :mod:`dsv4lab_kernels.attention_decode` (plus :meth:`TritonOps.attention_from_caches`,
   the two-cache form the static decode step uses).
 
-Every other op, and every call a kernel does not cover (more than :attr:`DecodeConfig.max_rows` token rows, a
-float64 oracle dtype, tensor-parallel partial sums, a trace request), runs the reference implementation; each
-such fallback is counted, logged once per (op, reason), and listed by :meth:`TritonOps.report`.
+Every other op, and every call no kernel covers (a float64 oracle dtype, tensor-parallel partial sums, a trace
+request, too many rows for the decode kernels but too few for the prefill ones), runs the reference; each such
+fallback is counted, logged once per (op, reason), and listed by :meth:`TritonOps.report`.
 
 On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` is set here, before
 any kernel module is imported, unless the caller chose otherwise).
@@ -32,6 +34,7 @@ import torch
 from ..model.linear import ExpertBank, Linear
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
+from .triton_prefill import TritonPrefillOps
 
 log = logging.getLogger("dsv4lab.triton")
 
@@ -58,11 +61,13 @@ gemv = kernel_module("fp8_gemv")
 moe = kernel_module("fp4_moe_decode")
 attn = kernel_module("attention_decode")
 
-# Ops of ReferenceOps this backend replaces with kernels; the others always run the reference.
+# Ops of ReferenceOps that may run on a kernel (decode and/or prefill); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
-              "sparse_attention")
-REFERENCE_ONLY_OPS = ("rms_norm", "rope", "swiglu", "expert_mlp", "moe_activation", "moe_combine", "hc_pre",
-                      "hc_post", "hc_head", "compressor_pool", "indexer_scores", "indexer_topk")
+              "sparse_attention", "indexer_scores", "indexer_topk", "compressor_pool")
+# Helpers other ops call (counting them would count one op twice) and state hygiene, not compute.
+_NOT_COUNTED = ("elementwise", "compressed_rope_position", "reset_compressor_state")
+REFERENCE_ONLY_OPS = tuple(n for n, v in vars(ReferenceOps).items()
+                           if callable(v) and not n.startswith("_") and n not in KERNEL_OPS + _NOT_COUNTED)
 
 
 def interpreting() -> bool:
@@ -71,13 +76,19 @@ def interpreting() -> bool:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Which route and geometry each decode kernel uses (the defaults are what the benchmark picked on an H200;
-    the interpreter gets large blocks so it launches few programs).
+    """Which route and launch geometry each decode kernel uses.
+
+    The GPU defaults are the choices of ``dsv4lab bench kernels --suite decode`` on an H200 (see
+    ``docs/kernels_decode.md``); the interpreter gets large blocks so that it runs few programs.
 
     Attributes:
         moe_route: ``"fma"`` (reference semantics), ``"int8"`` (the paper's route) or ``"dot_scaled"``.
-        gemv_route: ``"fma"`` or ``"dot"`` for the FP8 projections.
-        max_rows: token rows up to which the decode kernels run; larger calls (prefill) fall back.
+        moe_geometry: :class:`~dsv4lab_kernels.fp4_moe_decode.MoeGeometry`.
+        gemv_route: ``"fma"`` or ``"dot"`` for the FP8/BF16 projections.
+        gemv_block_n, gemv_block_k: output rows and K elements per program step of a projection.
+        gemv_target_programs: split K until a projection's grid has about this many programs.
+        attention_geometry: :class:`~dsv4lab_kernels.attention_decode.AttentionGeometry`.
+        max_rows: token rows up to which the decode kernels run.
     """
 
     moe_route: str = "fma"
@@ -87,7 +98,7 @@ class DecodeConfig:
     gemv_block_k: int = 512
     gemv_target_programs: int = 264
     attention_geometry: "attn.AttentionGeometry | None" = None
-    max_rows: int = 64
+    max_rows: int = 63
 
     @classmethod
     def for_device(cls) -> "DecodeConfig":
@@ -108,20 +119,21 @@ class DecodeConfig:
 
 
 @dataclass
-class _Record:
-    kernel: Counter = field(default_factory=Counter)
-    reference: Counter = field(default_factory=Counter)
+class _Calls:
+    decode: Counter = field(default_factory=Counter)
+    prefill: Counter = field(default_factory=Counter)
+    reference: Counter = field(default_factory=Counter)  # keyed (op, reason)
 
 
-class TritonOps(ReferenceOps):
-    """Decode kernels where they exist, the reference everywhere else (counted and reported)."""
+class TritonOps(TritonPrefillOps, ReferenceOps):
+    """Prefill kernels, then decode kernels, then the reference — counted per op and reported."""
 
     name = "triton"
 
     def __init__(self, numerics: Numerics, config: DecodeConfig | None = None):
         super().__init__(numerics)
         self.config = config or DecodeConfig.for_device()
-        self.calls = _Record()
+        self.calls = _Calls()
         self._logged: set[tuple[str, str]] = set()
         for op in REFERENCE_ONLY_OPS:  # count the inherited ops too, so the report lists every op that ran
             setattr(self, op, self._counted_reference(op, getattr(super(), op)))
@@ -135,8 +147,14 @@ class TritonOps(ReferenceOps):
         run.__doc__ = fn.__doc__
         return run
 
-    def _kernel(self, op: str) -> None:
-        self.calls.kernel[op] += 1
+    def _prefill(self, op: str, out):
+        """Count and return a prefill kernel's result (None: that kernel did not apply)."""
+        if out is not None:
+            self.calls.prefill[op] += 1
+        return out
+
+    def _decode(self, op: str) -> None:
+        self.calls.decode[op] += 1
 
     def _fallback(self, op: str, reason: str) -> None:
         self.calls.reference[(op, reason)] += 1
@@ -147,29 +165,35 @@ class TritonOps(ReferenceOps):
     def _unsupported(self, rows: int, *tensors: torch.Tensor) -> str | None:
         """Why the decode kernels cannot take this call (None if they can)."""
         if self.numerics.dtype not in (torch.bfloat16, torch.float32):
-            return f"{self.numerics.dtype} numerics"
+            return f"{str(self.numerics.dtype).replace('torch.', '')} numerics"
         if rows > self.config.max_rows:
-            return f"{rows} rows > {self.config.max_rows} (prefill)"
+            return f"{rows} rows: above the decode kernels, below the prefill kernels"
         if not interpreting() and any(t.device.type != "cuda" for t in tensors):
             return "tensor not on a GPU"
         return None
 
     def report(self) -> str:
-        """Which ops ran on kernels and which ran the reference (and why), with call counts."""
-        lines = ["op                  kernel calls  reference calls (reason)"]
-        ops = sorted(set(self.calls.kernel) | {op for op, _ in self.calls.reference})
+        """Which ops ran on decode kernels, prefill kernels or the reference (and why), with call counts."""
+        c = self.calls
+        ops = sorted(set(c.decode) | set(c.prefill) | {op for op, _ in c.reference})
+        lines = [f"{'op':<18}{'decode':>8}{'prefill':>9}  reference (reason)"]
         for op in ops:
-            ref = ", ".join(f"{n} ({why})" for (o, why), n in sorted(self.calls.reference.items()) if o == op)
-            lines.append(f"{op:<20}{self.calls.kernel.get(op, 0):>12}  {ref or '-'}")
+            ref = ", ".join(f"{n} ({why})" for (o, why), n in sorted(c.reference.items()) if o == op)
+            lines.append(f"{op:<18}{c.decode.get(op, 0):>8}{c.prefill.get(op, 0):>9}  {ref or '-'}")
         return "\n".join(lines)
 
     def summary(self) -> dict:
-        return dict(kernel=dict(self.calls.kernel),
-                    reference={f"{op} ({why})": n for (op, why), n in self.calls.reference.items()})
+        c = self.calls
+        return dict(decode=dict(c.decode), prefill=dict(c.prefill),
+                    reference={f"{op} ({why})": n for (op, why), n in c.reference.items()})
 
     # ------------------------------------------------------------------ projections
     def linear(self, x: torch.Tensor, lin: Linear, all_reduce=None, route: str | None = None,
                geometry=None) -> torch.Tensor:
+        if route is None and geometry is None:
+            out = self._prefill("linear", self.prefill_linear(x, lin, all_reduce))
+            if out is not None:
+                return out
         rows = x.numel() // max(x.shape[-1], 1)
         why = self._unsupported(rows, x, lin.weight)
         if why is None and all_reduce is not None:
@@ -178,8 +202,8 @@ class TritonOps(ReferenceOps):
             why = f"{lin.fmt} Linear"
         if why is not None:
             self._fallback("linear", why)
-            return super().linear(x, lin, all_reduce)
-        self._kernel("linear")
+            return ReferenceOps.linear(self, x, lin, all_reduce)
+        self._decode("linear")
         nm = self.numerics
         geo = geometry or self.config.gemv_geometry(lin.out_features, lin.in_features)
         return gemv.fp8_gemv(x, lin.weight, lin.scale if lin.fmt == "fp8" else None,
@@ -193,21 +217,25 @@ class TritonOps(ReferenceOps):
             why = f"{lin.fmt} weight"
         if why is not None:
             self._fallback("linear_f32", why)
-            return super().linear_f32(x, lin)
-        self._kernel("linear_f32")
+            return ReferenceOps.linear_f32(self, x, lin)
+        self._decode("linear_f32")
         geo = self.config.gemv_geometry(lin.out_features, lin.in_features)
         return gemv.fp8_gemv(x, lin.weight, None, act_quant=False, out_dtype=self.numerics.acc,
                              route=route or self.config.gemv_route, geometry=geo)
 
     def grouped_wo_a(self, o: torch.Tensor, lin: Linear, groups: int, route: str | None = None) -> torch.Tensor:
+        if route is None:
+            out = self._prefill("grouped_wo_a", self.prefill_grouped_wo_a(o, lin, groups))
+            if out is not None:
+                return out
         rows = o.numel() // max(o.shape[-1] * groups, 1)
         why = self._unsupported(rows, o, lin.weight)
         if why is None and lin.fmt != "fp8":
             why = f"{lin.fmt} wo_a"
         if why is not None:
             self._fallback("grouped_wo_a", why)
-            return super().grouped_wo_a(o, lin, groups)
-        self._kernel("grouped_wo_a")
+            return ReferenceOps.grouped_wo_a(self, o, lin, groups)
+        self._decode("grouped_wo_a")
         geo = self.config.gemv_geometry(lin.out_features // groups, lin.in_features)
         y = gemv.fp8_gemv(o.flatten(-2), lin.weight, lin.scale, act_quant=False, out_dtype=self.numerics.act,
                           groups=groups, route=route or self.config.gemv_route, geometry=geo)
@@ -222,6 +250,11 @@ class TritonOps(ReferenceOps):
 
     def routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route: str | None = None,
                        geometry=None):
+        if route is None and geometry is None:
+            out = self._prefill("routed_experts",
+                                self.prefill_routed_experts(x, idx, weights, bank, limit, trace, all_reduce))
+            if out is not None:
+                return out
         why = self._moe_unsupported(x, bank)
         if why is None and all_reduce is not None:
             why = "expert-parallel partial sum"
@@ -229,8 +262,8 @@ class TritonOps(ReferenceOps):
             why = "per-stage trace requested"
         if why is not None:
             self._fallback("routed_experts", why)
-            return super().routed_experts(x, idx, weights, bank, limit, trace=trace, all_reduce=all_reduce)
-        self._kernel("routed_experts")
+            return ReferenceOps.routed_experts(self, x, idx, weights, bank, limit, trace=trace, all_reduce=all_reduce)
+        self._decode("routed_experts")
         nm = self.numerics
         return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit,
                                      route=route or self.config.moe_route,
@@ -238,11 +271,15 @@ class TritonOps(ReferenceOps):
                                      act_dtype=nm.act).to(nm.acc)
 
     def moe_stage1(self, x, idx, bank, route: str | None = None):
+        if route is None:
+            out = self._prefill("moe_stage1", self.prefill_moe_stage1(x, idx, bank))
+            if out is not None:
+                return out
         why = self._moe_unsupported(x, bank)
         if why is not None:
             self._fallback("moe_stage1", why)
-            return super().moe_stage1(x, idx, bank)
-        self._kernel("moe_stage1")
+            return ReferenceOps.moe_stage1(self, x, idx, bank)
+        self._decode("moe_stage1")
         nm = self.numerics
         g, u = moe.moe_gate_up(x, idx, None, moe.ExpertTensors.of(bank), 0.0, route=route or self.config.moe_route,
                                geometry=self.config.moe_geometry, act_quant=nm.act_quant, act_dtype=nm.act,
@@ -250,24 +287,32 @@ class TritonOps(ReferenceOps):
         return g.to(nm.acc), u.to(nm.acc)
 
     def moe_stage2(self, h, idx, bank, route: str | None = None):
+        if route is None:
+            out = self._prefill("moe_stage2", self.prefill_moe_stage2(h, idx, bank))
+            if out is not None:
+                return out
         why = self._moe_unsupported(h, bank)
         if why is not None:
             self._fallback("moe_stage2", why)
-            return super().moe_stage2(h, idx, bank)
-        self._kernel("moe_stage2")
+            return ReferenceOps.moe_stage2(self, h, idx, bank)
+        self._decode("moe_stage2")
         nm = self.numerics
         return moe.moe_down(h.to(nm.act), idx, moe.ExpertTensors.of(bank), route=route or self.config.moe_route,
                             geometry=self.config.moe_geometry, act_quant=nm.act_quant, act_dtype=nm.act,
                             per_slot=True).to(nm.acc)
 
-    # ------------------------------------------------------------------ attention
+    # ------------------------------------------------------------------ attention, indexer, compressor
     def sparse_attention(self, q, kv, idx, sink, scale, geometry=None):
+        if geometry is None:
+            out = self._prefill("sparse_attention", self.prefill_sparse_attention(q, kv, idx, sink, scale))
+            if out is not None:
+                return out
         b, s, h, d = q.shape
         why = self._unsupported(b * s, q, kv)
         if why is not None:
             self._fallback("sparse_attention", why)
-            return super().sparse_attention(q, kv, idx, sink, scale)
-        self._kernel("sparse_attention")
+            return ReferenceOps.sparse_attention(self, q, kv, idx, sink, scale)
+        self._decode("sparse_attention")
         batch = torch.arange(b, device=q.device).repeat_interleave(s)
         o = attn.sparse_attention_decode(q.reshape(b * s, h, d), kv, idx.reshape(b * s, -1), batch, sink, scale,
                                          geometry=geometry or self.config.attention_geometry)
@@ -277,32 +322,54 @@ class TritonOps(ReferenceOps):
         """Decode attention straight from the caches: ``q [b, H, d]``, the window ring ``win_kv [slots, W, d]``
         with ``win_rows [b, W]`` and optionally ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]`` (−1 = masked),
         each row ``i`` reading cache slot ``slots[i]``. Returns ``[b, H, d]``."""
-        self._kernel("sparse_attention")
+        self._decode("sparse_attention")
         return attn.sparse_attention_decode(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
                                             batch_b=slots if cmp_kv is not None else None,
                                             geometry=self.config.attention_geometry)
 
+    def indexer_scores(self, qi, w, keys, all_reduce=None):
+        out = self._prefill("indexer_scores", self.prefill_indexer_scores(qi, w, keys, all_reduce))
+        if out is not None:
+            return out
+        self._fallback("indexer_scores", "no decode kernel")
+        return ReferenceOps.indexer_scores(self, qi, w, keys, all_reduce)
+
+    def indexer_topk(self, scores, positions, ratio, topk):
+        out = self._prefill("indexer_topk", self.prefill_indexer_topk(scores, positions, ratio, topk))
+        if out is not None:
+            return out
+        self._fallback("indexer_topk", "no decode kernel")
+        return ReferenceOps.indexer_topk(self, scores, positions, ratio, topk)
+
+    def compressor_pool(self, kv_slots, sc_slots):
+        out = self._prefill("compressor_pool", self.prefill_compressor_pool(kv_slots, sc_slots))
+        if out is not None:
+            return out
+        self._fallback("compressor_pool", "no decode kernel")
+        return ReferenceOps.compressor_pool(self, kv_slots, sc_slots)
+
     # ------------------------------------------------------------------ variants for `verify kernels`
     def variants(self, method: str) -> dict:
-        """Every route / geometry worth checking of ``method`` (each has the reference method's signature)."""
+        """Every decode route / geometry of ``method`` worth checking, plus the prefill variants (each has the
+        reference method's signature and always runs its kernel)."""
         g = self.config
+        out = {}
         if method == "routed_experts":
             out = {r: partial(self.routed_experts, route=r) for r in moe.ROUTES}
             split = replace(g.moe_geometry, slot_split=2, block_k=128)
             out["fma_slot_split2"] = partial(self.routed_experts, route="fma", geometry=split)
-            return out
-        if method in ("moe_stage1", "moe_stage2"):
-            return {r: partial(getattr(self, method), route=r) for r in moe.ROUTES}
-        if method == "linear":
+        elif method in ("moe_stage1", "moe_stage2"):
+            out = {r: partial(getattr(self, method), route=r) for r in moe.ROUTES}
+        elif method == "linear":
             out = {r: partial(self.linear, route=r) for r in gemv.ROUTES}
             out["fma_split3"] = partial(self.linear, geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=3))
-            return out
-        if method == "linear_f32":
-            return {r: partial(self.linear_f32, route=r) for r in gemv.ROUTES}
-        if method == "grouped_wo_a":
-            return {r: partial(self.grouped_wo_a, route=r) for r in gemv.ROUTES}
-        if method == "sparse_attention":
-            return {f"splits{n}": partial(self.sparse_attention,
-                                          geometry=replace(g.attention_geometry, splits=n, block_r=16))
-                    for n in (1, 3)}
-        return {}
+        elif method == "linear_f32":
+            out = {r: partial(self.linear_f32, route=r) for r in gemv.ROUTES}
+        elif method == "grouped_wo_a":
+            out = {r: partial(self.grouped_wo_a, route=r) for r in gemv.ROUTES}
+        elif method == "sparse_attention":
+            out = {f"splits{n}": partial(self.sparse_attention,
+                                         geometry=replace(g.attention_geometry, splits=n, block_r=16))
+                   for n in (1, 3)}
+        out.update(self.prefill_variants(method))
+        return out

@@ -9,6 +9,7 @@ no interpreter). The Triton backend calls them first for its ops and falls back 
 op                  kernel                                         applies when
 =================== ============================================== =================================================
 linear              ``fp8_gemm.fp8_linear``                        FP8 weight, activation quantization on, M ≥ min
+grouped_wo_a        ``fp8_gemm.grouped_bf16_fp8_gemm``             FP8 weight, M ≥ min
 routed_experts      ``moe_sort`` + ``fp4_moe_grouped`` (fused)     FP4 bank, activation quantization on, T ≥ min
 moe_stage1/2        ``fp4_moe_grouped.moe_stage1/2``               as above
 sparse_attention    ``attention_prefill.sparse_attention``         b·s ≥ min
@@ -25,6 +26,7 @@ prefill``; it counts which ops ran on kernels (:meth:`TritonPrefillBackend.repor
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections import Counter
 from typing import Callable
 
@@ -32,12 +34,16 @@ import torch
 
 from ..model.ops import ReferenceOps
 
-PREFILL_OPS = ("linear", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention", "indexer_scores",
+PREFILL_OPS = ("linear", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention", "indexer_scores",
                "indexer_topk", "compressor_pool")
 
 
 def _kernels(name: str):
-    """Import ``dsv4lab_kernels.<name>`` (and triton) on first use: ``import dsv4lab`` stays light."""
+    """Import ``dsv4lab_kernels.<name>`` (and triton) on first use: ``import dsv4lab`` stays light. From a bare
+    source tree (no ``pip install -e .``) the Triton backend registers the ``kernels/`` folder under that name."""
+    if importlib.util.find_spec("dsv4lab_kernels") is None:
+        from .triton_backend import kernel_module
+        return kernel_module(name)
     return importlib.import_module(f"dsv4lab_kernels.{name}")
 
 
@@ -62,7 +68,7 @@ class TritonPrefillOps:
     prefill_moe_route: str = "fp8"
     prefill_moe_rows: int = 64
     prefill_gemm_config: str = "m128n128"
-    prefill_attention_config: str = "h64n32"
+    prefill_attention_config: str = "h64n32x"
 
     # ------------------------------------------------------------------ applicability
     def _prefill_numerics_ok(self) -> bool:
@@ -95,6 +101,14 @@ class TritonPrefillOps:
             return None
         return _kernels("fp8_gemm").fp8_linear(x.to(torch.bfloat16), lin.weight, lin.scale,
                                               config=self.prefill_gemm_config)
+
+    def prefill_grouped_wo_a(self, o: torch.Tensor, lin, groups: int) -> torch.Tensor | None:
+        rows = o.numel() // max(1, o.shape[-1] * groups)
+        if not (lin.fmt == "fp8" and o.dtype == torch.bfloat16 and self._prefill_applies(o, rows)):
+            return None
+        y = _kernels("fp8_gemm").grouped_bf16_fp8_gemm(o.reshape(rows, groups, o.shape[-1]), lin.weight, lin.scale,
+                                                       groups, config=self.prefill_gemm_config)
+        return y.view(*o.shape[:-1], -1)
 
     # ------------------------------------------------------------------ experts
     def prefill_routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route=None,
@@ -165,12 +179,11 @@ class TritonPrefillOps:
         out: dict[str, Callable] = {}
         if method == "routed_experts":
             fm = _kernels("fp4_moe_grouped")
-            for route in fm.ROUTES:
-                for rows in (16, 64):
-                    out[f"prefill_{route}_rows{rows}"] = (
-                        lambda x, idx, w, bank, limit, trace=None, all_reduce=None, route=route, rows=rows:
-                        fm.routed_experts(x.contiguous(), idx, w.float(), bank, limit, route=route,
-                                          geo=fm.MoEGeometry(rows=rows), all_reduce=all_reduce))
+            for route, rows in (("bf16", 16), ("bf16", 64), ("fp8", 32), ("scaled", 16)):
+                out[f"prefill_{route}_rows{rows}"] = (
+                    lambda x, idx, w, bank, limit, trace=None, all_reduce=None, route=route, rows=rows:
+                    fm.routed_experts(x.contiguous(), idx, w.float(), bank, limit, route=route,
+                                      geo=fm.MoEGeometry(rows=rows), all_reduce=all_reduce))
         elif method in ("moe_stage1", "moe_stage2"):
             fm = _kernels("fp4_moe_grouped")
             fn = getattr(fm, method)
@@ -185,9 +198,14 @@ class TritonPrefillOps:
                     return ReferenceOps.linear(self, x, lin, all_reduce)
                 return fg.fp8_linear(x.to(torch.bfloat16), lin.weight, lin.scale, config="small")
             out["prefill_fp8_gemm"] = fp8_linear
+        elif method == "grouped_wo_a":
+            fg = _kernels("fp8_gemm")
+            out["prefill_bf16_fp8_gemm"] = (lambda o, lin, groups: fg.grouped_bf16_fp8_gemm(
+                o.reshape(-1, groups, o.shape[-1]), lin.weight, lin.scale, groups, config="small").view(
+                    *o.shape[:-1], -1))
         elif method == "sparse_attention":
             ap = _kernels("attention_prefill")
-            for cfg in ("h16n16", "h64n32d2"):
+            for cfg in ("h16n16", "h16n16x", "h64n32d2"):
                 out[f"prefill_{cfg}"] = (lambda q, kv, idx, sink, scale, cfg=cfg:
                                          ap.sparse_attention(q, kv, idx, sink, scale, config=cfg))
         elif method in ("indexer_scores", "indexer_topk", "compressor_pool"):
@@ -231,6 +249,10 @@ class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
     def linear(self, x, lin, all_reduce=None):
         return self._dispatch("linear", self.prefill_linear(x, lin, all_reduce),
                               lambda: super(TritonPrefillBackend, self).linear(x, lin, all_reduce))
+
+    def grouped_wo_a(self, o, lin, groups):
+        return self._dispatch("grouped_wo_a", self.prefill_grouped_wo_a(o, lin, groups),
+                              lambda: super(TritonPrefillBackend, self).grouped_wo_a(o, lin, groups))
 
     def routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None):
         return self._dispatch("routed_experts",

@@ -23,7 +23,6 @@ Results go to JSON (GPU, versions, commit); a short table is printed last.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -35,7 +34,7 @@ DEFAULT_SIZES_KIB = "4,8,16,32,64,128,256"
 CHECK_NUMELS = (1, 7, 1000, 4096, 4097, 12345)
 CHECK_DTYPES = ("bfloat16", "float16", "float32", "float64")
 # (programs, block, warps): launch geometries of the peer-read kernel that are checked and timed
-PEER_GEOMETRIES = ((8, 1024, 4), (32, 1024, 4), (16, 2048, 8))
+PEER_GEOMETRIES = ((16, 2048, 8), (8, 1024, 4), (32, 1024, 4))  # the first is the default; all dtypes
 TARGET_GRAPH_8KIB_US = 10.0
 NCCL_BEFORE_US = {"graph": 18.1, "eager": 37.7}  # 8 KiB, 2×H200, measured on this project's machine before
 
@@ -48,6 +47,8 @@ def add_arguments(p):
     p.add_argument("--no-layer", action="store_true", help="skip the TP2 real-dims layer")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench_collectives/<time>.json)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+    p.add_argument("--budget-s", type=float, default=170.0,
+                   help="watchdog: write what was measured and stop after this many seconds (default 170)")
 
 
 def run(args) -> int:
@@ -62,7 +63,7 @@ def run(args) -> int:
     if not sizes or min(sizes) < 2:
         raise UserError("--sizes needs at least one message size")
     opts = dict(sizes=sizes, iters=max(1, args.iters), reps=max(1, args.reps), layer=not args.no_layer,
-                out=args.out, commit=args.commit)
+                out=args.out, commit=args.commit, budget_s=args.budget_s)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         res = _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), opts)
     else:
@@ -156,11 +157,8 @@ class TorchSymmOneShot:
         import torch
         import torch.distributed._symmetric_memory as symm_mem
         self.group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            try:
-                symm_mem.enable_symm_mem_for_group(self.group_name)
-            except Exception:
-                pass
+        from ..collectives import enable_symmetric_memory
+        enable_symmetric_memory(self.group_name)
         self.buffer = symm_mem.empty(capacity_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
         self.op = torch.ops.symm_mem.one_shot_all_reduce
@@ -198,8 +196,9 @@ def _same_bits(a, b) -> bool:
                                                                      b.contiguous().view(torch.uint8))
 
 
-def _check(name, fn, library, rank, device, capacity, dtypes) -> list[dict]:
-    """Bitwise comparison of ``fn`` with ``library`` (see the module docstring); one row per case."""
+def _check(name, fn, library, rank, device, capacity, dtypes, align_bytes: int = 1) -> list[dict]:
+    """Bitwise comparison of ``fn`` with ``library`` (see the module docstring); one row per case.
+    ``align_bytes``: only messages whose size is a multiple of it (torch's own kernel needs 4)."""
     import torch
     rows = []
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
@@ -215,15 +214,15 @@ def _check(name, fn, library, rank, device, capacity, dtypes) -> list[dict]:
                      if got.numel() else 0.0})
 
     for dt in dtypes:
-        numels = [n for n in CHECK_NUMELS if n * torch.empty((), dtype=getattr(torch, dt)).element_size() <= capacity]
-        numels.append(capacity // torch.empty((), dtype=getattr(torch, dt)).element_size())
-        for n in numels:
+        size = torch.empty((), dtype=getattr(torch, dt)).element_size()
+        numels = [n for n in CHECK_NUMELS if n * size <= capacity] + [capacity // size]
+        for n in [n for n in numels if n * size % align_bytes == 0]:
             x = fresh(n, dt)
             want = x.clone()
             library(want)
             record("eager", dt, n, fn(x.clone()), want)
     # back-to-back calls, no host synchronisation in between
-    xs = [fresh(4096 + 3 * i, "bfloat16") for i in range(64)]
+    xs = [fresh(4096 + 3 * i * align_bytes, "bfloat16") for i in range(64)]
     gots = [fn(x.clone()) for x in xs]
     for x, got in zip(xs, gots):
         want = x.clone()
@@ -231,7 +230,7 @@ def _check(name, fn, library, rank, device, capacity, dtypes) -> list[dict]:
         record("back_to_back", "bfloat16", x.numel(), got, want)
     # captured in a CUDA graph, replayed on new data
     if device.type == "cuda":
-        static = [fresh(4096, "bfloat16") for _ in range(4)] + [fresh(777, dtypes[-1])]
+        static = [fresh(4096, "bfloat16") for _ in range(4)] + [fresh(776, dtypes[-1])]
         results: list = []
 
         def body():
@@ -257,10 +256,10 @@ def _layer_proxy(strategies: dict, rank: int, world: int, device, reps: int, bar
     from ..config import get_preset
     a = get_preset("flash")
     bf = torch.bfloat16
-    g = torch.Generator(device="cpu").manual_seed(7 + rank)
+    g = torch.Generator(device=device).manual_seed(7 + rank)
 
     def w(*shape):  # fresh, non-zero, modest values
-        return (torch.randn(*shape, generator=g) * 0.02).to(bf).to(device)
+        return (torch.randn(*shape, generator=g, device=device) * 0.02).to(bf)
 
     heads, groups = a.n_heads // world, a.o_groups // world
     experts_per_rank = -(-a.n_activated_experts // world)
@@ -372,29 +371,41 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
                        "library_8KiB_us_measured_before": NCCL_BEFORE_US},
            "setup_errors": {}, "correctness": [], "rows": [], "ceilings": {}}
     t_start = time.perf_counter()
+    phase = ["setup"]
 
     def save():
         if rank == 0:
             doc["seconds"] = round(time.perf_counter() - t_start, 1)
             path = write_result(doc, opts.get("out"), "bench_collectives")
-            say(f"wrote {path}")
+            say(f"wrote {path} ({phase[0]})")
+
+    def abort():  # a hung collective must not cost the whole run: keep what was measured
+        doc["aborted"] = f"watchdog: still in phase {phase[0]!r} after {opts['budget_s']} s"
+        save()
+        os._exit(3)
+    import threading
+    watchdog = threading.Timer(opts["budget_s"], abort)
+    watchdog.daemon = True
+    watchdog.start()
 
     strategies = _strategies(device, group, capacity, doc["setup_errors"])
     say(f"strategies: {', '.join(strategies)}; setup errors: {doc['setup_errors'] or 'none'}")
     save()
 
     # 1. correctness against the library result
+    phase[0] = "correctness"
     library = strategies["library"]
     failed = set()
     for i, (name, fn) in enumerate(strategies.items()):
         if name == "library":
             continue
+        align = 1
         if name == "torch_symm_one_shot":
-            dtypes = ("bfloat16", "float32")  # what torch's kernel dispatches
+            dtypes, align = ("bfloat16", "float32"), 4  # what torch's kernel dispatches and accepts
         else:  # every dtype for the first geometry; bf16 and the reference's fp64 for the others
             dtypes = CHECK_DTYPES if i == 1 else ("bfloat16", "float64")
         try:
-            rows = _check(name, fn, library, rank, device, capacity, dtypes)
+            rows = _check(name, fn, library, rank, device, capacity, dtypes, align)
         except Exception as err:
             rows = [{"variant": name, "case": "error", "error": f"{type(err).__name__}: {err}",
                      "bitwise_equal": False}]
@@ -412,6 +423,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
     save()
 
     # 2. latency
+    phase[0] = "latency"
     if device.type == "cuda":
         doc["ceilings"]["graph_kernel_floor"] = _graph_kernel_floor(device, iters, reps, barrier)
     g = torch.Generator(device="cpu").manual_seed(99 + rank)
@@ -437,14 +449,17 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
     save()
 
     # 3. a real-dims layer at TP2
+    phase[0] = "layer"
     if opts["layer"] and device.type == "cuda":
         try:
             doc["layer_tp"] = _layer_proxy({k: v for k, v in strategies.items() if k not in failed}, rank, world,
                                            device, reps, barrier)
         except Exception as err:
             doc["layer_tp"] = {"error": f"{type(err).__name__}: {err}"}
+    phase[0] = "done"
     doc["summary"] = _summary(doc)
     save()
+    watchdog.cancel()
     if rank == 0:
         print(format_table(doc))
     return {"ok": not failed} if rank == 0 else None
@@ -465,8 +480,9 @@ def _summary(doc: dict) -> dict:
         if lib and peer:
             out[f"peer_read_faster_than_library_8KiB_{mode}"] = peer["us_median"] < lib["us_median"]
     p = out.get("peer_read_8KiB_graph_us")
-    out["peer_read_graph_8KiB_meets_target"] = (p is not None and p <= TARGET_GRAPH_8KIB_US)
-    out["peer_read_bit_identical_to_library"] = bool(doc.get("correct")) and all(doc["correct"].values())
+    out["peer_read_graph_8KiB_meets_target"] = None if p is None else p <= TARGET_GRAPH_8KIB_US
+    peer = {k: v for k, v in doc.get("correct", {}).items() if k.startswith("peer_read")}
+    out["peer_read_bit_identical_to_library"] = all(peer.values()) if peer else None
     return out
 
 

@@ -1,0 +1,26 @@
+"""``dsv4lab bench kernels --suite decode|prefill`` — dispatches to ``dsv4lab.perf.bench_<suite>.run_suite``."""
+from __future__ import annotations
+
+import importlib
+
+HELP = "kernel benchmarks on the GPU: --suite decode (batch 1…64) or prefill (512…8192 tokens); writes JSON"
+SUITES = ("decode", "prefill")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--suite", choices=SUITES, required=True, help="which kernel family to benchmark")
+    p.add_argument("--out", default=None, help="JSON path (default runs/bench/<suite>_kernels.json)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and variants")
+    # suite-specific options are accepted here and ignored by suites that do not use them
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition (checks the script itself)")
+    p.add_argument("--budget-s", type=float, default=220.0, help="stop and write after this many seconds")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+
+
+def run(args) -> int:
+    from ..cli import UserError
+    try:
+        mod = importlib.import_module(f"dsv4lab.perf.bench_{args.suite}")
+    except ImportError as err:
+        raise UserError(f"bench suite {args.suite!r} is unavailable: {err}") from None
+    return mod.run_suite(args)

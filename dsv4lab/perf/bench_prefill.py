@@ -1,0 +1,713 @@
+"""``dsv4lab bench kernels --suite prefill`` — the prefill kernels at DeepSeek-V4-Flash shapes, on one GPU.
+
+One command, in this order (a watchdog writes what was measured and stops at ``--budget-s``):
+
+1. **Ceilings** measured in the same run: device-to-device copy bandwidth, bf16 and FP8 (``torch._scaled_mm``)
+   8192³ matmuls. Every row reports ``pct_peak`` of the ceiling of the dtype its tensor cores compute in
+   (``peak_kind``).
+2. **Correctness** of every timed variant on this GPU against :class:`~dsv4lab.model.ops.ReferenceOps` at real
+   widths (fewer experts, fewer tokens); a variant that fails is not timed.
+3. **Grouped FP4 MoE GEMM** (sorter + quantizer + gate/up with SwiGLU + down + combine, and each GEMM alone) for
+   the three routes at M = 512…8192 tokens (256 experts, top-6, uniform random routing) and the **sorter-rows
+   ablation** 16/32/64/128 at M = 2048 (the paper's 32 → 64-row microbenchmark).
+4. **FP8 block GEMM** of the dense projections (and the grouped ``wo_a``) at the same M.
+5. **Sparse prefill attention** (CSA: window 128 + top-512; HCA: window + every visible 1/128 entry), the
+   **indexer** (scores and causal top-k) and the compressor pooling, one chunk from position 0.
+6. **Chunked prefill** of one real-dims CSA layer (random weights, the Triton backend): 4,096 tokens in chunks of
+   512/1024/2048/4096, with the attention and indexer times inside the layer and their roofline shares (cost
+   model: each op's FLOPs at the measured peak of its dtype or its bytes at the copy bandwidth, whichever is
+   longer).
+
+Timing: CUDA events, median of repetitions after a warm-up (which compiles); the 256-expert weights (3.2 GB) are
+far larger than L2, the dense ones are flushed from L2 before every repetition. FLOPs are the useful ones (rows
+padded by the sorter and masked attention slots are not counted). ``--smoke`` runs the same code at the tiny
+model's shapes (CPU interpreter included) to check the script itself.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HELP = "prefill kernels: grouped FP4 MoE, FP8 GEMM, sparse attention, indexer, chunked layer (writes JSON)"
+
+MOE_ROUTES = ("bf16", "fp8", "scaled")
+SORTER_ROWS = (16, 32, 64, 128)
+TOKENS = (512, 1024, 2048, 4096, 8192)
+CHUNKS = (512, 1024, 2048, 4096)
+GEMM_CONFIGS = ("m128n128", "m128n256")
+ATTENTION_CONFIGS = ("h64n32", "h64n32x", "h64n32d2")
+PEAK_OF_ROUTE = {"bf16": "bf16", "fp8": "fp8", "scaled": "bf16"}  # sm_90 has no MX cores: dot_scaled runs in bf16
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer token counts and variants")
+    p.add_argument("--smoke", action="store_true", help="tiny-model shapes, one repetition (checks the script)")
+    p.add_argument("--budget-s", type=float, default=220.0, help="stop and write after this many seconds")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+
+
+# ============================================================================================ timing
+class Bench:
+    """Clock, ceilings, rows and the watchdog of one run."""
+
+    def __init__(self, device, budget_s: float, smoke: bool):
+        import torch
+        self.torch = torch
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.smoke = smoke
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+        self.skipped: list[str] = []
+        self.errors: list[str] = []
+        self.peaks: dict = {}
+        self.compile_s: dict[str, float] = {}
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def over_budget(self, what: str) -> bool:
+        if self.elapsed() > self.budget_s:
+            self.skipped.append(what)
+            log(f"budget reached: skipping {what}")
+            return True
+        return False
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def time_us(self, fn, name: str = "", reps: int | None = None, flush_l2: bool = False) -> float:
+        """Median time of ``fn()`` in µs (the first call compiles and is not timed)."""
+        torch = self.torch
+        self.sync()
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        first = time.perf_counter() - t
+        if name and name not in self.compile_s:
+            self.compile_s[name] = round(first, 3)
+        if self.smoke or not self.cuda:
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        est = max(time.perf_counter() - t, 1e-6)
+        reps = reps or int(min(30, max(3, 0.25 / est)))
+        pairs = []
+        for _ in range(reps):
+            if flush_l2:
+                self.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            pairs.append((s, e))
+        self.sync()
+        return statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3
+
+    def add(self, kernel: str, variant: str, time_us: float, flops: float = 0.0, peak_kind: str = "bf16",
+            **extra) -> dict:
+        peak = self.peaks.get(f"{peak_kind}_tflops")
+        tflops = flops / (time_us * 1e-6) / 1e12 if flops and time_us else None
+        row = dict(kernel=kernel, variant=variant, tokens=extra.pop("tokens", None),
+                   sorter_rows=extra.pop("sorter_rows", None), chunk=extra.pop("chunk", None),
+                   time_us=round(time_us, 2), tflops=None if tflops is None else round(tflops, 2),
+                   pct_peak=None if (tflops is None or not peak) else round(100 * tflops / peak, 1),
+                   peak_kind=peak_kind, **extra)
+        self.rows.append(row)
+        return row
+
+
+def log(msg: str) -> None:
+    print(f"[bench prefill] {msg}", file=sys.stderr, flush=True)
+
+
+# ============================================================================================ ceilings
+def measure_peaks(b: Bench) -> None:
+    torch = b.torch
+    if not b.cuda:
+        b.peaks = dict(copy_gbps=None, bf16_tflops=None, fp8_tflops=None)
+        return
+    n = 8192
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=b.device)
+    dst = torch.empty_like(src)
+    t = b.time_us(lambda: dst.copy_(src), reps=10)
+    b.peaks["copy_gbps"] = round(2 * src.numel() / (t * 1e-6) / 1e9, 1)
+    del src, dst
+    x = torch.randn(n, n, device=b.device, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=b.device, dtype=torch.bfloat16)
+    out = torch.empty(n, n, device=b.device, dtype=torch.bfloat16)
+    t = b.time_us(lambda: torch.mm(x, y, out=out), reps=10)
+    b.peaks["bf16_tflops"] = round(2 * n ** 3 / (t * 1e-6) / 1e12, 1)
+    x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=b.device)
+    t = b.time_us(lambda: torch._scaled_mm(x8, y8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps=10)
+    b.peaks["fp8_tflops"] = round(2 * n ** 3 / (t * 1e-6) / 1e12, 1)
+    log(f"ceilings: copy {b.peaks['copy_gbps']} GB/s, bf16 {b.peaks['bf16_tflops']} TFLOP/s, "
+        f"fp8 {b.peaks['fp8_tflops']} TFLOP/s")
+
+
+# ============================================================================================ inputs
+def random_bank(n_experts: int, dim: int, inter: int, device, gen):
+    """A routed-expert bank with uniformly random E2M1 codes and 1×32 scales 2^-10 … 2^-6 (within the fp8
+    route's exact upcast window)."""
+    import torch
+    from ..model.linear import ExpertBank
+    bank = ExpertBank(n_experts, dim, inter, "fp4")
+    for name, (n, k) in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
+        bank._buffers[name] = torch.randint(-128, 128, (n_experts, n, k // 2), dtype=torch.int8, device=device,
+                                            generator=gen)
+        bank._buffers[name + "_scale"] = torch.randint(117, 122, (n_experts, n, k // 32), dtype=torch.uint8,
+                                                       device=device, generator=gen).view(torch.float8_e8m0fnu)
+    return bank
+
+
+def bank_slice(bank, n_experts: int):
+    from ..model.linear import ExpertBank
+    part = ExpertBank(n_experts, bank.dim, bank.inter, "fp4")
+    for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
+        part._buffers[name] = getattr(bank, name)[:n_experts]
+    return part
+
+
+def random_routing(T: int, n_experts: int, k: int, device, gen):
+    """Uniformly random distinct top-k experts per token and renormalised weights (fp32)."""
+    import torch
+    idx = torch.rand(T, n_experts, device=device, generator=gen).topk(k, dim=-1).indices
+    w = torch.rand(T, k, device=device, generator=gen) + 0.1
+    return idx, (w / w.sum(-1, keepdim=True) * 1.5).float()
+
+
+def random_fp8_linear(n: int, k: int, device, gen):
+    import torch
+    from ..model.linear import Linear
+    lin = Linear(k, n, "fp8")
+    w = torch.randn(n, k, device=device, generator=gen) * 64
+    lin._buffers["weight"] = w.clamp(-448, 448).to(torch.float8_e4m3fn)
+    lin._buffers["scale"] = torch.randint(112, 116, (-(-n // 128), -(-k // 128)), dtype=torch.uint8, device=device,
+                                          generator=gen).view(torch.float8_e8m0fnu)
+    return lin
+
+
+def materialize_random(module, device, gen) -> None:
+    """Fill every meta buffer of ``module`` with random values of its dtype at plausible magnitudes."""
+    import torch
+    from ..model.linear import ExpertBank
+    for mod_name, mod in module.named_modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is None or buf.device.type != "meta":
+                continue
+            full = f"{mod_name}.{name}"
+            shape, dt = tuple(buf.shape), buf.dtype
+            if dt == torch.int8:  # packed E2M1
+                t = torch.randint(-128, 128, shape, dtype=torch.int8, device=device, generator=gen)
+            elif dt == torch.float8_e8m0fnu:  # FP4 expert scales per 32, FP8 weight scales per 128×128 block
+                lo = 117 if isinstance(mod, ExpertBank) else 112
+                t = torch.randint(lo, lo + 4, shape, dtype=torch.uint8, device=device, generator=gen)
+                t = t.view(torch.float8_e8m0fnu)
+            elif dt == torch.float8_e4m3fn:
+                t = (torch.randn(shape, device=device, generator=gen) * 64).clamp(-448, 448).to(dt)
+            elif dt == torch.int64:  # tid2eid
+                t = torch.randint(0, 1, shape, dtype=dt, device=device)
+            elif "norm" in full:
+                t = torch.ones(shape, dtype=dt, device=device)
+            elif name.startswith("hc_") and name.endswith("_scale"):
+                t = torch.rand(shape, device=device, generator=gen).to(dt) + 0.5
+            elif name.startswith("hc_") and name.endswith("_base"):
+                t = (torch.randn(shape, device=device, generator=gen) * 0.5).to(dt)
+            else:  # projections (bf16 / f32), hc fn, sink, ape, router bias
+                fan_in = shape[-1] if len(shape) > 1 else 1
+                t = (torch.randn(shape, device=device, generator=gen) * fan_in ** -0.5).to(dt)
+            mod._buffers[name] = t
+
+
+# ============================================================================================ checks
+def _check(b: Bench, name: str, out, ref, kind: str) -> bool:
+    import torch
+    from ..verify.compare import compare, tolerance
+    c = compare(name, out, ref, tolerance(torch.bfloat16, kind))
+    b.checks.append(dict(name=name, ok=c.ok, max_abs=c.max_abs, rel_l2=c.rel_l2, cosine=c.cosine, line=c.line()))
+    log(c.line())
+    return c.ok
+
+
+def _guard(b: Bench, what: str, fn):
+    """Run one benchmark piece; an exception (e.g. a kernel that does not compile here) is recorded, not fatal."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 — a failed variant must not end the run
+        msg = f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        b.errors.append(msg)
+        log("ERROR " + msg)
+        return None
+
+
+def run_checks(b: Bench, args, gen) -> set[str]:
+    """Correctness of every variant at real widths; returns the names of the variants that passed."""
+    import torch
+    from dsv4lab_kernels import attention_prefill as ap
+    from dsv4lab_kernels import fp4_moe_grouped as fm
+    from dsv4lab_kernels import fp8_gemm as fg
+    from ..model.numerics import Numerics
+    from ..model.ops import ReferenceOps
+    from ..verify.registry import _make_attention
+    ref = ReferenceOps(Numerics())
+    a, dev = args, b.device
+    passed: set[str] = set()
+    # grouped MoE: real widths, fewer experts so each gets about as many rows as at 4,096 tokens with 256
+    E = 8 if b.smoke else 32
+    T = 48 if b.smoke else 512
+    bank = bank_slice(random_bank(E, a.dim, a.moe_inter_dim, dev, gen), E)
+    idx, w = random_routing(T, E, a.n_activated_experts, dev, gen)
+    x = (torch.randn(T, a.dim, device=dev, generator=gen) * 2).to(torch.bfloat16)
+    want = ref.routed_experts(x, idx, w, bank, a.swiglu_limit)
+    for route in MOE_ROUTES:
+        for rows in SORTER_ROWS:
+            name = f"moe:{route}:{rows}"
+            ok = _guard(b, name, lambda: _check(b, name, fm.routed_experts(
+                x, idx, w, bank, a.swiglu_limit, route=route, geo=fm.MoEGeometry(rows=rows), poison=True), want,
+                "quantized"))
+            if ok:
+                passed.add(name)
+    # dense FP8 GEMM and the grouped wo_a
+    M = 64 if b.smoke else 300
+    lin = random_fp8_linear(a.q_lora_rank, a.dim, dev, gen)
+    xg = (torch.randn(M, a.dim, device=dev, generator=gen) * 2).to(torch.bfloat16)
+    want = ref.linear(xg, lin)
+    for cfg in GEMM_CONFIGS:
+        name = f"fp8_gemm:{cfg}"
+        if _guard(b, name, lambda: _check(b, name, fg.fp8_linear(xg, lin.weight, lin.scale, config=cfg), want,
+                                          "quantized")):
+            passed.add(name)
+    G = a.o_groups
+    wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen)
+    o = torch.randn(1, M, G, a.wo_a_in_per_group, device=dev, generator=gen).to(torch.bfloat16)
+    want = ref.grouped_wo_a(o, wo_a, G)
+    for cfg in GEMM_CONFIGS:
+        name = f"wo_a:{cfg}"
+        if _guard(b, name, lambda: _check(b, name, fg.grouped_bf16_fp8_gemm(
+                o.reshape(M, G, -1), wo_a.weight, wo_a.scale, G, config=cfg).view(want.shape), want, "reduction")):
+            passed.add(name)
+    # attention at the real head count and width
+    shape = dict(b=1, s=8 if b.smoke else 48, h=a.n_heads, d=a.head_dim, n_kv=300 if b.smoke else 1200,
+                 k=(a.window_size + a.index_topk), masked=0.3)
+    q, kv, aidx, sink, scale = _make_attention(shape, torch.Generator().manual_seed(1), "cpu", Numerics())
+    q, kv, aidx, sink = q.to(dev), kv.to(dev), aidx.to(dev), sink.to(dev)
+    want = ref.sparse_attention(q, kv, aidx, sink, scale)
+    for cfg in ATTENTION_CONFIGS:
+        name = f"attn:{cfg}"
+        if _guard(b, name, lambda: _check(b, name, ap.sparse_attention(q, kv, aidx, sink, scale, config=cfg), want,
+                                          "attention")):
+            passed.add(name)
+    # indexer scores, top-k and the compressor pooling
+    S, Tk = (16, 40) if b.smoke else (64, 1024)
+    qi = torch.randn(1, S, a.index_n_heads, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
+    wi = (torch.randn(1, S, a.index_n_heads, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
+    keys = torch.randn(1, Tk, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
+    scores = ref.indexer_scores(qi, wi, keys)
+    if _guard(b, "indexer_scores", lambda: _check(b, "indexer_scores", ap.indexer_scores(qi, wi, keys), scores,
+                                                    "attention")):
+        passed.add("indexer_scores")
+    pos = (torch.arange(S, device=dev) * (4 * Tk // S) + 3)[None]
+    if _guard(b, "indexer_topk", lambda: _check(b, "indexer_topk", ap.indexer_topk(scores, pos, 4, a.index_topk),
+                                                ref.indexer_topk(scores, pos, 4, a.index_topk), "exact")):
+        passed.add("indexer_topk")
+    kvs = torch.randn(64, 8, a.head_dim, device=dev, generator=gen)
+    scs = torch.randn(64, 8, a.head_dim, device=dev, generator=gen)
+    if _guard(b, "compressor_pool", lambda: _check(b, "compressor_pool", ap.compressor_pool(kvs, scs),
+                                                   ref.compressor_pool(kvs, scs), "reduction")):
+        passed.add("compressor_pool")
+    return passed
+
+
+# ============================================================================================ MoE
+def bench_moe(b: Bench, args, gen, passed: set[str], tokens, routes, rows_list, ablation_tokens) -> None:
+    import torch
+    from dsv4lab_kernels import fp4_moe_grouped as fm
+    from dsv4lab_kernels.moe_sort import sort_by_expert
+    a, dev = args, b.device
+    E, k, D, I = a.n_routed_experts, a.n_activated_experts, a.dim, a.moe_inter_dim
+    bank = random_bank(E, D, I, dev, gen)
+    limit = a.swiglu_limit
+
+    def one(route: str, rows: int, T: int, stages: bool) -> None:
+        if f"moe:{route}:{rows}" not in passed:
+            b.skipped.append(f"moe {route} rows {rows} (failed its check)")
+            return
+        geo = fm.MoEGeometry(rows=rows)
+        idx, w = random_routing(T, E, k, dev, gen)
+        x = torch.randn(T, D, device=dev, generator=gen).to(torch.bfloat16)
+        f_up, f_down = 2.0 * T * k * 2 * I * D, 2.0 * T * k * D * I
+        kind = PEAK_OF_ROUTE[route]
+        t = b.time_us(lambda: fm.routed_experts(x, idx, w, bank, limit, route=route, geo=geo),
+                      name=f"moe:{route}:{rows}")
+        routing = sort_by_expert(idx, E, rows)
+        padded = int(((routing.counts + rows - 1) // rows * rows).sum())
+        b.add("moe_grouped_gemm", f"{route}:total", t, f_up + f_down, kind, tokens=T, sorter_rows=rows,
+              row_efficiency=round(T * k / padded, 3))
+        if not stages:
+            return
+        xv, xs = fm._activation_operands(x, route)
+        w_flat = w.reshape(-1).contiguous()
+        h = fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit)
+        t_up = b.time_us(lambda: fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit))
+        b.add("moe_grouped_gemm", f"{route}:gate_up", t_up, f_up, kind, tokens=T, sorter_rows=rows)
+        t_dn = b.time_us(lambda: fm.down(h[0], h[1], bank, routing, route, geo, T * k))
+        b.add("moe_grouped_gemm", f"{route}:down", t_dn, f_down, kind, tokens=T, sorter_rows=rows)
+        t_sort = b.time_us(lambda: sort_by_expert(idx, E, rows))
+        b.add("moe_sort", "sort", t_sort, tokens=T, sorter_rows=rows, peak_kind="copy")
+
+    default_rows = 64
+    headline = 4096 if 4096 in tokens else max(tokens)
+    for route in routes:  # the routes at the headline size first
+        if b.over_budget(f"moe {route}"):
+            return
+        _guard(b, f"moe {route} @{headline}", lambda: one(route, default_rows, headline, True))
+    for rows in rows_list:  # sorter ablation (the paper's M = 2048 microbenchmark)
+        for route in routes:
+            if b.over_budget(f"sorter ablation {route} {rows}"):
+                return
+            _guard(b, f"moe ablation {route} {rows}", lambda: one(route, rows, ablation_tokens, True))
+    for T in tokens:
+        for route in routes:
+            if T == headline or b.over_budget(f"moe {route} @{T}"):
+                continue
+            _guard(b, f"moe {route} @{T}", lambda: one(route, default_rows, T, False))
+    del bank
+    torch.cuda.empty_cache() if b.cuda else None
+
+
+# ============================================================================================ dense GEMMs
+def dense_projections(a) -> dict[str, tuple[int, int]]:
+    """``name: (N, K)`` of the FP8 projections a prefill runs per layer (the indexer's wq_b in CSA layers)."""
+    return {"wq_a": (a.q_lora_rank, a.dim), "wq_b": (a.n_heads * a.head_dim, a.q_lora_rank),
+            "wkv": (a.head_dim, a.dim), "wo_b": (a.dim, a.o_groups * a.o_lora_rank),
+            "indexer.wq_b": (a.index_n_heads * a.index_head_dim, a.q_lora_rank),
+            "shared.w1": (a.moe_inter_dim, a.dim), "shared.w2": (a.dim, a.moe_inter_dim)}
+
+
+def bench_gemm(b: Bench, args, gen, passed: set[str], tokens, configs) -> None:
+    import torch
+    from dsv4lab_kernels import fp8_gemm as fg
+    a, dev = args, b.device
+    lins = {name: random_fp8_linear(n, k, dev, gen) for name, (n, k) in dense_projections(a).items()}
+    G = a.o_groups
+    wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen)
+    for T in tokens:
+        if b.over_budget(f"fp8 gemm @{T}"):
+            return
+        for cfg in configs:
+            if f"fp8_gemm:{cfg}" not in passed:
+                continue
+            for name, lin in lins.items():
+                x = torch.randn(T, lin.in_features, device=dev, generator=gen).to(torch.bfloat16)
+                flops = 2.0 * T * lin.in_features * lin.out_features
+                t = _guard(b, f"fp8 {name}", lambda: b.time_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale,
+                                                                                      config=cfg),
+                                                              name=f"fp8:{cfg}", flush_l2=True))
+                if t:
+                    b.add("fp8_gemm", f"{name}:{cfg}", t, flops, "fp8", tokens=T, n=lin.out_features,
+                          k=lin.in_features)
+            if f"wo_a:{cfg}" in passed:
+                o = torch.randn(T, G, a.wo_a_in_per_group, device=dev, generator=gen).to(torch.bfloat16)
+                t = _guard(b, "wo_a", lambda: b.time_us(lambda: fg.grouped_bf16_fp8_gemm(
+                    o, wo_a.weight, wo_a.scale, G, config=cfg), name=f"wo_a:{cfg}", flush_l2=True))
+                if t:
+                    b.add("fp8_gemm", f"wo_a_grouped_bf16:{cfg}", t, 2.0 * T * G * a.o_lora_rank *
+                          a.wo_a_in_per_group, "bf16", tokens=T)
+
+
+# ============================================================================================ attention side
+def prefill_attention_inputs(a, T: int, ratio: int, device, gen):
+    """q, kv_all, idx, sink for one chunk of ``T`` tokens from position 0 laid out as the model does: window
+    history (empty), the chunk's own rows, then the compressed entries; CSA picks ``index_topk`` of the
+    visible entries at random, HCA attends to every visible one."""
+    import torch
+    W, H, d = a.window_size, a.n_heads, a.head_dim
+    n_ent = T // ratio
+    q = torch.randn(1, T, H, d, device=device, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(1, W + T + n_ent, d, device=device, generator=gen).to(torch.bfloat16)
+    p = torch.arange(T, device=device)
+    u = torch.arange(W, device=device)
+    win = torch.where((p[:, None] - (W - 1) + u[None]) >= 0, p[:, None] + 1 + u[None], -1)
+    visible = (p + 1) // ratio
+    if ratio == 4:
+        k = min(a.index_topk, n_ent)
+        keys = torch.rand(T, max(n_ent, 1), device=device, generator=gen)
+        keys = keys.masked_fill(torch.arange(max(n_ent, 1), device=device)[None] >= visible[:, None], -1.0)
+        sel = keys.topk(k, dim=-1)
+        ent = torch.where(sel.values >= 0, sel.indices + W + T, -1)
+    else:
+        e = torch.arange(n_ent, device=device)
+        ent = torch.where(e[None] < visible[:, None], e[None] + W + T, -1)
+    idx = torch.cat((win, ent), -1)[None].to(torch.int32)
+    sink = torch.randn(H, device=device, generator=gen)
+    return q, kv, idx, sink
+
+
+def bench_attention(b: Bench, args, gen, passed: set[str], tokens, configs) -> None:
+    import torch
+    from dsv4lab_kernels import attention_prefill as ap
+    a, dev = args, b.device
+    for T in tokens:
+        if b.over_budget(f"attention @{T}"):
+            return
+        for ratio, kind in ((4, "csa"), (max(a.compress_ratios), "hca")):
+            q, kv, idx, sink = prefill_attention_inputs(a, T, ratio, dev, gen)
+            valid = float((idx >= 0).sum())
+            flops = 4.0 * a.n_heads * a.head_dim * valid
+            for cfg in configs:
+                if f"attn:{cfg}" not in passed:
+                    continue
+                t = _guard(b, f"attn {cfg}", lambda: b.time_us(
+                    lambda: ap.sparse_attention(q, kv, idx, sink, a.softmax_scale, config=cfg), name=f"attn:{cfg}"))
+                if t:
+                    b.add("attn_prefill", f"{kind}:{cfg}", t, flops, "bf16", tokens=T, attended_rows=int(valid))
+        # the indexer of a CSA layer: scores against every key (as the reference), then the causal top-k
+        n_keys = T // 4
+        qi = torch.randn(1, T, a.index_n_heads, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
+        wi = (torch.randn(1, T, a.index_n_heads, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
+        keys = torch.randn(1, n_keys, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
+        if "indexer_scores" in passed:
+            t = _guard(b, "indexer_scores", lambda: b.time_us(lambda: ap.indexer_scores(qi, wi, keys),
+                                                              name="indexer_scores"))
+            if t:
+                b.add("indexer", "scores", t, 2.0 * T * a.index_n_heads * n_keys * a.index_head_dim, "bf16",
+                      tokens=T)
+        if "indexer_topk" in passed and n_keys <= ap.TOPK_MAX_ENTRIES:
+            scores = ap.indexer_scores(qi, wi, keys)
+            pos = torch.arange(T, device=dev)[None]
+            t = _guard(b, "indexer_topk", lambda: b.time_us(lambda: ap.indexer_topk(scores, pos, 4, a.index_topk),
+                                                            name=f"topk:{n_keys}"))
+            if t:
+                b.add("indexer", "topk", t, 0.0, "copy", tokens=T, entries=n_keys,
+                      gbps=round(scores.numel() * 2 / (t * 1e-6) / 1e9, 1))
+        if "compressor_pool" in passed:
+            nb = T // 4
+            kvs = torch.randn(nb, 8, a.head_dim, device=dev, generator=gen)
+            scs = torch.randn(nb, 8, a.head_dim, device=dev, generator=gen)
+            t = _guard(b, "pool", lambda: b.time_us(lambda: ap.compressor_pool(kvs, scs), name="pool"))
+            if t:
+                b.add("compressor_pool", "csa_main", t, 0.0, "copy", tokens=T,
+                      gbps=round(2 * kvs.numel() * 4 / (t * 1e-6) / 1e9, 1))
+
+
+# ============================================================================================ chunked layer
+def layer_roofline(a, tokens: int, chunk: int, peaks: dict) -> dict:
+    """Roofline time of each op of one CSA layer's prefill (cost model), and the attention / indexer shares."""
+    from . import costmodel
+    one = a.replace(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(4,))
+    cost = costmodel.prefill(one, tokens=tokens, chunk=chunk)
+    bw = peaks["copy_gbps"] * 1e9
+    per_op = {}
+    for op in cost.compute_ops:
+        if op.name in ("embed", "head", "sample") or op.name.startswith("final."):
+            continue
+        if op.kind == "matmul":
+            peak = peaks["fp8_tflops"] if op.weight_format in ("fp8", "fp4") else peaks["bf16_tflops"]
+        elif op.kind in ("attention", "indexer"):
+            peak = peaks["bf16_tflops"]
+        else:
+            peak = None
+        t_flops = op.flops_rank / (peak * 1e12) if peak else 0.0
+        per_op[op.name] = max(t_flops, op.bytes_rank / bw)
+    total = sum(per_op.values())
+    idx_t = per_op.get("indexer.score", 0.0) + per_op.get("indexer.topk", 0.0)
+    return dict(layer_us=total * 1e6, attention_us=per_op.get("attn.core", 0.0) * 1e6, indexer_us=idx_t * 1e6,
+                attention_share=per_op.get("attn.core", 0.0) / total, indexer_share=idx_t / total)
+
+
+def bench_chunked_layer(b: Bench, args, gen, total: int, chunks) -> dict:
+    import torch
+    from ..model.block import Block
+    from ..model.numerics import Numerics
+    a, dev = args.replace(max_seq_len=max(total, args.max_seq_len)), b.device
+    layer = next(i for i in range(a.n_layers) if a.compress_ratios[i] == 4 and not a.is_hash_layer(i))
+    blk = Block(a, layer)
+    materialize_random(blk, dev, gen)
+    nm = Numerics(exact_reductions=False)  # production semantics; torch's fp32 reductions for the non-kernel ops
+    try:
+        from ..engine.triton_backend import TritonOps
+        ops = TritonOps(nm)
+    except Exception:  # noqa: BLE001 — the prefill kernels alone still make the measurement
+        from ..engine.triton_prefill import TritonPrefillBackend
+        ops = TritonPrefillBackend(nm)
+    blk.attn.allocate(1, a.max_seq_len, nm.act, nm.acc, dev)
+    X = (torch.randn(1, total, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    ids = torch.zeros(1, total, dtype=torch.long, device=dev)
+    timed = ("sparse_attention", "indexer_scores", "indexer_topk", "routed_experts", "linear", "grouped_wo_a",
+             "compressor_pool")
+    events: dict[str, list] = {}
+    for name in timed:
+        fn = getattr(ops, name)
+
+        def run(*xs, _fn=fn, _name=name, **kw):
+            if not b.cuda:
+                return _fn(*xs, **kw)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            r = _fn(*xs, **kw)
+            e.record()
+            events.setdefault(_name, []).append((s, e))
+            return r
+        setattr(ops, name, run)
+
+    def prefill(chunk: int) -> None:
+        blk.attn.reset(None, ops)
+        for p in range(0, total, chunk):
+            c = min(chunk, total - p)
+            one = torch.tensor([p], device=dev)
+            blk(X[:, p:p + c], one, torch.tensor([c], device=dev), torch.tensor([0], device=dev), ids[:, p:p + c], ops)
+
+    def timed_prefill(chunk: int) -> tuple[float, dict]:
+        """One prefill: its time in µs and the time of each timed op inside it."""
+        events.clear()
+        if not b.cuda:
+            t = time.perf_counter()
+            prefill(chunk)
+            return (time.perf_counter() - t) * 1e6, {}
+        b.flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        prefill(chunk)
+        e.record()
+        b.sync()
+        return s.elapsed_time(e) * 1e3, {k: sum(s2.elapsed_time(e2) for s2, e2 in v) * 1e3 for k, v in events.items()}
+
+    out = {}
+    for chunk in chunks:
+        if b.over_budget(f"chunked prefill chunk {chunk}"):
+            break
+        with torch.inference_mode():
+            if _guard(b, f"layer warm-up {chunk}", lambda: timed_prefill(chunk)) is None:  # compiles
+                continue
+            runs = [_guard(b, f"layer chunk {chunk}", lambda: timed_prefill(chunk)) for _ in range(1 if b.smoke else 3)]
+        runs = sorted((r for r in runs if r is not None), key=lambda r: r[0])
+        if not runs:
+            continue
+        t, per_op = runs[len(runs) // 2]
+        roof = layer_roofline(a, total, chunk, b.peaks) if b.peaks.get("copy_gbps") else None
+        row = b.add("chunked_prefill", f"csa_layer{layer}", t, 0.0, "bf16", tokens=total, chunk=chunk,
+                    tok_per_s=round(total / (t * 1e-6)), op_us={k: round(v, 1) for k, v in per_op.items()})
+        if roof:
+            att = per_op.get("sparse_attention", 0.0)
+            idx_t = per_op.get("indexer_scores", 0.0) + per_op.get("indexer_topk", 0.0)
+            row.update(roofline_layer_us=round(roof["layer_us"], 1),
+                       attention_share=round(att / t, 4), attention_roofline_share=round(roof["attention_share"], 4),
+                       indexer_share=round(idx_t / t, 4), indexer_roofline_share=round(roof["indexer_share"], 4))
+        out[chunk] = row
+        log(f"layer prefill {total} tokens, chunk {chunk}: {t / 1e3:.2f} ms; ops (µs): "
+            + ", ".join(f"{k} {v:.0f}" for k, v in sorted(per_op.items())))
+    if hasattr(ops, "report"):
+        log("backend report:\n" + ops.report())
+    return out
+
+
+# ============================================================================================ driver
+def run_suite(args) -> int:
+    import torch
+    from ..cli import UserError
+    from ..config import get_preset
+    from ..runs import git_state
+    smoke = getattr(args, "smoke", False)
+    quick = getattr(args, "quick", False)
+    if not torch.cuda.is_available() and not smoke:
+        raise UserError("bench kernels --suite prefill needs a GPU (use --smoke to check the script on a CPU)")
+    if not torch.cuda.is_available():
+        import os
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton
+    from ..engine.triton_prefill import _kernels
+    for name in ("fp8_gemm", "moe_sort", "fp4_moe_grouped", "attention_prefill"):
+        _kernels(name)  # registers dsv4lab_kernels from the source tree when it is not installed
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    b = Bench(device, getattr(args, "budget_s", 220.0), smoke)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = get_preset("tiny" if smoke else "flash")
+    if smoke:
+        tokens, chunks, routes, rows_list, abl, total = (64,), (32, 64), MOE_ROUTES, (16,), 64, 64
+    elif quick:
+        tokens, chunks, routes, rows_list, abl, total = (1024, 4096), (1024, 4096), MOE_ROUTES, SORTER_ROWS, 2048, \
+            4096
+    else:
+        tokens, chunks, routes, rows_list, abl, total = TOKENS, CHUNKS, MOE_ROUTES, SORTER_ROWS, 2048, 4096
+    doc = dict(suite="prefill", gpu=torch.cuda.get_device_name() if b.cuda else "CPU (Triton interpreter)",
+               torch=torch.__version__, triton=triton.__version__,
+               commit=getattr(args, "commit", None) or git_state().get("short"),
+               model="tiny" if smoke else "flash", smoke=smoke)
+    measure_peaks(b)
+    log(f"checks ({b.elapsed():.0f} s)")
+    passed = run_checks(b, a, gen)
+    sections = [
+        ("moe", lambda: bench_moe(b, a, gen, passed, tokens, routes, rows_list, abl)),
+        ("attention", lambda: bench_attention(b, a, gen, passed, (4096,) if not smoke else tokens,
+                                              ATTENTION_CONFIGS)),
+        ("chunked", lambda: bench_chunked_layer(b, a, gen, total, chunks)),
+        ("gemm", lambda: bench_gemm(b, a, gen, passed, tokens, GEMM_CONFIGS if not quick else GEMM_CONFIGS[:1])),
+        ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != 4096],
+                                                    ATTENTION_CONFIGS)),
+    ]
+    for name, fn in sections:
+        if b.over_budget(name):
+            continue
+        log(f"{name} ({b.elapsed():.0f} s)")
+        _guard(b, name, fn)
+    doc.update(peaks=b.peaks, checks=b.checks, rows=b.rows, skipped=b.skipped, errors=b.errors,
+               compile_s=b.compile_s, elapsed_s=round(b.elapsed(), 1), targets=targets(b))
+    out = Path(args.out) if getattr(args, "out", None) else Path("runs/bench/prefill_kernels.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print_table(doc)
+    print(f"wrote {out}")
+    return 0 if all(c["ok"] for c in b.checks) and not b.errors else 1
+
+
+def targets(b: Bench) -> dict:
+    """The issue's targets, measured: best grouped-MoE %-of-peak at 4,096 tokens; attention / indexer shares."""
+    moe = [r for r in b.rows if r["kernel"] == "moe_grouped_gemm" and r["tokens"] == 4096
+           and r["variant"].endswith(":total") and r["pct_peak"] is not None]
+    best = max(moe, key=lambda r: r["pct_peak"], default=None)
+    layer = [r for r in b.rows if r["kernel"] == "chunked_prefill" and "attention_share" in r]
+    out = dict(moe_4096_best=None if best is None else dict(variant=best["variant"], sorter_rows=best["sorter_rows"],
+                                                             pct_peak=best["pct_peak"], peak_kind=best["peak_kind"],
+                                                             tflops=best["tflops"], met=best["pct_peak"] >= 50))
+    out["layer_shares"] = [dict(chunk=r["chunk"], attention=r["attention_share"],
+                                attention_roofline=r["attention_roofline_share"], indexer=r["indexer_share"],
+                                indexer_roofline=r["indexer_roofline_share"],
+                                met=r["attention_share"] <= r["attention_roofline_share"]
+                                and r["indexer_share"] <= r["indexer_roofline_share"]) for r in layer]
+    return out
+
+
+def print_table(doc: dict) -> None:
+    p = doc["peaks"]
+    print(f"\nprefill kernels on {doc['gpu']} (torch {doc['torch']}, triton {doc['triton']}, commit {doc['commit']})")
+    print(f"ceilings: copy {p.get('copy_gbps')} GB/s, bf16 {p.get('bf16_tflops')} TFLOP/s, fp8 {p.get('fp8_tflops')} "
+          f"TFLOP/s; checks {sum(c['ok'] for c in doc['checks'])}/{len(doc['checks'])} ok; "
+          f"{len(doc['errors'])} errors; {doc['elapsed_s']} s")
+    keep = [r for r in doc["rows"] if r["tokens"] in (2048, 4096, 64) or r["kernel"] == "chunked_prefill"]
+    print(f"{'kernel':<17}{'variant':<24}{'tokens':>7}{'rows':>5}{'chunk':>6}{'time_us':>11}{'TFLOP/s':>9}{'%peak':>7}")
+    for r in keep:
+        if r["kernel"] == "fp8_gemm" and r["tokens"] != 4096:
+            continue
+        print(f"{r['kernel']:<17}{r['variant'][:23]:<24}{r['tokens'] or '':>7}{r['sorter_rows'] or '':>5}"
+              f"{r['chunk'] or '':>6}{r['time_us']:>11.1f}{r['tflops'] if r['tflops'] is not None else '':>9}"
+              f"{(str(r['pct_peak']) + ' ' + r['peak_kind'][:4]) if r['pct_peak'] is not None else '':>7}")
+    t = doc.get("targets", {})
+    if t.get("moe_4096_best"):
+        m = t["moe_4096_best"]
+        print(f"target MoE@4096 ≥ 50% of {m['peak_kind']} peak: {m['pct_peak']}% ({m['variant']}, rows "
+              f"{m['sorter_rows']}) → {'met' if m['met'] else 'missed'}")
+    for s in t.get("layer_shares", []):
+        print(f"chunk {s['chunk']}: attention {s['attention']:.3f} of the layer (roofline {s['attention_roofline']:.3f}),"
+              f" indexer {s['indexer']:.3f} (roofline {s['indexer_roofline']:.3f}) → {'met' if s['met'] else 'missed'}")

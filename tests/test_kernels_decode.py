@@ -1,0 +1,315 @@
+"""Decode kernels (issue 7) against the reference: device number formats, FP8/BF16 GEMV (two routes, split-K,
+grouped ``wo_a``), the routed-MoE decode (three routes, launch geometries, an expert-parallel slice), sparse
+attention decode (one and two caches, split rows), the Triton backend's dispatch and report, and the static
+decode step against the reference decode on the tiny model.
+
+Runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set in conftest) on small irregular shapes with random
+inputs and NaN-poisoned memory no kernel may read (bytes past every buffer, the scales of experts no token picks,
+KV rows no query selects); ``gpu`` tests repeat the checks at real DeepSeek-V4-Flash widths.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4lab import quant
+from dsv4lab.model.numerics import Numerics
+from dsv4lab.model.ops import ReferenceOps
+from dsv4lab.verify.compare import compare, tolerance
+from dsv4lab.verify.registry import _make_attention, make_bank, make_linear, routing
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+gemv = pytest.importorskip("dsv4lab_kernels.fp8_gemv")
+moe = pytest.importorskip("dsv4lab_kernels.fp4_moe_decode")
+attn = pytest.importorskip("dsv4lab_kernels.attention_decode")
+formats = pytest.importorskip("dsv4lab_kernels.formats")
+
+NM = Numerics()
+REF = ReferenceOps(NM)
+FP8_NAN, E8M0_NAN = 0x7F, 0xFF
+
+
+def _dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _close_to_reference(name, out, ref, ulps=1, max_frac_inexact=0.02):
+    """A kernel that keeps the reference's quantization semantics may differ from the correctly rounded
+    reference only by its fp32 accumulation order: at most ``ulps`` bf16 ulps, on a small fraction of elements."""
+    c = compare(name, out, ref, tolerance(torch.bfloat16, "reduction"))
+    assert c.nan_mismatch == 0, c.line()
+    o, r = out.double().cpu(), ref.double().cpu()
+    fin = torch.isfinite(r)
+    ulp = torch.ldexp(torch.ones_like(r[fin]), torch.frexp(r[fin])[1] - 8)  # one bf16 ulp at |ref|
+    assert ((o[fin] - r[fin]).abs() <= ulps * ulp + 1e-30).all(), c.line()
+    assert (o[fin] != r[fin]).double().mean() <= max_frac_inexact, c.line()
+
+
+def _in_poisoned(t: torch.Tensor, poison_byte: int, extra: int = 256) -> torch.Tensor:
+    """``t`` copied to the front of a larger buffer whose tail bytes are ``poison_byte`` (a read past the end
+    of ``t`` returns NaN), as a contiguous view."""
+    raw = t.contiguous().view(torch.uint8).flatten()
+    buf = torch.full((raw.numel() + extra,), poison_byte, dtype=torch.uint8, device=t.device)
+    buf[: raw.numel()] = raw
+    return buf[: raw.numel()].view(t.dtype).view(t.shape)
+
+
+def _poisoned_x(x: torch.Tensor) -> torch.Tensor:
+    nan_bf16 = torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16)
+    buf = torch.full((x.numel() + 128,), int(nan_bf16), dtype=torch.int16, device=x.device)
+    buf[: x.numel()] = x.contiguous().view(torch.int16).flatten()
+    return buf[: x.numel()].view(torch.bfloat16).view(x.shape)
+
+
+# ------------------------------------------------------------------------------------------ device formats
+@triton.jit
+def _formats_probe(v_ptr, b_ptr, out_e4m3, out_bf16, out_lo, out_hi, out_lo2, out_hi2, N: tl.constexpr):
+    i = tl.arange(0, N)
+    v = tl.load(v_ptr + i)
+    tl.store(out_e4m3 + i, formats.round_to_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0)))
+    tl.store(out_bf16 + i, formats.round_to_bf16(v))
+    b = tl.load(b_ptr + i).to(tl.int32)
+    lo, hi = formats.e2m1_pair_to_f32_scaled(b)
+    tl.store(out_lo + i, lo * 16384.0)
+    tl.store(out_hi + i, hi * 16384.0)
+    lo2, hi2 = formats.e2m1_pair_times2_int(b)
+    tl.store(out_lo2 + i, lo2)
+    tl.store(out_hi2 + i, hi2)
+
+
+def test_device_formats_are_exact():
+    g = torch.Generator().manual_seed(0)
+    N = 1024
+    v = torch.randn(N, generator=g) * torch.exp2(torch.randint(-14, 9, (N,), generator=g).float())
+    grid = quant.e2m1_decode(torch.arange(16)).float()
+    e4m3_points = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3_points = e4m3_points[torch.isfinite(e4m3_points)]
+    mids = (e4m3_points.sort().values[1:] + e4m3_points.sort().values[:-1]) / 2  # exact ties
+    v[: len(mids[:300])] = mids[:300]
+    v[300:310] = torch.tensor([127.1, 31.73, -31.9, 0.0, -0.0, 2.0 ** -10, 448.0, 500.0, 1e-30, -7.5])
+    b = torch.arange(N, dtype=torch.int64) % 256
+    outs = [torch.empty(N) for _ in range(4)] + [torch.empty(N, dtype=torch.int32) for _ in range(2)]
+    _formats_probe[(1,)](v, b.to(torch.uint8), *outs, N=N)
+    assert torch.equal(outs[0], v.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert torch.equal(outs[1], v.to(torch.bfloat16).float())
+    assert torch.equal(outs[2], grid[b & 15]) and torch.equal(outs[3], grid[b >> 4])
+    times2 = torch.tensor(quant.E2M1_TIMES2_INT8, dtype=torch.int32)
+    assert torch.equal(outs[4], times2[b & 15]) and torch.equal(outs[5], times2[b >> 4])
+
+
+# ------------------------------------------------------------------------------------------ FP8 / BF16 GEMV
+GEMV_CASES = [dict(M=1, N=96, K=256, route="fma", split=1), dict(M=3, N=200, K=192, route="dot", split=2),
+              dict(M=5, N=72, K=320, route="fma", split=3)]
+
+
+@pytest.mark.parametrize("case", GEMV_CASES, ids=lambda c: "M{M}N{N}K{K}_{route}_split{split}".format(**c))
+def test_fp8_gemv_matches_reference_and_never_reads_padding(case):
+    M, N, K = case["M"], case["N"], case["K"]
+    g = torch.Generator().manual_seed(M * N)
+    lin = make_linear("fp8", N, K, g)
+    x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    w = _in_poisoned(lin.weight, FP8_NAN)
+    s = _in_poisoned(lin.scale, E8M0_NAN)
+    geo = gemv.GemvGeometry(block_n=32, block_k=128, split_k=case["split"])
+    out = gemv.fp8_gemv(x, w, s, act_quant=True, route=case["route"], geometry=geo)
+    _close_to_reference("fp8_gemv", out, REF.linear(x, lin))
+
+
+def test_grouped_wo_a_and_bf16_weights():
+    g = torch.Generator().manual_seed(1)
+    G, R, in_g = 3, 32, 192
+    wo_a = make_linear("fp8", G * R, in_g, g, act_quant=False)
+    o = (torch.randn(2, 1, G, in_g, generator=g)).to(torch.bfloat16)
+    for route in gemv.ROUTES:
+        y = gemv.fp8_gemv(o.flatten(-2), wo_a.weight, wo_a.scale, act_quant=False, groups=G, route=route,
+                          geometry=gemv.GemvGeometry(block_n=16, block_k=128, split_k=2))
+        _close_to_reference(f"wo_a[{route}]", y.view(2, 1, G, R), REF.grouped_wo_a(o, wo_a, G))
+    head = make_linear("bf16", 130, 96, g)  # an fp32 projection of a BF16 weight (router, compressor, head)
+    x = torch.randn(2, 96, generator=g).to(torch.bfloat16)
+    y = gemv.fp8_gemv(x, head.weight, None, act_quant=False, out_dtype=torch.float32,
+                      geometry=gemv.GemvGeometry(block_n=64, block_k=128))
+    ref = REF.linear_f32(x, head)
+    assert (y - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+# ------------------------------------------------------------------------------------------ routed MoE
+def _moe_case(T, E=10, k=3, D=160, I=96, seed=0, offset=0, n_local=None):
+    g = torch.Generator().manual_seed(seed)
+    bank = make_bank(n_local or E, D, I, g, offset=offset)
+    idx, w = routing(g, T, E, k, skip=2)  # the last two experts get no token
+    x = (torch.randn(T, D, generator=g) * 2).to(torch.bfloat16)
+    # experts no token picks (and, in a slice, those of other ranks) must never be read: NaN scales
+    used = torch.zeros(bank.n_experts, dtype=torch.bool)
+    local = idx.flatten() - offset
+    used[local[(local >= 0) & (local < bank.n_experts)]] = True
+    for which in ("w1", "w2", "w3"):
+        s = getattr(bank, which + "_scale").view(torch.uint8).clone()
+        s[~used] = E8M0_NAN
+        bank._buffers[which + "_scale"] = _in_poisoned(s, E8M0_NAN).view(torch.float8_e8m0fnu)
+        bank._buffers[which] = _in_poisoned(getattr(bank, which), 0x77)
+    return x, idx, w.float(), bank
+
+
+@pytest.mark.parametrize("route,T,geo", [
+    ("fma", 1, moe.MoeGeometry(block_n_up=32, block_n_down=64, block_k=128)),
+    ("fma", 3, moe.MoeGeometry(block_n_up=64, block_n_down=32, block_k=256, slot_split=3)),
+    ("dot_scaled", 2, moe.MoeGeometry(block_n_up=32, block_n_down=64, block_k=128, slot_split=2)),
+])
+def test_routed_moe_decode_matches_reference(route, T, geo):
+    x, idx, w, bank = _moe_case(T, seed=T)
+    y = moe.routed_moe_decode(x, idx, w, moe.ExpertTensors.of(bank), 10.0, route=route, geometry=geo)
+    _close_to_reference(f"routed[{route}]", y, REF.routed_experts(x, idx, w, bank, 10.0))
+
+
+def test_routed_moe_stages_on_an_expert_parallel_slice():
+    x, idx, w, bank = _moe_case(3, seed=5, offset=4, n_local=4)  # experts 4..7 of 10 live here
+    ex = moe.ExpertTensors.of(bank)
+    geo = moe.MoeGeometry(block_n_up=32, block_n_down=64, block_k=128)
+    g, u = moe.moe_gate_up(x, idx, None, ex, 10.0, geometry=geo, write_gu=True)
+    rg, ru = REF.moe_stage1(x, idx, bank)
+    _close_to_reference("stage1.g", g, rg)  # NaN exactly on the other ranks' slots
+    _close_to_reference("stage1.u", u, ru)
+    h = REF.moe_activation(rg, ru, w, 10.0)
+    out = moe.moe_down(h.to(torch.bfloat16), idx, ex, geometry=geo, per_slot=True)
+    _close_to_reference("stage2", out, REF.moe_stage2(h, idx, bank))
+    y = moe.routed_moe_decode(x, idx, w, ex, 10.0, geometry=geo)
+    _close_to_reference("routed (slice)", y, REF.moe_combine(REF.moe_stage2(h, idx, bank), idx))
+
+
+def test_int8_route_is_the_papers_arithmetic():
+    x, idx, w, bank = _moe_case(2, seed=7)
+    ex = moe.ExpertTensors.of(bank)
+    geo = moe.MoeGeometry(block_n_up=32, block_n_down=64, block_k=128)
+    g, _ = moe.moe_gate_up(x, idx, None, ex, 10.0, route="int8", geometry=geo, write_gu=True)
+    want = torch.full_like(g, float("nan"))
+    for t in range(idx.shape[0]):
+        for s in range(idx.shape[1]):
+            e = int(idx[t, s])
+            want[t, s] = moe.reference_int8_route(x[t:t + 1], bank.w1[e], bank.w1_scale[e])[0].float().bfloat16()
+    _close_to_reference("int8 stage1 vs its oracle", g, want)
+    y = moe.routed_moe_decode(x, idx, w, ex, 10.0, route="int8", geometry=geo)
+    _close_to_reference("int8 MoE vs its oracle", y, moe.reference_int8_moe(x, idx, w, ex, 10.0), ulps=2)
+    # against the FP8 reference it is a different quantization (per-32 INT8 vs per-128 E4M3 activations):
+    # close in aggregate, not per element (the random bank's group scales span 2^±4, which INT8's absolute
+    # step per group handles worse than E4M3's relative one)
+    c = compare("int8 vs fp8 reference", y, REF.routed_experts(x, idx, w, bank, 10.0))
+    assert c.cosine > 0.99, c.line()
+
+
+# ------------------------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("shape,splits", [(dict(b=1, s=1, h=8, d=96, n_kv=80, k=48), 1),
+                                          (dict(b=2, s=3, h=4, d=64, n_kv=37, k=20, masked=0.5), 3)])
+def test_sparse_attention_decode_matches_reference(shape, splits):
+    q, kv, idx, sink, scale = _make_attention(shape, torch.Generator().manual_seed(splits), "cpu", NM)
+    b, s, h, d = q.shape
+    o = attn.sparse_attention_decode(q.reshape(b * s, h, d), kv, idx.reshape(b * s, -1),
+                                     torch.arange(b).repeat_interleave(s), sink, scale,
+                                     geometry=attn.AttentionGeometry(block_r=16, splits=splits))
+    ref = REF.sparse_attention(q, kv, idx, sink, scale)
+    if splits == 1:  # probabilities relative to the true max, rounded to bf16, exactly as the reference
+        _close_to_reference("attention", o.view(b, s, h, d), ref)
+    else:  # per-slice max: the bf16 rounding of each probability moves
+        c = compare("attention split", o.view(b, s, h, d), ref, tolerance(torch.bfloat16, "attention"))
+        assert c.ok and c.rel_l2 < 2e-3, c.line()
+
+
+def test_attention_reads_two_caches_in_place():
+    g = torch.Generator().manual_seed(3)
+    slots_n, W, C, H, d = 3, 16, 10, 4, 64
+    win = torch.full((slots_n, W, d), float("nan")).to(torch.bfloat16)
+    cmp = torch.full((slots_n, C, d), float("nan")).to(torch.bfloat16)
+    win[1, :9] = torch.randn(9, d, generator=g).to(torch.bfloat16)
+    cmp[1, :4] = torch.randn(4, d, generator=g).to(torch.bfloat16)
+    win[2, :] = torch.randn(W, d, generator=g).to(torch.bfloat16)
+    cmp[2, :7] = torch.randn(7, d, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([2, 1])
+    win_rows = torch.tensor([list(range(W)), list(range(9)) + [-1] * (W - 9)])
+    cmp_rows = torch.tensor([[6, 0, 3, -1, 5], [2, -1, 0, 1, -1]])
+    q = torch.randn(2, H, d, generator=g).to(torch.bfloat16)
+    sink = torch.randn(H, generator=g)
+    o = attn.sparse_attention_decode(q, win, win_rows, slots, sink, d ** -0.5, kv_b=cmp, rows_b=cmp_rows,
+                                     batch_b=slots, geometry=attn.AttentionGeometry(block_r=16))
+    kv_all = torch.cat((win[slots], cmp[slots]), 1)
+    idx = torch.cat((win_rows, torch.where(cmp_rows >= 0, cmp_rows + W, -1)), 1)
+    _close_to_reference("two caches", o, REF.sparse_attention(q[:, None], kv_all, idx[:, None], sink,
+                                                                 d ** -0.5)[:, 0])
+
+
+# ------------------------------------------------------------------------------------------ backend
+def test_backend_dispatch_fallbacks_and_variants():
+    from dsv4lab.engine.triton_backend import TritonOps
+    ops = TritonOps(NM)
+    g = torch.Generator().manual_seed(4)
+    lin = make_linear("fp8", 64, 128, g)
+    x = torch.randn(2, 128, generator=g).to(torch.bfloat16)
+    _close_to_reference("linear", ops.linear(x, lin), REF.linear(x, lin))
+    ops.linear(x, lin, all_reduce=lambda t: t)  # a tensor-parallel partial sum is the reference's job
+    ops.rms_norm(x, torch.ones(128), 1e-6)
+    rep = ops.report()
+    assert "tensor-parallel partial sum" in rep and "no kernel" in rep
+    assert ops.calls.decode["linear"] == 1
+    oracle = TritonOps(Numerics.exact())  # float64 oracle numerics: every op runs the reference
+    oracle.linear(x.double(), lin)
+    assert ("linear", "float64 numerics") in oracle.calls.reference
+    assert {"fma", "int8", "dot_scaled"} <= set(ops.variants("routed_experts"))
+    assert {"fma", "dot"} <= set(ops.variants("linear"))
+
+
+@pytest.mark.slow
+def test_static_decode_step_matches_reference_decode_on_tiny(tiny_path):
+    """Teacher-forced: the same tokens through the reference decode and through the static (graph-capturable)
+    decode step on the Triton backend, two ragged rows. Both keep the reference's quantization semantics; they
+    differ only by fp32 accumulation order (fp64-exact sums in the reference), so the logits agree to ~1e-6
+    relative and the greedy tokens are the same."""
+    import dsv4lab
+    from dsv4lab.engine.decode_graph import GraphDecoder
+
+    ref = dsv4lab.load(tiny_path, backend="reference", max_batch=2, max_seq_len=64)
+    tri = dsv4lab.load(tiny_path, backend="triton", max_batch=2, max_seq_len=64)
+    ids = torch.randint(2, 4096, (2, 8), generator=torch.Generator().manual_seed(11))
+    lens = [6, 3]
+    kernels, tri.ops = tri.ops, ReferenceOps(tri.ops.numerics)  # prefill on the reference (state is the model's)
+    for m in (ref, tri):
+        m.forward(ids[:, :6], 0, slots=[0, 1], lengths=lens)
+    tri.ops = kernels
+    step = GraphDecoder(tri, graphs=False)
+    for t in range(1):  # one step of two ragged rows: the interpreter takes ~30 s for it
+        pos = torch.tensor(lens) + t
+        tok = ids[torch.arange(2), pos]
+        want = ref.forward(tok[:, None], pos, slots=[0, 1])[:, 0]
+        got = step(tok, [0, 1])
+        rel = float((got - want).norm() / want.norm())
+        assert rel < 1e-5, rel
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                        reduction="batchmean")
+        assert float(kl) < 1e-8
+    assert tri.ops.calls.decode["routed_experts"] > 0 and tri.ops.calls.decode["sparse_attention"] > 0
+
+
+# ------------------------------------------------------------------------------------------ GPU (real widths)
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", moe.ROUTES)
+def test_gpu_routed_moe_real_widths(route):
+    T, E, k, D, I = 4, 8, 6, 4096, 2048
+    x, idx, w, bank = _moe_case(T, E=E, k=k, D=D, I=I, seed=1)
+    bank = bank.to("cuda")
+    y = moe.routed_moe_decode(x.cuda(), idx.cuda(), w.cuda(), moe.ExpertTensors.of(bank), 10.0, route=route)
+    ref = REF.routed_experts(x, idx, w, bank.to("cpu"), 10.0)
+    if route == "int8":
+        ref = moe.reference_int8_moe(x, idx, w, moe.ExpertTensors.of(bank.to("cpu")), 10.0)
+        _close_to_reference("routed[int8]", y.cpu(), ref, ulps=2)
+    else:
+        _close_to_reference(f"routed[{route}]", y.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", gemv.ROUTES)
+def test_gpu_fp8_gemv_real_widths(route):
+    g = torch.Generator().manual_seed(2)
+    lin = make_linear("fp8", 4096, 8192, g)
+    x = (torch.randn(3, 8192, generator=g)).to(torch.bfloat16)
+    out = gemv.fp8_gemv(x.cuda(), lin.weight.cuda(), lin.scale.cuda(), route=route,
+                        geometry=gemv.GemvGeometry(block_n=32, block_k=512, split_k=4))
+    _close_to_reference(f"wo_b[{route}]", out.cpu(), REF.linear(x, lin))
