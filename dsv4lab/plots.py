@@ -8,6 +8,19 @@ Every figure uses the package style (``dsv4lab/style/dsv4lab.mplstyle``) and a f
 * :func:`plot_roofline` — classic roofline per hardware, ops placed by arithmetic intensity;
 * :func:`plot_step_waterfall` — stacked step-time breakdown of the paper's milestones and our predictions;
 * :func:`plot_bytes_composition` — bytes per token by component.
+
+The notebooks' figures (``notebooks/``), one function each:
+
+* :func:`plot_checkpoint_inventory` — a checkpoint's bytes by component and stored dtype (00);
+* :func:`plot_channel_similarity` — output-channel cosine heatmaps, a permutation made visible (01);
+* :func:`plot_stage_cosines` — per layer, each routed-expert stage against the trusted run (01);
+* :func:`plot_kernel_check_errors` — the kernel tier: worst error per op and implementation (02);
+* :func:`plot_divergence_vs_position` — teacher-forced KL per position with the cache boundaries (02);
+* :func:`plot_layer_divergence` — the layer tier: layers × stages, first divergence circled (02);
+* :func:`plot_kernel_timings` — measured / modelled time per kernel with the bandwidth floor (03);
+* :func:`plot_prefill_throughput` — throughput against prompt length (04);
+* :func:`plot_hardware_catalogue` — bandwidth and matrix rates of the catalogue (05);
+* :func:`plot_milestones` — the paper's milestones with the model's values and our measurements (06).
 """
 from __future__ import annotations
 

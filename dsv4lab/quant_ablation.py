@@ -1,7 +1,7 @@
 """Weight-format ablation of the trained small model: what DeepSeek-V4's choice of FP4 E2M1 experts with E8M0
 per-32 scales and FP8 dense weights with 128×128 E8M0 blocks costs, against its neighbours.
 
-Two sweeps over the trained float32 weights (the rest of the model stays as the unquantized bf16 checkpoint
+Two sweeps over the trained weights (float32 master copies; the rest of the model stays as the unquantized bf16 checkpoint
 would hold it, so each sweep measures its own family alone):
 
 * **routed experts** — E2M1 values with a scale per group of 16 / 32 / 64 / 128 along K, the scale either a
@@ -186,7 +186,7 @@ def _git_commit() -> str | None:
 
 
 def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Path | None = None,
-                 eval_windows: int = 32, batch_size: int = 4, points: list[dict] | None = None,
+                 eval_windows: int = 24, batch_size: int = 4, points: list[dict] | None = None,
                  log: Callable[[str], None] = print) -> dict:
     """Evaluate every point of :func:`sweep_points` (or ``points``) and write the results JSON to ``out``."""
     import platform
@@ -241,8 +241,9 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
             f"{row['bytes_per_param']:.4f} B/param ({time.perf_counter() - t0:.0f} s)")
     result = dict(
         description="Weight-format ablation of data/tiny-py's trained model (dsv4lab.quant_ablation)",
-        computed_on=f"CPU ({platform.machine()}, {torch.get_num_threads()} threads), from the trained float32 "
-                    "weights; no GPU involved",
+        computed_on=f"CPU ({platform.machine()}, {torch.get_num_threads()} threads), from the trained weights as "
+                    "`train` saved them (float32 experts, dense projections and F32 tensors; bf16 for the tensors "
+                    "the checkpoint stores as BF16); no GPU involved",
         numerics="reference ops, bf16 compute, fp32 reductions, activation/KV/indexer simulations off: only the "
                  "weight format differs between points",
         metrics=dict(heldout_ppl="exp(mean NLL) over the evaluation windows",

@@ -257,10 +257,11 @@ class NotebookOutputs:
     def path(self) -> Path:
         return self.results_dir / f"{self.notebook}.json"
 
-    def work_dir(self) -> Path:
+    def work_dir(self, create: bool = True) -> Path:
         """A scratch folder for this notebook inside the run (``work/<notebook>/``)."""
         path = self.run_dir / "work" / self.notebook
-        path.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
         return path
 
     def portable(self, value: Any) -> Any:

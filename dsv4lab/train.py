@@ -323,11 +323,16 @@ def load_tokens(folder: str | Path) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def heldout_windows(stream: np.ndarray, seq_len: int, limit: int | None = None) -> torch.Tensor:
-    """Non-overlapping evaluation windows ``[m, seq_len + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``)."""
+    """Non-overlapping evaluation windows ``[m, seq_len + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+
+    With ``limit``, ``limit`` windows spread evenly over the stream (first and last included), so a subset
+    samples every part of the held-out split rather than its first files.
+    """
     m = (len(stream) - 1) // seq_len
-    if limit is not None:
-        m = min(m, limit)
-    idx = np.arange(m)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    rows = np.arange(m)
+    if limit is not None and limit < m:
+        rows = np.unique(np.round(np.linspace(0, m - 1, limit)).astype(np.int64))
+    idx = rows[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return torch.from_numpy(stream[idx].astype(np.int64))
 
 
@@ -348,9 +353,11 @@ class TrainConfig:
         seed: initialisation and data-order seed.
         seq_len: tokens per training sequence (each row is one prefill from position 0).
         batch_size: sequences per step.
-        steps: optimizer steps; 0 = choose from ``time_budget_s`` after ``calibration_steps`` timed steps
-            (the choice is recorded; rerun with ``steps`` set to it to repeat the run).
-        time_budget_s: wall-clock budget for the training loop when ``steps`` is 0 (also a hard stop).
+        steps: optimizer steps of the schedule; 0 = choose from ``time_budget_s`` after ``calibration_steps``
+            timed steps (recorded as ``schedule_steps``; rerun with ``steps`` set to it to repeat the run).
+        stop_at: stop after this many steps although the schedule is longer (0: at its end); with ``steps``
+            it repeats a run that the time budget's hard stop ended early.
+        time_budget_s: wall-clock budget for the training loop when ``steps`` is 0 (1.1× it is a hard stop).
         calibration_steps: steps timed before the step count is chosen (all within the warm-up).
         lr: peak AdamW learning rate; warm-up ``warmup_steps`` linear, then cosine to ``lr·min_lr_ratio``.
         weight_decay: decoupled weight decay of the matrices (projections, experts, embedding, head).
@@ -368,7 +375,8 @@ class TrainConfig:
     seq_len: int = 4096
     batch_size: int = 4
     steps: int = 0
-    time_budget_s: float = 330.0
+    stop_at: int = 0
+    time_budget_s: float = 320.0
     calibration_steps: int = 12
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -485,7 +493,7 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
     stopped_early = False
     skipped = 0
     while True:
-        if total and step >= total:
+        if (total and step >= total) or (cfg.stop_at and step >= cfg.stop_at):
             break
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -524,14 +532,15 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
         if step % 10 == 0 or step == 1:
             log(f"step {step}/{total or '?'} loss {row['lm']:.3f} mtp {row.get('mtp', float('nan')):.3f} "
                 f"idx {row.get('indexer', float('nan')):.3f} lr {lr:.2e} |g| {gnorm:.2f} "
-                f"load max/mean {row['max_load_biased'] or float('nan'):.2f} (hash {row['max_load_hashed'] or float('nan'):.2f}) "
+                f"load max/mean {row['max_load_biased'] or float('nan'):.2f} "
+                f"(hash {row['max_load_hashed'] or float('nan'):.2f}) "
                 f"{dt * 1e3:.0f} ms")
         if cfg.eval_every and step % cfg.eval_every == 0 and step != total:
             ev = evaluate_nll(model, ReferenceOps(training_numerics()), eval_windows[:cfg.eval_windows],
                               EVAL_BATCH, device)
             evals.append(dict(step=step, heldout_nll=ev["nll"], heldout_ppl=ev["ppl"], tokens=ev["tokens"]))
             log(f"  held-out ({ev['tokens']:,} tokens): nll {ev['nll']:.3f}, ppl {ev['ppl']:.2f}")
-        if time.perf_counter() - t_start > 1.15 * cfg.time_budget_s and (not cfg.steps):
+        if time.perf_counter() - t_start > 1.1 * cfg.time_budget_s and (not cfg.steps):
             log(f"time budget exceeded at step {step} of {total}: stopping")
             stopped_early = True
             break
@@ -541,7 +550,8 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
     evals.append(dict(step=step, heldout_nll=ev["nll"], heldout_ppl=ev["ppl"], tokens=ev["tokens"], final=True))
     log(f"final held-out ({ev['tokens']:,} tokens, float32): nll {ev['nll']:.4f}, ppl {ev['ppl']:.3f} "
         f"({time.perf_counter() - t_eval:.1f} s)")
-    report = dict(config=asdict(cfg), steps=step, skipped_steps=skipped, stopped_early=stopped_early,
+    report = dict(config=asdict(cfg), steps=step, schedule_steps=total, skipped_steps=skipped,
+                  stopped_early=stopped_early,
                   train_seconds=train_seconds,
                   median_step_seconds=float(np.median(step_times)), tokens_seen=step * cfg.batch_size * cfg.seq_len,
                   trainable_parameters=n_params, hardware=_device_info(device), history=history, evals=evals,
@@ -551,7 +561,7 @@ def train(cfg: TrainConfig, streams: dict[str, np.ndarray], device: str | torch.
 
 # ============================================================================================ weights I/O
 def save_weights(model: Transformer, out_dir: str | Path, max_shard_bytes: int = 12 << 20) -> list[Path]:
-    """Save the trained state (parameters and router buffers) as safetensors shards of at most ~12 MiB.
+    """Save the trained state (parameters and router buffers) as safetensors shards of ``max_shard_bytes``.
 
     Tensors the native checkpoint stores as BF16 (embedding, head, norms, router and compressor weights) are
     saved in bf16 — they are only ever used rounded to bf16 — and everything else in float32: the routed
@@ -666,9 +676,9 @@ def bf16_rounded_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 ORACLE_PROMPTS = (
     "import os\nimport sys\n",
     "def __init__(self",
-    "    def __repr__(self):\n        return ",
-    "if __name__ == '__main__':\n",
-    "for i in range(",
+    "    if not isinstance(",
+    "class Error(Exception):\n",
+    "        return self.",
 )
 
 
@@ -760,8 +770,13 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
             heldout_ppl_quantized_sims_off="the native checkpoint's weights, simulations off (weight "
                                            "quantization alone)",
             unigram_ppl="add-one smoothed unigram of the training split, same held-out targets",
-            windows_note="non-overlapping windows of the held-out token stream, each a prefill from position 0"),
-        training=dict(steps=train_log["steps"], train_seconds=train_log["train_seconds"],
+            windows_note=f"{len(windows)} non-overlapping windows of {seq_len} tokens spread evenly over the "
+                         f"held-out token stream ({len(streams['heldout']):,} tokens), each a prefill from "
+                         "position 0; heldout_ppl_f32_at_training is the float32 model on all windows (GPU)"),
+        training=dict(steps=train_log["steps"], schedule_steps=train_log.get("schedule_steps"),
+                      reproduce=f"dsv4lab train-small train --tokens TOKENS --out DIR --device cuda --steps "
+                                f"{train_log.get('schedule_steps')} --stop-at {train_log['steps']}",
+                      train_seconds=train_log["train_seconds"],
                       median_step_seconds=train_log["median_step_seconds"], tokens_seen=train_log["tokens_seen"],
                       trainable_parameters=train_log["trainable_parameters"], hardware=train_log["hardware"],
                       seed=cfg["seed"], config=cfg, stopped_early=train_log["stopped_early"],

@@ -8,11 +8,13 @@ For one query row ``r`` and head ``h`` (K = V, one shared latent head):
 activation dtype before P·V, as the reference kernel does).
 
 A program owns one query row, ``BLOCK_H`` heads and one of ``splits`` contiguous slices of the selected rows.
-It makes two passes over its rows: the first finds the slice's max score, the second accumulates with that max,
-so with ``splits=1`` every probability is taken relative to the true maximum exactly as in the reference. With
-``splits > 1`` (flash-decoding: more programs for long selections) each slice writes ``(max, denominator,
-numerator)`` and a combine kernel rescales them to the global max; the bf16 rounding of each probability is then
-relative to its slice's max (a rounding-level difference).
+With ``two_pass`` it makes two passes over its rows — the first finds the slice's max score, the second
+accumulates with that max — so with ``splits=1`` every probability is taken relative to the true maximum exactly
+as in the reference. Without it, one pass with a running max rescales the partial sums as the max grows (online
+softmax: half the dependent gathers). With ``splits > 1`` (flash-decoding: more programs for long selections)
+each slice writes ``(max, denominator, numerator)`` and a combine kernel rescales them to the global max. Either
+deviation moves only the bf16 rounding of each probability (it is rounded relative to a slice's or a running
+max instead of the global one): a rounding-level difference, checked with the "attention" tolerance.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class AttentionGeometry:
     block_r: int = 16
     splits: int = 1
     num_warps: int = 8
+    two_pass: bool = True
 
 
 @triton.jit
@@ -53,11 +56,21 @@ def _gather_rows(j0, Ka, Ktot, rows_a, rows_b, kva_row0, kvb_row0, stride_na, st
 
 
 @triton.jit
+def _scores(q, kv, valid, scale, DOT_FP32: tl.constexpr):
+    """``q·kvᵀ · scale`` for a block of rows, −inf where the row is masked."""
+    if DOT_FP32:
+        z = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
+    else:
+        z = tl.dot(q, tl.trans(kv.to(tl.bfloat16))) * scale
+    return tl.where(valid[None, :], z, float("-inf"))
+
+
+@triton.jit
 def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, bat_b_ptr, sink_ptr,
                         out_ptr, pm_ptr, pl_ptr, pacc_ptr,
                         H, D, Ka, Kb, scale,
                         stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb, SPLITS,
-                        ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
+                        ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, TWO_PASS: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -80,26 +93,27 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
     rows_b = rows_b_ptr + r * stride_rb
 
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for j0 in range(j_lo, j_hi, BLOCK_R):
-        kv, valid = _gather_rows(j0, Ka, tl.minimum(Ktot, j_hi), rows_a, rows_b, kva_row0, kvb_row0, stride_na,
-                                 stride_nb, d, d_ok, BLOCK_R)
-        if DOT_FP32:
-            z = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
-        else:
-            z = tl.dot(q, tl.trans(kv.to(tl.bfloat16))) * scale
-        z = tl.where(valid[None, :], z, float("-inf"))
-        m = tl.maximum(m, tl.max(z, axis=1))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
     den = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    if TWO_PASS:
+        for j0 in range(j_lo, j_hi, BLOCK_R):
+            kv, valid = _gather_rows(j0, Ka, Ktot, rows_a, rows_b, kva_row0, kvb_row0, stride_na, stride_nb, d, d_ok,
+                                     BLOCK_R)
+            z = _scores(q, kv, valid, scale, DOT_FP32)
+            m = tl.maximum(m, tl.max(z, axis=1))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
     for j0 in range(j_lo, j_hi, BLOCK_R):
-        kv, valid = _gather_rows(j0, Ka, tl.minimum(Ktot, j_hi), rows_a, rows_b, kva_row0, kvb_row0, stride_na,
-                                 stride_nb, d, d_ok, BLOCK_R)
-        if DOT_FP32:
-            z = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale
-        else:
-            z = tl.dot(q, tl.trans(kv.to(tl.bfloat16))) * scale
-        p = tl.exp(tl.where(valid[None, :], z, float("-inf")) - m_safe[:, None])
+        kv, valid = _gather_rows(j0, Ka, Ktot, rows_a, rows_b, kva_row0, kvb_row0, stride_na, stride_nb, d, d_ok,
+                                 BLOCK_R)
+        z = _scores(q, kv, valid, scale, DOT_FP32)
+        if not TWO_PASS:  # online: raise the running max, rescale what was accumulated
+            m_old = m
+            m = tl.maximum(m, tl.max(z, axis=1))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            alpha = tl.where(m_old == float("-inf"), 0.0, tl.exp(m_old - m_safe))
+            den = den * alpha
+            acc = acc * alpha[:, None]
+        p = tl.exp(z - m_safe[:, None])
         den += tl.sum(p, axis=1)
         if ROUND_ACT:
             p = round_to_bf16(p)
@@ -184,7 +198,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
     grid = (R, triton.cdiv(H, g.block_h), splits)
     _attn_decode_kernel[grid](q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, out, pm, pl, pacc,
                               H, D, Ka, Kb, float(scale), q.stride(0), q.stride(1), kv_a.stride(0), kv_a.stride(1),
-                              kv_b.stride(0), kv_b.stride(1), rows_a.stride(0), max(rows_b.stride(0), 1), splits, ROUND_ACT=q.dtype == torch.bfloat16, DOT_FP32=interpreting(),
+                              kv_b.stride(0), kv_b.stride(1), rows_a.stride(0), max(rows_b.stride(0), 1), splits,
+                              ROUND_ACT=q.dtype == torch.bfloat16, DOT_FP32=interpreting(), TWO_PASS=g.two_pass,
                               BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps)
     if splits > 1:
         _attn_combine_kernel[(R, triton.cdiv(H, g.block_h))](pm, pl, pacc, sink, out, H, D, out.stride(0),

@@ -113,7 +113,7 @@ ATTENTION_CONFIGS = {
     # name: (BLOCK_H cap, BLOCK_N, SPLIT_D, EXACT_MAX, num_warps, num_stages)
     "h64n32": (64, 32, 1, False, 8, 2),
     "h64n64": (64, 64, 1, False, 8, 2),
-    "h64n32d2": (64, 32, 2, False, 4, 2),
+    "h64n32d2": (64, 32, 2, False, 8, 2),
     "h32n32": (32, 32, 1, False, 4, 2),
     "h64n32x": (64, 32, 1, True, 8, 2),
     "h16n16": (16, 16, 1, False, 4, 2),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-RNE_MAGIC = 12582912.0  # 1.5·2^23: (v + M) − M rounds |v| < 2^22 to the nearest integer, ties to even
+RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (v + M) − M rounds |v| < 2^22 to the nearest integer, ties even
 
 
 @triton.jit
@@ -124,5 +124,5 @@ def quantize_int8(x, s):
     return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
 
 
-__all__ = ["pow2", "round_to_bf16", "e8m0_to_f32", "e2m1_pair_to_f32_scaled", "e2m1_pair_times2_int", "fp8_act_exponent", "round_to_e4m3",
-           "quantize_fp8_block", "int8_group_scale", "quantize_int8", "triton"]
+__all__ = ["RNE_MAGIC", "pow2", "round_to_bf16", "e8m0_to_f32", "e2m1_pair_to_f32_scaled", "e2m1_pair_times2_int",
+           "fp8_act_exponent", "round_to_e4m3", "quantize_fp8_block", "int8_group_scale", "quantize_int8"]

@@ -295,7 +295,8 @@ class ExpertTensors:
         D = 2 * half_d
         for name, t, shape in (("w1", self.w1, (E, I, D // 2)), ("w3", self.w3, (E, I, D // 2)),
                                ("w2", self.w2, (E, D, I // 2)), ("w1_scale", self.w1_scale, (E, I, D // 32)),
-                               ("w3_scale", self.w3_scale, (E, I, D // 32)), ("w2_scale", self.w2_scale, (E, D, I // 32))):
+                               ("w3_scale", self.w3_scale, (E, I, D // 32)),
+                               ("w2_scale", self.w2_scale, (E, D, I // 32))):
             assert tuple(t.shape) == shape, f"expert {name}: shape {tuple(t.shape)}, expected {shape}"
             assert t.is_contiguous() and t.dtype == torch.uint8, f"expert {name} must be a contiguous uint8 view"
         assert D % 32 == 0 and I % 32 == 0, "D and I must be multiples of 32 (the E8M0 group)"

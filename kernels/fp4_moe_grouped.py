@@ -428,7 +428,7 @@ def combine_slots(out: torch.Tensor, idx: torch.Tensor, expert_lo: int, expert_h
 def routed_experts(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, bank, limit: float,
                    route: str = "bf16", geo: MoEGeometry = MoEGeometry(), poison: bool = False,
                    routing: SortedRouting | None = None, all_reduce=None) -> torch.Tensor:
-    """The routed MoE of ``x [T, D]`` (bf16): sort → quantize → gate/up + SwiGLU → down → combine; ``[T, D]`` fp32.
+    """The routed MoE of ``x [T, D]`` (bf16): sort, quantize, gate/up + SwiGLU, down, combine → ``[T, D]`` fp32.
 
     ``poison`` fills the intermediate buffers with NaN first (tests: a read of a padding row shows up).
     """

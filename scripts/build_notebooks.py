@@ -98,7 +98,8 @@ def build(source: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="report notebooks that differ from their sources; write nothing")
+    p.add_argument("--check", action="store_true",
+                   help="report notebooks that differ from their sources; write nothing")
     args = p.parse_args(argv)
     sources = sorted(SOURCES.glob("*.py"))
     if not sources:

@@ -228,7 +228,9 @@ def test_tiny_py_is_valid_small_and_meets_acceptance():
     rep = Checkpoint(TINY_PY).validate()
     assert rep.ok, rep.problems
     assert sum(p.stat().st_size for p in TINY_PY.iterdir()) <= 25 * 10 ** 6
-    assert Checkpoint(TINY_PY).args == ARGS
+    # the architecture of the tiny preset exactly: the same config.json as the random-weight data/tiny
+    assert (TINY_PY / "config.json").read_text() == (ROOT / "data" / "tiny" / "config.json").read_text()
+    assert Checkpoint(TINY_PY).args.replace(max_seq_len=ARGS.max_seq_len) == ARGS
     report = json.loads((TINY_PY / "train_report.json").read_text())
     assert report["heldout_ppl_quantized"] < report["unigram_ppl"] / 2
     for key in ("heldout_ppl_bf16", "training", "corpus"):
@@ -249,14 +251,14 @@ def test_tiny_py_greedy_oracles_reproduce():
 
 @needs_tiny_py
 def test_tiny_py_beats_half_the_unigram_baseline_on_a_heldout_file():
-    # measured live on this interpreter's corpus: the held-out file with the most tokens, first 512 tokens
+    # measured live on this interpreter's corpus: the held-out file with the most tokens, first 384 tokens
     import dsv4lab
     from dsv4lab.corpus import read_corpus
 
     report = json.loads((TINY_PY / "train_report.json").read_text())
     runner = dsv4lab.load(TINY_PY, dtype=torch.bfloat16, max_batch=1)
     texts = [t for _, t in read_corpus()["heldout"]]
-    ids = max((runner.tokenizer.encode(t, add_bos=True) for t in texts), key=len)[:513]
+    ids = max((runner.tokenizer.encode(t, add_bos=True) for t in texts), key=len)[:385]
     logits = runner.forward(torch.tensor([ids[:-1]]), 0)
     nll = float(-logits.log_softmax(-1)[0].gather(-1, torch.tensor(ids[1:])[:, None]).mean())
     assert np.exp(nll) < report["unigram_ppl"] / 2

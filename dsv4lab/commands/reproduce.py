@@ -16,7 +16,7 @@ parameters, any other key is passed to every selected notebook that declares it:
 
 Parameter names and types are checked against each notebook's parameters cell before anything runs (papermill
 itself would only warn); a mistake stops the run with a message naming the notebook and its parameters cell.
-A notebook whose cell fails is reported with the cell (its number, id and first line) and the error; the
+A notebook whose cell fails is reported with the cell (its number and id, the line that raised) and the error; the
 remaining notebooks still run, and the manifest, report and partial outputs are written before the command
 exits with status 1.
 
@@ -26,8 +26,8 @@ unless set) and, without a GPU, ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
-import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,7 +71,8 @@ def discover(folder: Path) -> list[Path]:
     if folder.resolve() == NOTEBOOKS_DIR.resolve():
         missing = [n for n in NOTEBOOK_ORDER if n not in found]
         if missing:
-            raise UserError(f"{folder}: missing notebook(s) {missing} (rebuild them: python scripts/build_notebooks.py)")
+            raise UserError(f"{folder}: missing notebook(s) {missing} "
+                            "(rebuild them: python scripts/build_notebooks.py)")
     ordered = [found[n] for n in NOTEBOOK_ORDER if n in found]
     ordered += [found[n] for n in sorted(found) if n not in NOTEBOOK_ORDER]
     if not ordered:
@@ -204,9 +205,12 @@ def describe_failure(err: BaseException, executed: Path, source: Path) -> dict[s
     info["evalue"] = info["evalue"][0] if info["evalue"] else ""
     cell_id = None
     src_line = None
+    line_no = None
     if isinstance(err, PapermillExecutionError):
         info.update(ename=err.ename, evalue=err.evalue, exec_count=err.exec_count)
-        src_line = next((ln for ln in (err.source or "").splitlines() if ln.strip()), "")
+        line_no, src_line = _failing_line(err.traceback or [])
+        if src_line is None:
+            src_line = next((ln for ln in (err.source or "").splitlines() if ln.strip()), "")
         try:
             import nbformat
             nb = nbformat.read(str(executed), as_version=4)
@@ -221,12 +225,30 @@ def describe_failure(err: BaseException, executed: Path, source: Path) -> dict[s
         import nbformat
         src = nbformat.read(str(source), as_version=4)
         number = next((i + 1 for i, c in enumerate(src.cells) if c.get("id") == cell_id), None)
-    info.update(cell=number, cell_id=cell_id, cell_first_line=src_line)
+    info.update(cell=number, cell_id=cell_id, line=line_no, source_line=src_line)
     where = (f"cell {number} (id {cell_id}" + (f", In [{info.get('exec_count')}]" if info.get("exec_count") else "")
-             + f"): `{src_line}`") if number else ("an injected or unknown cell" if isinstance(
-                 err, PapermillExecutionError) else "outside any cell")
+             + ")" + (f", line {line_no}" if line_no else "") + f": `{src_line}`") if number else (
+        "an injected or unknown cell" if isinstance(err, PapermillExecutionError) else "outside any cell")
     info["message"] = f"{source.stem} failed in {where} — {info['ename']}: {info['evalue']}"
     return info
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ARROW = re.compile(r"^-*>\s*(\d+)\s(.*)$")
+
+
+def _failing_line(traceback: list[str]) -> tuple[int | None, str | None]:
+    """The line of the notebook cell that raised, from IPython's traceback (``Cell In[3], line 19`` then the
+    code with an arrow ``---> 19 raise ...``); ``(None, None)`` when the traceback has no cell frame."""
+    for entry in traceback:
+        text = ANSI.sub("", entry)
+        if "Cell In[" not in text:
+            continue
+        for ln in text.splitlines():
+            m = ARROW.match(ln.strip())
+            if m:
+                return int(m.group(1)), m.group(2).strip()
+    return None, None
 
 
 # ============================================================================================ run
@@ -269,7 +291,8 @@ def run(args) -> int:
         for p in notebooks:
             print(p.stem)
             for name, d in declared[p.stem].items():
-                print(f"    {name:<16} {d.get('inferred_type_name', ''):<6} = {d.get('default'):<10} {d.get('help', '')}")
+                print(f"    {name:<16} {d.get('inferred_type_name', ''):<6} = {d.get('default'):<10} "
+                      f"{d.get('help', '')}")
         return 0
 
     glob, per = load_params_file(args.params, [p.stem for p in notebooks])
@@ -279,7 +302,8 @@ def run(args) -> int:
     manifest: dict[str, Any] = dict(
         format=runs.MANIFEST_FORMAT, command=["dsv4lab", "reproduce", *sys.argv[2:]] if sys.argv[1:2] == ["reproduce"]
         else ["dsv4lab", "reproduce", *_argv(args)],
-        run_dir=runs.display_path(run_dir), started_utc=runs.utc_stamp(), smoke=bool(args.smoke),
+        run_dir=runs.display_path(run_dir), started_utc=runs.utc_stamp(),
+        smoke=bool(args.smoke) or bool(params) and all(p.get("SMOKE") is True for p in params.values()),
         notebooks_dir=runs.display_path(folder), params_file=args.params, git=runs.git_state(),
         environment=runs.environment(), kernel_environment=_kernel_environment(), status="running",
         checkpoint=None, notebooks=[])

@@ -7,7 +7,8 @@ Four steps, each a sub-command (``docs/training.md`` has the exact commands that
     dsv4lab train-small export --weights runs/tiny-py-weights --tokens .carry/pystdlib-tokens --out data/tiny-py
     dsv4lab train-small ablation --weights runs/tiny-py-weights --tokens .carry/pystdlib-tokens
 
-``train`` writes float32 weights (safetensors shards ≤ 12 MiB) and ``train_log.json``; ``export`` quantizes them
+``train`` writes the trained weights (safetensors shards ≤ 15 MiB: float32, bf16 where the checkpoint stores
+BF16) and ``train_log.json``; ``export`` quantizes them
 into the native format, validates the checkpoint, evaluates held-out perplexity and records the greedy oracles;
 ``ablation`` re-quantizes the trained weights in other formats (see :mod:`dsv4lab.quant_ablation`).
 """
@@ -27,23 +28,27 @@ def add_arguments(p):
 
     prep = sub.add_parser("prepare", help="tokenize the corpus into tokens.npz + tokens.json")
     prep.add_argument("--out", required=True, help="output folder")
-    prep.add_argument("--tokenizer", default=None, help="tokenizer.json (default: data/tokenizers/pystdlib-bpe-4096.json)")
+    prep.add_argument("--tokenizer", default=None,
+                      help="tokenizer.json (default: data/tokenizers/pystdlib-bpe-4096.json)")
     prep.add_argument("--packed-corpus", default=None,
                       help="a dsv4lab.corpus.pack_corpus JSON file instead of this interpreter's stdlib")
 
-    tr = sub.add_parser("train", help="train with the reference modules (autograd) and save float32 weights")
+    tr = sub.add_parser("train", help="train with the reference modules (autograd) and save the weights")
     tr.add_argument("--tokens", required=True, help="folder written by `prepare`")
     tr.add_argument("--out", required=True, help="output folder for weights-*.safetensors and train_log.json")
-    tr.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    tr.add_argument("--device", default="auto", help="torch device (default: cuda when available, else cpu)")
     tr.add_argument("--steps", type=int, default=None,
                     help="optimizer steps (default 0: chosen from --time-budget after timing the first steps)")
+    tr.add_argument("--stop-at", type=int, default=None,
+                    help="stop after N steps of a longer schedule (repeats a run the time budget ended early)")
     tr.add_argument("--time-budget", type=float, default=None, help="seconds for the training loop (steps=0)")
     tr.add_argument("--batch-size", type=int, default=None)
     tr.add_argument("--seq-len", type=int, default=None)
     tr.add_argument("--lr", type=float, default=None)
     tr.add_argument("--seed", type=int, default=None)
     tr.add_argument("--eval-every", type=int, default=None)
-    tr.add_argument("--limit-train-tokens", type=int, default=None, help="use only the first N training tokens (smoke runs)")
+    tr.add_argument("--limit-train-tokens", type=int, default=None,
+                    help="use only the first N training tokens (smoke runs)")
     tr.add_argument("--limit-heldout-tokens", type=int, default=None, help="evaluate on the first N held-out tokens")
 
     ex = sub.add_parser("export", help="quantize to the native format, validate, evaluate, record oracles")
@@ -51,7 +56,8 @@ def add_arguments(p):
     ex.add_argument("--tokens", required=True, help="folder written by `prepare`")
     ex.add_argument("--out", required=True, help="checkpoint folder to write (e.g. data/tiny-py)")
     ex.add_argument("--tokenizer", default=None)
-    ex.add_argument("--eval-windows", type=int, default=None, help="held-out windows to evaluate (default: all)")
+    ex.add_argument("--eval-windows", type=int, default=None,
+                    help="held-out windows of max_seq_len tokens, spread evenly (default: all)")
     ex.add_argument("--max-new-tokens", type=int, default=40, help="greedy tokens per oracle prompt")
     ex.add_argument("--overwrite", action="store_true")
 
@@ -59,16 +65,9 @@ def add_arguments(p):
     ab.add_argument("--weights", required=True, help="folder written by `train`")
     ab.add_argument("--tokens", required=True, help="folder written by `prepare`")
     ab.add_argument("--out", default="data/results/quant_ablation.json")
-    ab.add_argument("--eval-windows", type=int, default=32, help="held-out windows of max_seq_len tokens")
+    ab.add_argument("--eval-windows", type=int, default=24,
+                    help="held-out windows of max_seq_len tokens, spread evenly")
     ab.add_argument("--batch-size", type=int, default=4)
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 def _log(msg: str) -> None:
@@ -94,6 +93,8 @@ def run(args) -> int:
         import torch
 
         from ..train import TrainConfig, load_tokens, save_weights, train
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device is available (pass --device cpu)")
         streams, meta = load_tokens(args.tokens)
@@ -101,9 +102,10 @@ def run(args) -> int:
             streams["train"] = streams["train"][: args.limit_train_tokens]
         if args.limit_heldout_tokens:
             streams["heldout"] = streams["heldout"][: args.limit_heldout_tokens]
-        changes = {k: v for k, v in dict(steps=args.steps, time_budget_s=args.time_budget, batch_size=args.batch_size,
-                                         seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                                         eval_every=args.eval_every).items() if v is not None}
+        given = dict(steps=args.steps, stop_at=args.stop_at, time_budget_s=args.time_budget,
+                     batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                     eval_every=args.eval_every)
+        changes = {k: v for k, v in given.items() if v is not None}
         cfg = dataclasses.replace(TrainConfig(), **changes)
         if args.device.startswith("cuda"):
             torch.use_deterministic_algorithms(True, warn_only=True)

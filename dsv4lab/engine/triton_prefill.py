@@ -34,8 +34,8 @@ import torch
 
 from ..model.ops import ReferenceOps
 
-PREFILL_OPS = ("linear", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention", "indexer_scores",
-               "indexer_topk", "compressor_pool")
+PREFILL_OPS = ("linear", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention",
+               "indexer_scores", "indexer_topk", "compressor_pool")
 
 
 def _kernels(name: str):

@@ -13,8 +13,15 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="fewer sizes and variants")
     # suite-specific options are accepted here and ignored by suites that do not use them
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition (checks the script itself)")
-    p.add_argument("--budget-s", type=float, default=220.0, help="stop and write after this many seconds")
+    p.add_argument("--budget-s", type=float, default=160.0, help="stop and write after this many seconds")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+    for suite in SUITES:  # a suite's own options (its module must stay light to import: no torch/triton at top)
+        try:
+            mod = importlib.import_module(f"dsv4lab.perf.bench_{suite}")
+        except ImportError:
+            continue
+        if hasattr(mod, "add_suite_arguments"):
+            mod.add_suite_arguments(p.add_argument_group(f"--suite {suite}"))
 
 
 def run(args) -> int:

@@ -43,11 +43,10 @@ ATTENTION_CONFIGS = ("h64n32", "h64n32x", "h64n32d2")
 PEAK_OF_ROUTE = {"bf16": "bf16", "fp8": "fp8", "scaled": "bf16"}  # sm_90 has no MX cores: dot_scaled runs in bf16
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--quick", action="store_true", help="fewer token counts and variants")
-    p.add_argument("--smoke", action="store_true", help="tiny-model shapes, one repetition (checks the script)")
-    p.add_argument("--budget-s", type=float, default=220.0, help="stop and write after this many seconds")
-    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+def add_suite_arguments(p) -> None:
+    """Options of this suite beyond the dispatcher's common ``--out --quick --smoke --budget-s --commit``."""
+    p.add_argument("--moe-routes", default=",".join(MOE_ROUTES), help="prefill: grouped-MoE routes to check and time")
+    p.add_argument("--ablation-route", default="fp8", help="prefill: route of the sorter-rows ablation")
 
 
 # ============================================================================================ timing
@@ -252,7 +251,7 @@ def _guard(b: Bench, what: str, fn):
         return None
 
 
-def run_checks(b: Bench, args, gen) -> set[str]:
+def run_checks(b: Bench, args, gen, moe_variants) -> set[str]:
     """Correctness of every variant at real widths; returns the names of the variants that passed."""
     import torch
     from dsv4lab_kernels import attention_prefill as ap
@@ -271,14 +270,13 @@ def run_checks(b: Bench, args, gen) -> set[str]:
     idx, w = random_routing(T, E, a.n_activated_experts, dev, gen)
     x = (torch.randn(T, a.dim, device=dev, generator=gen) * 2).to(torch.bfloat16)
     want = ref.routed_experts(x, idx, w, bank, a.swiglu_limit)
-    for route in MOE_ROUTES:
-        for rows in SORTER_ROWS:
-            name = f"moe:{route}:{rows}"
-            ok = _guard(b, name, lambda: _check(b, name, fm.routed_experts(
-                x, idx, w, bank, a.swiglu_limit, route=route, geo=fm.MoEGeometry(rows=rows), poison=True), want,
-                "quantized"))
-            if ok:
-                passed.add(name)
+    for route, rows in moe_variants:
+        name = f"moe:{route}:{rows}"
+        ok = _guard(b, name, lambda: _check(b, name, fm.routed_experts(
+            x, idx, w, bank, a.swiglu_limit, route=route, geo=fm.MoEGeometry(rows=rows), poison=True), want,
+            "quantized"))
+        if ok:
+            passed.add(name)
     # dense FP8 GEMM and the grouped wo_a
     M = 64 if b.smoke else 300
     lin = random_fp8_linear(a.q_lora_rank, a.dim, dev, gen)
@@ -331,24 +329,28 @@ def run_checks(b: Bench, args, gen) -> set[str]:
 
 
 # ============================================================================================ MoE
-def bench_moe(b: Bench, args, gen, passed: set[str], tokens, routes, rows_list, ablation_tokens) -> None:
-    import torch
-    from dsv4lab_kernels import fp4_moe_grouped as fm
-    from dsv4lab_kernels.moe_sort import sort_by_expert
-    a, dev = args, b.device
-    E, k, D, I = a.n_routed_experts, a.n_activated_experts, a.dim, a.moe_inter_dim
-    bank = random_bank(E, D, I, dev, gen)
-    limit = a.swiglu_limit
+class MoEBench:
+    """The 256-expert bank at real shapes and the timing of one (route, sorter rows, tokens) case."""
 
-    def one(route: str, rows: int, T: int, stages: bool) -> None:
-        if f"moe:{route}:{rows}" not in passed:
-            b.skipped.append(f"moe {route} rows {rows} (failed its check)")
+    def __init__(self, b: Bench, args, gen, passed: set[str]):
+        self.b, self.a, self.gen, self.passed = b, args, gen, passed
+        self.bank = random_bank(args.n_routed_experts, args.dim, args.moe_inter_dim, b.device, gen)
+
+    def run(self, route: str, rows: int, T: int, stages: bool) -> None:
+        import torch
+        from dsv4lab_kernels import fp4_moe_grouped as fm
+        from dsv4lab_kernels.moe_sort import sort_by_expert
+        b, a, bank = self.b, self.a, self.bank
+        if f"moe:{route}:{rows}" not in self.passed:
+            b.skipped.append(f"moe {route} rows {rows} (not checked or failed its check)")
             return
+        E, k, D, I = a.n_routed_experts, a.n_activated_experts, a.dim, a.moe_inter_dim
         geo = fm.MoEGeometry(rows=rows)
-        idx, w = random_routing(T, E, k, dev, gen)
-        x = torch.randn(T, D, device=dev, generator=gen).to(torch.bfloat16)
+        idx, w = random_routing(T, E, k, b.device, self.gen)
+        x = torch.randn(T, D, device=b.device, generator=self.gen).to(torch.bfloat16)
         f_up, f_down = 2.0 * T * k * 2 * I * D, 2.0 * T * k * D * I
         kind = PEAK_OF_ROUTE[route]
+        limit = a.swiglu_limit
         t = b.time_us(lambda: fm.routed_experts(x, idx, w, bank, limit, route=route, geo=geo),
                       name=f"moe:{route}:{rows}")
         routing = sort_by_expert(idx, E, rows)
@@ -367,24 +369,27 @@ def bench_moe(b: Bench, args, gen, passed: set[str], tokens, routes, rows_list, 
         t_sort = b.time_us(lambda: sort_by_expert(idx, E, rows))
         b.add("moe_sort", "sort", t_sort, tokens=T, sorter_rows=rows, peak_kind="copy")
 
-    default_rows = 64
-    headline = 4096 if 4096 in tokens else max(tokens)
-    for route in routes:  # the routes at the headline size first
-        if b.over_budget(f"moe {route}"):
+
+def bench_moe_headline(b: Bench, moe: MoEBench, routes, headline: int, rows_list, ablation_tokens,
+                       ablation_route) -> None:
+    """Every route at the headline token count (64 rows), then the sorter-rows ablation."""
+    for route in routes:
+        if b.over_budget(f"moe {route} @{headline}"):
             return
-        _guard(b, f"moe {route} @{headline}", lambda: one(route, default_rows, headline, True))
-    for rows in rows_list:  # sorter ablation (the paper's M = 2048 microbenchmark)
-        for route in routes:
-            if b.over_budget(f"sorter ablation {route} {rows}"):
-                return
-            _guard(b, f"moe ablation {route} {rows}", lambda: one(route, rows, ablation_tokens, True))
+        _guard(b, f"moe {route} @{headline}", lambda: moe.run(route, 64, headline, True))
+    for rows in rows_list:  # the paper's M = 2048 microbenchmark, gate/up and down separately
+        if b.over_budget(f"sorter ablation {ablation_route} rows {rows}"):
+            return
+        _guard(b, f"moe ablation {ablation_route} {rows}", lambda: moe.run(ablation_route, rows, ablation_tokens,
+                                                                            True))
+
+
+def bench_moe_sweep(b: Bench, moe: MoEBench, routes, tokens, headline: int) -> None:
     for T in tokens:
         for route in routes:
             if T == headline or b.over_budget(f"moe {route} @{T}"):
                 continue
-            _guard(b, f"moe {route} @{T}", lambda: one(route, default_rows, T, False))
-    del bank
-    torch.cuda.empty_cache() if b.cuda else None
+            _guard(b, f"moe {route} @{T}", lambda: moe.run(route, 64, T, False))
 
 
 # ============================================================================================ dense GEMMs
@@ -631,32 +636,52 @@ def run_suite(args) -> int:
     for name in ("fp8_gemm", "moe_sort", "fp4_moe_grouped", "attention_prefill"):
         _kernels(name)  # registers dsv4lab_kernels from the source tree when it is not installed
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    b = Bench(device, getattr(args, "budget_s", 220.0), smoke)
+    b = Bench(device, getattr(args, "budget_s", 160.0), smoke)
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")
     if smoke:
-        tokens, chunks, routes, rows_list, abl, total = (64,), (32, 64), MOE_ROUTES, (16,), 64, 64
+        tokens, chunks, rows_list, abl, total = (64,), (32, 64), (16,), 64, 64
     elif quick:
-        tokens, chunks, routes, rows_list, abl, total = (1024, 4096), (1024, 4096), MOE_ROUTES, SORTER_ROWS, 2048, \
-            4096
+        tokens, chunks, rows_list, abl, total = (1024, 4096), (1024, 4096), SORTER_ROWS, 2048, 4096
     else:
-        tokens, chunks, routes, rows_list, abl, total = TOKENS, CHUNKS, MOE_ROUTES, SORTER_ROWS, 2048, 4096
+        tokens, chunks, rows_list, abl, total = TOKENS, CHUNKS, SORTER_ROWS, 2048, 4096
     doc = dict(suite="prefill", gpu=torch.cuda.get_device_name() if b.cuda else "CPU (Triton interpreter)",
                torch=torch.__version__, triton=triton.__version__,
                commit=getattr(args, "commit", None) or git_state().get("short"),
                model="tiny" if smoke else "flash", smoke=smoke)
+    routes = tuple(r for r in getattr(args, "moe_routes", ",".join(MOE_ROUTES)).split(",") if r)
+    abl_route = getattr(args, "ablation_route", "fp8")
+    if abl_route not in routes:
+        raise UserError(f"--ablation-route {abl_route!r} is not among --moe-routes {','.join(routes)}")
+    moe_variants = sorted({(r, 64) for r in routes} | {(abl_route, n) for n in rows_list})
     measure_peaks(b)
     log(f"checks ({b.elapsed():.0f} s)")
-    passed = run_checks(b, a, gen)
+    passed = run_checks(b, a, gen, moe_variants)
+    headline = 4096 if 4096 in tokens else max(tokens)
+    moe: dict = {}
+
+    def moe_bench() -> MoEBench:
+        if "bench" not in moe:
+            moe["bench"] = MoEBench(b, a, gen, passed)
+        return moe["bench"]
+
+    def release_moe() -> None:
+        moe.clear()  # the 3.2 GB bank: the layer below brings its own
+        if b.cuda:
+            torch.cuda.empty_cache()
+
+    # most important first: the watchdog cuts from the end
     sections = [
-        ("moe", lambda: bench_moe(b, a, gen, passed, tokens, routes, rows_list, abl)),
-        ("attention", lambda: bench_attention(b, a, gen, passed, (4096,) if not smoke else tokens,
-                                              ATTENTION_CONFIGS)),
+        ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, rows_list, abl, abl_route)),
+        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,), ATTENTION_CONFIGS)),
+        ("release", release_moe),
         ("chunked", lambda: bench_chunked_layer(b, a, gen, total, chunks)),
         ("gemm", lambda: bench_gemm(b, a, gen, passed, tokens, GEMM_CONFIGS if not quick else GEMM_CONFIGS[:1])),
-        ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != 4096],
-                                                    ATTENTION_CONFIGS)),
+        ("moe sweep", lambda: bench_moe_sweep(b, moe_bench(), routes, tokens, headline)),
     ]
+    if not smoke:
+        sections.append(("attention sweep", lambda: bench_attention(
+            b, a, gen, passed, [t for t in tokens if t != headline], ATTENTION_CONFIGS)))
     for name, fn in sections:
         if b.over_budget(name):
             continue
@@ -709,5 +734,6 @@ def print_table(doc: dict) -> None:
         print(f"target MoE@4096 ≥ 50% of {m['peak_kind']} peak: {m['pct_peak']}% ({m['variant']}, rows "
               f"{m['sorter_rows']}) → {'met' if m['met'] else 'missed'}")
     for s in t.get("layer_shares", []):
-        print(f"chunk {s['chunk']}: attention {s['attention']:.3f} of the layer (roofline {s['attention_roofline']:.3f}),"
-              f" indexer {s['indexer']:.3f} (roofline {s['indexer_roofline']:.3f}) → {'met' if s['met'] else 'missed'}")
+        print(f"chunk {s['chunk']}: attention {s['attention']:.3f} of the layer "
+              f"(roofline {s['attention_roofline']:.3f}), indexer {s['indexer']:.3f} "
+              f"(roofline {s['indexer_roofline']:.3f}) → {'met' if s['met'] else 'missed'}")

@@ -245,6 +245,15 @@ OPS: list[OpCase] = [
     OpCase("rope", "rope", _make_rope, [dict(M=3, h=8), dict(M=1, h=1)], "elementwise", "interleaved RoPE"),
 ]
 
+# Prefill-sized cases (issue 8): several sorter blocks per expert, many queries per call.
+OPS += [
+    OpCase("routed_experts_prefill", "routed_experts", _make_routed, [dict(T=70, E=16, k=4, D=256, I=128)],
+           "quantized", "whole routed MoE at a prefill token count (experts with more rows than one sorter block)"),
+    OpCase("sparse_attention_prefill", "sparse_attention", _make_attention,
+           [dict(b=1, s=40, h=8, d=96, n_kv=120, k=48, masked=0.3)], "attention",
+           "gathered KV with attention sink, many queries per call"),
+]
+
 
 def op_names() -> list[str]:
     return [o.name for o in OPS]

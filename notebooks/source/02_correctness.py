@@ -10,7 +10,7 @@
 
 # %% tags=["parameters"]
 RUN_DIR: str = ""  # run folder for results/ and figures/; empty: a new runs/<UTC stamp>_<commit>/
-SMOKE: bool = False  # tiny CPU run (what the tests run): one shape per op, one oracle, no trajectory, 72 tokens
+SMOKE: bool = False  # tiny CPU run (tests): one shape per op, no Triton, one oracle, no trajectory, 72 tokens
 INTERACTIVE: bool = False  # show the interactive widgets (this notebook has none)
 SEED: int = 0  # seed of the kernel-tier random inputs
 CHECKPOINT: str = ""  # checkpoint folder; empty: data/tiny-py when present, else data/tiny
@@ -33,7 +33,8 @@ if FAULT not in MODEL_FAULTS:
 golden_file = model_tier.golden_path_for(ckpt)
 golden = model_tier.load_golden(golden_file) if golden_file.exists() else None
 identity = model_tier.checkpoint_identity(ckpt)
-golden_matches = golden is not None and all(identity.get(k) == v for k, v in golden["checkpoint"].items() if k != "name")
+golden_matches = golden is not None and all(identity.get(k) == v for k, v in golden["checkpoint"].items()
+                                            if k != "name")
 print(f"checkpoint {runs.display_path(ckpt)}; golden file "
       + (f"{runs.display_path(golden_file)} ({'matches' if golden_matches else 'does NOT match'} the checkpoint)"
          if golden else f"absent ({golden_file.name}: record one with `dsv4lab verify record`)"))
@@ -49,8 +50,11 @@ out.keys(golden_present=golden is not None, golden_matches_checkpoint=golden_mat
 
 # %%
 reference = measurements.kernel_checks("reference", seed=SEED, max_shapes=1 if SMOKE else None)
-triton = measurements.kernel_checks("triton", ["moe_stage1", "moe_stage2", "linear_fp8", "linear_fp4",
-                                               "sparse_attention"], seed=SEED, max_shapes=1)
+if SMOKE:  # 03 and 04 run the interpreter check of the Triton kernels; a smoke run here does not repeat it
+    triton = dict(status="skipped", rows=[], message="not run in SMOKE mode")
+else:
+    triton = measurements.kernel_checks("triton", ["moe_stage1", "moe_stage2", "linear_fp8", "linear_fp4",
+                                                   "sparse_attention"], seed=SEED, max_shapes=1)
 print(f"reference: {reference['message']}; triton: {triton['status']} — {triton['message']}")
 kernel_rows = reference["rows"] + triton["rows"]
 out.keys(kernel_tier_reference_ok=reference["status"] == "ran" and all(r["ok"] for r in reference["rows"]),
@@ -92,7 +96,8 @@ n_tf = 72 if SMOKE else (TF_TOKENS or len(tf_ids))
 tf_ids = tf_ids[:n_tf]
 cvr = model_tier.cached_vs_recompute(runner, tf_ids)
 boundary_rows, first_bad, max_kl = model_tier.boundary_report(cvr["kl"], args, kl_bound)
-tiers.append(dict(tier="cached_vs_recompute", ok=first_bad is None, detail=f"max KL {max_kl:.3g} over {n_tf} positions"))
+tiers.append(dict(tier="cached_vs_recompute", ok=first_bad is None,
+                  detail=f"max KL {max_kl:.3g} over {n_tf} positions"))
 out.keys(cached_vs_recompute_max_kl=max_kl, cached_vs_recompute_first_divergence=first_bad,
          teacher_forced_tokens=n_tf)
 out.table("model_tier", tiers)

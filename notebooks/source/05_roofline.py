@@ -134,7 +134,8 @@ if INTERACTIVE:
                 return
             print(f"{rep['predicted']['tok_s']:,.1f} tok/s predicted, bound {rep['bound_tok_s']:,.0f} tok/s, "
                   f"{rep['bytes_per_token_per_rank'] / 1e9:.2f} GB per token on the busiest rank")
-            display(plots.plot_roofline(hardware, rep["ops"], title=f"{hardware}, TP{tp}, batch {batch}, context {context}"))
+            display(plots.plot_roofline(hardware, rep["ops"],
+                                        title=f"{hardware}, TP{tp}, batch {batch}, context {context}"))
             display(plots.plot_step_waterfall([dict(label=f"{hardware} TP{tp} batch {batch}",
                                                     components_us=rep["predicted"]["components_us"], tokens=batch)]))
 

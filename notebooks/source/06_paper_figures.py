@@ -67,7 +67,8 @@ out.keys(prefill_milestones=len(prefill_rows), final_prefill_reported_input_tok_
          prefill_modelled_input_tok_s=account["prefill"]["model_input_tok_s"])
 out.table("prefill", prefill_rows)
 pf = account["prefill"]
-print(f"reported {pf['reported_input_tok_s']:,} input tok/s = {pf['achieved_tflops_all_gcds']:.1f} TFLOP/s on four GCDs, "
+print(f"reported {pf['reported_input_tok_s']:,} input tok/s = {pf['achieved_tflops_all_gcds']:.1f} TFLOP/s on four "
+      "GCDs, "
       f"{pf['mfma_utilization_pct']:.1f}% of their BF16 matrix peak; the cost model, which charges bytes and peak "
       f"FLOPs with penalties, allows {pf['model_input_tok_s']:,.0f}. {pf.get('note', '')}")
 fig = plots.plot_milestones(prefill_rows, value="input_tok_s", unit="prefill input tok/s", lines=lines,
