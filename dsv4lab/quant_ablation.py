@@ -1,8 +1,8 @@
 """Weight-format ablation of the trained small model: what DeepSeek-V4's choice of FP4 E2M1 experts with E8M0
 per-32 scales and FP8 dense weights with 128×128 E8M0 blocks costs, against its neighbours.
 
-Two sweeps over the trained weights (float32 master copies; the rest of the model stays as the unquantized bf16 checkpoint
-would hold it, so each sweep measures its own family alone):
+Two sweeps over the trained float32 master weights (the rest of the model stays as the unquantized bf16
+checkpoint would hold it, so each sweep measures its own family alone):
 
 * **routed experts** — E2M1 values with a scale per group of 16 / 32 / 64 / 128 along K, the scale either a
   power of two (**E8M0**, DeepSeek-V4's choice at group 32) or an **E4M3** number under one float32 scale per
@@ -135,7 +135,7 @@ def requantize(args: ModelArgs, state: dict[str, torch.Tensor], experts: ExpertF
     """
     from .train import bf16_rounded_state
 
-    out = bf16_rounded_state(state)
+    out = bf16_rounded_state(args, state)
     bank_names, dense_names = _families(args)
     stats = {}
     for family, names, fmt in (("experts", bank_names, experts), ("dense", dense_names, dense)):
@@ -193,10 +193,11 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
 
     from .model.numerics import Numerics
     from .model.ops import ReferenceOps
-    from .train import evaluate_nll, heldout_windows, load_tokens, load_weights_f32, trainable_from_state
+    from .train import (evaluate_nll, heldout_windows, load_tokens, load_weights_f32, read_train_log,
+                        trainable_from_state)
 
     weights_dir = Path(weights_dir)
-    train_log = json.loads((weights_dir / "train_log.json").read_text())
+    train_log = read_train_log(weights_dir)
     args = get_preset(train_log["config"]["preset"])
     state = load_weights_f32(weights_dir)
     streams, token_meta = load_tokens(tokens_dir)

@@ -32,7 +32,7 @@ import math
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -49,10 +49,6 @@ from .model.ops import ReferenceOps
 from .model.transformer import Transformer
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "pystdlib-bpe-4096.json"
-
-# Tensors the native file keeps in F32 (spec §2.2); everything else unquantized is BF16 there.
-_F32_SUFFIXES = ("_fn", "_base", "_scale", "ape", "attn_sink", "gate.bias")
-
 
 # ============================================================================================ the model
 def _tensor_generator(seed: int, name: str) -> torch.Generator:
@@ -607,6 +603,14 @@ def load_weights_f32(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_train_log(weights_dir: str | Path) -> dict:
+    """The ``train_log.json`` that `dsv4lab train-small train` wrote next to the weights."""
+    path = Path(weights_dir) / "train_log.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{weights_dir}: no train_log.json (the output folder of `dsv4lab train-small train`)")
+    return json.loads(path.read_text())
+
+
 def trainable_from_state(args: ModelArgs, state: dict[str, torch.Tensor]) -> Transformer:
     model = build_trainable(args, 0)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -623,10 +627,6 @@ def _expert_source(name: str) -> tuple[str, int, str] | None:
     if len(parts) >= 6 and parts[-4] == "experts" and parts[-3].isdigit():
         return ".".join(parts[:-3] + [parts[-2]]), int(parts[-3]), parts[-1]
     return None
-
-
-def is_f32_in_file(name: str) -> bool:
-    return name.endswith(_F32_SUFFIXES) and not name.endswith(".weight")
 
 
 def native_state_dict(args: ModelArgs, state: dict[str, torch.Tensor],
@@ -665,10 +665,14 @@ def native_state_dict(args: ModelArgs, state: dict[str, torch.Tensor],
     return out
 
 
-def bf16_rounded_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The trained state as an unquantized bf16 checkpoint holds it: F32-in-file tensors kept, the rest
-    rounded to bf16 (returned as float32 so the trainable model can hold it)."""
-    return {k: (v if (is_f32_in_file(k) or not v.is_floating_point()) else v.to(torch.bfloat16).float())
+def bf16_rounded_state(args: ModelArgs, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trained state as an unquantized bf16 checkpoint would hold it: the tensors the native file stores in
+    F32 (mHC, ``attn_sink``, ``ape``, router bias) kept, every other float tensor rounded to bf16 (returned as
+    float32 so the trainable model can hold it)."""
+    from .checkpoint import expected_tensors
+
+    f32_in_file = {s.name for s in expected_tensors(args) if s.dtype == "F32"}
+    return {k: (v if (k in f32_in_file or not v.is_floating_point()) else v.to(torch.bfloat16).float())
             for k, v in state.items()}
 
 
@@ -707,7 +711,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
     from .engine.backends import make_ops
 
     weights_dir, out = Path(weights_dir), Path(out)
-    train_log = json.loads((weights_dir / "train_log.json").read_text())
+    train_log = read_train_log(weights_dir)
     cfg = train_log["config"]
     args = get_preset(cfg["preset"])
     state = load_weights_f32(weights_dir)
@@ -725,7 +729,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
     bf16_numerics = Numerics(torch.bfloat16, act_quant=False, kv_fp8_sim=False, indexer_fp4_sim=False,
                              exact_reductions=False)
     t0 = time.perf_counter()
-    bf16_model = trainable_from_state(args, bf16_rounded_state(state))
+    bf16_model = trainable_from_state(args, bf16_rounded_state(args, state))
     ev_bf16 = evaluate_nll(bf16_model, ReferenceOps(bf16_numerics), windows, 4, progress="held-out, bf16 weights")
     log(f"held-out ppl, bf16 weights (sims off): {ev_bf16['ppl']:.3f} ({time.perf_counter() - t0:.0f} s)")
     del bf16_model
@@ -799,5 +803,5 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
 
 __all__ = ["TrainConfig", "TrainingOps", "build_trainable", "training_numerics", "train", "lm_losses",
            "prepare_tokens", "load_tokens", "heldout_windows", "unigram_ppl", "evaluate_nll", "save_weights",
-           "load_weights_f32", "trainable_from_state", "native_state_dict", "bf16_rounded_state",
+           "load_weights_f32", "read_train_log", "trainable_from_state", "native_state_dict", "bf16_rounded_state",
            "export_checkpoint", "record_oracles", "initial_value", "indexer_kl", "update_router_biases"]

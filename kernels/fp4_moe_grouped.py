@@ -25,8 +25,9 @@ For the ``bf16``/``fp8`` routes the activations are stored with the even K colum
 (``quantize_activations(..., deq_split/q_split)``), so a weight byte's low nibble meets the first half and its
 high nibble the second and no interleave is needed.
 
-Stage 1 with ``fuse=True`` ends in the reference's activation: each of g, u rounded to bf16, clamped SwiGLU, times
-the routing weight, rounded to bf16, then FP8-quantized per row over its 128 columns (``BLOCK_N = 128`` is the
+Stage 1 with ``fuse=True`` ends in the reference's activation: each of g, u rounded to bf16, clamped SwiGLU (SiLU
+evaluated in fp64 and rounded once, as the reference), times the routing weight, rounded to bf16, then
+FP8-quantized per row over its 128 columns (``BLOCK_N = 128`` is the
 quantization block), written per sorted row in the layout stage 2 reads. Stage 2 writes each slot's bf16 output;
 :func:`combine_slots` sums a token's slots exactly (fp64) and rounds once, as ``ReferenceOps.moe_combine``.
 """
@@ -182,7 +183,11 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
                 u = tl.minimum(tl.maximum(u, -limit), limit)
                 g = tl.minimum(g, limit)
             rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
-            h = g / (1.0 + tl.exp(-g)) * u * rw[None, :]
+            # SiLU in fp64, rounded once to fp32, as ReferenceOps.elementwise: an fp32 exp's last-bit differences
+            # would flip bf16/FP8 roundings of h downstream
+            gd = g.to(tl.float64)
+            silu = (gd / (1.0 + tl.exp(-gd))).to(tl.float32)
+            h = silu * u * rw[None, :]
             h = tl.where(keep, to_bf16(h).to(tl.float32), 0.0)
             ex = pow2_exponent(tl.max(tl.abs(h), axis=0))  # per row, over this 128-column quantization block
             q = quantize_block_fp8(h, ex[None, :])

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+def _has_gpu() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if not _has_gpu():  # on a CPU the Triton kernels run in the interpreter; on a GPU they are compiled
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny"

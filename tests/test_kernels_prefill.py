@@ -238,17 +238,33 @@ def test_chunked_prefill_attention_every_layer_kind(layer, kind, chunks):
 
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["bf16", "fp8", "scaled"])
-def test_gpu_grouped_moe_at_larger_shapes(route):
+@pytest.mark.parametrize("route,end_to_end_rel_l2", [("bf16", 1e-3), ("scaled", 1e-3), ("fp8", 1e-2)])
+def test_gpu_grouped_moe_at_larger_shapes(route, end_to_end_rel_l2):
+    """Stage by stage against the reference (a last-bit difference in g or u may flip a bf16 and then an FP8
+    rounding of h, which the reference's re-quantizations amplify), the fused epilogue against the reference
+    composed from the kernel's own g and u, and a bound on the end-to-end deviation: Hopper's FP8 MMA accumulates
+    with reduced precision, so the fp8 route's bound is wider."""
     dev = "cuda"
     g = torch.Generator().manual_seed(11)
     T, E, k, D, I = 700, 32, 6, 1024, 512
     bank = _bank(E, D, I, 12, dev)
     idx, w = routing(g, T, E, k, dev, skip=3)
+    w = w.float()
     x = (torch.randn(T, D, generator=g) * 2).to(dev, torch.bfloat16)
+    rg, ru = REF.moe_stage1(x, idx, bank)
+    h = REF.moe_activation(rg, ru, w, 10.0)
+    r2, total = REF.moe_stage2(h, idx, bank), REF.routed_experts(x, idx, w, bank, 10.0)
     for rows in (16, 64, 128):
-        y = fm.routed_experts(x, idx, w.float(), bank, 10.0, route=route, geo=fm.MoEGeometry(rows=rows), poison=True)
-        _check(f"gpu routed[{route},{rows}]", y, REF.routed_experts(x, idx, w.float(), bank, 10.0), "quantized")
+        geo = fm.MoEGeometry(rows=rows)
+        kg, ku = fm.moe_stage1(x, idx, bank, route=route, geo=geo)
+        _check(f"gpu stage1.g[{route},{rows}]", kg, rg, "quantized")
+        _check(f"gpu stage1.u[{route},{rows}]", ku, ru, "quantized")
+        _check(f"gpu stage2[{route},{rows}]", fm.moe_stage2(h, idx, bank, route=route, geo=geo), r2, "quantized")
+        y = fm.routed_experts(x, idx, w, bank, 10.0, route=route, geo=geo, poison=True)
+        composed = REF.moe_combine(REF.moe_stage2(REF.moe_activation(kg, ku, w, 10.0), idx, bank), idx)
+        _check(f"gpu fused[{route},{rows}]", y, composed, "quantized")
+        c = compare("end to end", y, total, tolerance(torch.bfloat16, "quantized"))
+        assert c.nan_mismatch == 0 and c.rel_l2 < end_to_end_rel_l2, c.line()
 
 
 @pytest.mark.gpu
@@ -282,7 +298,11 @@ def test_gpu_tiny_model_chunked_prefill_through_prefill_kernels():
         out = torch.cat([m.forward(ids[:, p:p + chunk], p)[0] for p in range(0, 300, chunk)], 0)
         if chunk == 300:
             one = out
-        else:
-            assert torch.equal(out, one), f"chunk {chunk} differs from the one-shot prefill"
+            continue
+        # the kernels are row-independent; the reference ops left in torch run cuBLAS, whose fp64 summation
+        # order may change with the row count, so agreement is judged as the model verification does (KL)
+        kl = kl_per_position(one, out)
+        assert max(kl) < 1e-3, f"chunk {chunk}: max KL vs the one-shot prefill {max(kl):.3g}"
+    assert m.ops.kernel_runs["routed_experts"] > 0 and m.ops.kernel_runs["sparse_attention"] > 0, m.ops.report()
     kl = kl_per_position(ref, one)
     assert sum(kl) / len(kl) < 1e-2, f"mean KL vs reference {sum(kl) / len(kl):.3g}"

@@ -1,9 +1,10 @@
 """The OpenAI-compatible server on loopback, driven by the official ``openai`` client and raw HTTP.
 
-One server on ``data/tiny`` serves the whole module. It runs in float32: on CPU the bf16 reference is not
-batch-invariant (a row's logits change with the batch it is computed in), so bit-identical concurrent and
-sequential greedy outputs are a float32 property here. References come from ``m.generate`` on the same
-model object while the server is idle, so the comparison is with exactly what ``dsv4lab generate`` runs.
+One server on ``data/tiny-py`` (the trained default) serves the whole module, in the reference's default bf16
+numerics. The reference is batch-invariant (reductions are correctly rounded, see ``dsv4lab/model/numerics.py``),
+so concurrent batched streams must equal sequential greedy runs bit for bit. References come from ``m.generate``
+on the same model object while the server is idle, so the comparison is with exactly what ``dsv4lab generate``
+runs.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from dsv4lab.serve.server import BackgroundServer, ServerOptions, build_app, loa
 
 pytestmark = pytest.mark.serve
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "tiny"
-MODEL = "tiny"
+TINY = Path(__file__).resolve().parents[1] / "data" / "tiny-py"
+MODEL = "tiny-py"
 
 
 def _wait_idle(scheduler, timeout: float = 30.0) -> dict:
@@ -43,7 +44,7 @@ def _wait_idle(scheduler, timeout: float = 30.0) -> dict:
 
 @pytest.fixture(scope="module")
 def served():
-    opts = ServerOptions(checkpoint=str(TINY), dtype="float32", max_concurrency=8)
+    opts = ServerOptions(checkpoint=str(TINY), max_concurrency=8)
     model = load_model(opts)
     app, scheduler = build_app(opts, model=model)
     server = BackgroundServer(app, scheduler=scheduler).start()
@@ -65,7 +66,7 @@ def test_models_and_greedy_completion_equal_the_generate_cli(served, capsys):
     assert [m.id for m in models] == [MODEL]
     prompt = "def add(a, b):"
     assert main(["generate", "--checkpoint", str(TINY), "--prompt", prompt, "--max-new-tokens", "4", "--json",
-                 "--dtype", "fp32", "--device", "cpu"]) == 0
+                 "--dtype", "bf16", "--device", "cpu"]) == 0
     cli = json.loads(capsys.readouterr().out)
     r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
                                          extra_body={"return_token_ids": True})
@@ -138,7 +139,7 @@ def test_sixteen_concurrent_streams_equal_sequential_greedy_runs(served):
 ERROR_CASES = [
     # (name, path, body (dict or raw bytes), status, param)
     ("unknown model", "/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
-    ("invalid json", "/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None),
+    ("invalid json", "/v1/chat/completions", b'{"model": "tiny-py", "messages": [', 400, None),
     ("body not an object", "/v1/completions", b"[1, 2]", 400, None),
     ("missing field", "/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
@@ -273,7 +274,7 @@ def _golden(served, tmp_path: Path) -> Path:
         oracles.append({"name": f"t{k}", "prompt_ids": prompt, "expected_ids": expected,
                         "hash": trajectory_hash(expected)})
     path = tmp_path / "golden.json"
-    path.write_text(json.dumps({"checkpoint": "tiny", "oracles": oracles}))
+    path.write_text(json.dumps({"checkpoint": "tiny-py", "oracles": oracles}))
     return path
 
 

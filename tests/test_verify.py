@@ -50,8 +50,8 @@ def test_verify_model_cli_passes_on_tiny(tmp_path):
                               str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads((tmp_path / "model.json").read_text())
-    assert res["ok"] and set(res["tiers"]) == {"oracles", "trajectory", "cached_vs_recompute"}
-    assert res["tiers"]["cached_vs_recompute"]["max_kl"] == 0.0
+    assert res["ok"] and set(res["tiers"]) == {"oracles", "trajectory", "cached_vs_recompute", "chunked_vs_recompute"}
+    assert res["tiers"]["cached_vs_recompute"]["max_kl"] == 0.0 and res["tiers"]["chunked_vs_recompute"]["max_kl"] == 0.0
     assert (tmp_path / "model.md").exists()
 
 

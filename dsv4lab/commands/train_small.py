@@ -8,9 +8,9 @@ Four steps, each a sub-command (``docs/training.md`` has the exact commands that
     dsv4lab train-small ablation --weights runs/tiny-py-weights --tokens .carry/pystdlib-tokens
 
 ``train`` writes the trained weights (safetensors shards ≤ 15 MiB: float32, bf16 where the checkpoint stores
-BF16) and ``train_log.json``; ``export`` quantizes them
-into the native format, validates the checkpoint, evaluates held-out perplexity and records the greedy oracles;
-``ablation`` re-quantizes the trained weights in other formats (see :mod:`dsv4lab.quant_ablation`).
+BF16) and ``train_log.json``; ``export`` quantizes them into the native format, validates the checkpoint,
+evaluates held-out perplexity and records the greedy oracles; ``ablation`` re-quantizes the trained weights in
+other formats (see :mod:`dsv4lab.quant_ablation`).
 """
 from __future__ import annotations
 

@@ -58,14 +58,15 @@ class TritonPrefillOps:
 
     Attributes (class defaults; set on an instance to change them):
         prefill_min_tokens: fewest tokens (rows of the op) for which a prefill kernel is used.
-        prefill_moe_route: ``"bf16"``, ``"fp8"`` or ``"scaled"`` (``fp8`` falls back to ``bf16`` for a bank whose
-            scales the exact E4M3 upcast cannot hold).
+        prefill_moe_route: ``"bf16"`` (default: fp32 accumulation on every GPU), ``"fp8"`` (Hopper's FP8 MMA
+            accumulates with reduced precision, see docs/kernels_prefill.md; falls back to ``bf16`` for a bank whose
+            scales the exact E4M3 upcast cannot hold) or ``"scaled"``.
         prefill_moe_rows: sorter rows (the grouped GEMM's block height).
         prefill_gemm_config / prefill_attention_config: launch geometry names (see the kernel modules).
     """
 
     prefill_min_tokens: int = 64
-    prefill_moe_route: str = "fp8"
+    prefill_moe_route: str = "bf16"
     prefill_moe_rows: int = 64
     prefill_gemm_config: str = "m128n128"
     prefill_attention_config: str = "h64n32x"

@@ -41,6 +41,10 @@ def render(res: dict, golden_path) -> str:
     lines += ["## Teacher-forced cached vs recompute", "",
               f"max KL {c['max_kl']:.3g}, first position above the bound: {c['first_divergence']}, "
               f"argmax agreement {c['argmax_agreement']:.4f}", "", md_table(c["boundaries"], ["boundary", "positions", "max_kl", "ok"]), ""]
+    if "chunked_vs_recompute" in t:
+        c = t["chunked_vs_recompute"]
+        lines += [f"## Teacher-forced chunked prefill (chunks of {c['chunk']}) vs one-shot", "",
+                  f"max KL {c['max_kl']:.3g}, first position above the bound: {c['first_divergence']}", ""]
     if "vs_reference" in t:
         v = t["vs_reference"]
         lines += ["## Teacher-forced agreement with the reference", "",

@@ -133,6 +133,19 @@ def cached_vs_recompute(runner, ids: list[int]) -> dict:
     return dict(kl=kl_per_position(full, cached), argmax_equal=(full.argmax(-1) == cached.argmax(-1)).tolist())
 
 
+@torch.inference_mode()
+def chunked_vs_recompute(runner, ids: list[int], chunk: int) -> dict:
+    """Teacher-forced: one-shot prefill logits vs the same sequence prefilled in chunks of ``chunk`` tokens
+    (chunked prefill continues the caches mid-block, mid-window and across the index top-k boundary)."""
+    t = torch.tensor([ids])
+    runner.reset([0])
+    full = runner.forward(t, 0, slots=[0])[0]
+    runner.reset([0])
+    parts = [runner.forward(t[:, s:s + chunk], s, slots=[0])[0] for s in range(0, len(ids), chunk)]
+    runner.reset([0])
+    return dict(kl=kl_per_position(full, torch.cat(parts)), chunk=chunk)
+
+
 def kl_per_position(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[float]:
     lp = torch.log_softmax(p_logits.double(), -1)
     lq = torch.log_softmax(q_logits.double(), -1)
@@ -216,7 +229,7 @@ def write_linear_dumps(runner, ids: list[int], path: str | Path) -> Path:
                 xq = quant.act_qdq_fp8(x[tok]) if nm.act_quant else x[tok].to(nm.acc)
                 arrays[f"{name}.w1.input"] = xq.float().contiguous()
                 arrays[f"{name}.w1.output"] = g[tok, slot].float().contiguous()
-                arrays[f"{name}.w3.input"] = xq.float().contiguous()
+                arrays[f"{name}.w3.input"] = xq.float().clone()
                 arrays[f"{name}.w3.output"] = u[tok, slot].float().contiguous()
             hq = h[tok, slot].to(nm.act)
             hq = quant.act_qdq_fp8(hq) if nm.act_quant else hq.to(nm.acc)
@@ -238,7 +251,7 @@ def load_golden(path: str | Path) -> dict:
     return g
 
 
-TIERS = ("oracles", "trajectory", "cached_vs_recompute", "vs_reference")
+TIERS = ("oracles", "trajectory", "cached_vs_recompute", "chunked_vs_recompute", "vs_reference")
 
 
 def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, kl_bound: float | None = None,
@@ -279,6 +292,13 @@ def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, 
         res["tiers"]["cached_vs_recompute"] = dict(
             ok=first is None, binding=True, max_kl=mx, first_divergence=first, boundaries=brows,
             argmax_agreement=sum(cvr["argmax_equal"]) / len(tf["ids"]))
+    # 3b. chunked prefill (an irregular chunk: not a multiple of any ratio, crossing the window) vs one-shot
+    if "chunked_vs_recompute" in tiers:
+        chunk = runner.args.window_size + 5
+        cc = chunked_vs_recompute(runner, tf["ids"], chunk)
+        brows, first, mx = boundary_report(cc["kl"], runner.args, kl_bound)
+        res["tiers"]["chunked_vs_recompute"] = dict(ok=first is None, binding=True, max_kl=mx, chunk=chunk,
+                                                    first_divergence=first, boundaries=brows)
     # 4. teacher-forced agreement with the reference (fast backends)
     if reference_runner is not None and not backend.startswith("reference") and "vs_reference" in tiers:
         t = torch.tensor([tf["ids"]])
