@@ -948,6 +948,11 @@ def catalogue_candidates(fmt: str, stored_shape: Sequence[int]) -> list[Layout]:
             out += [pre, Inverse(pre)]
     if fmt != "fp4" and r == c:
         out.append(KMajor())
+    # the fault catalogue's layouts are the bug classes seen in real ports: cheap hypotheses that need no
+    # fingerprint, so a "scales not moved" W2 is explained even from dumps with too few rows to match per group
+    for fault in FAULTS.values():
+        if fault.layout not in out:
+            out.append(fault.layout)
     return out
 
 
@@ -966,9 +971,9 @@ def diagnose_linear(weight: torch.Tensor, scale: torch.Tensor | None,
 
     ``reference`` is an op ``x ↦ x @ W_refᵀ`` or :class:`Recorded` arrays. Hypotheses, each checked by undoing it
     on the stored bytes and measuring the residual: as-is; the output-row fingerprint with scales following, then
-    with scales left in place; catalogue layouts (nibble swap, tile pre-shuffles and their inverses, K-major);
-    the input-column fingerprint (scales following / in place). The first within ``tol`` wins; otherwise the
-    closest is reported with ``exact=False``. Only this one linear is dequantized.
+    with scales left in place; catalogue layouts (nibble swap, tile pre-shuffles and their inverses, K-major,
+    the fault catalogue's layouts); the input-column fingerprint (scales following / in place). The first within
+    ``tol`` wins; otherwise the closest is reported with ``exact=False``. Only this one linear is dequantized.
     """
     fmt = weight_format(weight)
     _, k = logical_shape(weight.shape, fmt)
@@ -1648,7 +1653,9 @@ def fingerprint_checkpoint(suspect: str | Path, *, reference: str | Path | None 
                                   reference=str(reference) if reference is not None else None,
                                   golden=str(golden) if golden is not None and not isinstance(golden, Mapping)
                                   else None, tol=tol))
-    return CheckpointFingerprint(str(suspect), str(reference if reference is not None else golden), reports, spec)
+    source = (str(reference) if reference is not None else
+              f"golden dumps ({len(dumps)} linears)" if isinstance(golden, Mapping) else f"golden dumps {golden}")
+    return CheckpointFingerprint(str(suspect), source, reports, spec)
 
 
 __all__ = [

@@ -20,7 +20,8 @@ The notebooks' figures (``notebooks/``), one function each:
 * :func:`plot_kernel_timings` — measured / modelled time per kernel with the bandwidth floor (03);
 * :func:`plot_prefill_throughput` — throughput against prompt length (04);
 * :func:`plot_hardware_catalogue` — bandwidth and matrix rates of the catalogue (05);
-* :func:`plot_milestones` — the paper's milestones with the model's values and our measurements (06).
+* :func:`plot_milestones` — the paper's milestones with the model's values and our measurements (06);
+* :func:`plot_quant_ablation` — the small model's weight-format ablation (00).
 """
 from __future__ import annotations
 
@@ -581,3 +582,48 @@ __all__ = ["plot_roofline", "plot_step_waterfall", "plot_bytes_composition", "sa
            "plot_channel_similarity", "plot_stage_cosines", "plot_checkpoint_inventory", "plot_divergence_vs_position",
            "plot_layer_divergence", "plot_kernel_check_errors", "plot_kernel_timings", "plot_prefill_throughput",
            "plot_hardware_catalogue", "plot_milestones"]
+
+
+# ============================================================================================ quantization ablation
+QUANT_ABLATION_SIZE = (8.0, 3.6)
+
+
+def plot_quant_ablation(points: Sequence[Mapping[str, Any]], *, title: str | None = None):
+    """The weight-format ablation of the trained small model (``data/results/quant_ablation.json``).
+
+    Left: routed experts — teacher-forced KL against the bf16 model per FP4 group size, E8M0 (power-of-two) vs
+    E4M3 group scales, with bytes per parameter on a twin axis. Right: dense projections, FP8 with 128×128 blocks vs
+    per-channel scales. The real checkpoint's choice is drawn as a star.
+    """
+    with use_style():
+        fig = _figure(QUANT_ABLATION_SIZE)
+        ax_e, ax_d = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=(3, 2)))
+        experts = [p for p in points if p.get("sweep") == "experts"]
+        for scale, marker in (("e8m0", "o"), ("e4m3", "s")):
+            rows = sorted((p for p in experts if p["experts"]["scale"] == scale), key=lambda p: p["experts"]["group"])
+            if not rows:
+                continue
+            ax_e.plot([p["experts"]["group"] for p in rows], [p["kl_vs_bf16"] for p in rows], marker=marker,
+                      label=f"{scale.upper()} group scales")
+        chosen = [p for p in experts if p.get("is_checkpoint_choice")]
+        for p in chosen:
+            ax_e.plot([p["experts"]["group"]], [p["kl_vs_bf16"]], marker="*", markersize=14, color="black",
+                      linestyle="none", label="checkpoint's choice (E2M1, g32, E8M0)")
+        ax_e.set_xscale("log", base=2)
+        groups = sorted({p["experts"]["group"] for p in experts})
+        ax_e.set_xticks(groups, [str(g) for g in groups])
+        ax_e.set_xlabel("FP4 (E2M1) group size")
+        ax_e.set_ylabel("KL vs bf16 model (nats/token)")
+        ax_e.set_title("routed experts")
+        ax_e.legend(fontsize="small")
+        dense = [p for p in points if p.get("sweep") == "dense"]
+        labels = [p["name"].replace("dense E4M3 ", "").replace(" E8M0", "\nE8M0").replace(" F32", "\nF32")
+                  for p in dense]
+        colors = ["black" if p.get("is_checkpoint_choice") else "tab:blue" for p in dense]
+        ax_d.bar(range(len(dense)), [p["kl_vs_bf16"] for p in dense], color=colors)
+        ax_d.set_xticks(range(len(dense)), labels, fontsize="small")
+        ax_d.set_ylabel("KL vs bf16 model (nats/token)")
+        ax_d.set_title("dense projections (FP8 E4M3)")
+        if title:
+            fig.suptitle(title)
+    return fig

@@ -39,7 +39,9 @@ class QuantError(ValueError):
 
 @functools.lru_cache(maxsize=None)
 def _table(values: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    # cached tensors are made outside inference mode so autograd (training) may use them later too
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=dtype, device=device)
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -273,10 +275,11 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: str = "c
     """Sylvester Hadamard matrix of order ``n`` (natural order, ±1 entries, unscaled)."""
     if n <= 0 or n & (n - 1):
         raise QuantError(f"Hadamard order {n} is not a power of two")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h.to(dtype=dtype, device=device)
+    with torch.inference_mode(False):  # cached: must stay usable by autograd after an inference-mode first call
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        return h.to(dtype=dtype, device=device)
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:

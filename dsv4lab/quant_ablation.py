@@ -269,3 +269,10 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
 
 __all__ = ["ExpertFormat", "DenseFormat", "NATIVE_EXPERTS", "NATIVE_DENSE", "fp4_group_qdq", "fp8_dense_qdq",
            "requantize", "sweep_points", "run_ablation"]
+
+
+def load_results(path: str | Path | None = None) -> dict | None:
+    """The committed ablation results (``data/results/quant_ablation.json``), or None when absent."""
+    import json
+    p = Path(path) if path is not None else Path(__file__).resolve().parents[1] / "data" / "results" / "quant_ablation.json"
+    return json.loads(p.read_text()) if p.exists() else None

@@ -467,6 +467,24 @@ def test_faults_are_identified_from_golden_dumps(faulted, tmp_path):
         assert checked and all(result.spec.rules_for(lin + ".weight") for lin in checked)
 
 
+def test_faults_are_identified_from_dumps_of_the_reference_run(faulted, tmp_path):
+    # the dumps `dsv4lab verify record --dump-layers` writes: the rows that really reached each routed expert in
+    # a fixed run of the reference (a handful per expert, fewer than per-group matching would need)
+    import dsv4lab
+    from dsv4lab.verify.model import write_linear_dumps
+    runner = dsv4lab.load(TINY, dtype=torch.float32)
+    recorded = L.load_golden_dumps(write_linear_dumps(runner, list(range(5, 53)), tmp_path / "dumps.safetensors"))
+    assert any(lin.endswith(".w2") for lin in recorded)
+    for fault in L.FAULTS:
+        bad, hit = faulted(fault)
+        result = L.fingerprint_checkpoint(bad, golden=recorded)
+        assert result.ok, (fault, result.summary())
+        assert {r.layout for r in result.spec.rules} == {L.FAULTS[fault].layout}, fault
+        assert "golden dumps (" in result.summary().splitlines()[1]
+        checked = [lin for lin in hit if lin in recorded]
+        assert checked and all(result.spec.rules_for(lin + ".weight") for lin in checked), fault
+
+
 def test_checkpoint_work_stays_on_packed_bytes(faulted, tiny_hashes, tmp_path, monkeypatch):
     bad, _ = faulted("paper_w2_blocks")
     calls = []
@@ -528,6 +546,27 @@ def test_cli_fingerprint_then_repair(tmp_path, tiny_hashes, capsys):
     assert file_hashes(fixed) == tiny_hashes
     assert cli.main(["repair", str(bad), "--spec", str(spec), "--out", str(bad), "--overwrite"]) == 2
     assert cli.main(["repair", "--list-faults"]) == 0 and "paper_w2_blocks" in capsys.readouterr().out
+
+
+def test_cli_fingerprint_repair_verify_turns_a_faulted_copy_green(tmp_path, tiny_hashes, capsys):
+    # the acceptance flow: the oracle fails on the faulted copy, fingerprint writes a spec, and both the repaired
+    # copy and a load-time repair of the faulted copy pass `verify model`; data/tiny is untouched (the fixture)
+    golden = TINY.parent / "golden" / "tiny.json"
+    bad, spec, fixed = tmp_path / "bad", tmp_path / "spec.json", tmp_path / "fixed"
+
+    def verify(checkpoint, *extra):
+        return cli.main(["verify", "model", "--checkpoint", str(checkpoint), "--golden", str(golden),
+                         "--skip-trajectory", "--layers", "never", "--out", str(tmp_path / "verify"), *extra])
+
+    assert cli.main(["repair", str(TINY), "--inject-fault", "paper_w2_blocks", "--out", str(bad)]) == 0
+    assert verify(bad) == 1
+    assert "FAIL oracles" in capsys.readouterr().out
+    assert cli.main(["fingerprint", str(bad), "--reference", str(TINY), "--out", str(spec)]) == 0
+    assert "[0,2,4,6,1,3,5,7]" in capsys.readouterr().out
+    assert cli.main(["repair", str(bad), "--spec", str(spec), "--out", str(fixed)]) == 0
+    assert verify(fixed) == 0 and verify(bad, "--repairs", str(spec)) == 0
+    assert "FAIL" not in capsys.readouterr().out
+    assert file_hashes(fixed) == tiny_hashes != file_hashes(bad)
 
 
 def test_cli_fingerprint_fails_on_an_unexplained_layout(tmp_path, capsys):

@@ -25,15 +25,17 @@ One command, in this order (a watchdog stops at ``--budget-s`` and writes what w
 Timing: every measured call is captured in a CUDA graph with its rotated inputs (so no Python launch overhead
 is timed — decode runs graph-replayed), replayed after a warm-up; CUDA events; the median replay divided by the
 calls in it. ``--smoke`` runs the same code at tiny shapes (the CPU interpreter included, plain timing).
+The harness (watchdog, checks, timers, ceilings, random inputs) is shared with the prefill suite:
+:mod:`dsv4lab.perf.bench_common`.
 """
 from __future__ import annotations
 
-import json
 import statistics
-import sys
-import time
 import types
 from pathlib import Path
+
+from .bench_common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank,
+                           random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = "decode kernels: routed FP4 MoE, FP8 GEMV, sparse attention, one layer step (writes JSON)"
 
@@ -42,74 +44,23 @@ EXPERT_BYTES = 13_369_344  # one real routed expert: 3 × 4 MiB FP4 + 3 × 256 K
 ROTATE_BYTES = 256 << 20
 
 
-def log(msg: str) -> None:
-    print(f"[bench decode] {msg}", file=sys.stderr, flush=True)
+# ============================================================================================ rows and checks
+class DecodeBench(BenchRun):
+    """One decode run: rows per batch with GB/s and % of the copy bandwidth measured here."""
 
-
-# ============================================================================================ timing
-class DecodeBench:
-    """Clock, ceilings, rows, checks and the watchdog of one run."""
+    suite = "decode"
 
     def __init__(self, device, budget_s: float, smoke: bool):
-        import torch
-        self.torch = torch
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.t0 = time.perf_counter()
-        self.budget_s = budget_s
-        self.smoke = smoke
-        self.rows: list[dict] = []
-        self.checks: list[dict] = []
-        self.errors: list[str] = []
-        self.skipped: list[str] = []
+        super().__init__(device, budget_s, smoke)
         self.copy_bw = None
-        self.peaks: dict = {}
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def over_budget(self, what: str) -> bool:
-        if self.elapsed() > self.budget_s:
-            self.skipped.append(what)
-            log(f"budget reached: skipping {what}")
-            return True
-        return False
-
-    def time_calls_us(self, calls, replays: int = 7) -> float:
-        """Median time per call (µs) of the callables ``calls`` run back to back, captured in one CUDA graph."""
-        torch = self.torch
-        for c in calls:  # compile and warm up (also what graph capture needs: no first-time allocations)
-            c()
-        if not self.cuda or self.smoke:
-            t = time.perf_counter()
-            for c in calls:
-                c()
-            if self.cuda:
-                torch.cuda.synchronize()
-            return (time.perf_counter() - t) / len(calls) * 1e6
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for c in calls:
-                c()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(replays):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            graph.replay()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) * 1e3 / len(calls))
-        del graph
-        return statistics.median(times)
+    def record_ceilings(self) -> None:
+        """Copy bandwidth and matmul peaks, graph-timed (the decode rows' ceilings); nothing without a GPU."""
+        if not self.cuda:
+            return
+        ceilings = measure_ceilings(self, timing="graph")
+        self.copy_bw = ceilings.pop("copy_gbps")
+        self.peaks = ceilings
 
     def add(self, kernel: str, variant: str, batch: int, time_us: float, nbytes: float, **extra) -> dict:
         gbps = nbytes / (time_us * 1e-6) / 1e9 if time_us else None
@@ -118,96 +69,16 @@ class DecodeBench:
                    pct_copy_bw=None if (gbps is None or not self.copy_bw) else round(100 * gbps / self.copy_bw, 1),
                    **extra)
         self.rows.append(row)
-        log(f"{kernel:<20} {variant:<34} b={batch} {time_us:9.2f} µs {row['gbps'] or 0:8.1f} GB/s "
-            f"{row['pct_copy_bw'] or 0:5.1f}%")
+        self.log(f"{kernel:<20} {variant:<34} b={batch} {time_us:9.2f} µs {row['gbps'] or 0:8.1f} GB/s "
+                 f"{row['pct_copy_bw'] or 0:5.1f}%")
         return row
 
-    def check(self, name: str, out, ref, kind: str = "reduction", tol=None) -> bool:
-        import torch
-        from ..verify.compare import compare, tolerance
-        c = compare(name, out.float().cpu(), ref.float().cpu(), tol or tolerance(torch.bfloat16, kind))
-        self.checks.append(dict(name=name, ok=c.ok, max_abs=c.max_abs, rel_l2=c.rel_l2, cosine=c.cosine,
-                                bitwise=c.bitwise_equal, line=c.line()))
-        log(c.line())
-        return c.ok
+    def check_record(self, c, gating: bool) -> dict:
+        return dict(name=c.name, ok=c.ok, max_abs=c.max_abs, rel_l2=c.rel_l2, cosine=c.cosine,
+                    bitwise=c.bitwise_equal, line=c.line())
 
 
-def guard(b: DecodeBench, what: str, fn):
-    """Run one piece; an exception (e.g. a variant that does not compile here) is recorded, not fatal."""
-    try:
-        return fn()
-    except Exception as err:  # noqa: BLE001 — one failed variant must not end the run
-        msg = f"{what}: {type(err).__name__}: {' | '.join(str(err).splitlines())[:1500]}"
-        b.errors.append(msg)
-        log("ERROR " + msg)
-        return None
-
-
-def measure_ceilings(b: DecodeBench) -> None:
-    torch = b.torch
-    if not b.cuda:
-        return
-    src = torch.empty(1 << 28, dtype=torch.float32, device=b.device).uniform_()  # 1 GiB
-    dst = torch.empty_like(src)
-    for _ in range(20):  # bring the clocks up before anything is timed
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    t = min(statistics.median(times), b.time_calls_us([lambda: dst.copy_(src)] * 4, replays=5))
-    b.copy_bw = round(2 * src.numel() * 4 / (t * 1e-6) / 1e9, 1)  # bytes read + written
-    del src, dst
-    n = 8192
-    x = torch.randn(n, n, device=b.device, dtype=torch.bfloat16)
-    y = torch.randn(n, n, device=b.device, dtype=torch.bfloat16)
-    t = b.time_calls_us([lambda: torch.mm(x, y)] * 3, replays=3)
-    b.peaks["bf16_tflops"] = round(2 * n ** 3 / (t * 1e-6) / 1e12, 1)
-    x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn)
-    one = torch.ones((), device=b.device)
-    t = b.time_calls_us([lambda: torch._scaled_mm(x8, y8.t(), scale_a=one, scale_b=one,
-                                                  out_dtype=torch.bfloat16)] * 3, replays=3)
-    b.peaks["fp8_tflops"] = round(2 * n ** 3 / (t * 1e-6) / 1e12, 1)
-    log(f"ceilings: copy {b.copy_bw} GB/s, bf16 {b.peaks['bf16_tflops']} TFLOP/s, fp8 {b.peaks['fp8_tflops']} TFLOP/s")
-
-
-# ============================================================================================ inputs
-def random_bank(n_experts: int, dim: int, inter: int, device, gen):
-    """A routed-expert bank with uniformly random E2M1 codes and E8M0 scales 2^-10 … 2^-6."""
-    import torch
-    from ..model.linear import ExpertBank
-    bank = ExpertBank(n_experts, dim, inter, "fp4")
-    for name, (n, k) in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
-        bank._buffers[name] = torch.randint(-128, 128, (n_experts, n, k // 2), dtype=torch.int8, device=device,
-                                            generator=gen)
-        bank._buffers[name + "_scale"] = torch.randint(117, 122, (n_experts, n, k // 32), dtype=torch.uint8,
-                                                       device=device, generator=gen).view(torch.float8_e8m0fnu)
-    return bank
-
-
-def random_fp8(n: int, k: int, device, gen, act_quant: bool = True):
-    import torch
-    from ..model.linear import Linear
-    lin = Linear(k, n, "fp8", act_quant=act_quant)
-    lin._buffers["weight"] = (torch.randn(n, k, device=device, generator=gen) * 64).clamp(-448, 448) \
-        .to(torch.float8_e4m3fn)
-    lin._buffers["scale"] = torch.randint(112, 116, (-(-n // 128), -(-k // 128)), dtype=torch.uint8, device=device,
-                                          generator=gen).view(torch.float8_e8m0fnu)
-    return lin
-
-
-def random_routing(T: int, n_experts: int, k: int, device, gen):
-    import torch
-    idx = torch.rand(T, n_experts, device=device, generator=gen).topk(k, dim=-1).indices
-    w = torch.rand(T, k, device=device, generator=gen) + 0.1
-    return idx, (w / w.sum(-1, keepdim=True) * 1.5).float()
-
-
+# ============================================================================================ variants
 def moe_geometries(smoke: bool):
     from dsv4lab_kernels import fp4_moe_decode as moe
     G = moe.MoeGeometry
@@ -232,7 +103,6 @@ def run_checks(b: DecodeBench, a, gen, tiny_path: Path) -> set[str]:
     from dsv4lab_kernels import fp8_gemv as gemv
     from ..model.numerics import Numerics
     from ..model.ops import ReferenceOps
-    from ..verify.compare import tolerance
     from ..verify.registry import _make_attention
     ref, dev, passed = ReferenceOps(Numerics()), b.device, set()
     E = 8
@@ -248,30 +118,30 @@ def run_checks(b: DecodeBench, a, gen, tiny_path: Path) -> set[str]:
                 name = f"moe:{route}:{gname}" + ("" if T == 1 else f":T{T}")
                 # fma / dot_scaled keep the reference's semantics; int8 is checked against its own arithmetic
                 target = want_int8 if route == "int8" else want
-                ok = guard(b, name, lambda: b.check(name, moe.routed_moe_decode(x, idx, w, ex, a.swiglu_limit,
-                                                                                route, geo), target))
+                ok = b.guard(name, lambda: b.check(name, moe.routed_moe_decode(x, idx, w, ex, a.swiglu_limit,
+                                                                               route, geo), target))
                 if ok:
                     passed.add(name)
     T = 3
     # the projections: one per (route, activation quantization); rows spread over several 128-blocks
-    lin = random_fp8(a.q_lora_rank, a.dim, dev, gen)
+    lin = random_fp8_linear(a.q_lora_rank, a.dim, dev, gen)
     xg = (torch.randn(T, a.dim, device=dev, generator=gen) * 2).to(torch.bfloat16)
     want = ref.linear(xg, lin)
     for route in gemv.ROUTES:
         for bn, bk, split in ((32, 512, 4), (64, 256, 1)):
             name = f"gemv:{route}:n{bn}k{bk}s{split}"
             geo = gemv.GemvGeometry(block_n=bn, block_k=bk, split_k=split)
-            if guard(b, name, lambda: b.check(name, gemv.fp8_gemv(xg, lin.weight, lin.scale, True, route=route,
-                                                                  geometry=geo), want)):
+            if b.guard(name, lambda: b.check(name, gemv.fp8_gemv(xg, lin.weight, lin.scale, True, route=route,
+                                                                 geometry=geo), want)):
                 passed.add(name)
     G = a.o_groups
-    wo_a = random_fp8(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen, act_quant=False)
+    wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen, act_quant=False)
     o = torch.randn(T, 1, G, a.wo_a_in_per_group, device=dev, generator=gen).to(torch.bfloat16)
     want = ref.grouped_wo_a(o, wo_a, G)
     for route in gemv.ROUTES:
         name = f"wo_a:{route}"
-        if guard(b, name, lambda: b.check(name, gemv.fp8_gemv(o.flatten(-2), wo_a.weight, wo_a.scale, False,
-                                                              groups=G, route=route).view(want.shape), want)):
+        if b.guard(name, lambda: b.check(name, gemv.fp8_gemv(o.flatten(-2), wo_a.weight, wo_a.scale, False,
+                                                             groups=G, route=route).view(want.shape), want)):
             passed.add(name)
     # attention: 64 heads × 512, window + top-k rows
     shape = dict(b=2, s=1, h=a.n_heads, d=a.head_dim, n_kv=700 if not b.smoke else 80,
@@ -286,9 +156,9 @@ def run_checks(b: DecodeBench, a, gen, tiny_path: Path) -> set[str]:
 
         def out(geo=geo):
             return attn.sparse_attention_decode(q[:, 0], kv, aidx[:, 0], rows, sink, scale, geometry=geo)[:, None]
-        if guard(b, name, lambda: b.check(name, out(), want, kind)):
+        if b.guard(name, lambda: b.check(name, out(), want, kind)):
             passed.add(name)
-    guard(b, "static decode step (tiny)", lambda: check_static_decode(b, tiny_path))
+    b.guard("static decode step (tiny)", lambda: check_static_decode(b, tiny_path))
     return passed
 
 
@@ -341,8 +211,8 @@ def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
     ok = max(kls) < 1e-5 and same_argmax
     b.checks.append(dict(name="static_decode_vs_reference", ok=ok, max_rel=max(rel), max_kl=max(kls),
                          same_argmax=same_argmax))
-    log(f"static decode step vs reference decode (tiny, {steps} steps): max rel {max(rel):.2e}, max KL "
-        f"{max(kls):.2e}, greedy tokens {'equal' if same_argmax else 'DIFFER'}")
+    b.log(f"static decode step vs reference decode (tiny, {steps} steps): max rel {max(rel):.2e}, max KL "
+          f"{max(kls):.2e}, greedy tokens {'equal' if same_argmax else 'DIFFER'}")
     if not b.cuda:
         return
     prefill(tri)
@@ -354,7 +224,7 @@ def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
         tok = ids[torch.arange(2), pos.to(dev)]
         bitwise &= bool(torch.equal(graphs.replay(tok, pos.to(dev), slots), eager[t]))
     b.checks.append(dict(name="graph_replay_equals_eager", ok=bitwise))
-    log(f"graph replay vs eager static step: {'bitwise equal' if bitwise else 'DIFFERENT'}")
+    b.log(f"graph replay vs eager static step: {'bitwise equal' if bitwise else 'DIFFERENT'}")
 
 
 # ============================================================================================ MoE
@@ -364,7 +234,7 @@ def bench_moe(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
     from dsv4lab_kernels import fp4_moe_decode as moe
     dev = b.device
     E, k, D, I = (16, 4, 256, 128) if b.smoke else (a.n_routed_experts, a.n_activated_experts, a.dim,
-                                                   a.moe_inter_dim)
+                                                    a.moe_inter_dim)
     bank = random_bank(E, D, I, dev, gen)
     ex = moe.ExpertTensors.of(bank)
     per_expert = 3 * (I * D // 2 + I * D // 32)
@@ -384,7 +254,7 @@ def bench_moe(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
                     continue
                 calls = [lambda r=r, geo=geo, route=route: moe.routed_moe_decode(
                     xs[r], routings[r][0], routings[r][1], ex, a.swiglu_limit, route, geo) for r in range(n_rot)]
-                t = guard(b, f"moe {route} {gname} b{T}", lambda: b.time_calls_us(calls))
+                t = b.guard(f"moe {route} {gname} b{T}", lambda: b.time_graph_us(calls))
                 if t is not None:
                     b.add("moe_decode", f"{route}:{gname}", T, t, nbytes, route=route, geometry=gname)
             if T == batches[0]:
@@ -395,8 +265,8 @@ def bench_moe(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
                     best_geo[route] = next(o for o in options if o[0] == g)
         # baselines on the same routings: torch dequantize-then-matmul, BF16-resident experts, a plain read
         host_routes = [r[0].tolist() for r in routings]
-        guard(b, f"moe baselines b{T}", lambda: moe_baselines(b, bank, xs, host_routes, routings, T, nbytes,
-                                                              a.swiglu_limit, quant))
+        b.guard(f"moe baselines b{T}", lambda: moe_baselines(b, bank, xs, host_routes, routings, T, nbytes,
+                                                             a.swiglu_limit, quant))
     del bank
 
 
@@ -419,7 +289,7 @@ def moe_baselines(b, bank, xs, host_routes, routings, T, nbytes, limit, quant) -
         return y
 
     n = len(host_routes)
-    t = b.time_calls_us([lambda r=r: dequant_matmul(r) for r in range(min(n, 4))], replays=3)
+    t = b.time_graph_us([lambda r=r: dequant_matmul(r) for r in range(min(n, 4))], replays=3)
     b.add("moe_decode", "torch_dequant_matmul", T, t, nbytes, route="baseline")
     # BF16-resident: a BF16 copy of the first experts (the routings are remapped onto them, same count)
     n_res = min(bank.n_experts, 64)
@@ -435,13 +305,13 @@ def moe_baselines(b, bank, xs, host_routes, routings, T, nbytes, limit, quant) -
                 y[t_] += (h.to(torch.bfloat16) @ res["w2"][e].T)[0].float()
         return y
 
-    t = b.time_calls_us([lambda r=r: bf16_resident(r) for r in range(n)], replays=5)
+    t = b.time_graph_us([lambda r=r: bf16_resident(r) for r in range(n)], replays=5)
     unique = nbytes / (3 * (bank.inter * bank.dim // 2 + bank.inter * bank.dim // 32))
     b.add("moe_decode", "bf16_resident", T, t, unique * 3 * bank.inter * bank.dim * 2, route="baseline")
     del res
     # a plain torch read of the same bytes, rotated through 4 × 80 MB (the issue's "as fast as reading them")
     flat = [torch.empty(int(nbytes) // 4, dtype=torch.float32, device=b.device).uniform_() for _ in range(4)]
-    t = b.time_calls_us([lambda f=f: f.sum() for f in flat], replays=7)
+    t = b.time_graph_us([lambda f=f: f.sum() for f in flat], replays=7)
     b.add("moe_decode", "torch_sum_read", T, t, nbytes, route="baseline")
 
 
@@ -478,7 +348,7 @@ def bench_gemv(b: DecodeBench, a, gen, passed: set[str], batches, only=None) -> 
         K = Kg * G
         w_bytes = N * Kg + (-(-N // 128)) * (-(-Kg // 128))
         n_rot = 1 if b.smoke else max(2, min(32, ROTATE_BYTES // w_bytes))
-        lins = [random_fp8(N, Kg, dev, gen, act_quant=aq) for _ in range(n_rot)]
+        lins = [random_fp8_linear(N, Kg, dev, gen, act_quant=aq) for _ in range(n_rot)]
         best = {}
         for T in batches:
             xs = [(torch.randn(T, K, device=dev, generator=gen) * 2).to(torch.bfloat16) for _ in range(n_rot)]
@@ -490,9 +360,9 @@ def bench_gemv(b: DecodeBench, a, gen, passed: set[str], batches, only=None) -> 
                     continue
                 geo = replace_geo(cfg, bn, bk, 2 * sms).gemv_geometry(N // G, Kg)
                 calls = [lambda r=r, geo=geo, route=route: gemv.fp8_gemv(xs[r], lins[r].weight, lins[r].scale, aq,
-                                                                          groups=G, route=route, geometry=geo)
+                                                                         groups=G, route=route, geometry=geo)
                          for r in range(n_rot)]
-                t = guard(b, f"gemv {name} {route}", lambda: b.time_calls_us(calls))
+                t = b.guard(f"gemv {name} {route}", lambda: b.time_graph_us(calls))
                 if t is not None:
                     b.add(f"fp8_gemv_{name}", f"{route}:n{geo.block_n}k{geo.block_k}s{geo.split_k}", T, t, nbytes,
                           route=route)
@@ -510,14 +380,14 @@ def bench_gemv(b: DecodeBench, a, gen, passed: set[str], batches, only=None) -> 
             if G == 1:
                 calls = [lambda r=r: torch._scaled_mm(x16[r], lins[r].weight.t(), scale_a=one, scale_b=one,
                                                       out_dtype=torch.bfloat16) for r in range(n_rot)]
-                t = guard(b, f"gemv {name} cublas", lambda: b.time_calls_us(calls))
+                t = b.guard(f"gemv {name} cublas", lambda: b.time_graph_us(calls))
                 if t is not None:
                     b.add(f"fp8_gemv_{name}", "cublas_scaled_mm", T, t, nbytes, route="baseline")
             else:  # grouped: one _scaled_mm per group (the weight rows of a group are contiguous)
                 calls = [lambda r=r: [torch._scaled_mm(x16[r], lins[r].weight[g * (N // G):(g + 1) * (N // G)].t(),
                                                        scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
                                       for g in range(G)] for r in range(n_rot)]
-                t = guard(b, f"gemv {name} cublas", lambda: b.time_calls_us(calls))
+                t = b.guard(f"gemv {name} cublas", lambda: b.time_graph_us(calls))
                 if t is not None:
                     b.add(f"fp8_gemv_{name}", "cublas_scaled_mm_per_group", T, t, nbytes, route="baseline")
             if T == batches[0]:
@@ -525,7 +395,7 @@ def bench_gemv(b: DecodeBench, a, gen, passed: set[str], batches, only=None) -> 
                 xb = xs[0].view(T, G, Kg)
                 calls = [lambda w=w: torch.einsum("tgk,gnk->tgn", xb, w.view(G, N // G, Kg)) if G > 1
                          else F.linear(xs[0], w) for w in wb]
-                t = guard(b, f"gemv {name} bf16", lambda: b.time_calls_us(calls))
+                t = b.guard(f"gemv {name} bf16", lambda: b.time_graph_us(calls))
                 if t is not None:
                     b.add(f"fp8_gemv_{name}", "bf16_resident", T, t, 2 * N * Kg + T * K * 2 + T * N * 2,
                           route="baseline")
@@ -563,7 +433,7 @@ def bench_attention(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
             calls = [lambda c=c, geo=geo: attn.sparse_attention_decode(q, c[0], win_rows, slots, sink, d ** -0.5,
                                                                        kv_b=c[1], rows_b=cmp_rows, batch_b=slots,
                                                                        geometry=geo) for c in caches]
-            t = guard(b, f"attention {gname} b{T}", lambda: b.time_calls_us(calls))
+            t = b.guard(f"attention {gname} b{T}", lambda: b.time_graph_us(calls))
             if t is not None:
                 b.add("attn_decode", gname, T, t, nbytes, route="triton")
 
@@ -575,7 +445,7 @@ def bench_attention(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
             den = e.sum(-1, keepdim=True) + torch.exp(sink[None, :, None] - m)
             return (torch.einsum("thn,tnd->thd", e.to(torch.bfloat16), kv).float() / den).to(torch.bfloat16)
 
-        t = guard(b, f"attention torch b{T}", lambda: b.time_calls_us([lambda c=c: torch_gather(c) for c in caches]))
+        t = b.guard(f"attention torch b{T}", lambda: b.time_graph_us([lambda c=c: torch_gather(c) for c in caches]))
         if t is not None:
             b.add("attn_decode", "torch_gather", T, t, nbytes, route="baseline")
 
@@ -588,7 +458,6 @@ def build_layer(a, layer: int, max_batch: int, max_seq_len: int, position: int, 
     from ..model.block import Block
     from ..model.numerics import Numerics
     from ..engine.triton_backend import TritonOps
-    from .bench_prefill import materialize_random
     blk = Block(a, layer)
     materialize_random(blk, device, gen)
     attn = blk.attn
@@ -648,14 +517,14 @@ def bench_layer(b: DecodeBench, a, gen, batches) -> None:
                                                       a.norm_eps), tokens, runner.ops)
             unique = len(torch.unique(idx))
             calls = [lambda X=X: step._block(blk, X, tokens, positions, slots) for X in Xs]
-            t = b.time_calls_us(calls, replays=5)
+            t = b.time_graph_us(calls, replays=5)
         nbytes = layer_bytes(blk, T, unique, position)
         row = b.add("decode_layer", f"csa_layer{layer}:graph", T, t, nbytes, route="triton", context=position + 1)
         if b.cuda and not b.smoke:
-            row["kernel_us"] = guard(b, f"layer profile b{T}", lambda: profile_breakdown(calls))
+            row["kernel_us"] = b.guard(f"layer profile b{T}", lambda: profile_breakdown(calls))
             if row["kernel_us"]:
-                log("layer kernels (µs per step): " + ", ".join(f"{k} {v}" for k, v in row["kernel_us"].items()))
-    log("backend report (layer):\n" + runner.ops.report())
+                b.log("layer kernels (µs per step): " + ", ".join(f"{k} {v}" for k, v in row["kernel_us"].items()))
+    b.log("backend report (layer):\n" + runner.ops.report())
 
 
 def profile_breakdown(calls) -> dict:
@@ -689,52 +558,40 @@ def profile_breakdown(calls) -> dict:
 # ============================================================================================ driver
 def run_suite(args) -> int:
     import torch
-    from ..cli import UserError
     from ..config import get_preset
-    from ..runs import git_state
     smoke = getattr(args, "smoke", False)
     quick = getattr(args, "quick", False)
-    if not torch.cuda.is_available() and not smoke:
-        raise UserError("bench kernels --suite decode needs a GPU (use --smoke to check the script on a CPU)")
+    device = select_device("decode", smoke)
     from ..engine import triton_backend  # noqa: F401 — registers dsv4lab_kernels, sets the interpreter on a CPU
-    import triton
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     b = DecodeBench(device, getattr(args, "budget_s", 220.0), smoke)
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")
     tiny = Path(__file__).resolve().parents[2] / "data" / "tiny"
     batches = (1,) if smoke else ((1, 8) if quick else BATCHES)
-    doc = dict(suite="decode", gpu=torch.cuda.get_device_name() if b.cuda else "CPU (Triton interpreter)",
-               torch=torch.__version__, triton=triton.__version__,
-               commit=getattr(args, "commit", None) or git_state().get("short"),
-               model="tiny" if smoke else "flash", smoke=smoke, quick=quick)
-    out = Path(args.out) if getattr(args, "out", None) else Path("runs/bench/decode_kernels.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = run_header(b, args, smoke) | dict(quick=quick)
+    out = output_path(args, "decode")
 
     def write() -> None:  # after every section: a run stopped from outside still leaves its measurements
         doc.update(copy_bw_gbps=b.copy_bw, peaks=b.peaks, checks=b.checks, rows=b.rows, skipped=b.skipped,
                    errors=b.errors, elapsed_s=round(b.elapsed(), 1))
         doc["targets"] = targets(doc)
-        out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        write_json(out, doc)
 
-    guard(b, "ceilings", lambda: measure_ceilings(b))
-    log(f"checks ({b.elapsed():.0f} s)")
-    passed = guard(b, "checks", lambda: run_checks(b, a, gen, tiny)) or set()
+    def after_section() -> None:
+        if b.cuda:
+            torch.cuda.empty_cache()
+        write()
+
+    b.guard("ceilings", b.record_ceilings)
+    b.log(f"checks ({b.elapsed():.0f} s)")
+    passed = b.guard("checks", lambda: run_checks(b, a, gen, tiny)) or set()
     write()
-    sections = [
+    b.run_sections([
         ("moe", lambda: bench_moe(b, a, gen, passed, batches)),
         ("gemv", lambda: bench_gemv(b, a, gen, passed, batches)),
         ("attention", lambda: bench_attention(b, a, gen, passed, batches)),
         ("layer", lambda: bench_layer(b, a, gen, batches)),
-    ]
-    for name, fn in sections:
-        if b.over_budget(name):
-            continue
-        log(f"{name} ({b.elapsed():.0f} s)")
-        guard(b, name, fn)
-        if b.cuda:
-            torch.cuda.empty_cache()
-        write()
+    ], after=after_section)
     print_table(doc)
     print(f"wrote {out}")
     return 0 if all(c["ok"] for c in b.checks) and not b.errors else 1

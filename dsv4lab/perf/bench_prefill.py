@@ -21,16 +21,15 @@ One command, in this order (a watchdog writes what was measured and stops at ``-
 Timing: CUDA events, median of repetitions after a warm-up (which compiles); the 256-expert weights (3.2 GB) are
 far larger than L2, the dense ones are flushed from L2 before every repetition. FLOPs are the useful ones (rows
 padded by the sorter and masked attention slots are not counted). ``--smoke`` runs the same code at the tiny
-model's shapes (CPU interpreter included) to check the script itself.
+model's shapes (CPU interpreter included) to check the script itself. The harness (watchdog, checks, timers,
+ceilings, random inputs) is shared with the decode suite: :mod:`dsv4lab.perf.bench_common`.
 """
 from __future__ import annotations
 
-import json
-import math
-import statistics
-import sys
 import time
-from pathlib import Path
+
+from .bench_common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank,
+                           random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = "prefill kernels: grouped FP4 MoE, FP8 GEMM, sparse attention, indexer, chunked layer (writes JSON)"
 
@@ -51,70 +50,15 @@ def add_suite_arguments(p) -> None:
                    "launch-geometry variants)")
 
 
-# ============================================================================================ timing
-class Bench:
-    """Clock, ceilings, rows and the watchdog of one run."""
+# ============================================================================================ rows and checks
+class PrefillBench(BenchRun):
+    """One prefill run: rows with TFLOP/s and % of the measured peak of the dtype the tensor cores compute in."""
 
-    def __init__(self, device, budget_s: float, smoke: bool):
-        import torch
-        self.torch = torch
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.t0 = time.perf_counter()
-        self.budget_s = budget_s
-        self.smoke = smoke
-        self.rows: list[dict] = []
-        self.checks: list[dict] = []
-        self.skipped: list[str] = []
-        self.errors: list[str] = []
-        self.peaks: dict = {}
-        self.compile_s: dict[str, float] = {}
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda else None
+    suite = "prefill"
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def over_budget(self, what: str) -> bool:
-        if self.elapsed() > self.budget_s:
-            self.skipped.append(what)
-            log(f"budget reached: skipping {what}")
-            return True
-        return False
-
-    def sync(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
-    def time_us(self, fn, name: str = "", reps: int | None = None, flush_l2: bool = False) -> float:
-        """Median time of ``fn()`` in µs (the first call compiles and is not timed)."""
-        torch = self.torch
-        self.sync()
-        t = time.perf_counter()
-        fn()
-        self.sync()
-        first = time.perf_counter() - t
-        if name and name not in self.compile_s:
-            self.compile_s[name] = round(first, 3)
-        if self.smoke or not self.cuda:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e6
-        t = time.perf_counter()
-        fn()
-        self.sync()
-        est = max(time.perf_counter() - t, 1e-6)
-        reps = reps or int(min(30, max(3, 0.25 / est)))
-        pairs = []
-        for _ in range(reps):
-            if flush_l2:
-                self.flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            pairs.append((s, e))
-        self.sync()
-        return statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3
+    def record_ceilings(self) -> None:
+        """Copy bandwidth and matmul peaks, event-timed (the prefill rows' ceilings); ``None`` each on a CPU."""
+        self.peaks = measure_ceilings(self, timing="events")
 
     def add(self, kernel: str, variant: str, time_us: float, flops: float = 0.0, peak_kind: str = "bf16",
             **extra) -> dict:
@@ -128,51 +72,12 @@ class Bench:
         self.rows.append(row)
         return row
 
-
-def log(msg: str) -> None:
-    print(f"[bench prefill] {msg}", file=sys.stderr, flush=True)
-
-
-# ============================================================================================ ceilings
-def measure_peaks(b: Bench) -> None:
-    torch = b.torch
-    if not b.cuda:
-        b.peaks = dict(copy_gbps=None, bf16_tflops=None, fp8_tflops=None)
-        return
-    n = 8192
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=b.device)
-    dst = torch.empty_like(src)
-    t = b.time_us(lambda: dst.copy_(src), reps=10)
-    b.peaks["copy_gbps"] = round(2 * src.numel() / (t * 1e-6) / 1e9, 1)
-    del src, dst
-    x = torch.randn(n, n, device=b.device, dtype=torch.bfloat16)
-    y = torch.randn(n, n, device=b.device, dtype=torch.bfloat16)
-    out = torch.empty(n, n, device=b.device, dtype=torch.bfloat16)
-    t = b.time_us(lambda: torch.mm(x, y, out=out), reps=10)
-    b.peaks["bf16_tflops"] = round(2 * n ** 3 / (t * 1e-6) / 1e12, 1)
-    x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn)
-    one = torch.ones((), device=b.device)
-    t = b.time_us(lambda: torch._scaled_mm(x8, y8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), reps=10)
-    b.peaks["fp8_tflops"] = round(2 * n ** 3 / (t * 1e-6) / 1e12, 1)
-    log(f"ceilings: copy {b.peaks['copy_gbps']} GB/s, bf16 {b.peaks['bf16_tflops']} TFLOP/s, "
-        f"fp8 {b.peaks['fp8_tflops']} TFLOP/s")
+    def check_record(self, c, gating: bool) -> dict:
+        return dict(name=c.name, ok=c.ok, gating=gating, max_abs=c.max_abs, rel_l2=c.rel_l2, cosine=c.cosine,
+                    n_bad=c.n_bad, numel=c.numel, line=c.line())
 
 
 # ============================================================================================ inputs
-def random_bank(n_experts: int, dim: int, inter: int, device, gen):
-    """A routed-expert bank with uniformly random E2M1 codes and 1×32 scales 2^-10 … 2^-6 (within the fp8
-    route's exact upcast window)."""
-    import torch
-    from ..model.linear import ExpertBank
-    bank = ExpertBank(n_experts, dim, inter, "fp4")
-    for name, (n, k) in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
-        bank._buffers[name] = torch.randint(-128, 128, (n_experts, n, k // 2), dtype=torch.int8, device=device,
-                                            generator=gen)
-        bank._buffers[name + "_scale"] = torch.randint(117, 122, (n_experts, n, k // 32), dtype=torch.uint8,
-                                                       device=device, generator=gen).view(torch.float8_e8m0fnu)
-    return bank
-
-
 def bank_slice(bank, n_experts: int):
     from ..model.linear import ExpertBank
     part = ExpertBank(n_experts, bank.dim, bank.inter, "fp4")
@@ -181,81 +86,8 @@ def bank_slice(bank, n_experts: int):
     return part
 
 
-def random_routing(T: int, n_experts: int, k: int, device, gen):
-    """Uniformly random distinct top-k experts per token and renormalised weights (fp32)."""
-    import torch
-    idx = torch.rand(T, n_experts, device=device, generator=gen).topk(k, dim=-1).indices
-    w = torch.rand(T, k, device=device, generator=gen) + 0.1
-    return idx, (w / w.sum(-1, keepdim=True) * 1.5).float()
-
-
-def random_fp8_linear(n: int, k: int, device, gen):
-    import torch
-    from ..model.linear import Linear
-    lin = Linear(k, n, "fp8")
-    w = torch.randn(n, k, device=device, generator=gen) * 64
-    lin._buffers["weight"] = w.clamp(-448, 448).to(torch.float8_e4m3fn)
-    lin._buffers["scale"] = torch.randint(112, 116, (-(-n // 128), -(-k // 128)), dtype=torch.uint8, device=device,
-                                          generator=gen).view(torch.float8_e8m0fnu)
-    return lin
-
-
-def materialize_random(module, device, gen) -> None:
-    """Fill every meta buffer of ``module`` with random values of its dtype at plausible magnitudes."""
-    import torch
-    from ..model.linear import ExpertBank
-    for mod_name, mod in module.named_modules():
-        for name, buf in list(mod._buffers.items()):
-            if buf is None or buf.device.type != "meta":
-                continue
-            full = f"{mod_name}.{name}"
-            shape, dt = tuple(buf.shape), buf.dtype
-            if dt == torch.int8:  # packed E2M1
-                t = torch.randint(-128, 128, shape, dtype=torch.int8, device=device, generator=gen)
-            elif dt == torch.float8_e8m0fnu:  # FP4 expert scales per 32, FP8 weight scales per 128×128 block
-                lo = 117 if isinstance(mod, ExpertBank) else 112
-                t = torch.randint(lo, lo + 4, shape, dtype=torch.uint8, device=device, generator=gen)
-                t = t.view(torch.float8_e8m0fnu)
-            elif dt == torch.float8_e4m3fn:
-                t = (torch.randn(shape, device=device, generator=gen) * 64).clamp(-448, 448).to(dt)
-            elif dt == torch.int64:  # tid2eid
-                t = torch.randint(0, 1, shape, dtype=dt, device=device)
-            elif "norm" in full:
-                t = torch.ones(shape, dtype=dt, device=device)
-            elif name.startswith("hc_") and name.endswith("_scale"):
-                t = torch.rand(shape, device=device, generator=gen).to(dt) + 0.5
-            elif name.startswith("hc_") and name.endswith("_base"):
-                t = (torch.randn(shape, device=device, generator=gen) * 0.5).to(dt)
-            else:  # projections (bf16 / f32), hc fn, sink, ape, router bias
-                fan_in = shape[-1] if len(shape) > 1 else 1
-                t = (torch.randn(shape, device=device, generator=gen) * fan_in ** -0.5).to(dt)
-            mod._buffers[name] = t
-
-
 # ============================================================================================ checks
-def _check(b: Bench, name: str, out, ref, kind: str, gating: bool = True) -> bool:
-    """Compare with the tolerance policy; ``gating=False`` records the result as information only."""
-    import torch
-    from ..verify.compare import compare, tolerance
-    c = compare(name, out, ref, tolerance(torch.bfloat16, kind))
-    b.checks.append(dict(name=name, ok=c.ok, gating=gating, max_abs=c.max_abs, rel_l2=c.rel_l2, cosine=c.cosine,
-                         n_bad=c.n_bad, numel=c.numel, line=c.line()))
-    log(c.line() + ("" if gating else " (information)"))
-    return c.ok
-
-
-def _guard(b: Bench, what: str, fn):
-    """Run one benchmark piece; an exception (e.g. a kernel that does not compile here) is recorded, not fatal."""
-    try:
-        return fn()
-    except Exception as err:  # noqa: BLE001 — a failed variant must not end the run
-        msg = f"{what}: {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-        b.errors.append(msg)
-        log("ERROR " + msg)
-        return None
-
-
-def run_checks(b: Bench, args, gen, moe_variants) -> set[str]:
+def run_checks(b: PrefillBench, args, gen, moe_variants) -> set[str]:
     """Correctness of every variant at real widths; returns the names of the variants that passed."""
     import torch
     from dsv4lab_kernels import attention_prefill as ap
@@ -286,18 +118,18 @@ def run_checks(b: Bench, args, gen, moe_variants) -> set[str]:
     def check_moe(route: str, rows: int, tag: str) -> bool:
         name, geo = moe_variant_name(route, rows, tag), fm.MoEGeometry(rows=rows, **MOE_GEOMETRIES[tag])
         g, u = fm.moe_stage1(x, idx, bank, route=route, geo=geo)
-        ok = _check(b, f"{name}:stage1.g", g, want_g, "quantized")
-        ok = _check(b, f"{name}:stage1.u", u, want_u, "quantized") and ok
-        ok = _check(b, f"{name}:stage2", fm.moe_stage2(h_in, idx, bank, route=route, geo=geo), want_down,
-                    "quantized") and ok
+        ok = b.check(f"{name}:stage1.g", g, want_g, "quantized")
+        ok = b.check(f"{name}:stage1.u", u, want_u, "quantized") and ok
+        ok = b.check(f"{name}:stage2", fm.moe_stage2(h_in, idx, bank, route=route, geo=geo), want_down,
+                     "quantized") and ok
         y = fm.routed_experts(x, idx, w, bank, limit, route=route, geo=geo, poison=True)
         composed = ref.moe_combine(ref.moe_stage2(ref.moe_activation(g, u, w, limit), idx, bank), idx)
-        ok = _check(b, f"{name}:fused", y, composed, "quantized") and ok
-        _check(b, f"{name}:end_to_end", y, want_total, "quantized", gating=False)
+        ok = b.check(f"{name}:fused", y, composed, "quantized") and ok
+        b.check(f"{name}:end_to_end", y, want_total, "quantized", gating=False)
         return ok
 
     for route, rows, tag in moe_variants:
-        if _guard(b, moe_variant_name(route, rows, tag), lambda: check_moe(route, rows, tag)):
+        if b.guard(moe_variant_name(route, rows, tag), lambda: check_moe(route, rows, tag)):
             passed.add(moe_variant_name(route, rows, tag))
     # dense FP8 GEMM and the grouped wo_a
     M = 64 if b.smoke else 300
@@ -306,8 +138,8 @@ def run_checks(b: Bench, args, gen, moe_variants) -> set[str]:
     want = ref.linear(xg, lin)
     for cfg in GEMM_CONFIGS:
         name = f"fp8_gemm:{cfg}"
-        if _guard(b, name, lambda: _check(b, name, fg.fp8_linear(xg, lin.weight, lin.scale, config=cfg), want,
-                                          "quantized")):
+        if b.guard(name, lambda: b.check(name, fg.fp8_linear(xg, lin.weight, lin.scale, config=cfg), want,
+                                         "quantized")):
             passed.add(name)
     G = a.o_groups
     wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen)
@@ -315,7 +147,7 @@ def run_checks(b: Bench, args, gen, moe_variants) -> set[str]:
     want = ref.grouped_wo_a(o, wo_a, G)
     for cfg in GEMM_CONFIGS:
         name = f"wo_a:{cfg}"
-        if _guard(b, name, lambda: _check(b, name, fg.grouped_bf16_fp8_gemm(
+        if b.guard(name, lambda: b.check(name, fg.grouped_bf16_fp8_gemm(
                 o.reshape(M, G, -1), wo_a.weight, wo_a.scale, G, config=cfg).view(want.shape), want, "reduction")):
             passed.add(name)
     # attention at the real head count and width
@@ -326,8 +158,8 @@ def run_checks(b: Bench, args, gen, moe_variants) -> set[str]:
     want = ref.sparse_attention(q, kv, aidx, sink, scale)
     for cfg in ATTENTION_CONFIGS:
         name = f"attn:{cfg}"
-        if _guard(b, name, lambda: _check(b, name, ap.sparse_attention(q, kv, aidx, sink, scale, config=cfg), want,
-                                          "attention")):
+        if b.guard(name, lambda: b.check(name, ap.sparse_attention(q, kv, aidx, sink, scale, config=cfg), want,
+                                         "attention")):
             passed.add(name)
     # indexer scores, top-k and the compressor pooling
     S, Tk = (16, 40) if b.smoke else (64, 1024)
@@ -335,17 +167,17 @@ def run_checks(b: Bench, args, gen, moe_variants) -> set[str]:
     wi = (torch.randn(1, S, a.index_n_heads, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
     keys = torch.randn(1, Tk, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
     scores = ref.indexer_scores(qi, wi, keys)
-    if _guard(b, "indexer_scores", lambda: _check(b, "indexer_scores", ap.indexer_scores(qi, wi, keys), scores,
-                                                    "attention")):
+    if b.guard("indexer_scores", lambda: b.check("indexer_scores", ap.indexer_scores(qi, wi, keys), scores,
+                                                 "attention")):
         passed.add("indexer_scores")
     pos = (torch.arange(S, device=dev) * (4 * Tk // S) + 3)[None]
-    if _guard(b, "indexer_topk", lambda: _check(b, "indexer_topk", ap.indexer_topk(scores, pos, 4, a.index_topk),
-                                                ref.indexer_topk(scores, pos, 4, a.index_topk), "exact")):
+    if b.guard("indexer_topk", lambda: b.check("indexer_topk", ap.indexer_topk(scores, pos, 4, a.index_topk),
+                                               ref.indexer_topk(scores, pos, 4, a.index_topk), "exact")):
         passed.add("indexer_topk")
     kvs = torch.randn(64, 8, a.head_dim, device=dev, generator=gen)
     scs = torch.randn(64, 8, a.head_dim, device=dev, generator=gen)
-    if _guard(b, "compressor_pool", lambda: _check(b, "compressor_pool", ap.compressor_pool(kvs, scs),
-                                                   ref.compressor_pool(kvs, scs), "reduction")):
+    if b.guard("compressor_pool", lambda: b.check("compressor_pool", ap.compressor_pool(kvs, scs),
+                                                  ref.compressor_pool(kvs, scs), "reduction")):
         passed.add("compressor_pool")
     return passed
 
@@ -363,7 +195,7 @@ def geometry_tags(route: str) -> list[str]:
 class MoEBench:
     """The 256-expert bank at real shapes and the timing of one (route, sorter rows, tokens) case."""
 
-    def __init__(self, b: Bench, args, gen, passed: set[str]):
+    def __init__(self, b: PrefillBench, args, gen, passed: set[str]):
         self.b, self.a, self.gen, self.passed = b, args, gen, passed
         self.bank = random_bank(args.n_routed_experts, args.dim, args.moe_inter_dim, b.device, gen)
 
@@ -384,7 +216,7 @@ class MoEBench:
         f_up, f_down = 2.0 * T * k * 2 * I * D, 2.0 * T * k * D * I
         kind = PEAK_OF_ROUTE[route]
         limit = a.swiglu_limit
-        t = b.time_us(lambda: fm.routed_experts(x, idx, w, bank, limit, route=route, geo=geo), name=name)
+        t = b.time_events_us(lambda: fm.routed_experts(x, idx, w, bank, limit, route=route, geo=geo), name=name)
         routing = sort_by_expert(idx, E, rows)
         padded = int(((routing.counts + rows - 1) // rows * rows).sum())
         b.add("moe_grouped_gemm", f"{route_tag}:total", t, f_up + f_down, kind, tokens=T, sorter_rows=rows,
@@ -394,38 +226,38 @@ class MoEBench:
         xv, xs = fm._activation_operands(x, route)
         w_flat = w.reshape(-1).contiguous()
         h = fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit)
-        t_up = b.time_us(lambda: fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit))
+        t_up = b.time_events_us(lambda: fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit))
         b.add("moe_grouped_gemm", f"{route_tag}:gate_up", t_up, f_up, kind, tokens=T, sorter_rows=rows)
-        t_dn = b.time_us(lambda: fm.down(h[0], h[1], bank, routing, route, geo, T * k))
+        t_dn = b.time_events_us(lambda: fm.down(h[0], h[1], bank, routing, route, geo, T * k))
         b.add("moe_grouped_gemm", f"{route_tag}:down", t_dn, f_down, kind, tokens=T, sorter_rows=rows)
-        t_sort = b.time_us(lambda: sort_by_expert(idx, E, rows))
+        t_sort = b.time_events_us(lambda: sort_by_expert(idx, E, rows))
         b.add("moe_sort", "sort", t_sort, tokens=T, sorter_rows=rows, peak_kind="copy")
 
 
-def bench_moe_headline(b: Bench, moe: MoEBench, routes, headline: int, rows_list, ablation_tokens,
+def bench_moe_headline(b: PrefillBench, moe: MoEBench, routes, headline: int, rows_list, ablation_tokens,
                        ablation_route) -> None:
     """Every route at the headline token count (64 rows) and the launch-geometry variants, then the sorter-rows
     ablation."""
     for route in routes:
         if b.over_budget(f"moe {route} @{headline}"):
             return
-        _guard(b, f"moe {route} @{headline}", lambda: moe.run(route, 64, headline, True))
+        b.guard(f"moe {route} @{headline}", lambda: moe.run(route, 64, headline, True))
     for tag in geometry_tags(ablation_route):
         if tag and not b.over_budget(f"moe {ablation_route}+{tag} @{headline}"):
-            _guard(b, f"moe {ablation_route}+{tag}", lambda: moe.run(ablation_route, 64, headline, True, tag))
+            b.guard(f"moe {ablation_route}+{tag}", lambda: moe.run(ablation_route, 64, headline, True, tag))
     for rows in rows_list:  # the paper's M = 2048 microbenchmark, gate/up and down separately
         if b.over_budget(f"sorter ablation {ablation_route} rows {rows}"):
             return
-        _guard(b, f"moe ablation {ablation_route} {rows}", lambda: moe.run(ablation_route, rows, ablation_tokens,
-                                                                            True))
+        b.guard(f"moe ablation {ablation_route} {rows}", lambda: moe.run(ablation_route, rows, ablation_tokens,
+                                                                         True))
 
 
-def bench_moe_sweep(b: Bench, moe: MoEBench, routes, tokens, headline: int) -> None:
+def bench_moe_sweep(b: PrefillBench, moe: MoEBench, routes, tokens, headline: int) -> None:
     for T in tokens:
         for route in routes:
             if T == headline or b.over_budget(f"moe {route} @{T}"):
                 continue
-            _guard(b, f"moe {route} @{T}", lambda: moe.run(route, 64, T, False))
+            b.guard(f"moe {route} @{T}", lambda: moe.run(route, 64, T, False))
 
 
 # ============================================================================================ dense GEMMs
@@ -437,7 +269,7 @@ def dense_projections(a) -> dict[str, tuple[int, int]]:
             "shared.w1": (a.moe_inter_dim, a.dim), "shared.w2": (a.dim, a.moe_inter_dim)}
 
 
-def bench_gemm(b: Bench, args, gen, passed: set[str], tokens, configs) -> None:
+def bench_gemm(b: PrefillBench, args, gen, passed: set[str], tokens, configs) -> None:
     import torch
     from dsv4lab_kernels import fp8_gemm as fg
     a, dev = args, b.device
@@ -453,15 +285,15 @@ def bench_gemm(b: Bench, args, gen, passed: set[str], tokens, configs) -> None:
             for name, lin in lins.items():
                 x = torch.randn(T, lin.in_features, device=dev, generator=gen).to(torch.bfloat16)
                 flops = 2.0 * T * lin.in_features * lin.out_features
-                t = _guard(b, f"fp8 {name}", lambda: b.time_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale,
-                                                                                      config=cfg),
-                                                              name=f"fp8:{cfg}", flush_l2=True))
+                t = b.guard(f"fp8 {name}", lambda: b.time_events_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale,
+                                                                                          config=cfg),
+                                                                    name=f"fp8:{cfg}", flush_l2=True))
                 if t:
                     b.add("fp8_gemm", f"{name}:{cfg}", t, flops, "fp8", tokens=T, n=lin.out_features,
                           k=lin.in_features)
             if f"wo_a:{cfg}" in passed:
                 o = torch.randn(T, G, a.wo_a_in_per_group, device=dev, generator=gen).to(torch.bfloat16)
-                t = _guard(b, "wo_a", lambda: b.time_us(lambda: fg.grouped_bf16_fp8_gemm(
+                t = b.guard("wo_a", lambda: b.time_events_us(lambda: fg.grouped_bf16_fp8_gemm(
                     o, wo_a.weight, wo_a.scale, G, config=cfg), name=f"wo_a:{cfg}", flush_l2=True))
                 if t:
                     b.add("fp8_gemm", f"wo_a_grouped_bf16:{cfg}", t, 2.0 * T * G * a.o_lora_rank *
@@ -496,7 +328,7 @@ def prefill_attention_inputs(a, T: int, ratio: int, device, gen):
     return q, kv, idx, sink
 
 
-def bench_attention(b: Bench, args, gen, passed: set[str], tokens, configs) -> None:
+def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, configs) -> None:
     import torch
     from dsv4lab_kernels import attention_prefill as ap
     a, dev = args, b.device
@@ -510,7 +342,7 @@ def bench_attention(b: Bench, args, gen, passed: set[str], tokens, configs) -> N
             for cfg in configs:
                 if f"attn:{cfg}" not in passed:
                     continue
-                t = _guard(b, f"attn {cfg}", lambda: b.time_us(
+                t = b.guard(f"attn {cfg}", lambda: b.time_events_us(
                     lambda: ap.sparse_attention(q, kv, idx, sink, a.softmax_scale, config=cfg), name=f"attn:{cfg}"))
                 if t:
                     b.add("attn_prefill", f"{kind}:{cfg}", t, flops, "bf16", tokens=T, attended_rows=int(valid))
@@ -520,16 +352,16 @@ def bench_attention(b: Bench, args, gen, passed: set[str], tokens, configs) -> N
         wi = (torch.randn(1, T, a.index_n_heads, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
         keys = torch.randn(1, n_keys, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
         if "indexer_scores" in passed:
-            t = _guard(b, "indexer_scores", lambda: b.time_us(lambda: ap.indexer_scores(qi, wi, keys),
-                                                              name="indexer_scores"))
+            t = b.guard("indexer_scores", lambda: b.time_events_us(lambda: ap.indexer_scores(qi, wi, keys),
+                                                                   name="indexer_scores"))
             if t:
                 b.add("indexer", "scores", t, 2.0 * T * a.index_n_heads * n_keys * a.index_head_dim, "bf16",
                       tokens=T)
         if "indexer_topk" in passed and n_keys <= ap.TOPK_MAX_ENTRIES:
             scores = ap.indexer_scores(qi, wi, keys)
             pos = torch.arange(T, device=dev)[None]
-            t = _guard(b, "indexer_topk", lambda: b.time_us(lambda: ap.indexer_topk(scores, pos, 4, a.index_topk),
-                                                            name=f"topk:{n_keys}"))
+            t = b.guard("indexer_topk", lambda: b.time_events_us(lambda: ap.indexer_topk(scores, pos, 4, a.index_topk),
+                                                                 name=f"topk:{n_keys}"))
             if t:
                 b.add("indexer", "topk", t, 0.0, "copy", tokens=T, entries=n_keys,
                       gbps=round(scores.numel() * 2 / (t * 1e-6) / 1e9, 1))
@@ -537,7 +369,7 @@ def bench_attention(b: Bench, args, gen, passed: set[str], tokens, configs) -> N
             nb = T // 4
             kvs = torch.randn(nb, 8, a.head_dim, device=dev, generator=gen)
             scs = torch.randn(nb, 8, a.head_dim, device=dev, generator=gen)
-            t = _guard(b, "pool", lambda: b.time_us(lambda: ap.compressor_pool(kvs, scs), name="pool"))
+            t = b.guard("pool", lambda: b.time_events_us(lambda: ap.compressor_pool(kvs, scs), name="pool"))
             if t:
                 b.add("compressor_pool", "csa_main", t, 0.0, "copy", tokens=T,
                       gbps=round(2 * kvs.numel() * 4 / (t * 1e-6) / 1e9, 1))
@@ -568,7 +400,7 @@ def layer_roofline(a, tokens: int, chunk: int, peaks: dict) -> dict:
                 attention_share=per_op.get("attn.core", 0.0) / total, indexer_share=idx_t / total)
 
 
-def bench_chunked_layer(b: Bench, args, gen, total: int, chunks) -> dict:
+def bench_chunked_layer(b: PrefillBench, args, gen, total: int, chunks) -> dict:
     import torch
     from ..model.block import Block
     from ..model.numerics import Numerics
@@ -617,7 +449,7 @@ def bench_chunked_layer(b: Bench, args, gen, total: int, chunks) -> dict:
             t = time.perf_counter()
             prefill(chunk)
             return (time.perf_counter() - t) * 1e6, {}
-        b.flush.zero_()
+        b.l2_flush_buffer().zero_()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         prefill(chunk)
@@ -630,9 +462,9 @@ def bench_chunked_layer(b: Bench, args, gen, total: int, chunks) -> dict:
         if b.over_budget(f"chunked prefill chunk {chunk}"):
             break
         with torch.inference_mode():
-            if _guard(b, f"layer warm-up {chunk}", lambda: timed_prefill(chunk)) is None:  # compiles
+            if b.guard(f"layer warm-up {chunk}", lambda: timed_prefill(chunk)) is None:  # compiles
                 continue
-            runs = [_guard(b, f"layer chunk {chunk}", lambda: timed_prefill(chunk)) for _ in range(1 if b.smoke else 3)]
+            runs = [b.guard(f"layer chunk {chunk}", lambda: timed_prefill(chunk)) for _ in range(1 if b.smoke else 3)]
         runs = sorted((r for r in runs if r is not None), key=lambda r: r[0])
         if not runs:
             continue
@@ -647,10 +479,10 @@ def bench_chunked_layer(b: Bench, args, gen, total: int, chunks) -> dict:
                        attention_share=round(att / t, 4), attention_roofline_share=round(roof["attention_share"], 4),
                        indexer_share=round(idx_t / t, 4), indexer_roofline_share=round(roof["indexer_share"], 4))
         out[chunk] = row
-        log(f"layer prefill {total} tokens, chunk {chunk}: {t / 1e3:.2f} ms; ops (µs): "
-            + ", ".join(f"{k} {v:.0f}" for k, v in sorted(per_op.items())))
+        b.log(f"layer prefill {total} tokens, chunk {chunk}: {t / 1e3:.2f} ms; ops (µs): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(per_op.items())))
     if hasattr(ops, "report"):
-        log("backend report:\n" + ops.report())
+        b.log("backend report:\n" + ops.report())
     return out
 
 
@@ -659,20 +491,16 @@ def run_suite(args) -> int:
     import torch
     from ..cli import UserError
     from ..config import get_preset
-    from ..runs import git_state
     smoke = getattr(args, "smoke", False)
     quick = getattr(args, "quick", False)
-    if not torch.cuda.is_available() and not smoke:
-        raise UserError("bench kernels --suite prefill needs a GPU (use --smoke to check the script on a CPU)")
+    device = select_device("prefill", smoke)
     if not torch.cuda.is_available():
         import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    import triton
     from ..engine.triton_prefill import _kernels
     for name in ("fp8_gemm", "moe_sort", "fp4_moe_grouped", "attention_prefill"):
         _kernels(name)  # registers dsv4lab_kernels from the source tree when it is not installed
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    b = Bench(device, getattr(args, "budget_s", 160.0), smoke)
+    b = PrefillBench(device, getattr(args, "budget_s", 160.0), smoke)
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")
     if smoke:
@@ -681,18 +509,15 @@ def run_suite(args) -> int:
         tokens, chunks, rows_list, abl, total = (1024, 4096), (1024, 4096), SORTER_ROWS, 2048, 4096
     else:
         tokens, chunks, rows_list, abl, total = TOKENS, CHUNKS, SORTER_ROWS, 2048, 4096
-    doc = dict(suite="prefill", gpu=torch.cuda.get_device_name() if b.cuda else "CPU (Triton interpreter)",
-               torch=torch.__version__, triton=triton.__version__,
-               commit=getattr(args, "commit", None) or git_state().get("short"),
-               model="tiny" if smoke else "flash", smoke=smoke)
+    doc = run_header(b, args, smoke)
     routes = tuple(r for r in getattr(args, "moe_routes", ",".join(MOE_ROUTES)).split(",") if r)
     abl_route = getattr(args, "ablation_route", "bf16")
     if abl_route not in routes:
         raise UserError(f"--ablation-route {abl_route!r} is not among --moe-routes {','.join(routes)}")
     moe_variants = sorted({(r, 64, "") for r in routes} | {(abl_route, n, "") for n in rows_list}
                           | {(abl_route, 64, tag) for tag in geometry_tags(abl_route) if not smoke})
-    measure_peaks(b)
-    log(f"checks ({b.elapsed():.0f} s)")
+    b.record_ceilings()
+    b.log(f"checks ({b.elapsed():.0f} s)")
     passed = run_checks(b, a, gen, moe_variants)
     headline = 4096 if 4096 in tokens else max(tokens)
     moe: dict = {}
@@ -719,30 +544,25 @@ def run_suite(args) -> int:
     if not smoke:
         sections.append(("attention sweep", lambda: bench_attention(
             b, a, gen, passed, [t for t in tokens if t != headline], ATTENTION_CONFIGS)))
-    for name, fn in sections:
-        if b.over_budget(name):
-            continue
-        log(f"{name} ({b.elapsed():.0f} s)")
-        _guard(b, name, fn)
+    b.run_sections(sections)
     doc.update(peaks=b.peaks, checks=b.checks, rows=b.rows, skipped=b.skipped, errors=b.errors,
                compile_s=b.compile_s, elapsed_s=round(b.elapsed(), 1), targets=targets(b))
-    out = Path(args.out) if getattr(args, "out", None) else Path("runs/bench/prefill_kernels.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    out = output_path(args, "prefill")
+    write_json(out, doc)
     print_table(doc)
     print(f"wrote {out}")
     return 0 if all(c["ok"] for c in b.checks if c["gating"]) and not b.errors else 1
 
 
-def targets(b: Bench) -> dict:
+def targets(b: PrefillBench) -> dict:
     """The issue's targets, measured: best grouped-MoE %-of-peak at 4,096 tokens; attention / indexer shares."""
     moe = [r for r in b.rows if r["kernel"] == "moe_grouped_gemm" and r["tokens"] == 4096
            and r["variant"].endswith(":total") and r["pct_peak"] is not None]
     best = max(moe, key=lambda r: r["pct_peak"], default=None)
     layer = [r for r in b.rows if r["kernel"] == "chunked_prefill" and "attention_share" in r]
     out = dict(moe_4096_best=None if best is None else dict(variant=best["variant"], sorter_rows=best["sorter_rows"],
-                                                             pct_peak=best["pct_peak"], peak_kind=best["peak_kind"],
-                                                             tflops=best["tflops"], met=best["pct_peak"] >= 50))
+                                                            pct_peak=best["pct_peak"], peak_kind=best["peak_kind"],
+                                                            tflops=best["tflops"], met=best["pct_peak"] >= 50))
     out["layer_shares"] = [dict(chunk=r["chunk"], attention=r["attention_share"],
                                 attention_roofline=r["attention_roofline_share"], indexer=r["indexer_share"],
                                 indexer_roofline=r["indexer_roofline_share"],

@@ -21,7 +21,7 @@ MAX_NEW_TOKENS: int = 32  # tokens to generate (8 in SMOKE mode)
 # %%
 # %matplotlib inline
 import dsv4lab
-from dsv4lab import layout_drill, plots, runs
+from dsv4lab import layout_drill, plots, quant_ablation, runs
 from dsv4lab.checkpoint import Checkpoint
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
@@ -83,6 +83,26 @@ print(f"expected ids from: {source}")
 golden_ok = all(r["ok"] for r in rows) if source.startswith("golden") else None
 out.keys(golden_oracle_ok=golden_ok)
 out.table("oracle", rows)
+
+# %% [markdown]
+# ## What the native number formats cost
+#
+# DeepSeek-V4-Flash stores routed experts as FP4 E2M1 with one power-of-two (E8M0) scale per 32 weights, and
+# dense projections as FP8 E4M3 with one scale per 128×128 block. On the trained small model, each family was
+# re-quantized in other formats (`dsv4lab train-small ablation`, computed on CPU; `data/results/quant_ablation.json`):
+# FP4 group sizes 16–128 with E8M0 or E4M3 group scales, and dense FP8 with block or per-channel scales. The
+# teacher-forced KL against the bf16 model is the sensitive measure (held-out perplexity moves less than its noise).
+
+# %%
+ablation = quant_ablation.load_results()
+if ablation is None:
+    print("data/results/quant_ablation.json is absent: run `dsv4lab train-small ablation` to produce it")
+else:
+    out.table("quant_ablation", [dict(format=p["name"], sweep=p["sweep"], heldout_ppl=p["heldout_ppl"],
+                                      kl_vs_bf16=p["kl_vs_bf16"], weight_rel_error=p["weight_rel_error"],
+                                      bytes_per_param=p["bytes_per_param"], checkpoint_choice=p["is_checkpoint_choice"])
+                                 for p in ablation["points"]])
+    out.figure(plots.plot_quant_ablation(ablation["points"]), "quant_ablation")
 
 # %% [markdown]
 # ## Where to go next
