@@ -127,3 +127,30 @@ def test_w2_fault_cli_exits_nonzero_and_names_stage_2(tmp_path):
     assert "layers.0 — MoE stage 2 (w2 down projection)" in r.stdout
     md = (tmp_path / "rep" / "model.md").read_text()
     assert "MoE stage 2 (w2 down projection)" in md
+
+
+def test_noise_floor_tier_reads_a_backend_against_the_checkpoints_rounding_floor(tmp_path):
+    # a "backend" that is the reference with fp32 reductions sits exactly on the floor (ratio 1); the same backend
+    # on a W2-faulted copy is far above it. Both fail the strict per-position bound; only the floor tells them apart
+    import dataclasses
+
+    from dsv4lab.model.ops import ReferenceOps
+
+    class Reordered(ReferenceOps):
+        name = "reordered-sums"
+
+    py = ROOT / "data" / "tiny-py"
+    golden = load_golden(ROOT / "data" / "golden" / "tiny-py.json")
+    bad = tmp_path / "bad"
+    inject_fault_into_checkpoint(py, "paper_w2_blocks", bad)
+    ref = dsv4lab.load(py, max_batch=1)
+    ratios = {}
+    for name, ck in (("good", py), ("faulted", bad)):
+        m = dsv4lab.load(ck, max_batch=1)
+        m.ops = Reordered(dataclasses.replace(m.ops.numerics, exact_reductions=False))
+        res = verify_model(m, golden, ck, ref, tiers=("vs_reference",))
+        floor = res["tiers"]["noise_floor"]
+        assert floor["binding"] is False and 0 < floor["mean_kl"] < 0.01
+        ratios[name] = floor["backend_mean_over_floor"]
+    assert ratios["good"] == pytest.approx(1.0, rel=1e-9)
+    assert ratios["faulted"] > 100, ratios

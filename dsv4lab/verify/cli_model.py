@@ -49,6 +49,15 @@ def render(res: dict, golden_path) -> str:
         v = t["vs_reference"]
         lines += ["## Teacher-forced agreement with the reference", "",
                   f"max KL {v['max_kl']:.3g}, mean {v['mean_kl']:.3g}, first position above the bound: {v['first_divergence']}", ""]
+    if "noise_floor" in t:
+        f = t["noise_floor"]
+        ratio = f["backend_mean_over_floor"]
+        lines += ["## Rounding-noise floor of this checkpoint (not binding)", "",
+                  f"the reference with fp32 instead of exact reductions, against the reference: mean KL "
+                  f"{f['mean_kl']:.3g}, max {f['max_kl']:.3g}"
+                  + (f"; the backend's mean KL is {ratio:.3g}x this floor" if ratio is not None else "") + ". "
+                  "A correct backend that is not bit-exact drifts by about this much on this checkpoint; a layout "
+                  "fault is orders of magnitude above it (docs/troubleshooting.md).", ""]
     if "layers" in res and res["layers"].get("note"):
         lines += ["## Layer oracle", "", res["layers"]["note"], ""]
     elif "layers" in res:
@@ -95,6 +104,10 @@ def run(args) -> int:
             extra = ", ".join(f"{r['name']}: {r['hash']}" for r in tier["rows"])
         elif name == "trajectory":
             extra = f"hash {tier['hash']} (golden {tier['expected_hash']})"
+        elif name == "noise_floor":
+            ratio = tier["backend_mean_over_floor"]
+            extra = (f"rounding-only change of the reference: mean KL {tier['mean_kl']:.3g}, max {tier['max_kl']:.3g}"
+                     + (f"; the backend's mean KL is {ratio:.3g}x this floor" if ratio is not None else ""))
         else:
             extra = f"max KL {tier['max_kl']:.3g}, first divergence {tier['first_divergence']}"
         print(f"{flag} {name}: {extra}")

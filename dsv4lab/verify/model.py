@@ -146,6 +146,28 @@ def chunked_vs_recompute(runner, ids: list[int], chunk: int) -> dict:
     return dict(kl=kl_per_position(full, torch.cat(parts)), chunk=chunk)
 
 
+@torch.inference_mode()
+def rounding_noise_floor(reference_runner, ids: list[int]) -> list[float]:
+    """Teacher-forced per-position KL between the reference and the same reference with fp32 instead of exact
+    (fp64) reductions: a change of summation order only, no change of semantics. How far a correct but not
+    bit-exact backend can drift on this checkpoint is of this order; a layout fault is orders of magnitude above."""
+    import dataclasses
+
+    from ..model.ops import ReferenceOps
+    t = torch.tensor([ids])
+    exact_ops = reference_runner.ops
+    reference_runner.reset([0])
+    exact = reference_runner.forward(t, 0, slots=[0])[0]
+    reference_runner.ops = ReferenceOps(dataclasses.replace(exact_ops.numerics, exact_reductions=False))
+    try:
+        reference_runner.reset([0])
+        reordered = reference_runner.forward(t, 0, slots=[0])[0]
+    finally:
+        reference_runner.ops = exact_ops
+        reference_runner.reset([0])
+    return kl_per_position(exact, reordered)
+
+
 def kl_per_position(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[float]:
     lp = torch.log_softmax(p_logits.double(), -1)
     lq = torch.log_softmax(q_logits.double(), -1)
@@ -310,6 +332,13 @@ def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, 
         brows2, first2, mx2 = boundary_report(kl, runner.args, kl_bound)
         res["tiers"]["vs_reference"] = dict(ok=first2 is None, binding=True, max_kl=mx2, first_divergence=first2,
                                             mean_kl=sum(kl) / len(kl), boundaries=brows2)
+        # 4b. the checkpoint's rounding-noise floor, to read the KLs above against (informational, not binding)
+        floor = rounding_noise_floor(reference_runner, tf["ids"])
+        fmean, fmax = sum(floor) / len(floor), max(floor)
+        res["tiers"]["noise_floor"] = dict(
+            ok=True, binding=False, max_kl=fmax, mean_kl=fmean, first_divergence=None,
+            backend_mean_over_floor=(sum(kl) / len(kl)) / fmean if fmean > 0 else None,
+            note="reference with fp32 instead of exact reductions vs the reference (summation order only)")
     res["ok"] = all(t["ok"] for t in res["tiers"].values() if t.get("binding", True))
     # 5. localisation: the first layer and stage that diverge from the golden digests
     if layer_check == "always" or (layer_check == "on-failure" and not res["ok"]):
