@@ -276,6 +276,22 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
     def sse(data: dict | str) -> str:
         return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
+    async def guarded_events(rid: str, gen: _Generation, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A stream's SSE events, then ``[DONE]``. An exception mid-stream becomes a 500 error event (the status
+        line is already sent); the generation is aborted however the stream ends, so a client that went away frees
+        its sequence."""
+        try:
+            async for event in events:
+                yield event
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("error while streaming %s", rid)
+            yield sse(error_body(500, "Internal server error"))
+        finally:
+            gen.abort()
+        yield sse("[DONE]")
+
     def stream_response(body: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -383,38 +399,29 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                 if with_usage:
                     d["usage"] = usage(len(prompt_ids), out)
                 return sse(d)
-            try:
-                first, sent = True, 0  # tokens (ids, logprobs) already sent in a chunk
-                async for event in gen.events():
-                    text = out.add(event)
-                    if out.error is not None:
-                        yield sse(error_body(500, out.error))
-                        break
-                    if first and req.echo:
-                        text = echo_text + text
-                    if not (text or out.finished):
-                        continue  # a token that completes no text yet (half a character, a skipped special)
-                    c = choice(text, completion_logprobs(out, req, prompt_ids, sent, req.echo and first),
-                               out.finish_reason)
-                    if req.return_token_ids:
-                        c["token_ids"] = out.token_ids[sent:]
-                    first, sent = False, len(out.token_ids)
-                    yield chunk(c, continuous)
-                    if out.finished:
-                        break
-                if include_usage and out.error is None:
-                    yield sse({"id": rid, "object": "text_completion", "created": now,
-                               "model": config.served_model_name, "choices": [], "usage": usage(len(prompt_ids), out)})
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("error while streaming %s", rid)
-                yield sse(error_body(500, "Internal server error"))
-            finally:
-                gen.abort()
-            yield sse("[DONE]")
+            first, sent = True, 0  # tokens (ids, logprobs) already sent in a chunk
+            async for event in gen.events():
+                text = out.add(event)
+                if out.error is not None:
+                    yield sse(error_body(500, out.error))
+                    break
+                if first and req.echo:
+                    text = echo_text + text
+                if not (text or out.finished):
+                    continue  # a token that completes no text yet (half a character, a skipped special)
+                c = choice(text, completion_logprobs(out, req, prompt_ids, sent, req.echo and first),
+                           out.finish_reason)
+                if req.return_token_ids:
+                    c["token_ids"] = out.token_ids[sent:]
+                first, sent = False, len(out.token_ids)
+                yield chunk(c, continuous)
+                if out.finished:
+                    break
+            if include_usage and out.error is None:
+                yield sse({"id": rid, "object": "text_completion", "created": now,
+                           "model": config.served_model_name, "choices": [], "usage": usage(len(prompt_ids), out)})
 
-        return stream_response(body())
+        return stream_response(guarded_events(rid, gen, body()))
 
     # -- chat completions
 
@@ -506,45 +513,36 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                 if continuous:
                     d["usage"] = usage(len(prompt_ids), out)
                 return sse(d)
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                sent = 0  # tokens (ids, logprobs) already sent in a chunk
-                async for event in gen.events():
-                    text = out.add(event)
-                    if out.error is not None:
-                        yield sse(error_body(500, out.error))
-                        break
-                    pieces = parser.feed(text) if text else []
-                    tool_calls: list[dict] = []
-                    if out.finished:
-                        rest, tool_calls = parser.finish()
-                        pieces += rest
-                    delta: dict[str, Any] = {}
-                    for kind, piece in pieces:
-                        key = "reasoning_content" if kind == "reasoning" else "content"
-                        delta[key] = delta.get(key, "") + piece
-                    if delta or (out.finished and sent < len(out.token_ids)):
-                        ids = out.token_ids[sent:] if req.return_token_ids else None
-                        yield chunk(delta, logprobs=chat_logprobs(out, req, sent), token_ids=ids)
-                        sent = len(out.token_ids)
-                    if out.finished:
-                        if tool_calls:
-                            yield chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(tool_calls)]})
-                        yield chunk({}, finish="tool_calls" if tool_calls else out.finish_reason)
-                        break
-                if include_usage and out.error is None:
-                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": now,
-                               "model": config.served_model_name, "choices": [],
-                               "usage": usage(len(prompt_ids), out)})
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("error while streaming %s", rid)
-                yield sse(error_body(500, "Internal server error"))
-            finally:
-                gen.abort()
-            yield sse("[DONE]")
+            yield chunk({"role": "assistant", "content": ""})
+            sent = 0  # tokens (ids, logprobs) already sent in a chunk
+            async for event in gen.events():
+                text = out.add(event)
+                if out.error is not None:
+                    yield sse(error_body(500, out.error))
+                    break
+                pieces = parser.feed(text) if text else []
+                tool_calls: list[dict] = []
+                if out.finished:
+                    rest, tool_calls = parser.finish()
+                    pieces += rest
+                delta: dict[str, Any] = {}
+                for kind, piece in pieces:
+                    key = "reasoning_content" if kind == "reasoning" else "content"
+                    delta[key] = delta.get(key, "") + piece
+                if delta or (out.finished and sent < len(out.token_ids)):
+                    ids = out.token_ids[sent:] if req.return_token_ids else None
+                    yield chunk(delta, logprobs=chat_logprobs(out, req, sent), token_ids=ids)
+                    sent = len(out.token_ids)
+                if out.finished:
+                    if tool_calls:
+                        yield chunk({"tool_calls": [dict(c, index=k) for k, c in enumerate(tool_calls)]})
+                    yield chunk({}, finish="tool_calls" if tool_calls else out.finish_reason)
+                    break
+            if include_usage and out.error is None:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": now,
+                           "model": config.served_model_name, "choices": [],
+                           "usage": usage(len(prompt_ids), out)})
 
-        return stream_response(body())
+        return stream_response(guarded_events(rid, gen, body()))
 
     return app
