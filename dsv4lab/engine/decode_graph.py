@@ -181,6 +181,7 @@ class DecodeGraphs:
         self.runner.reset()
         return self
 
+    @torch.inference_mode()  # the static inputs were made in inference mode: copying into them must be too
     def replay(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Run the captured step for ``b = len(tokens)`` (a captured tier); returns a copy of the logits."""
         b = tokens.shape[0]
