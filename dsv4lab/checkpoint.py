@@ -545,61 +545,72 @@ def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable
 
 
 # ------------------------------------------------------------------------------------ random weights
-def _rng(seed: int, name: str) -> np.random.Generator:
-    """Per-tensor generator: the value of a tensor depends on (seed, name) only, not on write order."""
-    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+class NumpyDraws:
+    """The random draws of one tensor on the CPU (numpy): its value depends on (seed, name) only, not on write
+    order. What ``make-checkpoint`` writes from, so ``data/tiny`` regenerates byte for byte."""
+
+    def __init__(self, seed: int, name: str):
+        self.rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+    def normal(self, shape, std: float) -> torch.Tensor:
+        return torch.from_numpy(self.rng.standard_normal(size=shape, dtype=np.float32) * np.float32(std))
+
+    def pow2(self, lo: int, hi: int, shape) -> torch.Tensor:
+        """``2**U{lo..hi-1}`` (fp32)."""
+        return torch.from_numpy((2.0 ** self.rng.integers(lo, hi, size=shape)).astype(np.float32))
+
+    def uniform(self, lo: float, hi: float, shape) -> torch.Tensor:
+        return torch.from_numpy(self.rng.uniform(lo, hi, size=shape).astype(np.float32))
+
+    def distinct(self, rows: int, n: int, k: int) -> torch.Tensor:
+        """Per row, ``k`` distinct values of ``range(n)`` (int64)."""
+        keys = self.rng.random(size=(rows, n))
+        return torch.from_numpy(np.argsort(keys, axis=1)[:, :k].astype(np.int64))
 
 
-def _normal(rng: np.random.Generator, shape, std: float) -> torch.Tensor:
-    return torch.from_numpy(rng.standard_normal(size=shape, dtype=np.float32) * np.float32(std))
-
-
-def random_quantized(spec: TensorSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_quantized(spec: TensorSpec, draws) -> tuple[torch.Tensor, torch.Tensor]:
     """A random FP8 (``F8_E4M3``) or FP4 (``I8``) weight and its E8M0 scale, quantized together.
 
     FP8 weights get a per-128×128-block magnitude of 2**U{-3..3}, FP4 experts a per-32-group magnitude of
-    2**U{-4..4}, so the scales exercise a wide exponent range, as real checkpoints do.
+    2**U{-4..4}, so the scales exercise a wide exponent range, as real checkpoints do. ``draws``:
+    :class:`NumpyDraws` or any object with the same methods (e.g. on a GPU).
     """
-    rng = _rng(seed, spec.name)
     if spec.dtype == "F8_E4M3":
         out_f, in_f = spec.shape
-        w = _normal(rng, (out_f, in_f), in_f ** -0.5)
-        mult = torch.from_numpy((2.0 ** rng.integers(-3, 4, size=(ceil_div(out_f, 128), ceil_div(in_f, 128))))
-                                .astype(np.float32))
+        w = draws.normal((out_f, in_f), in_f ** -0.5)
+        mult = draws.pow2(-3, 4, (ceil_div(out_f, 128), ceil_div(in_f, 128))).to(w.device)
         w = w * mult.repeat_interleave(128, 0)[:out_f].repeat_interleave(128, 1)[:, :in_f]
         return quant.fp8_block_quantize(w)
     out_f, in_f = spec.shape[0], spec.shape[1] * 2
-    w = _normal(rng, (out_f, in_f), in_f ** -0.5)
-    mult = torch.from_numpy((2.0 ** rng.integers(-4, 5, size=(out_f, in_f // 32))).astype(np.float32))
+    w = draws.normal((out_f, in_f), in_f ** -0.5)
+    mult = draws.pow2(-4, 5, (out_f, in_f // 32)).to(w.device)
     return quant.fp4_quantize(w * mult.repeat_interleave(32, 1))
 
 
-def random_tensor(spec: TensorSpec, args: ModelArgs, seed: int) -> torch.Tensor:
+def random_tensor(spec: TensorSpec, args: ModelArgs, draws) -> torch.Tensor:
     """A realistic random value for one unquantized tensor (never zeros)."""
     name, shape = spec.name, spec.shape
-    rng = _rng(seed, name)
     if spec.dtype == "I64":  # tid2eid: k distinct experts per token id
-        keys = rng.random(size=(shape[0], args.n_routed_experts))
-        return torch.from_numpy(np.argsort(keys, axis=1)[:, : shape[1]].astype(np.int64))
+        return draws.distinct(shape[0], args.n_routed_experts, shape[1])
     if name.endswith("norm.weight"):
-        return (1.0 + _normal(rng, shape, 0.1)).to(torch.bfloat16)
+        return (1.0 + draws.normal(shape, 0.1)).to(torch.bfloat16)
     if name == "embed.weight":
-        return _normal(rng, shape, 1.0).to(torch.bfloat16)
+        return draws.normal(shape, 1.0).to(torch.bfloat16)
     if name.endswith("attn_sink"):
-        return _normal(rng, shape, 1.0)
+        return draws.normal(shape, 1.0)
     if "hc_" in name and name.endswith("_fn"):
-        return _normal(rng, shape, shape[1] ** -0.5)
+        return draws.normal(shape, shape[1] ** -0.5)
     if "hc_" in name and name.endswith("_base"):
-        return _normal(rng, shape, 0.5)
+        return draws.normal(shape, 0.5)
     if "hc_" in name and name.endswith("_scale"):
-        return torch.from_numpy(rng.uniform(0.5, 1.5, size=shape).astype(np.float32))
+        return draws.uniform(0.5, 1.5, shape)
     if name.endswith("ape"):
-        return _normal(rng, shape, 0.5)
+        return draws.normal(shape, 0.5)
     if name.endswith("gate.bias"):
-        return _normal(rng, shape, 0.1)
+        return draws.normal(shape, 0.1)
     if spec.dtype == "BF16" and len(shape) == 2:  # head, compressor wkv/wgate, weights_proj, gate.weight
-        return _normal(rng, shape, shape[1] ** -0.5).to(torch.bfloat16)
-    return _normal(rng, shape, 1.0).to(TORCH_DTYPE[spec.dtype])
+        return draws.normal(shape, shape[1] ** -0.5).to(torch.bfloat16)
+    return draws.normal(shape, 1.0).to(TORCH_DTYPE[spec.dtype])
 
 
 class _RandomSource:
@@ -613,10 +624,10 @@ class _RandomSource:
         if spec.name in self._pending:
             return self._pending.pop(spec.name)
         if spec.name.endswith(".weight") and spec.dtype in ("F8_E4M3", "I8"):
-            w, scale = random_quantized(spec, self.seed)
+            w, scale = random_quantized(spec, NumpyDraws(self.seed, spec.name))
             self._pending[spec.name[: -len(".weight")] + ".scale"] = scale
             return w
-        return random_tensor(spec, self.args, self.seed)
+        return random_tensor(spec, self.args, NumpyDraws(self.seed, spec.name))
 
 
 def make_random_checkpoint(args: ModelArgs, seed: int, out: str | Path, *, n_shards: int | None = None,

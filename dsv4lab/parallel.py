@@ -326,17 +326,16 @@ def load_parallel(checkpoint: str | Path, tp: int = 1, ep: int = 1, dtype: torch
     The runner's ``plan`` (a :class:`ParallelPlan`) has ``load_report``, ``collectives_per_token`` and the
     counting ``reducer``.
     """
-    from .checkpoint import Checkpoint
-    from .engine.loader import load
+    from .engine.loader import load, open_checkpoint
 
-    ck = Checkpoint(checkpoint)
+    ck = open_checkpoint(checkpoint)
     check_split(ck.args, tp, ep)  # before any process group exists: a bad request fails fast on every rank
     rank, world, dev = init_distributed(device)
     layout = Layout(world, rank, tp, ep)
     shapes = {name: tuple(info.shape) for name, info in ck.tensors.items()}
     plan = ParallelPlan(ck.args, layout, shapes)  # validates the slices before any group or buffer exists
     plan.reducer = reducer = make_site_reducer(layout, dev, collective)
-    runner = load(checkpoint, device=dev, dtype=dtype, backend=backend, max_batch=max_batch, plan=plan, **load_kw)
+    runner = load(ck, device=dev, dtype=dtype, backend=backend, max_batch=max_batch, plan=plan, **load_kw)
     if verbose:
         rep = plan.load_report(ck)
         print(f"[rank {rank}/{world}] tp {layout.tp_rank}/{tp} ep {layout.ep_rank}/{ep} experts "

@@ -100,6 +100,16 @@ def load_weights(model: Transformer, ck: Checkpoint, plan: ShardPlan, device, re
     return read_bytes
 
 
+def open_checkpoint(checkpoint) -> Checkpoint:
+    """A checkpoint folder opened lazily, or an object that already answers like one (a :class:`Checkpoint`,
+    a :class:`~dsv4lab.random_checkpoint.RandomCheckpoint`) as it is."""
+    if isinstance(checkpoint, (str, Path)):
+        return Checkpoint(checkpoint)
+    if all(hasattr(checkpoint, a) for a in ("tensors", "info", "get", "get_slice", "args", "path")):
+        return checkpoint
+    raise TypeError(f"checkpoint: expected a folder path or an opened checkpoint, got {type(checkpoint).__name__}")
+
+
 def build_model(args: ModelArgs, plan: ShardPlan | None = None) -> Transformer:
     """The model on the ``meta`` device (no memory): shapes and parameter counts only."""
     plan = plan or ShardPlan()
@@ -113,7 +123,9 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
     """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
 
     Args:
-        checkpoint: folder with ``config.json``, the safetensors index and shards.
+        checkpoint: folder with ``config.json``, the safetensors index and shards, or an opened checkpoint
+            (e.g. a :class:`~dsv4lab.random_checkpoint.RandomCheckpoint`: a full-size model generated on the
+            device, no file).
         device: torch device for weights and caches.
         dtype: compute dtype (``torch.bfloat16`` follows the reference's rounding; ``float32``/``float64`` for
             oracles).
@@ -130,7 +142,7 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
     from .runner import ModelRunner
     from .backends import make_ops
 
-    ck = Checkpoint(checkpoint)
+    ck = open_checkpoint(checkpoint)
     if validate:
         small = sum(i.nbytes for i in ck.tensors.values()) < (1 << 30)
         ck.validate(scan_scales=small, progress=progress).raise_if_failed()
@@ -148,6 +160,6 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         if hasattr(m, "cache_dequant"):
             m.cache_dequant = native < CACHE_DEQUANT_LIMIT
     model.allocate(max_batch, numerics.act, numerics.acc, device)
-    runner = ModelRunner(model, ops, checkpoint=Path(checkpoint), plan=plan, read_bytes=read_bytes)
+    runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes)
     runner.reset()
     return runner

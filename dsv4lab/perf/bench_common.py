@@ -351,3 +351,22 @@ def output_path(args, suite: str) -> Path:
 
 def write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+
+
+# Substrings of GPU kernel names → the op family a profile is summarised by (first match wins).
+KERNEL_FAMILIES = (("_gate_up_kernel", "moe_gate_up"), ("_down_kernel", "moe_down"), ("_fp8_gemv", "gemv"),
+                   ("_sum_partials", "split_sums"), ("_attn", "attention"), ("sort", "sort/topk"),
+                   ("nccl", "collectives"), ("all_reduce", "collectives"), ("gemm", "cublas"),
+                   ("reduce", "torch_reduce"), ("elementwise", "torch_elementwise"))
+
+
+def kernel_families(prof, calls: int) -> dict[str, float]:
+    """GPU time per call (µs) of a ``torch.profiler`` run of ``calls`` calls, by :data:`KERNEL_FAMILIES`."""
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if not us:
+            continue
+        fam = next((f for key, f in KERNEL_FAMILIES if key in ev.key), "other")
+        out[fam] = out.get(fam, 0.0) + us / calls
+    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}

@@ -34,8 +34,8 @@ import statistics
 import types
 from pathlib import Path
 
-from .bench_common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank,
-                           random_fp8_linear, random_routing, run_header, select_device, write_json)
+from .bench_common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path,
+                           random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = "decode kernels: routed FP4 MoE, FP8 GEMV, sparse attention, one layer step (writes JSON)"
 
@@ -542,17 +542,7 @@ def profile_breakdown(calls) -> dict:
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()
-    families = (("_gate_up_kernel", "moe_gate_up"), ("_down_kernel", "moe_down"), ("_fp8_gemv", "gemv"),
-                ("_sum_partials", "split_sums"), ("_attn", "attention"), ("sort", "sort/topk"),
-                ("gemm", "cublas"), ("reduce", "torch_reduce"), ("elementwise", "torch_elementwise"))
-    out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        if not us:
-            continue
-        fam = next((f for key, f in families if key in ev.key), "other")
-        out[fam] = out.get(fam, 0.0) + us / (3 * len(calls))
-    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+    return kernel_families(prof, 3 * len(calls))
 
 
 # ============================================================================================ driver

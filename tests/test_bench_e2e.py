@@ -1,0 +1,58 @@
+"""The end-to-end benchmark's generated model and its smoke run (the GPU run itself is `dsv4lab bench e2e`)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dsv4lab
+from dsv4lab import cli
+from dsv4lab.checkpoint import expected_tensors
+from dsv4lab.config import get_preset
+from dsv4lab.random_checkpoint import RandomCheckpoint
+from dsv4lab.verify.model import trajectory_hash
+
+TINY = get_preset("tiny")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_random_checkpoint_is_the_inventory_and_depends_on_seed_and_name_only():
+    a, b, c = RandomCheckpoint(TINY, 3), RandomCheckpoint(TINY, 3), RandomCheckpoint(TINY, 4)
+    assert {s.name: (s.dtype, tuple(s.shape)) for s in expected_tensors(TINY)} == \
+        {n: (i.dtype, i.shape) for n, i in a.tensors.items()}
+    names = ["layers.2.ffn.experts.7.w2.weight", "layers.2.ffn.experts.7.w2.scale", "layers.0.attn.wq_b.weight",
+             "layers.0.attn.wq_b.scale", "embed.weight", "layers.0.ffn.gate.tid2eid", "layers.1.hc_attn_scale"]
+    forward = {n: _bytes(a.get(n)) for n in names}
+    backward = {n: _bytes(b.get(n)) for n in reversed(names)}  # a scale asked before its weight: the same scale
+    assert all(torch.equal(forward[n], backward[n]) for n in names)
+    assert not any(torch.equal(forward[n], _bytes(c.get(n))) for n in names)
+    w = a.get("layers.0.attn.wq_b.weight").float()
+    assert w.abs().sum() > 0 and torch.isfinite(w).all()
+    sl = a.get_slice("layers.0.attn.wq_b.weight", 0, 64, 128)
+    assert torch.equal(_bytes(sl), _bytes(a.get("layers.0.attn.wq_b.weight")[64:128]))
+    with pytest.raises(KeyError, match="not a tensor of this model"):
+        a.info("layers.0.attn.nope.weight")
+
+
+def test_bench_e2e_smoke_on_two_ranks_writes_the_fields_and_the_single_process_oracle(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    assert cli.main(["bench", "e2e", "--smoke", "--nproc", "2", "--tp", "2", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["batch"] for r in doc["decode"]] == [1, 2]
+    assert all(r["tok_s"] > 0 and "mbu" in r for r in doc["decode"])
+    assert {r["chunk"] for r in doc["prefill"]} == {16, 40} and all(r["ttft_s"] > 0 for r in doc["prefill"])
+    assert doc["ttft"]["chunk"] in (16, 40) and doc["ranks"] == 2 and doc["commit"]
+    assert len({r["first_token"] for r in doc["prefill"]}) == 1  # chunking does not change the first token
+    # the two-rank split of the generated model is the same model as one process
+    one = dsv4lab.load(RandomCheckpoint(TINY, 0), max_batch=1, validate=False)
+    assert doc["oracle_hash"] == trajectory_hash(one.generate(doc["oracle"]["prompt_ids"], 32, stop_at_eos=False))
+    assert "oracle hash" in capsys.readouterr().out
+
+
+def test_bench_e2e_refuses_bad_splits(capsys):
+    assert cli.main(["bench", "e2e", "--smoke", "--nproc", "3", "--tp", "2"]) == 2
+    assert "--nproc 3" in capsys.readouterr().err
