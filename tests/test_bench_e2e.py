@@ -51,6 +51,11 @@ def test_bench_e2e_smoke_on_two_ranks_writes_the_fields_and_the_single_process_o
     one = dsv4lab.load(RandomCheckpoint(TINY, 0), max_batch=1, validate=False)
     assert doc["oracle_hash"] == trajectory_hash(one.generate(doc["oracle"]["prompt_ids"], 32, stop_at_eos=False))
     assert "oracle hash" in capsys.readouterr().out
+    # the paper-figures notebook reads it like the committed file will be read
+    from dsv4lab import measurements
+    head = measurements.e2e_headline(measurements.load_results_file("e2e", path=out))
+    assert head["decode_tok_s"] == doc["decode"][0]["tok_s"] and head["ttft_s"] == doc["ttft"]["ttft_s"]
+    assert head["prefill_input_tok_s"] == pytest.approx(40 / doc["ttft"]["ttft_s"], rel=1e-3)
 
 
 def test_bench_e2e_refuses_bad_splits(capsys):

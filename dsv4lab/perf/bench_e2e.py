@@ -170,6 +170,9 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     if device.type == "cuda":
         doc["breakdown"] = breakdown(runner, o, device)
     doc["targets"] = targets(doc)
+    b1 = next((r for r in doc["decode"] if r["batch"] == 1), doc["decode"][0])
+    doc["summary"] = dict(decode_tok_s=b1["tok_s"], decode_batch=b1["batch"], mbu=b1["mbu"], ttft_s=best["ttft_s"],
+                          prefill_input_tok_s=round(o["prompt_tokens"] / best["ttft_s"], 1))  # what figures read
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return doc if rank == 0 else None
 
