@@ -286,7 +286,19 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
     return out, meta, problems
 
 
-class Checkpoint:
+class TensorTable:
+    """What any checkpoint answers from its ``tensors`` table (name → :class:`TensorInfo`)."""
+
+    tensors: dict[str, TensorInfo]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return sorted(self.tensors)
+
+
+class Checkpoint(TensorTable):
     """A native checkpoint folder, opened lazily: only headers are read until a tensor is asked for.
 
     Attributes:
@@ -342,12 +354,6 @@ class Checkpoint:
         self._handles: dict[str, object] = {}
 
     # ------------------------------------------------------------------ access
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def names(self) -> list[str]:
-        return sorted(self.tensors)
-
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
             where = f" (the index maps it to {self.weight_map[name]})" if name in self.weight_map else ""

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import TensorInfo, TensorSpec, ValidationReport, expected_tensors, random_quantized, random_tensor
+from .checkpoint import (TensorInfo, TensorSpec, TensorTable, ValidationReport, expected_tensors, random_quantized,
+                         random_tensor)
 from .config import ModelArgs
 
 
@@ -46,7 +47,7 @@ class TorchDraws:
         return keys.argsort(dim=1)[:, :k].to(torch.int64)
 
 
-class RandomCheckpoint:
+class RandomCheckpoint(TensorTable):
     """The inventory of ``args`` with random values, generated on ``device`` tensor by tensor.
 
     Attributes:
@@ -64,12 +65,6 @@ class RandomCheckpoint:
         self.tensors: dict[str, TensorInfo] = {s.name: TensorInfo(s.name, s.dtype, tuple(s.shape), "<generated>", 0,
                                                                   s.nbytes) for s in self._specs.values()}
         self._scales: dict[str, torch.Tensor] = {}  # a quantized weight's scale, made with it, until asked for
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def names(self) -> list[str]:
-        return sorted(self.tensors)
 
     def info(self, name: str) -> TensorInfo:
         if name not in self.tensors:

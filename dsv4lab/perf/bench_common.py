@@ -217,7 +217,7 @@ def measure_ceilings(b: BenchRun, timing: str) -> dict:
     src = torch.empty(CEILING_COPY_BYTES, dtype=torch.uint8, device=b.device)  # a same-dtype copy is a memcpy
     dst = torch.empty_like(src)
     if timing == "graph":
-        t = min(_median_event_copy_us(b, src, dst), time_us(lambda: dst.copy_(src), 4, 5))
+        t = min(median_copy_us(src, dst), time_us(lambda: dst.copy_(src), 4, 5))
     else:
         t = time_us(lambda: dst.copy_(src))
     out["copy_gbps"] = round(2 * CEILING_COPY_BYTES / (t * 1e-6) / 1e9, 1)
@@ -237,9 +237,9 @@ def measure_ceilings(b: BenchRun, timing: str) -> dict:
     return out
 
 
-def _median_event_copy_us(b: BenchRun, src, dst) -> float:
-    """Median of 10 event-timed copies ``dst ← src`` after 20 that bring the clocks up."""
-    torch = b.torch
+def median_copy_us(src, dst) -> float:
+    """Median of 10 event-timed copies ``dst ← src`` on the GPU after 20 that bring the clocks up."""
+    import torch
     for _ in range(20):
         dst.copy_(src)
     torch.cuda.synchronize()

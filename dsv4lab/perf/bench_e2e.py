@@ -196,22 +196,13 @@ def identity(device, commit: str | None) -> dict:
 def copy_bandwidth(device) -> float | None:
     """GB/s of a 1 GiB fp32 copy (bytes read + written), median of 10 after a warm-up; None on a CPU."""
     import torch
+
+    from .bench_common import median_copy_us
     if device.type != "cuda":
         return None
     src = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(10):
-        dst.copy_(src)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e-3)
-    del src, dst
-    return round(2 * (1 << 28) * 4 / statistics.median(times) / 1e9, 1)
+    us = median_copy_us(src, torch.empty_like(src))
+    return round(2 * src.numel() * 4 / (us * 1e-6) / 1e9, 1)
 
 
 # ============================================================================================ measurements
