@@ -39,13 +39,17 @@ class StaticDecodeStep:
     """``step(tokens [b], positions [b], slots [b]) → logits [b, vocab]`` (fp32) for a loaded model.
 
     It reads and advances the model's caches exactly as ``runner.forward(tokens[:, None], positions, slots)``
-    does, but does not touch ``runner.positions`` (see :class:`GraphDecoder` for the bookkeeping).
+    does, but does not touch ``runner.positions`` (see :class:`GraphDecoder` for the bookkeeping). Under
+    tensor/expert parallelism it issues the runner's all-reduces where ``Block.forward`` does (wo_b and the
+    indexer scores over the TP group, the routed-expert sum over the EP group); every rank runs the step.
     """
 
     def __init__(self, runner):
-        if getattr(runner, "plan", None) is not None and runner.plan.tp_size != 1:
-            raise ValueError("the static decode step runs a single-process model (no tensor/expert parallelism)")
         self.model, self.ops, self.args = runner.model, runner.ops, runner.args
+        # under tensor/expert parallelism: the same cross-rank sums, at the same sites, as Block.forward
+        reduce = getattr(runner, "_all_reduce", None)
+        self.attn_reduce = getattr(reduce, "attention", reduce)
+        self.moe_reduce = getattr(reduce, "moe", reduce)
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,7 @@ class StaticDecodeStep:
     def _moe(self, ffn: MoE, x, tokens):
         ops, nm = self.ops, self.ops.numerics
         idx, weights = ffn.gate(x, tokens, ops)
-        y = ops.routed_experts(x, idx, weights, ffn.experts, self.args.swiglu_limit)
+        y = ops.routed_experts(x, idx, weights, ffn.experts, self.args.swiglu_limit, all_reduce=self.moe_reduce)
         shared = ffn.shared_experts if isinstance(ffn.shared_experts, torch.nn.ModuleList) else [ffn.shared_experts]
         z = torch.zeros_like(y)
         for se in shared:
@@ -110,7 +114,7 @@ class StaticDecodeStep:
         if attn.ratio and attn.indexer is not None:
             qi = attn.indexer.queries(qr, cos_q, sin_q, ops)
             w = attn.indexer.head_weights(x, ops)
-            scores = ops.indexer_scores(qi, w, attn.ikv[slots])
+            scores = ops.indexer_scores(qi, w, attn.ikv[slots], all_reduce=self.attn_reduce)
             cmp_rows = ops.indexer_topk(scores, positions[:, None], 4, a.index_topk)[:, 0]
         elif attn.ratio:
             ent = torch.arange(attn.ckv.shape[1], device=x.device)
@@ -119,7 +123,7 @@ class StaticDecodeStep:
                                       slots, attn.attn_sink, a.softmax_scale)[:, None]
         o = ops.rope(o, cos_q[:, :, None], sin_q[:, :, None], inverse=True)
         o = ops.grouped_wo_a(o.reshape(b, 1, attn.n_local_groups, -1), attn.wo_a, attn.n_local_groups)
-        return ops.linear(o.flatten(2), attn.wo_b)
+        return ops.linear(o.flatten(2), attn.wo_b, all_reduce=self.attn_reduce)  # wo_b: column-split under TP
 
     def _compress(self, comp: Compressor, x, positions, slots, cache, cos, sin) -> None:
         """Feed one token per row into ``comp`` and write the entry of every block it completes."""

@@ -63,7 +63,7 @@ attn = kernel_module("attention_decode")
 
 # Ops of ReferenceOps that may run on a kernel (decode and/or prefill); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
-              "sparse_attention", "indexer_scores", "indexer_topk", "compressor_pool")
+              "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool")
 # Helpers other ops call (counting them would count one op twice) and state hygiene, not compute.
 _NOT_COUNTED = ("elementwise", "compressed_rope_position", "reset_compressor_state")
 REFERENCE_ONLY_OPS = tuple(n for n, v in vars(ReferenceOps).items()

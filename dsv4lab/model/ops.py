@@ -243,6 +243,19 @@ class ReferenceOps:
         num = torch.einsum("bshk,bskd->bshd", e.to(nm.act).to(nm.calc), g).to(nm.acc)
         return (num / denom).to(nm.act)
 
+    def attention_from_caches(self, q: torch.Tensor, win_kv: torch.Tensor, win_rows: torch.Tensor,
+                              cmp_kv: torch.Tensor | None, cmp_rows: torch.Tensor | None, slots: torch.Tensor,
+                              sink: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention over rows of two caches: ``q [b, h, d]``; the window ring ``win_kv [slots, W, d]`` with
+        ``win_rows [b, W]`` and optionally the compressed cache ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]``
+        (−1 = masked), row ``i`` reading cache slot ``slots[i]``. The selected rows of both caches, side by side,
+        through :meth:`sparse_attention` (a fast backend reads them in place instead). Returns ``[b, h, d]``."""
+        kv, rows = win_kv[slots], win_rows
+        if cmp_kv is not None:
+            kv = torch.cat((kv, cmp_kv[slots].to(kv.dtype)), 1)
+            rows = torch.cat((win_rows, torch.where(cmp_rows >= 0, cmp_rows + win_kv.shape[1], -1)), 1)
+        return self.sparse_attention(q[:, None], kv, rows[:, None], sink, scale)[:, 0]
+
     # ---------------------------------------------------------------- state hygiene
     def reset_compressor_state(self, compressor, slots: torch.Tensor | None) -> None:
         """Forget the pooling state of ``slots`` (all if None) — a new sequence must not see the previous one's."""

@@ -4,9 +4,9 @@
 
 * **decode**: for each batch size, ``--decode-tokens`` greedy steps after a short prompt, timed per round
   (device synchronised, ranks barriered); ``--rounds`` rounds after one dropped warm-up round, median reported.
-  One process on a GPU replays CUDA graphs of the static decode step
-  (:class:`~dsv4lab.engine.decode_graph.GraphDecoder`); under tensor/expert parallelism the step runs eagerly
-  (the static step is single-process), which the row says.
+  On GPUs every rank replays CUDA graphs of the static decode step
+  (:class:`~dsv4lab.engine.decode_graph.GraphDecoder`, its all-reduces captured with it); on a CPU the step runs
+  eagerly through ``runner.forward``; the row says which.
   **MBU** = tok/s × bytes one decode step moves per GPU per token (the cost model, :mod:`dsv4lab.perf.costmodel`,
   at the round's mean context) ÷ the copy bandwidth measured in the same run.
 * **TTFT**: a ``--prompt-tokens`` prompt prefilled in chunks of each ``--chunks`` size until the first token;
@@ -158,7 +158,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     doc["oracle"] = oracle(runner)
     doc["oracle_hash"] = doc["oracle"]["hash"]
     log(rank, f"oracle hash {doc['oracle']['hash']}")
-    doc["decode"] = [decode_row(runner, clock, b, o, copy_gbps, world) for b in o["batches"]]
+    doc["decode"] = [decode_row(runner, clock, b, o, copy_gbps) for b in o["batches"]]
     for r in doc["decode"]:
         log(rank, f"decode b={r['batch']}: {r['tok_s']:.1f} tok/s ({r['path']}), MBU {r['mbu']}")
     doc["prefill"] = prefill_rows(runner, clock, o)
@@ -220,10 +220,11 @@ def oracle(runner) -> dict:
     return dict(prompt_ids=prompt, ids=ids, hash=trajectory_hash(ids))
 
 
-def _decoder(runner, batch: int, world: int):
-    """Graph replay for one process on a GPU; eager ``runner.forward`` steps otherwise (returns the path name)."""
+def _decoder(runner, batch: int):
+    """Graph replay on a GPU (every rank captures the same step, collectives included); eager ``runner.forward``
+    steps otherwise. Returns the step and the path's name."""
     import torch
-    if world == 1 and runner.device.type == "cuda":
+    if runner.device.type == "cuda":
         from ..engine.decode_graph import GraphDecoder
         return GraphDecoder(runner, graphs=True, tiers=(batch,)), "graph"
 
@@ -254,10 +255,10 @@ def decode_round(runner, decode, batch: int, n: int, prompt: list[int]) -> tuple
     return time.perf_counter() - t0, ids
 
 
-def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None, world: int) -> dict:
+def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> dict:
     from .costmodel import decode_step
     prompt = _prompt(runner.args, 16, seed=batch)
-    decode, path = _decoder(runner, batch, world)
+    decode, path = _decoder(runner, batch)
     seconds = []
     for _ in range(o["rounds"] + 1):
         clock.sync()
@@ -305,14 +306,17 @@ def abba(runner, clock, o: dict, device) -> dict:
     reducers = {s: make_site_reducer(plan.layout, device, s) for s in o["abba"]}
     original = runner._all_reduce
     prompt = _prompt(runner.args, 16, seed=1)
-    decode, _ = _decoder(runner, 1, world=2)
     times: dict[str, list[float]] = {s: [] for s in o["abba"]}
     a, b = o["abba"]
     try:
+        decoders = {}
+        for s in (a, b):  # a captured graph holds the reducer it was captured with: one decoder per strategy
+            runner._all_reduce = reducers[s]
+            decoders[s] = _decoder(runner, 1)[0]
         for s in (a, b, b, a) * max(1, o["rounds"] // 2):
             runner._all_reduce = reducers[s]
             clock.sync()
-            times[s].append(decode_round(runner, decode, 1, o["decode_tokens"], prompt)[0])
+            times[s].append(decode_round(runner, decoders[s], 1, o["decode_tokens"], prompt)[0])
     finally:
         runner._all_reduce = original
         runner.reset()
