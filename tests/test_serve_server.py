@@ -250,11 +250,13 @@ def test_a_full_server_without_queue_answers_429(served):
     # A second one-slot scheduler on the same model: safe while the module's server is idle.
     single = Scheduler(served.model, max_running=1, max_waiting=0)
     single.start()
-    cfg = ServeConfig(served_model_name=MODEL, max_model_len=256)
+    # the held request must outlive the second one even on a loaded runner: 2,000 tokens are ~80 s at full speed;
+    # leaving the stream early aborts it
+    cfg = ServeConfig(served_model_name=MODEL, max_model_len=2048)
     try:
         with BackgroundServer(create_app(single, served.tokenizer, cfg), scheduler=single) as s:
             with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
-                              json={"prompt": [5, 6], "max_tokens": 200, "stream": True, "ignore_eos": True}) as held:
+                              json={"prompt": [5, 6], "max_tokens": 2000, "stream": True, "ignore_eos": True}) as held:
                 for line in held.iter_lines():
                     if line.startswith("data: "):
                         break
