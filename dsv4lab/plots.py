@@ -581,7 +581,7 @@ def plot_milestones(milestones: Sequence[Mapping[str, Any]], *, value: str, unit
 __all__ = ["plot_roofline", "plot_step_waterfall", "plot_bytes_composition", "save_figure", "use_style", "STYLE",
            "plot_channel_similarity", "plot_stage_cosines", "plot_checkpoint_inventory", "plot_divergence_vs_position",
            "plot_layer_divergence", "plot_kernel_check_errors", "plot_kernel_timings", "plot_prefill_throughput",
-           "plot_hardware_catalogue", "plot_milestones"]
+           "plot_hardware_catalogue", "plot_milestones", "plot_quant_ablation"]
 
 
 # ============================================================================================ quantization ablation

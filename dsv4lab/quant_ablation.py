@@ -34,6 +34,8 @@ import torch
 from . import quant
 from .config import ModelArgs, get_preset
 
+RESULTS_FILE = Path(__file__).resolve().parents[1] / "data" / "results" / "quant_ablation.json"
+
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
 
 
@@ -267,12 +269,12 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
     return result
 
 
-__all__ = ["ExpertFormat", "DenseFormat", "NATIVE_EXPERTS", "NATIVE_DENSE", "fp4_group_qdq", "fp8_dense_qdq",
-           "requantize", "sweep_points", "run_ablation"]
-
-
 def load_results(path: str | Path | None = None) -> dict | None:
     """The committed ablation results (``data/results/quant_ablation.json``), or None when absent."""
-    import json
-    p = Path(path) if path is not None else Path(__file__).resolve().parents[1] / "data" / "results" / "quant_ablation.json"
+    p = Path(path) if path is not None else RESULTS_FILE
     return json.loads(p.read_text()) if p.exists() else None
+
+
+__all__ = ["ExpertFormat", "DenseFormat", "NATIVE_EXPERTS", "NATIVE_DENSE", "fp4_group_qdq", "fp8_dense_qdq",
+           "requantize", "sweep_points", "run_ablation", "load_results", "RESULTS_FILE"]
+

@@ -32,10 +32,10 @@ for name in ("tiny", "tiny-py"):
     ck = root / "data" / name
     ids = load_golden(golden_path_for(ck))["teacher_forced"]["ids"]
     ref = dsv4lab.load(ck, max_batch=1)
-    floor = rounding_noise_floor(ref, ids)
     t = torch.tensor([ids])
     ref.reset([0])
     good = ref.forward(t, 0, slots=[0])[0]
+    floor = rounding_noise_floor(ref, ids, good)
     with tempfile.TemporaryDirectory() as tmp:
         layouts.inject_fault_into_checkpoint(ck, "paper_w2_blocks", Path(tmp) / "bad")
         bad = dsv4lab.load(Path(tmp) / "bad", max_batch=1).forward(t, 0)[0]
@@ -45,7 +45,8 @@ for name in ("tiny", "tiny-py"):
     rows.append(row)
     print(f"{name}: floor mean {row['rounding_floor']['mean_kl']:.3g} max {row['rounding_floor']['max_kl']:.3g}; "
           f"W2 fault mean {row['paper_w2_fault']['mean_kl']:.3g}; ratio {row['fault_over_floor_mean']:.0f}x")
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip()
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                        cwd=root).stdout.strip()
 out = dict(what="teacher-forced KL: rounding-order-only change of the reference vs the paper's W2 fault, bf16 with "
                 "every simulation on", rows=rows, torch=torch.__version__, python=platform.python_version(),
            cores=os.cpu_count(), commit=commit, command="python scripts/measure_noise_floor.py")

@@ -48,14 +48,10 @@ def add_arguments(p):
     p.add_argument("--commit", default=None, help="commit to record (default: git describe of this tree)")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    from ..serve.bench_engine import _ints as parse
-    return parse(text, flag)
-
-
 def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
     from ..cli import UserError
+    from ..serve.bench_engine import _ints
     o = dict(preset=args.preset, seed=args.seed, nproc=args.nproc, tp=args.tp, ep=args.ep, backend=args.backend,
              collective=args.collective, batches=_ints(args.batches, "--batches"), decode_tokens=args.decode_tokens,
              rounds=args.rounds, prompt_tokens=args.prompt_tokens, chunks=_ints(args.chunks, "--chunks"),

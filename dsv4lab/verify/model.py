@@ -147,17 +147,19 @@ def chunked_vs_recompute(runner, ids: list[int], chunk: int) -> dict:
 
 
 @torch.inference_mode()
-def rounding_noise_floor(reference_runner, ids: list[int]) -> list[float]:
+def rounding_noise_floor(reference_runner, ids: list[int], exact: torch.Tensor | None = None) -> list[float]:
     """Teacher-forced per-position KL between the reference and the same reference with fp32 instead of exact
     (fp64) reductions: a change of summation order only, no change of semantics. How far a correct but not
-    bit-exact backend can drift on this checkpoint is of this order; a layout fault is orders of magnitude above."""
+    bit-exact backend can drift on this checkpoint is of this order; a layout fault is orders of magnitude above.
+    ``exact``: the reference's logits of ``ids`` when the caller already has them."""
     import dataclasses
 
     from ..model.ops import ReferenceOps
     t = torch.tensor([ids])
     exact_ops = reference_runner.ops
-    reference_runner.reset([0])
-    exact = reference_runner.forward(t, 0, slots=[0])[0]
+    if exact is None:
+        reference_runner.reset([0])
+        exact = reference_runner.forward(t, 0, slots=[0])[0]
     reference_runner.ops = ReferenceOps(dataclasses.replace(exact_ops.numerics, exact_reductions=False))
     try:
         reference_runner.reset([0])
@@ -326,14 +328,15 @@ def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, 
         t = torch.tensor([tf["ids"]])
         runner.reset([0])
         reference_runner.reset([0])
-        kl = kl_per_position(reference_runner.forward(t, 0, slots=[0])[0], runner.forward(t, 0, slots=[0])[0])
+        ref_logits = reference_runner.forward(t, 0, slots=[0])[0]
+        kl = kl_per_position(ref_logits, runner.forward(t, 0, slots=[0])[0])
         runner.reset([0])
         reference_runner.reset([0])
         brows2, first2, mx2 = boundary_report(kl, runner.args, kl_bound)
         res["tiers"]["vs_reference"] = dict(ok=first2 is None, binding=True, max_kl=mx2, first_divergence=first2,
                                             mean_kl=sum(kl) / len(kl), boundaries=brows2)
         # 4b. the checkpoint's rounding-noise floor, to read the KLs above against (informational, not binding)
-        floor = rounding_noise_floor(reference_runner, tf["ids"])
+        floor = rounding_noise_floor(reference_runner, tf["ids"], ref_logits)
         fmean, fmax = sum(floor) / len(floor), max(floor)
         res["tiers"]["noise_floor"] = dict(
             ok=True, binding=False, max_kl=fmax, mean_kl=fmean, first_divergence=None,
