@@ -29,8 +29,8 @@ from .runs import DATA_DIR, RunError, display_path
 RESULTS_DIR = DATA_DIR / "results"
 PROVENANCE_FIELDS = ("gpu", "torch", "triton", "commit")
 RESULT_FILES = ("decode_kernels", "prefill_kernels", "collectives", "e2e")
-BENCH_MODULES = {"kernels": "dsv4lab.perf.bench_kernels", "e2e": "dsv4lab.perf.bench_e2e",
-                 "collectives": "dsv4lab.perf.bench_collectives", "engine": "dsv4lab.serve.bench_engine"}
+BENCH_MODULES = {"kernels": "dsv4lab.bench.kernels", "e2e": "dsv4lab.bench.e2e",
+                 "collectives": "dsv4lab.bench.collectives", "engine": "dsv4lab.bench.engine"}
 
 
 def results_path(name: str, gpu: str = "h200") -> Path:

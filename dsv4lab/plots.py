@@ -244,7 +244,7 @@ def _short(label: str, width: int = 34) -> str:
 
 def plot_channel_similarity(panels: Mapping[str, Any], *, block: int = 16, title: str | None = None):
     """Heatmaps of output-channel cosine similarity, one panel per entry of ``panels`` (label → ``[t, t]``
-    matrix from :func:`dsv4lab.layout_drill.channel_similarity`: suspect channels as rows, trusted ones as
+    matrix from :func:`dsv4lab.layouts.drill.channel_similarity`: suspect channels as rows, trusted ones as
     columns). Grid lines every ``block`` channels make a block permutation readable at a glance."""
     import numpy as np
     with use_style():
@@ -277,7 +277,7 @@ STAGE_LABELS = {"stage1_w1": "stage 1 (w1 gate)", "stage1_w3": "stage 1 (w3 up)"
 def plot_stage_cosines(runs: Mapping[str, Sequence[Mapping[str, Any]]], *, highlight_layer: int | None = None,
                        title: str | None = None):
     """Per layer, the cosine of each routed-expert stage against the trusted run, one panel per entry of
-    ``runs`` (label → rows of :func:`dsv4lab.layout_drill.isolated_moe_stages`)."""
+    ``runs`` (label → rows of :func:`dsv4lab.layouts.drill.isolated_moe_stages`)."""
     with use_style():
         colors = _colors()
         fig = _figure(STAGES_SIZE)

@@ -1,6 +1,6 @@
 """Tokenizers: the checkpoint's ``tokenizer.json`` (via the ``tokenizers`` library) and the small-model BPE.
 
-The small models use a byte-level BPE with 4,096 ids trained on the training split of :mod:`dsv4lab.corpus`.
+The small models use a byte-level BPE with 4,096 ids trained on the training split of :mod:`dsv4lab.train.corpus`.
 Its first ids are DeepSeek-V4's special tokens, so prompts are built the same way as for the real model:
 
 ====  ============================

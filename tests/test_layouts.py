@@ -489,7 +489,7 @@ def test_checkpoint_work_stays_on_packed_bytes(faulted, tiny_hashes, tmp_path, m
     bad, _ = faulted("paper_w2_blocks")
     calls = []
     real = L.dequantize
-    monkeypatch.setattr(L, "dequantize", lambda w, s, dtype=torch.float64: calls.append(w.shape) or real(w, s, dtype))
+    monkeypatch.setattr(L.algebra, "dequantize", lambda w, s, dtype=torch.float64: calls.append(w.shape) or real(w, s, dtype))
     result = L.fingerprint_checkpoint(bad, reference=TINY)
     n_linears = len(L.checkpoint_linears(Checkpoint(bad)))
     # members are confirmed on bytes; only the one fingerprinted W2 per class is dequantized (with its reference)

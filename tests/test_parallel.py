@@ -113,7 +113,7 @@ LAYOUTS = [(2, 1), (1, 2)]  # TP2, EP2 (both at once, DeepSeek's scheme, is the 
 def _generate_ranks(rank, world, checkpoint, layouts, bench_out):
     from dsv4lab.engine.sampling import trajectory_hash
     from dsv4lab.parallel import load_parallel
-    from dsv4lab.perf import bench_collectives
+    from dsv4lab.bench import collectives as bench_collectives
     ck = Checkpoint(checkpoint)
     out = []
     for tp, ep in layouts:
@@ -328,7 +328,7 @@ def test_peer_read_matches_nccl_bit_for_bit_on_gpus():
 @pytest.mark.distributed
 def test_bench_collectives_on_cpu(two_ranks, bench_json):
     """The benchmark's worker ran in the ranks above (CPU: library all-reduce only, eager)."""
-    from dsv4lab.perf.bench_collectives import format_table
+    from dsv4lab.bench.collectives import format_table
     doc = json.loads(bench_json.read_text())
     assert {(row["variant"], row["mode"], row["message_bytes"]) for row in doc["rows"]} == {
         ("library", "eager", 4096), ("library", "eager", 8192)}

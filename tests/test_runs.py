@@ -1,5 +1,5 @@
 """Run folders, the notebook output helper, expectations, and the helpers the notebooks call
-(:mod:`dsv4lab.layout_drill`, :mod:`dsv4lab.measurements`)."""
+(:mod:`dsv4lab.layouts.drill`, :mod:`dsv4lab.measurements`)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,8 @@ from datetime import datetime, timezone
 import pytest
 import torch
 
-from dsv4lab import layout_drill, layouts, measurements, runs
+from dsv4lab import layouts, measurements, runs
+from dsv4lab.layouts import drill as layout_drill
 
 
 @pytest.fixture(autouse=True, scope="module")

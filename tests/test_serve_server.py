@@ -328,7 +328,7 @@ def test_verify_endpoint_passes_a_healthy_server_and_catches_a_faulted_checkpoin
 
 
 def test_bench_serve_prints_the_metric_table_and_writes_json(served, tmp_path, capsys):
-    from dsv4lab.serve import bench_serve
+    from dsv4lab.bench import serve as bench_serve
     out = tmp_path / "bench.json"
     args = Namespace(url=served.url, checkpoint=None, backend="reference", dtype="float32", model=None, endpoint="completions", api_key=None,
                      num_prompts=3, input_len=6, output_len=3, concurrency="1,3", request_rate=float("inf"),
@@ -350,7 +350,7 @@ def test_bench_serve_prints_the_metric_table_and_writes_json(served, tmp_path, c
 
 
 def test_bench_engine_case_reports_sglang_metrics(served):
-    from dsv4lab.serve.bench_engine import bench_case, decode_weight_bytes, format_table
+    from dsv4lab.bench.engine import bench_case, decode_weight_bytes, format_table
     _wait_idle(served.scheduler)
     r = bench_case(served.model, 2, 5, 3, seed=0, device="cpu")
     assert len(r["decode_step_latencies_s"]) == 2

@@ -1,7 +1,7 @@
 """Parity with transformers' ``DeepseekV4ForCausalLM``, an independently written DeepSeek-V4 forward.
 
 Two tiny random configurations of their own (neither is ``data/tiny``) are written as native checkpoints,
-converted with :mod:`dsv4lab.hf_convert`, and run on both sides in float32 with every quantization simulation
+converted with :mod:`dsv4lab.verify.hf_convert`, and run on both sides in float32 with every quantization simulation
 off (transformers has none). Prefill logits must agree to a relative error ≤ 1e-4 at every position of prompts
 that cross the window, both compression ratios and the indexer's top-k.
 
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", minversion="5.8")
 
 import dsv4lab  # noqa: E402
-from dsv4lab import hf_convert, quant  # noqa: E402
+from dsv4lab import quant  # noqa: E402
+from dsv4lab.verify import hf_convert  # noqa: E402
 from dsv4lab.checkpoint import make_random_checkpoint  # noqa: E402
 from dsv4lab.config import ModelArgs, get_preset  # noqa: E402
 

@@ -519,7 +519,7 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m dsv4lab.perf.bench_collectives (same as dsv4lab bench collectives)
+if __name__ == "__main__":  # python -m dsv4lab.bench.collectives (same as dsv4lab bench collectives)
     import argparse
     parser = argparse.ArgumentParser(description=HELP)
     add_arguments(parser)

@@ -1,4 +1,4 @@
-"""The harness the kernel benchmark suites (``bench_decode``, ``bench_prefill``) share.
+"""The harness the kernel benchmark suites (:mod:`~dsv4lab.bench.decode`, :mod:`~dsv4lab.bench.prefill`) share.
 
 * :class:`BenchRun` — the clock and the ``--budget-s`` watchdog, the rows / checks / errors / skipped lists of one
   run, its log, :meth:`~BenchRun.guard` (one failed piece is recorded, not fatal), :meth:`~BenchRun.check`

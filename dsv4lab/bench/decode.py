@@ -26,7 +26,7 @@ Timing: every measured call is captured in a CUDA graph with its rotated inputs 
 is timed — decode runs graph-replayed), replayed after a warm-up; CUDA events; the median replay divided by the
 calls in it. ``--smoke`` runs the same code at tiny shapes (the CPU interpreter included, plain timing).
 The harness (watchdog, checks, timers, ceilings, random inputs) is shared with the prefill suite:
-:mod:`dsv4lab.perf.bench_common`.
+:mod:`dsv4lab.bench.common`.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import statistics
 import types
 from pathlib import Path
 
-from .bench_common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path,
+from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path,
                            random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = "decode kernels: routed FP4 MoE, FP8 GEMV, sparse attention, one layer step (writes JSON)"

@@ -51,7 +51,7 @@ def add_arguments(p):
 def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
     from ..cli import UserError
-    from ..serve.bench_engine import _ints
+    from .engine import _ints
     o = dict(preset=args.preset, seed=args.seed, nproc=args.nproc, tp=args.tp, ep=args.ep, backend=args.backend,
              collective=args.collective, batches=_ints(args.batches, "--batches"), decode_tokens=args.decode_tokens,
              rounds=args.rounds, prompt_tokens=args.prompt_tokens, chunks=_ints(args.chunks, "--chunks"),
@@ -78,7 +78,7 @@ def run(args) -> int:
 
     from ..cli import UserError
     from ..parallel import run_parallel
-    from .bench_common import write_json
+    from .common import write_json
     from pathlib import Path
     o = options(args)
     if not o["smoke"] and not torch.cuda.is_available():
@@ -193,7 +193,7 @@ def copy_bandwidth(device) -> float | None:
     """GB/s of a 1 GiB fp32 copy (bytes read + written), median of 10 after a warm-up; None on a CPU."""
     import torch
 
-    from .bench_common import median_copy_us
+    from .common import median_copy_us
     if device.type != "cuda":
         return None
     src = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_()
@@ -252,7 +252,7 @@ def decode_round(runner, decode, batch: int, n: int, prompt: list[int]) -> tuple
 
 
 def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> dict:
-    from .costmodel import decode_step
+    from ..perf.costmodel import decode_step
     prompt = _prompt(runner.args, 16, seed=batch)
     decode, path = _decoder(runner, batch)
     seconds = []
@@ -328,10 +328,10 @@ def breakdown(runner, o: dict, device) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from .bench_common import kernel_families
-    from .costmodel import decode_step
-    from .hardware import load_hardware
-    from .roofline import time_step
+    from .common import kernel_families
+    from ..perf.costmodel import decode_step
+    from ..perf.hardware import load_hardware
+    from ..perf.roofline import time_step
     prompt = _prompt(runner.args, 16, seed=2)
     runner.reset()
     nxt = runner.forward(torch.tensor([prompt], device=device), 0)[:, -1].argmax(-1)

@@ -122,8 +122,8 @@ def format_table(results: list[dict]) -> str:
 
 def run(args) -> int:
     from ..cli import UserError
-    from .results import result_meta, write_result
-    from .server import ServerOptions, load_model
+    from ..serve.results import result_meta, write_result
+    from ..serve.server import ServerOptions, load_model
 
     batches = _ints(args.batch_size, "--batch-size")
     lengths = _ints(args.input_len, "--input-len")

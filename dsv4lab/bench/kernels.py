@@ -1,4 +1,4 @@
-"""``dsv4lab bench kernels --suite decode|prefill`` — dispatches to ``dsv4lab.perf.bench_<suite>.run_suite``."""
+"""``dsv4lab bench kernels --suite decode|prefill`` — dispatches to ``dsv4lab.bench.<suite>.run_suite``."""
 from __future__ import annotations
 
 import importlib
@@ -17,7 +17,7 @@ def add_arguments(p) -> None:
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     for suite in SUITES:  # a suite's own options (its module must stay light to import: no torch/triton at top)
         try:
-            mod = importlib.import_module(f"dsv4lab.perf.bench_{suite}")
+            mod = importlib.import_module(f"dsv4lab.bench.{suite}")
         except ImportError:
             continue
         if hasattr(mod, "add_suite_arguments"):
@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..cli import UserError
     try:
-        mod = importlib.import_module(f"dsv4lab.perf.bench_{args.suite}")
+        mod = importlib.import_module(f"dsv4lab.bench.{args.suite}")
     except ImportError as err:
         raise UserError(f"bench suite {args.suite!r} is unavailable: {err}") from None
     return mod.run_suite(args)

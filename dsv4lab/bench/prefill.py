@@ -22,13 +22,13 @@ Timing: CUDA events, median of repetitions after a warm-up (which compiles); the
 far larger than L2, the dense ones are flushed from L2 before every repetition. FLOPs are the useful ones (rows
 padded by the sorter and masked attention slots are not counted). ``--smoke`` runs the same code at the tiny
 model's shapes (CPU interpreter included) to check the script itself. The harness (watchdog, checks, timers,
-ceilings, random inputs) is shared with the decode suite: :mod:`dsv4lab.perf.bench_common`.
+ceilings, random inputs) is shared with the decode suite: :mod:`dsv4lab.bench.common`.
 """
 from __future__ import annotations
 
 import time
 
-from .bench_common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank,
+from .common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank,
                            random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = "prefill kernels: grouped FP4 MoE, FP8 GEMM, sparse attention, indexer, chunked layer (writes JSON)"
@@ -378,7 +378,7 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, config
 # ============================================================================================ chunked layer
 def layer_roofline(a, tokens: int, chunk: int, peaks: dict) -> dict:
     """Roofline time of each op of one CSA layer's prefill (cost model), and the attention / indexer shares."""
-    from . import costmodel
+    from ..perf import costmodel
     one = a.replace(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(4,))
     cost = costmodel.prefill(one, tokens=tokens, chunk=chunk)
     bw = peaks["copy_gbps"] * 1e9

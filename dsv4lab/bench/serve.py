@@ -240,7 +240,7 @@ def _discover(url: str, api_key: str | None) -> dict:
 
 def run(args) -> int:
     from ..cli import UserError
-    from .results import result_meta, write_result
+    from ..serve.results import result_meta, write_result
 
     if (args.url is None) == (args.checkpoint is None):
         raise UserError("give exactly one of --url (a running server) or --checkpoint (start one here)")
@@ -257,7 +257,7 @@ def run(args) -> int:
     server = None
     url = args.url.rstrip("/") if args.url else None
     if args.checkpoint:
-        from .server import BackgroundServer, ServerOptions, build_app
+        from ..serve.server import BackgroundServer, ServerOptions, build_app
         app, scheduler = build_app(ServerOptions(checkpoint=args.checkpoint, max_concurrency=max(levels),
                                                  api_key=args.api_key, backend=args.backend, dtype=args.dtype))
         server = BackgroundServer(app, scheduler=scheduler).start()

@@ -7,11 +7,11 @@ NAME = "bench"
 HELP = "benchmarks: kernels (--suite decode|prefill), engine, serve (HTTP), e2e, collectives"
 
 SUBCOMMANDS = {
-    "kernels": "dsv4lab.perf.bench_kernels",
-    "engine": "dsv4lab.serve.bench_engine",
-    "serve": "dsv4lab.serve.bench_serve",
-    "e2e": "dsv4lab.perf.bench_e2e",
-    "collectives": "dsv4lab.perf.bench_collectives",
+    "kernels": "dsv4lab.bench.kernels",
+    "engine": "dsv4lab.bench.engine",
+    "serve": "dsv4lab.bench.serve",
+    "e2e": "dsv4lab.bench.e2e",
+    "collectives": "dsv4lab.bench.collectives",
 }
 
 

@@ -10,7 +10,7 @@ Four steps, each a sub-command (``docs/training.md`` has the exact commands that
 ``train`` writes the trained weights (safetensors shards ≤ 15 MiB: float32, bf16 where the checkpoint stores
 BF16) and ``train_log.json``; ``export`` quantizes them into the native format, validates the checkpoint,
 evaluates held-out perplexity and records the greedy oracles; ``ablation`` re-quantizes the trained weights in
-other formats (see :mod:`dsv4lab.quant_ablation`).
+other formats (see :mod:`dsv4lab.train.quant_ablation`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def add_arguments(p):
     prep.add_argument("--tokenizer", default=None,
                       help="tokenizer.json (default: data/tokenizers/pystdlib-bpe-4096.json)")
     prep.add_argument("--packed-corpus", default=None,
-                      help="a dsv4lab.corpus.pack_corpus JSON file instead of this interpreter's stdlib")
+                      help="a dsv4lab.train.corpus.pack_corpus JSON file instead of this interpreter's stdlib")
 
     tr = sub.add_parser("train", help="train with the reference modules (autograd) and save the weights")
     tr.add_argument("--tokens", required=True, help="folder written by `prepare`")
@@ -78,7 +78,7 @@ def run(args) -> int:
     from ..cli import UserError
 
     if args.step == "prepare":
-        from ..train import DEFAULT_TOKENIZER, prepare_tokens
+        from ..train.trainer import DEFAULT_TOKENIZER, prepare_tokens
         out = prepare_tokens(args.out, args.tokenizer or DEFAULT_TOKENIZER, args.packed_corpus)
         meta = json.loads((out / "tokens.json").read_text())
         print(f"wrote {out}/tokens.npz: {meta['n_tokens']} tokens, corpus digest "
@@ -92,7 +92,7 @@ def run(args) -> int:
 
         import torch
 
-        from ..train import TrainConfig, load_tokens, save_weights, train
+        from ..train.trainer import TrainConfig, load_tokens, save_weights, train
         if args.device == "auto":
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -119,7 +119,7 @@ def run(args) -> int:
         return 0
 
     if args.step == "export":
-        from ..train import DEFAULT_TOKENIZER, export_checkpoint
+        from ..train.trainer import DEFAULT_TOKENIZER, export_checkpoint
         rep = export_checkpoint(args.weights, args.out, args.tokens, args.tokenizer or DEFAULT_TOKENIZER,
                                 eval_windows=args.eval_windows, max_new_tokens=args.max_new_tokens,
                                 overwrite=args.overwrite, log=_log)
@@ -129,7 +129,7 @@ def run(args) -> int:
         return 0 if rep["acceptance"]["passed"] else 1
 
     if args.step == "ablation":
-        from ..quant_ablation import run_ablation
+        from ..train.quant_ablation import run_ablation
         res = run_ablation(args.weights, args.tokens, args.out, eval_windows=args.eval_windows,
                            batch_size=args.batch_size, log=_log)
         for row in res["points"]:

@@ -44,7 +44,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
 
 import torch
 
-from . import quant
+from .. import quant
 
 Side = Literal["rows", "cols"]
 ScalePolicy = Literal["follow", "keep"]
@@ -1235,7 +1235,7 @@ def _rewrite_checkpoint(src: str | Path, out: str | Path, transform: Callable[[s
                         shape_of: Callable[[str, tuple], tuple], *, overwrite: bool, progress: bool) -> Path:
     """Copy ``src`` to ``out`` tensor by tensor through ``transform``, keeping names, dtypes, sharding and every
     non-weight file; written to a temporary folder and renamed (never in place)."""
-    from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, TensorSpec, write_checkpoint
+    from ..checkpoint import INDEX_NAME, Checkpoint, CheckpointError, TensorSpec, write_checkpoint
 
     src, out = Path(src), Path(out)
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
@@ -1265,7 +1265,7 @@ def repair_checkpoint(src: str | Path, spec: RepairSpec | str | Path, out: str |
     """Write a repaired copy of ``src`` to ``out`` (never in place): every tensor a rule matches is undone on its
     packed bytes, everything else is copied byte for byte. Returns the number of tensors each rule changed;
     a rule that matches nothing is an error (a typo would otherwise write a silent copy)."""
-    from .checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint
 
     spec = load_repairs(spec)
     ck = Checkpoint(src)
@@ -1378,7 +1378,7 @@ def inject_fault_into_checkpoint(src: str | Path, fault: Fault | str, out: str |
 
     ``layers`` / ``experts`` / ``tensors`` override the fault's defaults (layer indices refer to ``layers.N``).
     """
-    from .checkpoint import Checkpoint
+    from ..checkpoint import Checkpoint
 
     if isinstance(fault, str):
         if fault not in FAULTS:
@@ -1560,8 +1560,8 @@ def fingerprint_checkpoint(suspect: str | Path, *, reference: str | Path | None 
     member becomes one rule for the class (a glob, or an exact regex if the glob would also match linears of
     another class), one that fits some members a rule naming them. ``only`` restricts the linears (globs).
     """
-    from .checkpoint import Checkpoint, CheckpointError
-    from .checkpoint import _progress as progress_bar
+    from ..checkpoint import Checkpoint, CheckpointError
+    from ..checkpoint import _progress as progress_bar
 
     if (reference is None) == (golden is None):
         raise LayoutError("fingerprint_checkpoint: give exactly one of reference= (a trusted checkpoint) or "

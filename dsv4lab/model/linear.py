@@ -81,7 +81,7 @@ class ExpertBank(nn.Module):
 
     Buffers: ``w1, w3 [E, I, D/2]`` int8 packed E2M1 with ``w1_scale, w3_scale [E, I, D/32]``; ``w2 [E, D, I/2]``
     with ``w2_scale [E, D, I/32]`` (FP8 experts: ``[E, N, K]`` E4M3 with block scales; ``"f32"``: ``[E, N, K]``
-    float32 without scales, the trainable form used by :mod:`dsv4lab.train`).
+    float32 without scales, the trainable form used by :mod:`dsv4lab.train.trainer`).
     """
 
     def __init__(self, n_experts: int, dim: int, inter: int, fmt: str = "fp4", expert_offset: int = 0):

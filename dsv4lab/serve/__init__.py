@@ -9,6 +9,6 @@ Modules (importing this package imports none of them, and nothing imports FastAP
 - :mod:`~dsv4lab.serve.scheduler` — the request queue and the batched engine loop over cache slots.
 - :mod:`~dsv4lab.serve.app` — the FastAPI app; :mod:`~dsv4lab.serve.server` — loading, uvicorn, a
   background server for tests and notebooks.
-- :mod:`~dsv4lab.serve.bench_engine` (``dsv4lab bench engine``), :mod:`~dsv4lab.serve.bench_serve`
-  (``dsv4lab bench serve``), :mod:`~dsv4lab.serve.verify_endpoint` (``dsv4lab verify endpoint``).
+- :mod:`~dsv4lab.serve.verify_endpoint` (``dsv4lab verify endpoint``). The engine and endpoint benchmarks are
+  :mod:`dsv4lab.bench.engine` and :mod:`dsv4lab.bench.serve`.
 """

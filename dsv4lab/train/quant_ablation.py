@@ -14,7 +14,7 @@ plus the full native choice (both) and the bf16 reference. For each point: held-
 KL(bf16 model ‖ quantized model) per token, the relative Frobenius error of the quantized family's weights
 against the float32 master weights, and bytes per parameter of that family (values + scales).
 
-Everything runs on the CPU through the training form of the reference model (:func:`dsv4lab.train.build_trainable`
+Everything runs on the CPU through the training form of the reference model (:func:`dsv4lab.train.trainer.build_trainable`
 holding dequantized values) with bf16 compute and the activation/KV/indexer simulations off, so the only
 difference between points is the weight format.
 """
@@ -31,10 +31,10 @@ from typing import Callable, Literal
 
 import torch
 
-from . import quant
-from .config import ModelArgs, get_preset
+from .. import quant
+from ..config import ModelArgs, get_preset
 
-RESULTS_FILE = Path(__file__).resolve().parents[1] / "data" / "results" / "quant_ablation.json"
+RESULTS_FILE = Path(__file__).resolve().parents[2] / "data" / "results" / "quant_ablation.json"
 
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
 
@@ -115,7 +115,7 @@ def fp8_dense_qdq(w: torch.Tensor, fmt: DenseFormat) -> tuple[torch.Tensor, int]
 # ============================================================================================ re-quantization
 def _families(args: ModelArgs) -> tuple[list[str], list[str]]:
     """(expert bank names ``layers.L.ffn.experts.wX``, dense FP8 weight names) of ``args``."""
-    from .checkpoint import expected_tensors
+    from ..checkpoint import expected_tensors
 
     banks, dense = set(), []
     for s in expected_tensors(args):
@@ -135,7 +135,7 @@ def requantize(args: ModelArgs, state: dict[str, torch.Tensor], experts: ExpertF
     Returns ``(state, stats)`` with per-family ``rel_error`` (‖Ŵ − W‖/‖W‖ over the family) and
     ``bytes_per_param``.
     """
-    from .train import bf16_rounded_state
+    from .trainer import bf16_rounded_state
 
     out = bf16_rounded_state(args, state)
     bank_names, dense_names = _families(args)
@@ -193,9 +193,9 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
     """Evaluate every point of :func:`sweep_points` (or ``points``) and write the results JSON to ``out``."""
     import platform
 
-    from .model.numerics import Numerics
-    from .model.ops import ReferenceOps
-    from .train import (evaluate_nll, heldout_windows, load_tokens, load_weights_f32, read_train_log,
+    from ..model.numerics import Numerics
+    from ..model.ops import ReferenceOps
+    from .trainer import (evaluate_nll, heldout_windows, load_tokens, load_weights_f32, read_train_log,
                         trainable_from_state)
 
     weights_dir = Path(weights_dir)
@@ -243,7 +243,7 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
         log(f"{pt['name']:<52} ppl {ev['ppl']:.3f} KL {ev['kl']:.5f} rel.err {row['weight_rel_error']:.4f} "
             f"{row['bytes_per_param']:.4f} B/param ({time.perf_counter() - t0:.0f} s)")
     result = dict(
-        description="Weight-format ablation of data/tiny-py's trained model (dsv4lab.quant_ablation)",
+        description="Weight-format ablation of data/tiny-py's trained model (dsv4lab.train.quant_ablation)",
         computed_on=f"CPU ({platform.machine()}, {torch.get_num_threads()} threads), from the trained weights as "
                     "`train` saved them (float32 experts, dense projections and F32 tensors; bf16 for the tensors "
                     "the checkpoint stores as BF16); no GPU involved",

@@ -41,14 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelArgs, get_preset
-from .model.linear import ExpertBank, Linear
-from .model.moe import MoE
-from .model.numerics import Numerics
-from .model.ops import ReferenceOps
-from .model.transformer import Transformer
+from ..config import ModelArgs, get_preset
+from ..model.linear import ExpertBank, Linear
+from ..model.moe import MoE
+from ..model.numerics import Numerics
+from ..model.ops import ReferenceOps
+from ..model.transformer import Transformer
 
-DEFAULT_TOKENIZER = Path(__file__).resolve().parents[1] / "data" / "tokenizers" / "pystdlib-bpe-4096.json"
+DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizers" / "pystdlib-bpe-4096.json"
 
 # ============================================================================================ the model
 def _tensor_generator(seed: int, name: str) -> torch.Generator:
@@ -270,13 +270,13 @@ def lm_losses(model: Transformer, ops: TrainingOps, window: torch.Tensor, mtp_we
 # ============================================================================================ data
 def prepare_tokens(out_dir: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZER,
                    packed_corpus: str | Path | None = None) -> Path:
-    """Tokenize the corpus (this interpreter's stdlib, or a :func:`dsv4lab.corpus.pack_corpus` file) into
+    """Tokenize the corpus (this interpreter's stdlib, or a :func:`dsv4lab.train.corpus.pack_corpus` file) into
     ``tokens.npz`` (``train``/``heldout`` uint16 streams) and ``tokens.json`` (what they were made from).
 
     Each file becomes ``BOS + ids(text) + EOS``; files are concatenated in the corpus's sorted order.
     """
     from . import corpus
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer)
     if packed_corpus is not None:
@@ -565,7 +565,7 @@ def save_weights(model: Transformer, out_dir: str | Path, max_shard_bytes: int =
     """
     from safetensors.torch import save_file
 
-    from .checkpoint import expected_tensors
+    from ..checkpoint import expected_tensors
 
     bf16_in_file = {s.name for s in expected_tensors(model.args) if s.dtype == "BF16"}
     out = Path(out_dir)
@@ -635,8 +635,8 @@ def native_state_dict(args: ModelArgs, state: dict[str, torch.Tensor],
     """Quantize a float32 trained state into the native tensors of ``args`` (names, dtypes and shapes of
     :func:`dsv4lab.checkpoint.expected_tensors`): FP4 experts via ``quant.fp4_quantize`` (E2M1, E8M0 per 32),
     FP8 dense projections via ``quant.fp8_block_quantize`` (E4M3, 128×128 E8M0), BF16 and F32 elsewhere."""
-    from . import quant
-    from .checkpoint import TORCH_DTYPE, expected_tensors
+    from .. import quant
+    from ..checkpoint import TORCH_DTYPE, expected_tensors
 
     expert_quantizer = expert_quantizer or (quant.fp4_quantize if args.expert_dtype == "fp4"
                                             else quant.fp8_block_quantize)
@@ -669,7 +669,7 @@ def bf16_rounded_state(args: ModelArgs, state: dict[str, torch.Tensor]) -> dict[
     """The trained state as an unquantized bf16 checkpoint would hold it: the tensors the native file stores in
     F32 (mHC, ``attn_sink``, ``ape``, router bias) kept, every other float tensor rounded to bf16 (returned as
     float32 so the trainable model can hold it)."""
-    from .checkpoint import expected_tensors
+    from ..checkpoint import expected_tensors
 
     f32_in_file = {s.name for s in expected_tensors(args) if s.dtype == "F32"}
     return {k: (v if (k in f32_in_file or not v.is_floating_point()) else v.to(torch.bfloat16).float())
@@ -688,7 +688,7 @@ ORACLE_PROMPTS = (
 
 def record_oracles(runner, prompts: Iterable[str] = ORACLE_PROMPTS, max_new_tokens: int = 40) -> list[dict]:
     """Greedy completions (``BOS + prompt``) with the runner's settings: prompt, ids, completion, hash."""
-    from .engine.sampling import trajectory_hash
+    from ..engine.sampling import trajectory_hash
 
     tok = runner.tokenizer
     rows = []
@@ -706,9 +706,9 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
     """Quantize the trained weights into a native checkpoint at ``out``, validate it, evaluate held-out
     perplexity (bf16 unquantized, quantized as loaded by :func:`dsv4lab.load`), record oracles and write
     ``train_report.json`` and ``oracles.json`` into ``out``. Returns the report."""
-    from . import load
-    from .checkpoint import Checkpoint, write_state_dict
-    from .engine.backends import make_ops
+    from .. import load
+    from ..checkpoint import Checkpoint, write_state_dict
+    from ..engine.backends import make_ops
 
     weights_dir, out = Path(weights_dir), Path(out)
     train_log = read_train_log(weights_dir)
@@ -750,7 +750,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
     for row in oracles:
         log(f"  {row['prompt']!r} -> {row['completion']!r}")
 
-    from .checkpoint import file_hashes
+    from ..checkpoint import file_hashes
     oracle_doc = dict(
         checkpoint=out.name, max_new_tokens=max_new_tokens, add_bos=True, decoding="greedy (temperature 0)",
         settings="dsv4lab.load(checkpoint, dtype=torch.bfloat16) — reference backend, every simulation on",
@@ -787,7 +787,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
                       final_train_loss=train_log["history"][-1]["lm"], evals=train_log["evals"],
                       recipe="dsv4lab train-small train (dsv4lab/train.py): AdamW, warm-up + cosine, "
                              "LM + 0.3·MTP + indexer-KL losses, noaux_tc bias balancing, tid2eid fixed random"),
-        corpus=dict(token_meta, heldout_split="sha256(relative path)[0] < 13 (dsv4lab/corpus.py)"),
+        corpus=dict(token_meta, heldout_split="sha256(relative path)[0] < 13 (dsv4lab/train/corpus.py)"),
         quantization=dict(routed_experts="FP4 E2M1, E8M0 scale per 32 along K (quant.fp4_quantize)",
                           dense="FP8 E4M3, 128x128 E8M0 block scales (quant.fp8_block_quantize)",
                           other="BF16 (embedding, head, norms, router, compressor, indexer weights_proj); F32 "

@@ -25,8 +25,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .checkpoint import Checkpoint
-from .config import ModelArgs
+from ..checkpoint import Checkpoint
+from ..config import ModelArgs
 
 # E2M1 code → value (sign bit = bit 3), spec §2.3.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -21,7 +21,9 @@ MAX_NEW_TOKENS: int = 32  # tokens to generate (8 in SMOKE mode)
 # %%
 # %matplotlib inline
 import dsv4lab
-from dsv4lab import layout_drill, plots, quant_ablation, runs
+from dsv4lab import plots, runs
+from dsv4lab.layouts import drill
+from dsv4lab.train import quant_ablation
 from dsv4lab.checkpoint import Checkpoint
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
@@ -77,8 +79,8 @@ out.data("generation", dict(prompt=PROMPT, prompt_ids=prompt_ids, output_ids=out
 # checkpoint's oracles, recorded with the reference backend; `02_correctness` runs the whole hierarchy.
 
 # %%
-oracles, source = layout_drill.fixed_id_oracles(ckpt, runner, limit=1, max_new_tokens=8 if SMOKE else None)
-rows = layout_drill.run_oracles(runner, oracles)
+oracles, source = drill.fixed_id_oracles(ckpt, runner, limit=1, max_new_tokens=8 if SMOKE else None)
+rows = drill.run_oracles(runner, oracles)
 print(f"expected ids from: {source}")
 golden_ok = all(r["ok"] for r in rows) if source.startswith("golden") else None
 out.keys(golden_oracle_ok=golden_ok)

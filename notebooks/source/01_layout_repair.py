@@ -27,7 +27,8 @@ TOKENS: int = 48  # tokens traced for the per-stage comparison (16 in SMOKE mode
 import shutil
 
 import dsv4lab
-from dsv4lab import layout_drill, layouts, plots, runs
+from dsv4lab import layouts, plots, runs
+from dsv4lab.layouts import drill
 from dsv4lab.verify.model import fixed_sequence
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
@@ -43,7 +44,7 @@ print(f"trusted checkpoint {runs.display_path(ckpt)}; scratch copies in {work}")
 # scales alike, on the packed FP4 bytes. Only the copy is written.
 
 # %%
-fault = layouts.FAULTS[layout_drill.PAPER_FAULT]
+fault = layouts.FAULTS[drill.PAPER_FAULT]
 faulted = work / "faulted"
 injected = layouts.inject_fault_into_checkpoint(ckpt, fault, faulted, overwrite=True)
 print(fault.description)
@@ -58,10 +59,10 @@ out.keys(injected_linears=len(injected), injected_layout=fault.layout.describe()
 # %%
 trusted = dsv4lab.load(ckpt, max_batch=1)
 suspect = dsv4lab.load(faulted, max_batch=1)
-oracles, oracle_source = layout_drill.fixed_id_oracles(ckpt, trusted, limit=1 if SMOKE else None,
+oracles, oracle_source = drill.fixed_id_oracles(ckpt, trusted, limit=1 if SMOKE else None,
                                                        max_new_tokens=8 if SMOKE else None)
 print(f"expected ids from: {oracle_source}")
-oracle_before = layout_drill.run_oracles(suspect, oracles)
+oracle_before = drill.run_oracles(suspect, oracles)
 out.keys(oracle_source=oracle_source, oracle_before_ok=all(r["ok"] for r in oracle_before))
 out.table("oracle_before", oracle_before)
 
@@ -75,7 +76,7 @@ out.table("oracle_before", oracle_before)
 
 # %%
 trace_ids = fixed_sequence(trusted.args, 16 if SMOKE else TOKENS, seed=SEED + 1)
-stages_faulted = layout_drill.isolated_moe_stages(trusted, suspect, trace_ids)
+stages_faulted = drill.isolated_moe_stages(trusted, suspect, trace_ids)
 stage1 = min(min(r["stage1_w1_cosine"], r["stage1_w3_cosine"]) for r in stages_faulted)
 stage2 = max(r["stage2_w2_cosine"] for r in stages_faulted)
 print(f"stage 1 cosine ≥ {stage1:.6f} in every layer; stage 2 cosine ≤ {stage2:.3f} in every layer")
@@ -94,7 +95,7 @@ out.table("stages_faulted", stages_faulted)
 only = ["*.ffn.experts.*.w2"] if SMOKE else ["*.ffn.*"]
 fp = layouts.fingerprint_checkpoint(faulted, reference=ckpt, only=only, seed=SEED)
 print(fp.summary())
-verdict = layout_drill.injected_layout_recovered(fp, faulted, injected, fault, only=only)
+verdict = drill.injected_layout_recovered(fp, faulted, injected, fault, only=only)
 spec_path = out.json_file("repair_spec", fp.spec.to_json())  # loadable: dsv4lab.load(..., repairs=spec_path)
 w2_rule = next(r for r in fp.spec.rules if r.matches(injected[0]))
 tile_perm = list(w2_rule.layout.params().get("tile_perm", []))
@@ -112,12 +113,12 @@ out.data("fingerprint", fp.to_json())
 # then odd ones); the repaired copy is the identity.
 
 # %%
-w2_linears = layout_drill.expert_linears(ckpt, "w2")
+w2_linears = drill.expert_linears(ckpt, "w2")
 shown = w2_linears[(LAYER, EXPERT)]
 repaired = work / "repaired"
 layouts.repair_checkpoint(faulted, fp.spec, repaired, overwrite=True)
-similarity_faulted = layout_drill.channel_similarity(ckpt, faulted, shown, tile=TILE, seed=SEED)
-similarity_repaired = layout_drill.channel_similarity(ckpt, repaired, shown, tile=TILE, seed=SEED)
+similarity_faulted = drill.channel_similarity(ckpt, faulted, shown, tile=TILE, seed=SEED)
+similarity_repaired = drill.channel_similarity(ckpt, repaired, shown, tile=TILE, seed=SEED)
 fig = plots.plot_channel_similarity({"stored (faulted) vs trusted": similarity_faulted,
                                      "repaired vs trusted": similarity_repaired}, block=fault.layout.params()["block"],
                                     title=f"{shown}, output tile {TILE}")
@@ -131,10 +132,10 @@ out.figure(fig, "heatmap")
 # free on the hot path.
 
 # %%
-identical = layout_drill.same_files(repaired, ckpt)
+identical = drill.same_files(repaired, ckpt)
 fixed = dsv4lab.load(faulted, max_batch=1, repairs=fp.spec)
-oracle_after = layout_drill.run_oracles(fixed, oracles)
-stages_fixed = layout_drill.isolated_moe_stages(trusted, fixed, trace_ids)
+oracle_after = drill.run_oracles(fixed, oracles)
+stages_fixed = drill.isolated_moe_stages(trusted, fixed, trace_ids)
 stage2_after = min(r["stage2_w2_cosine"] for r in stages_fixed)
 print(f"repaired copy byte-identical to the original: {all(identical.values())} ({len(identical)} files)")
 print(f"oracle after the load-time repair: {'PASS' if all(r['ok'] for r in oracle_after) else 'FAIL'}; "
@@ -166,7 +167,7 @@ if INTERACTIVE:
     view = widgets.Output()
 
     def explore(layer, expert, tile):
-        matrix = layout_drill.channel_similarity(ckpt, faulted, w2_linears[(layer, expert)], tile=tile, seed=SEED)
+        matrix = drill.channel_similarity(ckpt, faulted, w2_linears[(layer, expert)], tile=tile, seed=SEED)
         with view:
             view.clear_output(wait=True)
             display(plots.plot_channel_similarity({f"layer {layer}, expert {expert}, tile {tile}: stored vs trusted":
