@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, ModelArgs, ceil_div
+from .errors import CheckpointError
 from . import quant
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,17 +39,6 @@ TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float3
                "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
                "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
 DTYPE_CODE = {v: k for k, v in TORCH_DTYPE.items()}
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be used; ``problems`` lists every finding (tensor or file, expected, found)."""
-
-    def __init__(self, path: str | Path, problems: list[str]):
-        self.path = str(path)
-        self.problems = list(problems)
-        shown = "\n  ".join(self.problems[:50])
-        more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
-        super().__init__(f"{path}: {len(self.problems)} problem(s):\n  {shown}{more}")
 
 
 # ============================================================================================ expected table

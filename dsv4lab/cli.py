@@ -1,12 +1,16 @@
 """The ``dsv4lab`` command line. Each subcommand lives in its own module under :mod:`dsv4lab.commands`.
 
 A command module defines ``NAME`` (the subcommand), ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int``. Modules are discovered, so adding a command means adding a file. Heavy imports (torch,
-triton, fastapi, papermill) happen inside ``run``, never at parse time, so ``dsv4lab --help`` is instant.
+``run(args) -> int``. Modules are discovered, so adding a command means adding a file. Command modules import
+nothing heavy at module level, and a command's sub-commands (``bench e2e``, ``verify model``) are imported only
+when they are the one being run (:mod:`dsv4lab.commands._dispatch`), so ``dsv4lab --help`` is instant.
 
-Errors the user can fix (a bad path, a malformed checkpoint, a wrong config key) are raised as
-:class:`UserError` (or the package's own ``*Error`` types) and printed as one clear message with a non-zero
-exit status, without a traceback; ``DSV4LAB_DEBUG=1`` shows the traceback too.
+Mistakes are reported in one line and exit status 2, with no traceback:
+
+* a flag value argparse rejects (``--backend trition``) — ``dsv4lab generate: error: argument --backend: invalid
+  choice: 'trition' (choose from reference, triton)``; the shared flags are declared once in :mod:`dsv4lab.options`;
+* any :class:`~dsv4lab.errors.DSV4LabError` a command raises (a bad path, a malformed checkpoint, a wrong config
+  key), and a missing or already existing file; ``DSV4LAB_DEBUG=1`` shows the traceback too.
 """
 from __future__ import annotations
 
@@ -16,13 +20,23 @@ import os
 import pkgutil
 import sys
 
+from . import __version__, commands
+from .errors import DSV4LabError, UserError  # noqa: F401 — UserError: what commands raise
 
-class UserError(Exception):
-    """A problem with the user's input: printed without a traceback, exit status 2."""
+USER_ERRORS = (DSV4LabError, FileNotFoundError, FileExistsError)
+"""What the command line reports as one line (exit 2) instead of a traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``PROG: error: MESSAGE (see PROG --help)``, exit status 2.
+
+    Sub-parsers created from it are of the same class, so every command and sub-command reports alike."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _command_modules():
-    from . import commands
     mods = []
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -32,8 +46,7 @@ def _command_modules():
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dsv4lab", description="DeepSeek-V4-Flash inference workbench: checkpoints, reference model, "
         "verification, layout repair, kernels, performance model, serving.")
     parser.add_argument("--version", action="version", version=f"dsv4lab {__version__}")
@@ -46,28 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    from .config import ConfigError
-    errs: list[type[BaseException]] = [UserError, ConfigError, FileNotFoundError, FileExistsError]
-    try:
-        from .checkpoint import CheckpointError
-        from .quant import QuantError
-        errs += [CheckpointError, QuantError]
-    except ImportError:  # torch missing: still report config errors cleanly
-        pass
-    return tuple(errs)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a flag argparse rejected (one line already printed)
+        return done.code if isinstance(done.code, int) else 0
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    known = _known_errors()
     try:
         return int(args._run(args) or 0)
-    except known as err:
+    except USER_ERRORS as err:
         if os.environ.get("DSV4LAB_DEBUG"):
             raise
         print(f"dsv4lab {args.command}: error: {err}", file=sys.stderr)

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from .errors import ConfigError
+
 LayerKind = Literal["swa", "csa", "hca"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing or inconsistent; the message names the field."""
 
 
 @dataclass(frozen=True)

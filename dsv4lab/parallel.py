@@ -42,6 +42,7 @@ import torch
 from .collectives import DEFAULT_PEER_READ_BYTES, CountingAllReduce, make_all_reduce
 from .config import ConfigError, ModelArgs
 from .engine.loader import ShardPlan
+from .errors import ParallelError
 
 FP8_BLOCK = 128
 
@@ -55,10 +56,6 @@ _TP_SPLITS: list[tuple[re.Pattern, int]] = [
     (re.compile(r"\.attn\.wo_b\.(weight|scale)$"), 1),
 ]
 _EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
-
-
-class ParallelError(ConfigError):
-    """A tensor/expert-parallel layout this model or this launch cannot run; the message says why."""
 
 
 # ============================================================================================ layout

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from .errors import QuantError
+
 # ---------------------------------------------------------------------------------------------- FP4 E2M1
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """Code → value; code ``c`` and ``c | 8`` are negatives of each other."""
@@ -31,10 +33,6 @@ FP8_E4M3_MAX = 448.0
 FP4_BLOCK = 32
 FP8_WEIGHT_BLOCK = 128
 ACT_BLOCK = 128
-
-
-class QuantError(ValueError):
-    """A quantized tensor is malformed (wrong dtype, shape or NaN scale); the message names it."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from .errors import RunError
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 DATA_DIR = REPO_ROOT / "data"
@@ -61,10 +63,6 @@ FIGURE_FORMATS = ("png", "pdf")
 # Package versions recorded in every manifest (those that are installed).
 MANIFEST_PACKAGES = ("dsv4lab", "torch", "triton", "numpy", "safetensors", "tokenizers", "transformers", "matplotlib",
                      "papermill", "nbclient", "nbformat", "ipykernel", "ipywidgets", "jupyterlab", "pyyaml", "tqdm")
-
-
-class RunError(ValueError):
-    """A problem with a run folder, a results file or an expectations file (names the file and field)."""
 
 
 # ============================================================================================ git and time

@@ -52,7 +52,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from ..parallel import run_parallel
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

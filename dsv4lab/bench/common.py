@@ -325,7 +325,7 @@ def materialize_random(module, device, gen) -> None:
 def select_device(suite: str, smoke: bool):
     """The GPU, or the CPU for a ``--smoke`` run (a clear error otherwise)."""
     import torch
-    from ..cli import UserError
+    from ..errors import UserError
     if not torch.cuda.is_available() and not smoke:
         raise UserError(f"bench kernels --suite {suite} needs a GPU (use --smoke to check the script on a CPU)")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

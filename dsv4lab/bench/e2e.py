@@ -25,16 +25,18 @@ import statistics
 import sys
 import time
 
+from ..options import add_backend, add_preset
+
 HELP = "end-to-end: decode tok/s and MBU at batch 1/2/4/8, TTFT of a 4,604-token prompt, oracle hash, ABBA, breakdown"
 
 
 def add_arguments(p):
-    p.add_argument("--preset", default="flash", help="architecture of the generated model (default flash)")
+    add_preset(p, "flash", help="architecture of the generated model")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
     p.add_argument("--nproc", type=int, default=2, help="ranks (processes) on this host")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--backend", default="triton")
+    add_backend(p, "triton")
     p.add_argument("--collective", default="auto", help="all-reduce strategy: library, peer_read or auto")
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--decode-tokens", type=int, default=256)
@@ -50,7 +52,7 @@ def add_arguments(p):
 
 def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
-    from ..cli import UserError
+    from ..errors import UserError
     from .engine import _ints
     o = dict(preset=args.preset, seed=args.seed, nproc=args.nproc, tp=args.tp, ep=args.ep, backend=args.backend,
              collective=args.collective, batches=_ints(args.batches, "--batches"), decode_tokens=args.decode_tokens,
@@ -76,7 +78,7 @@ def options(args) -> dict:
 def run(args) -> int:
     import torch
 
-    from ..cli import UserError
+    from ..errors import UserError
     from ..parallel import run_parallel
     from .common import write_json
     from pathlib import Path

@@ -20,14 +20,16 @@ import statistics
 import sys
 import time
 
+from ..options import add_backend, add_device, add_dtype, resolve_device
+
 HELP = "engine benchmark without HTTP (SGLang bench_one_batch: prefill tok/s, decode tok/s, GB/s)"
 
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--backend", default="reference")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16")
+    add_backend(p)
+    add_device(p)
+    add_dtype(p)
     p.add_argument("--batch-size", default="1,4", help="comma-separated batch sizes")
     p.add_argument("--input-len", default="32", help="comma-separated prompt lengths")
     p.add_argument("--output-len", type=int, default=8, help="generated tokens per sequence (>= 2)")
@@ -36,7 +38,7 @@ def add_arguments(p):
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from ..cli import UserError
+    from ..errors import UserError
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
@@ -121,7 +123,7 @@ def format_table(results: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from ..serve.results import result_meta, write_result
     from ..serve.server import ServerOptions, load_model
 
@@ -129,7 +131,8 @@ def run(args) -> int:
     lengths = _ints(args.input_len, "--input-len")
     if args.output_len < 2:
         raise UserError("--output-len must be >= 2 (one prefill token and at least one decode step)")
-    model = load_model(ServerOptions(checkpoint=args.checkpoint, backend=args.backend, device=args.device,
+    device = resolve_device(args.device)
+    model = load_model(ServerOptions(checkpoint=args.checkpoint, backend=args.backend, device=device,
                                      dtype=args.dtype, max_concurrency=max(batches),
                                      max_model_len=max(lengths) + args.output_len))
     slots = int(getattr(model, "max_batch", max(batches)))
@@ -139,17 +142,17 @@ def run(args) -> int:
         raise UserError(f"--input-len {max(lengths)} + --output-len {args.output_len} exceeds the cache length "
                         f"{model.args.max_seq_len}")
     print(f"warm-up (B={batches[0]}, L_in={lengths[0]}) ...", file=sys.stderr)
-    bench_case(model, batches[0], lengths[0], 2, args.seed, args.device)
+    bench_case(model, batches[0], lengths[0], 2, args.seed, device)
     results = []
     for b in batches:
         for n in lengths:
             print(f"B={b} L_in={n} L_out={args.output_len} ...", file=sys.stderr)
-            results.append(bench_case(model, b, n, args.output_len, args.seed, args.device))
+            results.append(bench_case(model, b, n, args.output_len, args.seed, device))
     print(format_table(results))
     doc = {"benchmark": "engine",
            "definitions": "SGLang bench_one_batch: prefill tok/s = B*L_in/t_prefill; decode tok/s = "
                           "B/median(t_step); GB/s = analytic decode weight bytes / median(t_step)",
-           "meta": {**result_meta(args.device), "checkpoint": str(args.checkpoint), "backend": args.backend,
+           "meta": {**result_meta(device), "checkpoint": str(args.checkpoint), "backend": args.backend,
                     "dtype": args.dtype, "seed": args.seed},
            "results": results}
     print(f"wrote {write_result(doc, args.out, 'bench_engine')}")

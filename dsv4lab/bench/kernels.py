@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     try:
         mod = importlib.import_module(f"dsv4lab.bench.{args.suite}")
     except ImportError as err:

@@ -489,7 +489,7 @@ def bench_chunked_layer(b: PrefillBench, args, gen, total: int, chunks) -> dict:
 # ============================================================================================ driver
 def run_suite(args) -> int:
     import torch
-    from ..cli import UserError
+    from ..errors import UserError
     from ..config import get_preset
     smoke = getattr(args, "smoke", False)
     quick = getattr(args, "quick", False)

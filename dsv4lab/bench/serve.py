@@ -27,6 +27,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..options import add_backend, add_dtype
+
 HELP = "HTTP benchmark of an OpenAI-compatible server (vLLM bench serve metrics: TTFT, TPOT, ITL, E2E)"
 PERCENTILES = (50, 90, 99)
 
@@ -35,8 +37,8 @@ def add_arguments(p):
     p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--checkpoint", default=None,
                    help="instead of --url: start `dsv4lab serve` for this checkpoint in-process on loopback")
-    p.add_argument("--backend", default="reference", help="with --checkpoint: engine backend")
-    p.add_argument("--dtype", default="bfloat16", help="with --checkpoint: compute dtype")
+    add_backend(p, help="with --checkpoint: engine backend")
+    add_dtype(p)
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
@@ -239,7 +241,7 @@ def _discover(url: str, api_key: str | None) -> dict:
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from ..serve.results import result_meta, write_result
 
     if (args.url is None) == (args.checkpoint is None):

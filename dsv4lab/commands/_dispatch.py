@@ -1,31 +1,58 @@
-"""Helpers for commands with sub-commands (``verify kernels``, ``bench serve`` ...).
+"""Commands with sub-commands (``verify kernels``, ``bench serve`` ...), each imported only when it runs.
 
-Each sub-command is implemented in the module that owns its logic, which exposes ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int``; the command module only lists them, so the parser stays
-cheap (modules are imported when the sub-command runs, except for their argument definitions).
+Each sub-command is implemented in the module that owns its logic, which exposes ``add_arguments(parser)``,
+``run(args) -> int`` and optionally ``DESCRIPTION`` (or ``HELP``) for its ``--help``. The command module lists them
+with one help line each; a sub-command's module is imported when that sub-command is parsed (or its ``--help``
+shown), so ``dsv4lab --help`` and ``dsv4lab bench --help`` import none of them. A module that cannot be imported
+(an optional dependency missing) leaves the rest of the CLI working and says why when it is asked for.
 """
 from __future__ import annotations
 
 import importlib
 
+from ..cli import ArgumentParser
+from ..errors import UserError
 
-def add_subcommands(parser, table: dict[str, str], dest: str) -> None:
-    sub = parser.add_subparsers(dest=dest, metavar="SUBCOMMAND")
-    sub.required = True
-    for name, modname in table.items():
+
+class LazySubcommandParser(ArgumentParser):
+    """The parser of one sub-command, filled from ``module`` (its arguments, description, ``run``) on first use."""
+
+    def __init__(self, *args, module: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.module = module
+        self._filled = False
+
+    def fill(self) -> None:
+        if self._filled:
+            return
+        self._filled = True
         try:
-            mod = importlib.import_module(modname)
-        except ImportError as err:  # an optional dependency is missing: keep the rest of the CLI working
-            p = sub.add_parser(name, help=f"(unavailable: {err})")
-            p.set_defaults(_run=_unavailable(name, err))
-            continue
-        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+            mod = importlib.import_module(self.module)
+        except ImportError as err:  # an optional dependency is missing: say so when this sub-command is asked for
+            self.set_defaults(_run=_unavailable(self.prog, err))
+            return
+        self.description = getattr(mod, "DESCRIPTION", None) or getattr(mod, "HELP", None) or self.description
+        mod.add_arguments(self)
+        self.set_defaults(_run=mod.run)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.fill()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.fill()
+        return super().format_help()
 
 
-def _unavailable(name, err):
+def add_subcommands(parser, table: dict[str, tuple[str, str]], dest: str) -> None:
+    """``table``: sub-command name → (module, one-line help)."""
+    sub = parser.add_subparsers(dest=dest, metavar="SUBCOMMAND", parser_class=LazySubcommandParser)
+    sub.required = True
+    for name, (module, help_line) in table.items():
+        sub.add_parser(name, help=help_line, description=help_line, module=module)
+
+
+def _unavailable(prog: str, err: ImportError):
     def run(args):
-        from ..cli import UserError
-        raise UserError(f"{name} is unavailable: {err}")
+        raise UserError(f"{prog} is unavailable: {err}")
     return run

@@ -1,4 +1,4 @@
-"""``dsv4lab bench {kernels,engine,serve,e2e}`` — measurements that write JSON results."""
+"""``dsv4lab bench {kernels,engine,serve,e2e,collectives}`` — measurements that write JSON results."""
 from __future__ import annotations
 
 from ._dispatch import add_subcommands
@@ -7,18 +7,16 @@ NAME = "bench"
 HELP = "benchmarks: kernels (--suite decode|prefill), engine, serve (HTTP), e2e, collectives"
 
 SUBCOMMANDS = {
-    "kernels": "dsv4lab.bench.kernels",
-    "engine": "dsv4lab.bench.engine",
-    "serve": "dsv4lab.bench.serve",
-    "e2e": "dsv4lab.bench.e2e",
-    "collectives": "dsv4lab.bench.collectives",
+    "kernels": ("dsv4lab.bench.kernels", "kernel suites on the GPU: --suite decode or prefill; writes JSON"),
+    "engine": ("dsv4lab.bench.engine", "engine throughput without HTTP: prefill and decode tok/s, GB/s"),
+    "serve": ("dsv4lab.bench.serve", "an OpenAI-compatible endpoint under load: TTFT, TPOT, ITL, E2E"),
+    "e2e": ("dsv4lab.bench.e2e", "a generated full-width model end to end: tok/s, MBU, TTFT, oracle hash"),
+    "collectives": ("dsv4lab.bench.collectives", "all-reduce latency: library vs peer-read, eager and graphed"),
 }
 
 
 def add_arguments(p):
-    import importlib.util
-    table = {k: v for k, v in SUBCOMMANDS.items() if importlib.util.find_spec(v) is not None}
-    add_subcommands(p, table, "bench_command")
+    add_subcommands(p, SUBCOMMANDS, "bench_command")
 
 
 def run(args) -> int:

@@ -36,7 +36,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from ..layouts import LayoutError, fingerprint_checkpoint
 
     try:

@@ -10,11 +10,11 @@ import json
 import sys
 import time
 
+from ..errors import UserError
+from ..options import add_backend, add_device, add_dtype, resolve_device, torch_dtype
+
 NAME = "generate"
 HELP = "generate tokens from a checkpoint (--json prints output_ids and the trajectory hash)"
-
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-          "fp64": "float64", "float64": "float64"}
 
 
 def add_arguments(p):
@@ -27,9 +27,9 @@ def add_arguments(p):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-bos", action="store_true", help="do not prepend BOS to --prompt text")
-    p.add_argument("--backend", default="reference", help="reference (default) or triton")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="compute dtype (default bf16)")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_backend(p)
+    add_dtype(p)
+    add_device(p)
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (run under torchrun)")
@@ -39,7 +39,6 @@ def add_arguments(p):
 
 
 def parse_ids(text: str) -> list[int]:
-    from ..cli import UserError
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
@@ -50,20 +49,17 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    import torch
-
-    from ..cli import UserError
+    from ..engine.loader import load  # torch and the model: imported when the command runs, not to parse it
     from ..engine.sampling import trajectory_hash
 
-    dtype = getattr(torch, DTYPES[args.dtype])
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch_dtype(args.dtype)
+    device = resolve_device(args.device)
     if args.tp > 1 or args.ep > 1:
         from ..parallel import load_parallel
         m, rank = load_parallel(args.checkpoint, tp=args.tp, ep=args.ep, dtype=dtype, backend=args.backend,
                                 collective=args.collective)
     else:
-        import dsv4lab
-        m, rank = dsv4lab.load(args.checkpoint, device=device, dtype=dtype, backend=args.backend, max_batch=1), 0
+        m, rank = load(args.checkpoint, device=device, dtype=dtype, backend=args.backend, max_batch=1), 0
     if args.prompt is not None:
         if m.tokenizer is None:
             raise UserError(f"{args.checkpoint} has no tokenizer.json: use --prompt-ids")

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 
+from ..options import add_preset
+
 NAME = "inventory"
 HELP = "print the expected checkpoint inventory of a preset or config (no tensors allocated)"
 
 
 def add_arguments(p):
-    p.add_argument("preset", nargs="?", help="preset name (flash, tiny)")
+    add_preset(p, positional=True)
     p.add_argument("--config", help="a config.json or checkpoint folder instead of a preset")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

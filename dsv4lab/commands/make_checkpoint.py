@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..options import add_preset
+
 NAME = "make-checkpoint"
 HELP = "write a seeded random checkpoint (native names, dtypes, shapes, shards, index)"
 
@@ -18,7 +20,7 @@ DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizers" 
 
 def add_arguments(p):
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--preset", help="preset name (tiny, flash)")
+    add_preset(p, group=g)
     g.add_argument("--config", help="config.json (or a checkpoint folder) to take the architecture from")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
@@ -31,7 +33,7 @@ def add_arguments(p):
 def run(args) -> int:
     from ..checkpoint import inventory, make_random_checkpoint
     from ..config import resolve_args
-    from ..cli import UserError
+    from ..errors import UserError
 
     margs = resolve_args(args.preset, args.config)
     tok = args.tokenizer

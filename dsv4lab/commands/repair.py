@@ -33,7 +33,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from ..layouts import FAULTS, LayoutError, inject_fault_into_checkpoint, repair_checkpoint
 
     if args.list_faults:

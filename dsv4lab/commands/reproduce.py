@@ -66,7 +66,7 @@ def discover(folder: Path) -> list[Path]:
     """The notebooks of ``folder``: the declared order first (all of it for the repository's folder), then
     any others by name."""
     from ..runs import NOTEBOOK_ORDER, NOTEBOOKS_DIR
-    from ..cli import UserError
+    from ..errors import UserError
     found = {p.stem: p for p in folder.glob("*.ipynb")}
     if folder.resolve() == NOTEBOOKS_DIR.resolve():
         missing = [n for n in NOTEBOOK_ORDER if n not in found]
@@ -82,7 +82,7 @@ def discover(folder: Path) -> list[Path]:
 
 def select(notebooks: list[Path], only: list[str] | None) -> list[Path]:
     """Filter by ``--only`` (exact names or their leading number); unknown names are an error."""
-    from ..cli import UserError
+    from ..errors import UserError
     if not only:
         return notebooks
     wanted = [w.strip() for item in only for w in item.split(",") if w.strip()]
@@ -109,7 +109,7 @@ def parameters_cell(path: Path) -> tuple[int | None, str | None]:
 def declared_parameters(path: Path) -> dict[str, dict]:
     """``{name: {inferred_type_name, default, help}}`` from the notebook's parameters cell."""
     import papermill
-    from ..cli import UserError
+    from ..errors import UserError
     idx, _ = parameters_cell(path)
     if idx is None:
         raise UserError(f"{path.stem}: no cell tagged 'parameters' (the first code cell must carry that tag)")
@@ -123,7 +123,7 @@ def _where(path: Path) -> str:
 
 def load_params_file(path: str | None, notebook_names: list[str]) -> tuple[dict, dict[str, dict]]:
     """``(global parameters, {notebook: parameters})`` from a YAML file."""
-    from ..cli import UserError
+    from ..errors import UserError
     if not path:
         return {}, {}
     import yaml
@@ -278,7 +278,7 @@ def _checkpoint_record(params: dict) -> dict[str, Any]:
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from .. import runs
 
     folder = Path(args.notebooks_dir) if args.notebooks_dir else runs.NOTEBOOKS_DIR

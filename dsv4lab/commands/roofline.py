@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
+from ..options import add_hardware, add_preset
+
 NAME = "roofline"
 HELP = "bytes/FLOPs per op, roofline bound and step-time model; 'account' rebuilds the paper's MI250 decode step"
 DESCRIPTION = __doc__
@@ -24,9 +26,9 @@ def add_arguments(p):
                         "(or, with --hardware, a prediction); compare: predicted vs measured kernels; "
                         "hardware: the catalogue")
     p.add_argument("path", nargs="?", help="compare: a decode_kernels.json results file")
-    p.add_argument("--preset", default=None, help="model preset (default flash)")
+    add_preset(p, help="model preset (default flash)")
     p.add_argument("--config", help="a config.json or checkpoint folder instead of a preset")
-    p.add_argument("--hardware", help="catalogue entry (data/hardware/NAME.yaml) or a YAML path")
+    add_hardware(p)
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (report: 1; account prediction: 2)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups inside the TP group")
     p.add_argument("--batch", type=int, default=1, help="sequences per decode step")
@@ -45,7 +47,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from ..perf.hardware import HardwareError
     from ..perf.roofline import PerfError
     try:
@@ -62,7 +64,7 @@ def _model_args(args):
 
 
 def _run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from ..perf import roofline as rl
     from ..perf.hardware import catalogue, list_hardware, load_hardware
 

@@ -8,6 +8,10 @@ Binds to loopback unless ``--host`` says otherwise. See ``docs/serving.md``.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+from ..errors import UserError
+from ..options import add_backend, add_device, add_dtype
 
 NAME = "serve"
 HELP = "OpenAI-compatible server (/v1/models, /v1/completions, /v1/chat/completions, /health)"
@@ -18,9 +22,9 @@ def add_arguments(p):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--backend", default="reference", help="engine backend (default: reference)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", help="compute dtype (bfloat16, float32, ...)")
+    add_backend(p)
+    add_device(p)
+    add_dtype(p)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + generated tokens per sequence (default and maximum: the model's cache length)")
     p.add_argument("--max-concurrency", type=int, default=8,
@@ -36,9 +40,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from pathlib import Path
-    from ..cli import UserError
-
     if not Path(args.checkpoint).is_dir():
         raise UserError(f"--checkpoint {args.checkpoint}: no such folder")
     if args.max_concurrency < 1:

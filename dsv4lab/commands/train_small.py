@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..options import add_device
+
 NAME = "train-small"
 HELP = "train the small DeepSeek-V4 model on the stdlib corpus, quantize it natively, evaluate, ablate"
 DESCRIPTION = __doc__
@@ -36,7 +38,7 @@ def add_arguments(p):
     tr = sub.add_parser("train", help="train with the reference modules (autograd) and save the weights")
     tr.add_argument("--tokens", required=True, help="folder written by `prepare`")
     tr.add_argument("--out", required=True, help="output folder for weights-*.safetensors and train_log.json")
-    tr.add_argument("--device", default="auto", help="torch device (default: cuda when available, else cpu)")
+    add_device(tr)
     tr.add_argument("--steps", type=int, default=None,
                     help="optimizer steps (default 0: chosen from --time-budget after timing the first steps)")
     tr.add_argument("--stop-at", type=int, default=None,
@@ -75,7 +77,7 @@ def _log(msg: str) -> None:
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
 
     if args.step == "prepare":
         from ..train.trainer import DEFAULT_TOKENIZER, prepare_tokens

@@ -11,24 +11,16 @@ NAME = "verify"
 HELP = "correctness hierarchy: kernels, layers, model, record (golden oracles), endpoint (any OpenAI server)"
 
 SUBCOMMANDS = {
-    "kernels": "dsv4lab.verify.cli_kernels",
-    "layers": "dsv4lab.verify.cli_layers",
-    "model": "dsv4lab.verify.cli_model",
-    "record": "dsv4lab.verify.cli_record",
-    "endpoint": "dsv4lab.serve.verify_endpoint",
+    "kernels": ("dsv4lab.verify.cli_kernels", "every registered op of each backend against the reference"),
+    "layers": ("dsv4lab.verify.cli_layers", "per layer and stage against the reference; names the first divergence"),
+    "model": ("dsv4lab.verify.cli_model", "fixed-id oracles, trajectory hash, teacher-forced logits vs the golden"),
+    "record": ("dsv4lab.verify.cli_record", "record a checkpoint's golden oracles"),
+    "endpoint": ("dsv4lab.serve.verify_endpoint", "check an OpenAI-compatible server against a golden file"),
 }
 
 
 def add_arguments(p):
-    import importlib.util
-    table = {}
-    for k, v in SUBCOMMANDS.items():
-        try:
-            if importlib.util.find_spec(v) is not None:
-                table[k] = v
-        except ModuleNotFoundError:
-            pass
-    add_subcommands(p, table, "verify_command")
+    add_subcommands(p, SUBCOMMANDS, "verify_command")
 
 
 def run(args) -> int:

@@ -45,6 +45,7 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Literal, Mapping
 import torch
 
 from .. import quant
+from ..errors import LayoutError
 
 Side = Literal["rows", "cols"]
 ScalePolicy = Literal["follow", "keep"]
@@ -52,11 +53,6 @@ FORMATS = ("fp4", "fp8", "dense")
 FP4_GROUP = quant.FP4_BLOCK          # E8M0 scale per 32 elements of a row
 FP8_BLOCK = quant.FP8_WEIGHT_BLOCK   # E8M0 scale per 128×128 block
 SPEC_FORMAT = "dsv4lab.repair-spec/1"
-
-
-class LayoutError(ValueError):
-    """A layout cannot be applied (shape, dtype, or a permutation the block scales cannot follow), or a repair
-    spec is malformed; the message names the tensor or field."""
 
 
 # ============================================================================================ formats

@@ -15,14 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import HardwareError
+
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 HARDWARE_DIR = DATA_DIR / "hardware"
 
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "int8", "fp8", "fp4")
-
-
-class HardwareError(ValueError):
-    """A catalogue file is missing, malformed, or lacks a number a model needs; the message names file and key."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, ModelArgs, get_preset
+from ..errors import PerfError
 from .costmodel import Op, StepCost, decode_step, prefill
 from .hardware import DATA_DIR, Hardware, HardwareError, Quantity, load_hardware
 
@@ -52,10 +53,6 @@ CONVERT_OPS_PER_VALUE = {
 CONVERT_REUSE_ROWS = 128
 
 TERMS = ("memory", "compute", "low_m", "format", "overhead", "latency")
-
-
-class PerfError(ValueError):
-    """A model input is missing or malformed; the message names the file and field."""
 
 
 # ============================================================================================ paper data

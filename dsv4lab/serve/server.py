@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.loader import load
+from ..options import resolve_device, torch_dtype
+
 log = logging.getLogger("dsv4lab.serve")
 
 
@@ -21,8 +24,8 @@ class ServerOptions:
     """``dsv4lab serve``'s knobs (see its ``--help``)."""
     checkpoint: str
     backend: str = "reference"
-    device: str = "cpu"
-    dtype: str = "bfloat16"
+    device: str = "auto"
+    dtype: str = "bf16"
     max_model_len: int | None = None
     max_concurrency: int = 8
     max_queue: int = 1024
@@ -34,13 +37,9 @@ class ServerOptions:
 
 def load_model(opts: ServerOptions):
     """``dsv4lab.load`` with the serving options it accepts (cache slots, cache length, backend)."""
-    import torch
-    import dsv4lab
-    dtype = getattr(torch, opts.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype {opts.dtype!r} is not a torch dtype (e.g. bfloat16, float32)")
-    accepted = inspect.signature(dsv4lab.load).parameters
-    wanted = {"device": opts.device, "dtype": dtype, "backend": opts.backend, "max_batch": opts.max_concurrency}
+    accepted = inspect.signature(load).parameters
+    wanted = {"device": resolve_device(opts.device), "dtype": torch_dtype(opts.dtype), "backend": opts.backend,
+              "max_batch": opts.max_concurrency}
     if opts.max_model_len is not None:
         wanted["max_seq_len"] = opts.max_model_len
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
@@ -48,7 +47,7 @@ def load_model(opts: ServerOptions):
     dropped = sorted(set(wanted) - set(kwargs))
     if dropped:
         log.warning("dsv4lab.load does not take %s; using its defaults", ", ".join(dropped))
-    return dsv4lab.load(opts.checkpoint, **kwargs)
+    return load(opts.checkpoint, **kwargs)
 
 
 def build_app(opts: ServerOptions, model=None):

@@ -205,7 +205,7 @@ def format_report(url: str, golden: str, model: str, reports: list[dict]) -> str
 
 
 def run(args) -> int:
-    from ..cli import UserError
+    from ..errors import UserError
     from .results import result_meta, write_result
 
     try:

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import sys
 
+from ..options import add_backend, add_device, resolve_device
+
 HELP = "run every registered op of each backend against the reference on random inputs; print the metrics"
 
 
 def add_arguments(p):
-    p.add_argument("--backend", action="append", default=None,
-                   help="backend(s) to check (default: reference, plus triton when importable); repeatable")
+    add_backend(p, repeatable=True, help="backend(s) to check (default: reference, plus triton when importable)")
     p.add_argument("--op", action="append", default=None, help="only these ops (repeatable); see --list")
     p.add_argument("--list", action="store_true", help="list the registered ops and exit")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    add_device(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="report folder (default runs/verify/<stamp>_kernels)")
 
@@ -39,7 +40,7 @@ def run(args) -> int:
 
     import torch
 
-    from ..cli import UserError
+    from ..errors import UserError
     from .kernels import run_kernel_checks
     from .registry import OPS, op_names
     from .report import md_table, write_report
@@ -52,7 +53,7 @@ def run(args) -> int:
         unknown = sorted(set(args.op) - set(op_names()))
         if unknown:
             raise UserError(f"unknown op(s) {unknown}; registered: {', '.join(op_names())}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     if device == "cpu" and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run in the interpreter on a CPU
     backends = _backends(args.backend, device)

@@ -2,14 +2,16 @@
 (or, with ``--against-reference``, against a live reference run of the same checkpoint)."""
 from __future__ import annotations
 
+from ..options import add_backend, add_device, resolve_device
+
 HELP = "per-layer, per-stage comparison (router, stage 1, activation, stage 2, MoE, attention, compressor, indexer, mHC)"
 
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--golden", default=None)
-    p.add_argument("--backend", default="reference")
-    p.add_argument("--device", default=None)
+    add_backend(p)
+    add_device(p)
     p.add_argument("--against-reference", action="store_true",
                    help="compare with a reference-backend run of this same checkpoint instead of the golden digests")
     p.add_argument("--repairs", default=None)
@@ -27,7 +29,7 @@ def run(args) -> int:
     from .model import golden_path_for, load_golden
     from .report import md_table, write_report
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     runner = dsv4lab.load(args.checkpoint, device=device, backend=args.backend, max_batch=1, repairs=args.repairs)
     gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
     if args.against_reference:

@@ -5,14 +5,16 @@ that diverge from the golden digests. Writes ``model.json`` and ``model.md`` to 
 """
 from __future__ import annotations
 
+from ..options import add_backend, add_device, resolve_device
+
 HELP = "fixed-id oracles, 256-token hash, teacher-forced cached-vs-recompute around every boundary; localises failures"
 
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--golden", default=None, help="golden JSON (default data/golden/<checkpoint folder name>.json)")
-    p.add_argument("--backend", default="reference")
-    p.add_argument("--device", default=None)
+    add_backend(p)
+    add_device(p)
     p.add_argument("--kl-bound", type=float, default=None,
                    help="teacher-forced KL bound (default: 1e-9 for the reference, the backend's stated bound otherwise)")
     p.add_argument("--skip-trajectory", action="store_true", help="skip the 256-token trajectory tier")
@@ -85,7 +87,7 @@ def run(args) -> int:
 
     gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
     golden = load_golden(gpath)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     runner = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend=args.backend, max_batch=1,
                           repairs=args.repairs, fault=args.inject_fault)
     ref = None

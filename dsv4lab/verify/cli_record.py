@@ -1,6 +1,8 @@
 """``dsv4lab verify record --checkpoint DIR`` — record the golden oracles of a checkpoint (reference backend)."""
 from __future__ import annotations
 
+from ..options import add_device, resolve_device
+
 HELP = "record golden oracles (fixed-id oracles, 256-token hash, teacher-forced data, layer digests) for a checkpoint"
 
 
@@ -9,7 +11,7 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="golden JSON (default data/golden/<checkpoint folder name>.json)")
     p.add_argument("--dump-layers", default=None, metavar="FILE",
                    help="also write per-expert linear input/output dumps (safetensors) for layout fingerprinting")
-    p.add_argument("--device", default="cpu")
+    add_device(p, default="cpu")  # goldens are recorded on the CPU unless asked otherwise
 
 
 def run(args) -> int:
@@ -17,7 +19,7 @@ def run(args) -> int:
 
     from .model import golden_path_for, record_golden
     out = Path(args.out) if args.out else golden_path_for(args.checkpoint)
-    g = record_golden(args.checkpoint, out, args.dump_layers, args.device)
+    g = record_golden(args.checkpoint, out, args.dump_layers, resolve_device(args.device))
     print(f"recorded {len(g['oracles'])} oracles, a {g['trajectory']['n_tokens']}-token trajectory "
           f"(hash {g['trajectory']['hash']}), {len(g['teacher_forced']['ids'])} teacher-forced positions and "
           f"{len(g['layers']['order'])} layer digests into {out}")

@@ -27,15 +27,12 @@ import torch
 
 from ..checkpoint import Checkpoint
 from ..config import ModelArgs
+from ..errors import ConversionError
 
 # E2M1 code → value (sign bit = bit 3), spec §2.3.
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _SWA, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-
-
-class ConversionError(ValueError):
-    """The model cannot be expressed as a transformers ``DeepseekV4Config``; the message names the field."""
 
 
 # ---------------------------------------------------------------------------------------------- config
