@@ -73,7 +73,7 @@ def deq(w, s):
 def same_bytes(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(L._byte_view(a), L._byte_view(b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(L.byte_view(a), L.byte_view(b))
 
 
 # ============================================================================================ layouts
@@ -395,17 +395,17 @@ def test_tensor_classes_fold_layer_and_expert_indices():
     assert not L.RepairRule(L.NibbleSwap(), regex=rx).matches("layers.1.x.ffn.experts.3.w2")
 
 
-def test_apply_repairs_one_tensor_at_a_time():
+def test_a_spec_is_applied_one_tensor_at_a_time():
     w, s = random_fp4(256, 128, seed=40)
     ws, ss = L.paper_w2_permutation().apply(w, s)
-    spec = L.RepairSpec([L.RepairRule(L.paper_w2_permutation(), glob="*.w2")])
-    assert same_bytes(L.apply_repairs("layers.0.ffn.experts.1.w2.weight", ws, spec), w)
-    assert same_bytes(L.apply_repairs("layers.0.ffn.experts.1.w2.scale", ss, spec, weight_dtype="I8",
-                                      weight_shape=ws.shape), s)
-    assert L.apply_repairs("layers.0.ffn.experts.1.w1.weight", ws, spec) is ws
-    assert L.apply_repairs("layers.0.ffn.experts.1.w2.weight", ws, None) is ws
+    spec = L.RepairSpec.load({"format": L.SPEC_FORMAT,
+                              "rules": [L.RepairRule(L.paper_w2_permutation(), glob="*.w2").to_json()]})
+    assert L.RepairSpec.load(spec) is spec
+    assert same_bytes(spec.apply("layers.0.ffn.experts.1.w2.weight", ws), w)
+    assert same_bytes(spec.apply("layers.0.ffn.experts.1.w2.scale", ss, weight_dtype="I8", weight_shape=ws.shape), s)
+    assert spec.apply("layers.0.ffn.experts.1.w1.weight", ws) is ws
     with pytest.raises(L.LayoutError, match="weight's dtype and shape"):
-        L.apply_repairs("layers.0.ffn.experts.1.w2.scale", ss, spec)
+        spec.apply("layers.0.ffn.experts.1.w2.scale", ss)
 
 
 @pytest.mark.parametrize("doc,message", [
@@ -489,7 +489,8 @@ def test_checkpoint_work_stays_on_packed_bytes(faulted, tiny_hashes, tmp_path, m
     bad, _ = faulted("paper_w2_blocks")
     calls = []
     real = L.dequantize
-    monkeypatch.setattr(L.algebra, "dequantize", lambda w, s, dtype=torch.float64: calls.append(w.shape) or real(w, s, dtype))
+    monkeypatch.setattr(L.formats, "dequantize",  # linear_op (fingerprinting) dequantizes through it
+                        lambda w, s, dtype=torch.float64: calls.append(w.shape) or real(w, s, dtype))
     result = L.fingerprint_checkpoint(bad, reference=TINY)
     n_linears = len(L.checkpoint_linears(Checkpoint(bad)))
     # members are confirmed on bytes; only the one fingerprinted W2 per class is dequantized (with its reference)
@@ -510,10 +511,10 @@ def test_load_time_repair_restores_the_weights_and_the_greedy_trajectory(faulted
     spec = L.fingerprint_checkpoint(bad, reference=TINY, only=["*.ffn.experts.*.w2"]).spec
     good, broken, repaired = (dsv4lab.load(TINY, dtype=torch.float32), dsv4lab.load(bad, dtype=torch.float32),
                               dsv4lab.load(bad, dtype=torch.float32, repairs=spec))
-    state = {k: L._byte_view(v) for k, v in good.model.state_dict().items()}
-    fixed = {k: L._byte_view(v) for k, v in repaired.model.state_dict().items()}
+    state = {k: L.byte_view(v) for k, v in good.model.state_dict().items()}
+    fixed = {k: L.byte_view(v) for k, v in repaired.model.state_dict().items()}
     assert state.keys() == fixed.keys() and all(torch.equal(state[k], fixed[k]) for k in state)
-    assert not all(torch.equal(state[k], L._byte_view(v)) for k, v in broken.model.state_dict().items())
+    assert not all(torch.equal(state[k], L.byte_view(v)) for k, v in broken.model.state_dict().items())
     prompt = [5, 17, 300, 41, 9, 1000]
     expect = good.generate(prompt, 4, stop_at_eos=False)
     assert repaired.generate(prompt, 4, stop_at_eos=False) == expect

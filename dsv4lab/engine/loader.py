@@ -14,6 +14,7 @@ import torch
 
 from ..checkpoint import Checkpoint, CheckpointError
 from ..config import ModelArgs
+from ..layouts.repair import RepairSpec
 from ..model.numerics import Numerics
 from ..model.transformer import Transformer
 
@@ -148,9 +149,7 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         ck.validate(scan_scales=small, progress=progress).raise_if_failed()
     args = ck.args if max_seq_len is None else ck.args.replace(max_seq_len=max_seq_len)
     plan = plan or ShardPlan()
-    if repairs is not None and not hasattr(repairs, "apply"):
-        from ..layouts import RepairSpec
-        repairs = RepairSpec.load(repairs)
+    repairs = RepairSpec.load(repairs) if repairs is not None else None
     model = build_model(args, plan)
     read_bytes = load_weights(model, ck, plan, device, repairs, progress)
     numerics = Numerics(dtype, act_quant, kv_fp8_sim, indexer_fp4_sim)
