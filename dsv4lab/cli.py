@@ -21,7 +21,7 @@ import pkgutil
 import sys
 
 from . import __version__, commands
-from .errors import DSV4LabError, UserError  # noqa: F401 — UserError: what commands raise
+from .errors import DSV4LabError
 
 USER_ERRORS = (DSV4LabError, FileNotFoundError, FileExistsError)
 """What the command line reports as one line (exit 2) instead of a traceback."""

@@ -18,12 +18,12 @@ Per-layer structure (spec §4) is derived, never stored twice:
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .paths import read_json
 
 LayerKind = Literal["swa", "csa", "hca"]
 
@@ -310,10 +310,7 @@ class ModelArgs:
             path = path / "config.json"
         if not path.exists():
             raise ConfigError(f"{path}: no config.json (is this a checkpoint directory?)")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        cfg = read_json(path, ConfigError)
         return cls.from_hf_config(cfg, source=str(path), **overrides)
 
     def to_hf_config(self) -> dict[str, Any]:

@@ -17,16 +17,14 @@ Files and the fields the notebooks read (each file also carries ``gpu``, ``torch
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .runs import DATA_DIR, RunError, display_path
-
-RESULTS_DIR = DATA_DIR / "results"
+from .errors import RunError
+from .paths import RESULTS_DIR, display_path, read_json
 PROVENANCE_FIELDS = ("gpu", "torch", "triton", "commit")
 RESULT_FILES = ("decode_kernels", "prefill_kernels", "collectives", "e2e")
 BENCH_MODULES = {"kernels": "dsv4lab.bench.kernels", "e2e": "dsv4lab.bench.e2e",
@@ -43,10 +41,7 @@ def load_results_file(name: str, gpu: str = "h200", path: str | Path | None = No
     p = Path(path) if path is not None else results_path(name, gpu)
     if not p.exists():
         return None
-    try:
-        doc = json.loads(p.read_text())
-    except json.JSONDecodeError as err:
-        raise RunError(f"{p}: not valid JSON ({err})") from None
+    doc = read_json(p, RunError)
     if not isinstance(doc, dict):
         raise RunError(f"{p}: expected a JSON object at the top level")
     missing = [f for f in PROVENANCE_FIELDS if f not in doc]

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .collectives import DEFAULT_PEER_READ_BYTES, CountingAllReduce, make_all_reduce
-from .config import ConfigError, ModelArgs
+from .config import ModelArgs
 from .engine.loader import ShardPlan
 from .errors import ParallelError
 

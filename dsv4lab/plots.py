@@ -30,7 +30,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-STYLE = Path(__file__).resolve().parent / "style" / "dsv4lab.mplstyle"
+from .paths import STYLE_FILE as STYLE
 ROOFLINE_SIZE = (7.0, 4.6)
 WATERFALL_SIZE = (8.0, 4.2)
 COMPOSITION_SIZE = (7.0, 3.6)

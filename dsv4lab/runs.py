@@ -20,26 +20,17 @@ Nothing here imports torch, matplotlib or papermill at import time.
 """
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
 import json
-import math
-import os
-import platform
-import subprocess
-import sys
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import RunError
+from .paths import DATA_DIR, EXPECTATIONS_FILE, NOTEBOOKS_DIR, REPO_ROOT, display_path, read_yaml
+from .plots import save_figure
+from .provenance import (dumps, environment, file_sha256, git_state, jsonable, md_table, rows_to_csv,
+                         source_date_epoch, utc_stamp, write_text_if_changed)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-DATA_DIR = REPO_ROOT / "data"
-REFERENCE_DIR = DATA_DIR / "reference"
-EXPECTATIONS_FILE = REFERENCE_DIR / "expectations.yaml"
 DEFAULT_RUNS_DIR = Path("runs")
 
 # The declared order `dsv4lab reproduce` runs the notebooks in (each stands alone; the order is the story's).
@@ -60,41 +51,7 @@ DEFAULT_CHECKPOINTS = ("data/tiny-py", "data/tiny")
 RESULTS_FORMAT = "dsv4lab.notebook-results/1"
 MANIFEST_FORMAT = "dsv4lab.run-manifest/1"
 FIGURE_FORMATS = ("png", "pdf")
-# Package versions recorded in every manifest (those that are installed).
-MANIFEST_PACKAGES = ("dsv4lab", "torch", "triton", "numpy", "safetensors", "tokenizers", "transformers", "matplotlib",
-                     "papermill", "nbclient", "nbformat", "ipykernel", "ipywidgets", "jupyterlab", "pyyaml", "tqdm")
-
-
-# ============================================================================================ git and time
-def utc_stamp(now: datetime | None = None) -> str:
-    """``20261130T054700Z`` (UTC, second resolution: sorts chronologically as text)."""
-    return (now or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-
-
-def _git(*args: str, root: Path = REPO_ROOT) -> str | None:
-    try:
-        res = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return res.stdout.strip() if res.returncode == 0 else None
-
-
-def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """``{commit, short, dirty}`` of the working tree (``None`` fields outside a git checkout).
-
-    ``dirty`` is true when tracked files differ from the commit or untracked, non-ignored files exist:
-    either can change what a notebook computes."""
-    commit = _git("rev-parse", "HEAD", root=root)
-    if commit is None:
-        return dict(commit=None, short=None, dirty=None)
-    status = _git("status", "--porcelain", root=root)
-    return dict(commit=commit, short=_git("rev-parse", "--short", "HEAD", root=root),
-                dirty=bool(status) if status is not None else None)
-
-
-def source_date_epoch(root: Path = REPO_ROOT) -> str:
-    """``SOURCE_DATE_EPOCH`` for reproducible files: the environment's, else the HEAD commit time, else 0."""
-    return os.environ.get("SOURCE_DATE_EPOCH") or _git("log", "-1", "--format=%ct", root=root) or "0"
+MORE_IN_CSV = "more rows in the CSV"
 
 
 # ============================================================================================ run folders
@@ -141,79 +98,6 @@ def resolve_checkpoint(value: str | Path | None) -> Path:
     raise RunError(f"CHECKPOINT={str(value)!r}: no checkpoint folder (with config.json) there or under {REPO_ROOT}")
 
 
-def display_path(path: str | Path) -> str:
-    """A path as it should appear in results: relative to the repository when inside it (stable across
-    clones and run folders), else as given."""
-    p = Path(path).resolve()
-    try:
-        return str(p.relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
-
-
-# ============================================================================================ JSON helpers
-def jsonable(value: Any) -> Any:
-    """``value`` as plain JSON data: numpy/torch scalars and arrays to numbers and lists, paths to strings,
-    dataclasses and objects with ``to_dict``/``to_json`` to dicts, non-finite floats to ``"nan"``/``"inf"``."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return value
-    if isinstance(value, Path):
-        return display_path(value)
-    if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
-        return [jsonable(v) for v in items]
-    for attr in ("to_json", "to_dict"):
-        if hasattr(value, attr) and callable(getattr(value, attr)):
-            return jsonable(getattr(value, attr)())
-    if hasattr(value, "tolist"):  # numpy / torch arrays and scalars
-        return jsonable(value.tolist())
-    if hasattr(value, "item"):
-        return jsonable(value.item())
-    import dataclasses
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return jsonable(dataclasses.asdict(value))
-    return str(value)
-
-
-def dumps(data: Any) -> str:
-    """Deterministic JSON text (key order as given, indent 1, trailing newline)."""
-    return json.dumps(jsonable(data), indent=1, ensure_ascii=False, allow_nan=False) + "\n"
-
-
-def _write_if_changed(path: Path, text: str) -> None:
-    if not path.exists() or path.read_text() != text:
-        tmp = path.with_name(path.name + ".tmp-write")
-        tmp.write_text(text)
-        tmp.replace(path)
-
-
-def rows_to_csv(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """CSV text of ``rows`` (columns: ``columns`` or every key in order of first appearance; lists and dicts
-    as compact JSON)."""
-    cols = list(columns) if columns else list(dict.fromkeys(k for r in rows for k in r))
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(cols)
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = jsonable(r.get(c))
-            cells.append(json.dumps(v, separators=(",", ":")) if isinstance(v, (list, dict)) else ("" if v is None
-                                                                                                  else v))
-        w.writerow(cells)
-    return buf.getvalue()
-
-
 # ============================================================================================ notebook outputs
 class Table(list):
     """Rows (dicts) that display as a markdown table in a notebook (no pandas needed)."""
@@ -225,7 +109,7 @@ class Table(list):
         self.limit = limit
 
     def _repr_markdown_(self) -> str:
-        return md_table(self, self.columns, limit=self.limit)
+        return md_table(self, self.columns, limit=self.limit, more=MORE_IN_CSV)
 
 
 class NotebookOutputs:
@@ -281,13 +165,13 @@ class NotebookOutputs:
         return fix(data)
 
     def write(self) -> Path:
-        _write_if_changed(self.path, dumps(self.portable(self.doc)))
+        write_text_if_changed(self.path, dumps(self.portable(self.doc)))
         return self.path
 
     def json_file(self, name: str, data: Any) -> Path:
         """Write ``data`` to ``results/<notebook>_<name>.json`` (paths inside the run folder made portable)."""
         path = self.results_dir / f"{self.notebook}_{name}.json"
-        _write_if_changed(path, dumps(self.portable(data)))
+        write_text_if_changed(path, dumps(self.portable(data)))
         return path
 
     def key(self, name: str, value: Any) -> Any:
@@ -314,7 +198,7 @@ class NotebookOutputs:
         if columns:
             rows = [{c: r.get(c) for c in columns} for r in rows]
         self.doc["tables"][name] = jsonable(rows)
-        _write_if_changed(self.results_dir / f"{self.notebook}_{name}.csv",
+        write_text_if_changed(self.results_dir / f"{self.notebook}_{name}.csv",
                           rows_to_csv(self.portable(rows), columns))
         self.write()
         return Table(rows, columns)
@@ -322,7 +206,6 @@ class NotebookOutputs:
     def figure(self, fig, tag: str, formats: Iterable[str] = FIGURE_FORMATS):
         """Save ``fig`` as ``figures/<notebook>_<tag>.<fmt>`` (metadata stripped, byte-stable) and return it,
         so a cell ending in ``out.figure(fig, "tag")`` also shows it."""
-        from .plots import save_figure
         if not tag or any(c in tag for c in "/\\ ."):
             raise RunError(f"figure tag {tag!r}: use letters, digits, '-' or '_'")
         paths = save_figure(fig, self.figures_dir / f"{self.notebook}_{tag}", formats=tuple(formats))
@@ -344,47 +227,6 @@ def notebook_outputs(notebook: str, run_dir: str | Path | None = None,
     return NotebookOutputs(notebook, run_dir, params)
 
 
-# ============================================================================================ environment
-def package_versions(names: Iterable[str] = MANIFEST_PACKAGES) -> dict[str, str | None]:
-    from importlib import metadata
-    out: dict[str, str | None] = {}
-    for n in names:
-        try:
-            out[n] = metadata.version(n)
-        except metadata.PackageNotFoundError:
-            out[n] = None
-    return out
-
-
-def environment() -> dict[str, Any]:
-    """Python, platform, torch (and its device), triton and package versions."""
-    env: dict[str, Any] = dict(python=platform.python_version(), implementation=platform.python_implementation(),
-                               platform=platform.platform(), machine=platform.machine(), cpu_count=os.cpu_count(),
-                               executable=sys.executable)
-    try:
-        import torch
-        cuda = torch.cuda.is_available()
-        env["torch"] = dict(version=torch.__version__, cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
-                            threads=torch.get_num_threads(), cuda_available=cuda,
-                            device=torch.cuda.get_device_name(0) if cuda else "cpu",
-                            device_count=torch.cuda.device_count() if cuda else 0)
-    except ImportError:
-        env["torch"] = None
-    env["packages"] = package_versions()
-    env["triton"] = env["packages"].get("triton")
-    env["variables"] = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TRITON_INTERPRET", "SOURCE_DATE_EPOCH",
-                                                       "CUDA_VISIBLE_DEVICES") if os.environ.get(k) is not None}
-    return env
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def notebook_output_files(run_dir: str | Path, notebook: str) -> dict[str, str]:
     """``{relative path: sha256}`` of the results and figures one notebook wrote."""
     run_dir = Path(run_dir)
@@ -398,21 +240,17 @@ def write_manifest(run_dir: str | Path, manifest: Mapping[str, Any]) -> Path:
     """Write ``manifest.json`` (replacing the previous one of this run: it is rewritten after each notebook so
     an interrupted run still documents what it did)."""
     path = Path(run_dir) / "manifest.json"
-    _write_if_changed(path, dumps(dict(manifest)))
+    write_text_if_changed(path, dumps(dict(manifest)))
     return path
 
 
 # ============================================================================================ expectations
 def load_expectations(path: str | Path = EXPECTATIONS_FILE) -> dict[str, dict[str, dict]]:
     """``data/reference/expectations.yaml``: notebook → key → expectation (see :func:`check_expectation`)."""
-    import yaml
     path = Path(path)
     if not path.exists():
         return {}
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise RunError(f"{path}: not valid YAML ({err})") from None
+    doc = read_yaml(path, RunError) or {}
     nbs = doc.get("notebooks", {})
     if not isinstance(nbs, dict):
         raise RunError(f"{path}: 'notebooks' must map notebook names to expectations")
@@ -482,28 +320,6 @@ def compare_with_expectations(results: Mapping[str, Mapping[str, Any]], expectat
 
 
 # ============================================================================================ report
-def _md_cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, (list, dict)):
-        text = json.dumps(v, separators=(",", ":"))
-        return text if len(text) <= 60 else text[:57] + "…"
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def md_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, limit: int = 40) -> str:
-    """A markdown table of ``rows`` (the first ``limit``; the rest counted)."""
-    if not rows:
-        return "_(no rows)_"
-    cols = list(columns) if columns else list(dict.fromkeys(k for r in rows for k in r))
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows[:limit]:
-        out.append("| " + " | ".join(_md_cell(r.get(c, "")) for c in cols) + " |")
-    if len(rows) > limit:
-        out.append(f"\n_{len(rows) - limit} more rows in the CSV._")
-    return "\n".join(out)
-
-
 def load_results(run_dir: str | Path) -> dict[str, dict]:
     """``{notebook: results JSON}`` of a run folder (unreadable files are reported as an ``error`` entry)."""
     out = {}
@@ -542,7 +358,7 @@ def write_report(run_dir: str | Path, manifest: Mapping[str, Any],
                     figures=sum(1 for f in n.get("outputs", {}) if f.startswith("figures/") and f.endswith(".png")),
                     executed=f"[{n['name']}.ipynb](notebooks/{n['name']}.ipynb)" if n.get("executed") else "—")
                for n in manifest.get("notebooks", [])]
-    lines.append(md_table(nb_rows, ["notebook", "status", "seconds", "figures", "executed"]))
+    lines.append(md_table(nb_rows, ["notebook", "status", "seconds", "figures", "executed"], limit=40))
     failures = [n for n in manifest.get("notebooks", []) if n.get("error")]
     for n in failures:
         lines += ["", f"**{n['name']} failed:** {n['error']['message']}"]
@@ -565,10 +381,10 @@ def write_report(run_dir: str | Path, manifest: Mapping[str, Any],
             continue
         keys = doc.get("key_results", {})
         if keys:
-            lines.append(md_table([dict(key=k, value=v) for k, v in keys.items()], ["key", "value"]))
+            lines.append(md_table([dict(key=k, value=v) for k, v in keys.items()], ["key", "value"], limit=40))
         for tname, rows in doc.get("tables", {}).items():
             lines += ["", f"**{tname}** ([CSV](results/{n['name']}_{tname}.csv))", "",
-                      md_table(rows, limit=12)]
+                      md_table(rows, limit=12, more=MORE_IN_CSV)]
         pngs = [f for f in doc.get("figures", []) if f.endswith(".png")]
         for f in pngs:
             pdf = f[:-4] + ".pdf"
@@ -578,7 +394,7 @@ def write_report(run_dir: str | Path, manifest: Mapping[str, Any],
     return path
 
 
-__all__ = ["NOTEBOOK_ORDER", "REQUIRED_PARAMETERS", "DEFAULT_CHECKPOINTS", "RunError", "NotebookOutputs", "Table",
+__all__ = ["NOTEBOOKS_DIR", "DATA_DIR", "REPO_ROOT", "NOTEBOOK_ORDER", "REQUIRED_PARAMETERS", "DEFAULT_CHECKPOINTS", "RunError", "NotebookOutputs", "Table",
            "notebook_outputs", "create_run_dir", "default_checkpoint", "resolve_checkpoint", "display_path",
            "git_state", "utc_stamp", "environment", "file_sha256", "notebook_output_files", "write_manifest",
            "load_expectations", "check_expectation", "compare_with_expectations", "write_report", "load_results",

@@ -28,6 +28,8 @@ import statistics
 import sys
 import time
 
+from ..provenance import result_path, short_commit, write_json
+
 HELP = "all-reduce latency: library vs peer-read, eager and CUDA-graph, 4-256 KiB; TP2 layer (writes JSON)"
 
 DEFAULT_SIZES_KIB = "4,8,16,32,64,128,256"
@@ -318,8 +320,7 @@ def _meta(device, commit: str | None = None) -> dict:
 
     import torch
 
-    from ..serve.results import git_commit
-    meta = {"commit": commit or git_commit(), "torch": torch.__version__, "python": platform.python_version(),
+    meta = {"commit": commit or short_commit(), "torch": torch.__version__, "python": platform.python_version(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}}
     try:
@@ -358,7 +359,6 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
     import torch.distributed as dist
 
     from ..parallel import init_distributed
-    from ..serve.results import write_result
     rank, world, device = init_distributed()
     group = dist.group.WORLD
     barrier = (lambda: dist.barrier(group=group))
@@ -376,7 +376,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
     def save():
         if rank == 0:
             doc["seconds"] = round(time.perf_counter() - t_start, 1)
-            path = write_result(doc, opts.get("out"), "bench_collectives")
+            path = write_json(result_path(opts.get("out"), "bench_collectives"), doc)
             say(f"wrote {path} ({phase[0]})")
 
     def abort():  # a hung collective must not cost the whole run: keep what was measured

@@ -8,18 +8,20 @@
   same run as the rows they divide.
 * Random inputs at plausible magnitudes: :func:`random_bank`, :func:`random_routing`,
   :func:`random_fp8_linear`, :func:`materialize_random`.
-* The driver's plumbing: :func:`select_device`, :func:`run_header`, :func:`output_path`, :func:`write_json`.
+* The driver's plumbing: :func:`select_device`, :func:`run_header`, :func:`output_path`, and
+  :func:`~dsv4lab.provenance.write_json` (re-exported: the suites write their results through it).
 
 Like the suites, it imports nothing heavy at module level (the ``bench kernels`` command imports the suites to
 collect their options).
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from ..provenance import short_commit, write_json  # noqa: F401 — write_json: the suites' result writer
 
 FLUSH_BYTES = 256 << 20  # written before a repetition to evict the previous one's operands (H200 L2: 60 MiB)
 CEILING_COPY_BYTES = 1 << 30
@@ -335,10 +337,9 @@ def run_header(b: BenchRun, args, smoke: bool) -> dict:
     """The fields every result file starts with: suite, GPU, versions, commit, model, smoke."""
     import torch
     import triton
-    from ..runs import git_state
     return dict(suite=b.suite, gpu=torch.cuda.get_device_name() if b.cuda else "CPU (Triton interpreter)",
                 torch=torch.__version__, triton=triton.__version__,
-                commit=getattr(args, "commit", None) or git_state().get("short"),
+                commit=getattr(args, "commit", None) or short_commit(),
                 model="tiny" if smoke else "flash", smoke=smoke)
 
 
@@ -347,10 +348,6 @@ def output_path(args, suite: str) -> Path:
     out = Path(args.out) if getattr(args, "out", None) else Path(f"runs/bench/{suite}_kernels.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def write_json(path: Path, doc: dict) -> None:
-    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
 
 # Substrings of GPU kernel names → the op family a profile is summarised by (first match wins).

@@ -34,6 +34,7 @@ import statistics
 import types
 from pathlib import Path
 
+from ..paths import DATA_DIR
 from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path,
                            random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
 
@@ -556,7 +557,7 @@ def run_suite(args) -> int:
     b = DecodeBench(device, getattr(args, "budget_s", 220.0), smoke)
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")
-    tiny = Path(__file__).resolve().parents[2] / "data" / "tiny"
+    tiny = DATA_DIR / "tiny"
     batches = (1,) if smoke else ((1, 8) if quick else BATCHES)
     doc = run_header(b, args, smoke) | dict(quick=quick)
     out = output_path(args, "decode")

@@ -26,6 +26,7 @@ import sys
 import time
 
 from ..options import add_backend, add_preset
+from ..provenance import short_commit
 
 HELP = "end-to-end: decode tok/s and MBU at batch 1/2/4/8, TTFT of a 4,604-token prompt, oracle hash, ABBA, breakdown"
 
@@ -180,7 +181,6 @@ def identity(device, commit: str | None) -> dict:
 
     import torch
 
-    from ..runs import git_state
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     try:
         import triton
@@ -188,7 +188,7 @@ def identity(device, commit: str | None) -> dict:
     except ImportError:
         triton_version = None
     return dict(gpu=gpu, torch=torch.__version__, triton=triton_version, python=platform.python_version(),
-                commit=commit or git_state().get("short"))
+                commit=commit or short_commit())
 
 
 def copy_bandwidth(device) -> float | None:

@@ -21,6 +21,7 @@ import sys
 import time
 
 from ..options import add_backend, add_device, add_dtype, resolve_device
+from ..provenance import identity, result_path, write_json
 
 HELP = "engine benchmark without HTTP (SGLang bench_one_batch: prefill tok/s, decode tok/s, GB/s)"
 
@@ -124,7 +125,6 @@ def format_table(results: list[dict]) -> str:
 
 def run(args) -> int:
     from ..errors import UserError
-    from ..serve.results import result_meta, write_result
     from ..serve.server import ServerOptions, load_model
 
     batches = _ints(args.batch_size, "--batch-size")
@@ -152,8 +152,8 @@ def run(args) -> int:
     doc = {"benchmark": "engine",
            "definitions": "SGLang bench_one_batch: prefill tok/s = B*L_in/t_prefill; decode tok/s = "
                           "B/median(t_step); GB/s = analytic decode weight bytes / median(t_step)",
-           "meta": {**result_meta(device), "checkpoint": str(args.checkpoint), "backend": args.backend,
+           "meta": {**identity(device), "checkpoint": str(args.checkpoint), "backend": args.backend,
                     "dtype": args.dtype, "seed": args.seed},
            "results": results}
-    print(f"wrote {write_result(doc, args.out, 'bench_engine')}")
+    print(f"wrote {write_json(result_path(args.out, 'bench_engine'), doc)}")
     return 0

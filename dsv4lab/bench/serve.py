@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..options import add_backend, add_dtype
+from ..provenance import identity, result_path, write_json
 
 HELP = "HTTP benchmark of an OpenAI-compatible server (vLLM bench serve metrics: TTFT, TPOT, ITL, E2E)"
 PERCENTILES = (50, 90, 99)
@@ -242,7 +243,6 @@ def _discover(url: str, api_key: str | None) -> dict:
 
 def run(args) -> int:
     from ..errors import UserError
-    from ..serve.results import result_meta, write_result
 
     if (args.url is None) == (args.checkpoint is None):
         raise UserError("give exactly one of --url (a running server) or --checkpoint (start one here)")
@@ -290,12 +290,12 @@ def run(args) -> int:
             server.stop()
 
     doc = {"benchmark": "serve", "definitions": "vLLM bench serve (TTFT, TPOT, ITL, E2EL; ms)",
-           "meta": {**result_meta(), "url": url if args.url else f"in-process: {args.checkpoint}", "model": model,
+           "meta": {**identity(), "url": url if args.url else f"in-process: {args.checkpoint}", "model": model,
                     "endpoint": args.endpoint, "num_prompts": args.num_prompts, "input_len": args.input_len,
                     "output_len": args.output_len, "request_rate": args.request_rate, "ignore_eos": ignore_eos,
                     "seed": args.seed},
            "runs": runs}
-    out = write_result(doc, args.out, "bench_serve")
+    out = write_json(result_path(args.out, "bench_serve"), doc)
     print(f"wrote {out}")
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 

@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 from ..options import add_preset
+from ..paths import DEFAULT_TOKENIZER, require
 
 NAME = "make-checkpoint"
 HELP = "write a seeded random checkpoint (native names, dtypes, shapes, shards, index)"
-
-DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizers" / "pystdlib-bpe-4096.json"
 
 
 def add_arguments(p):
@@ -38,7 +37,7 @@ def run(args) -> int:
     margs = resolve_args(args.preset, args.config)
     tok = args.tokenizer
     if tok is None and args.preset == "tiny":
-        tok = DEFAULT_TOKENIZER
+        tok = require(DEFAULT_TOKENIZER, "the tiny preset's default tokenizer")
     if tok is not None and not Path(tok).exists():
         raise UserError(f"--tokenizer {tok}: no such file")
     inv = inventory(margs)

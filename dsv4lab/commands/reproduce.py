@@ -33,6 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import runs
+from ..errors import RunError, UserError
+from ..paths import NOTEBOOKS_DIR, display_path, read_yaml
+from ..provenance import source_date_epoch
+from ..runs import NOTEBOOK_ORDER, REQUIRED_PARAMETERS, resolve_checkpoint
+
 NAME = "reproduce"
 HELP = "run the notebooks headless (papermill) into runs/<UTC stamp>_<commit>/ with a manifest and a report"
 DESCRIPTION = __doc__
@@ -65,8 +71,6 @@ def add_arguments(p):
 def discover(folder: Path) -> list[Path]:
     """The notebooks of ``folder``: the declared order first (all of it for the repository's folder), then
     any others by name."""
-    from ..runs import NOTEBOOK_ORDER, NOTEBOOKS_DIR
-    from ..errors import UserError
     found = {p.stem: p for p in folder.glob("*.ipynb")}
     if folder.resolve() == NOTEBOOKS_DIR.resolve():
         missing = [n for n in NOTEBOOK_ORDER if n not in found]
@@ -82,7 +86,6 @@ def discover(folder: Path) -> list[Path]:
 
 def select(notebooks: list[Path], only: list[str] | None) -> list[Path]:
     """Filter by ``--only`` (exact names or their leading number); unknown names are an error."""
-    from ..errors import UserError
     if not only:
         return notebooks
     wanted = [w.strip() for item in only for w in item.split(",") if w.strip()]
@@ -109,7 +112,6 @@ def parameters_cell(path: Path) -> tuple[int | None, str | None]:
 def declared_parameters(path: Path) -> dict[str, dict]:
     """``{name: {inferred_type_name, default, help}}`` from the notebook's parameters cell."""
     import papermill
-    from ..errors import UserError
     idx, _ = parameters_cell(path)
     if idx is None:
         raise UserError(f"{path.stem}: no cell tagged 'parameters' (the first code cell must carry that tag)")
@@ -123,17 +125,12 @@ def _where(path: Path) -> str:
 
 def load_params_file(path: str | None, notebook_names: list[str]) -> tuple[dict, dict[str, dict]]:
     """``(global parameters, {notebook: parameters})`` from a YAML file."""
-    from ..errors import UserError
     if not path:
         return {}, {}
-    import yaml
     p = Path(path)
     if not p.exists():
         raise UserError(f"--params {path}: no such file")
-    try:
-        doc = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UserError(f"--params {path}: not valid YAML ({err})") from None
+    doc = read_yaml(p, UserError) or {}
     if not isinstance(doc, dict):
         raise UserError(f"--params {path}: expected a mapping of NAME: value (and notebook: {{NAME: value}})")
     glob, per = {}, {}
@@ -157,7 +154,7 @@ def check_parameters(notebooks: list[Path], declared: dict[str, dict], glob: dic
     problems: list[str] = []
     by_name = {p.stem: p for p in notebooks}
     for name in selected:
-        missing = [r for r in _required() if r not in declared[name]]
+        missing = [r for r in REQUIRED_PARAMETERS if r not in declared[name]]
         if missing:
             problems.append(f"{_where(by_name[name])}: does not declare {missing} (every notebook must)")
     for k in glob:
@@ -189,11 +186,6 @@ def check_parameters(notebooks: list[Path], declared: dict[str, dict], glob: dic
                                 f"{declared[name][k].get('default')}), got {v!r}: expected {check[1]}")
         out[name] = params
     return out, problems
-
-
-def _required():
-    from ..runs import REQUIRED_PARAMETERS
-    return REQUIRED_PARAMETERS
 
 
 # ============================================================================================ failures
@@ -253,7 +245,6 @@ def _failing_line(traceback: list[str]) -> tuple[int | None, str | None]:
 
 # ============================================================================================ run
 def _kernel_environment() -> dict[str, str]:
-    from ..runs import source_date_epoch
     env = {"SOURCE_DATE_EPOCH": source_date_epoch(), "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
@@ -268,7 +259,6 @@ def _kernel_environment() -> dict[str, str]:
 
 
 def _checkpoint_record(params: dict) -> dict[str, Any]:
-    from ..runs import RunError, display_path, resolve_checkpoint
     try:
         path = resolve_checkpoint(params.get("CHECKPOINT", ""))
     except RunError as err:
@@ -278,10 +268,7 @@ def _checkpoint_record(params: dict) -> dict[str, Any]:
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from .. import runs
-
-    folder = Path(args.notebooks_dir) if args.notebooks_dir else runs.NOTEBOOKS_DIR
+    folder = Path(args.notebooks_dir) if args.notebooks_dir else NOTEBOOKS_DIR
     if not folder.is_dir():
         raise UserError(f"--notebooks-dir {folder}: no such folder")
     notebooks = discover(folder)
@@ -366,7 +353,6 @@ def _execute_all(chosen: list[Path], params: dict[str, dict], run_dir: Path, man
     import papermill
     from tqdm.auto import tqdm
 
-    from .. import runs
 
     env_before = {k: os.environ.get(k) for k in _kernel_environment()}
     os.environ.update(_kernel_environment())

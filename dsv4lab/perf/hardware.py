@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HardwareError
+from ..paths import DATA_DIR, HARDWARE_DIR, read_yaml
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
-HARDWARE_DIR = DATA_DIR / "hardware"
 
 DTYPES = ("fp64", "fp32", "tf32", "fp16", "bf16", "int8", "fp8", "fp4")
 
@@ -145,12 +144,7 @@ class Hardware:
 
 # ============================================================================================ loading
 def _parse(path: Path) -> Hardware:
-    import yaml
-
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise HardwareError(f"{path}: not valid YAML ({err})") from None
+    raw = read_yaml(path, HardwareError)
     if not isinstance(raw, dict):
         raise HardwareError(f"{path}: expected a mapping at the top level")
     for key in ("name", "title", "kind", "sources"):

@@ -26,7 +26,6 @@ no launches, no collectives.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +34,8 @@ from typing import Any
 from ..config import ConfigError, ModelArgs, get_preset
 from ..errors import PerfError
 from .costmodel import Op, StepCost, decode_step, prefill
-from .hardware import DATA_DIR, Hardware, HardwareError, Quantity, load_hardware
-
-PAPER_DIR = DATA_DIR / "paper"
+from ..paths import PAPER_DIR, display_path, read_json, read_yaml
+from .hardware import Hardware, HardwareError, Quantity, load_hardware
 
 # Instructions per weight value to turn a stored format into one the hardware multiplies (assumed sequences):
 #   fp4 -> int8 / fp8: a byte-permute lookup (v_perm_b32 / prmt) maps 4 nibbles to 4 bytes, after one shift/mask
@@ -59,12 +57,11 @@ TERMS = ("memory", "compute", "low_m", "format", "overhead", "latency")
 def load_paper(name: str) -> dict[str, Any]:
     """One transcription file of ``data/paper/`` (``headline``, ``decode_milestones``, ``prefill_milestones``,
     ``microbenchmarks``, ``rejected_directions``), checked to carry its ``source``."""
-    import yaml
     path = PAPER_DIR / f"{name}.yaml"
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in PAPER_DIR.glob("*.yaml")))
         raise PerfError(f"{path}: no such paper data file (have: {known})")
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml(path, PerfError)
     if not isinstance(data, dict) or not str(data.get("source", "")).strip():
         raise PerfError(f"{path}: every paper data file needs a top-level 'source:'")
     return data
@@ -486,7 +483,7 @@ def paper_account(*, context: int = 140, args: ModelArgs | None = None,
         dict(name="attention decode kernel", value=attn_us, range=[attn_lo, attn_hi], unit="us/call",
              source="reported by the paper", file="data/paper/microbenchmarks.yaml"),
     ] + [dict(name=k, value=hw.get(k), range=list(hw.quantity(k).range or []), source=hw.quantity(k).source_text,
-              file=str(hw.path.relative_to(DATA_DIR.parent)))
+              file=display_path(hw.path))
          for k in ("launch.kernel_overhead_us", "launch.latency_kernel_us",
                    "collectives.allreduce_small_us.peer_read", "memory.bw_achievable_gbps", "memory.bw_peak_gbps")]
 
@@ -653,12 +650,7 @@ def compare_kernel_results(path: str | Path, hardware: str | Hardware = "h200-sx
     batch, time_us, bytes, gbps, pct_copy_bw`` (an optional ``context`` per row overrides ``context``).
     Predictions use the file's measured copy bandwidth as the bandwidth."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PerfError(f"{path}: no such results file") from None
-    except json.JSONDecodeError as err:
-        raise PerfError(f"{path}: not valid JSON ({err})") from None
+    data = read_json(path, PerfError)
     missing = [f for f in RESULT_FIELDS if f not in data]
     if missing:
         raise PerfError(f"{path}: missing top-level field(s) {missing}; expected {list(RESULT_FIELDS)}")

@@ -20,10 +20,14 @@ This is how an SGLang or vLLM deployment of DeepSeek-V4-Flash is checked without
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
+
+from ..engine.sampling import trajectory_hash
+from ..errors import UserError
+from ..paths import read_json
+from ..provenance import identity, write_json
 
 HELP = "check any OpenAI-compatible server against a golden file's fixed-id oracles (greedy + teacher-forced)"
 
@@ -40,30 +44,18 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="report path stem (default runs/verify_endpoint/<time>)")
 
 
-def trajectory_hash(ids: list[int]) -> str:
-    """The project's trajectory hash (:func:`dsv4lab.engine.sampling.trajectory_hash`), imported on use so the
-    CLI parser stays free of torch."""
-    from ..engine.sampling import trajectory_hash as engine_hash
-    return engine_hash(ids)
-
-
 def load_golden(path: str | Path) -> list[dict]:
     """The oracles of a golden file, checked: each has integer ``prompt_ids`` and ``expected_ids``."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such golden file")
-    try:
-        doc = json.loads(path.read_text())
-    except ValueError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    doc = read_json(path, UserError)
     oracles = doc.get("oracles") if isinstance(doc, dict) else None
     if not isinstance(oracles, list) or not oracles:
-        raise ValueError(f"{path}: expected a non-empty list under the key 'oracles'")
+        raise UserError(f"{path}: expected a non-empty list under the key 'oracles'")
     for k, o in enumerate(oracles):
         for key in ("prompt_ids", "expected_ids"):
             ids = o.get(key) if isinstance(o, dict) else None
             if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-                raise ValueError(f"{path}: oracles[{k}].{key}: expected a non-empty list of token ids")
+                raise UserError(f"{path}: oracles[{k}].{key}: expected a non-empty list of token ids")
         o.setdefault("name", f"oracle-{k}")
     return oracles
 
@@ -205,13 +197,7 @@ def format_report(url: str, golden: str, model: str, reports: list[dict]) -> str
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from .results import result_meta, write_result
-
-    try:
-        oracles = load_golden(args.golden)
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    oracles = load_golden(args.golden)
     client = EndpointClient(args.url, args.api_key, args.timeout)
     try:
         try:
@@ -229,10 +215,9 @@ def run(args) -> int:
     print(text)
     stem = args.out or str(Path("runs") / "verify_endpoint" / time.strftime("%Y%m%d-%H%M%S"))
     stem = stem[:-5] if stem.endswith(".json") else stem
-    json_path = write_result({"check": "endpoint", "meta": {**result_meta(), "url": args.url, "model": model,
-                                                            "golden": str(args.golden)},
-                              "passed": all(r["passed"] for r in reports), "oracles": reports},
-                             stem + ".json", "verify_endpoint")
+    doc = {"check": "endpoint", "meta": {**identity(), "url": args.url, "model": model, "golden": str(args.golden)},
+           "passed": all(r["passed"] for r in reports), "oracles": reports}
+    json_path = write_json(stem + ".json", doc)
     Path(stem + ".md").write_text(text + "\n")
     print(f"wrote {json_path} and {stem}.md")
     return 0 if all(r["passed"] for r in reports) else 1

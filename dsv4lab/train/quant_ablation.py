@@ -20,9 +20,7 @@ difference between points is the weight format.
 """
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -33,8 +31,10 @@ import torch
 
 from .. import quant
 from ..config import ModelArgs, get_preset
+from ..paths import RESULTS_DIR, read_json
+from ..provenance import short_commit, write_json
 
-RESULTS_FILE = Path(__file__).resolve().parents[2] / "data" / "results" / "quant_ablation.json"
+RESULTS_FILE = RESULTS_DIR / "quant_ablation.json"
 
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
 
@@ -179,14 +179,6 @@ def sweep_points() -> list[dict]:
     return pts
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Path | None = None,
                  eval_windows: int = 24, batch_size: int = 4, points: list[dict] | None = None,
                  log: Callable[[str], None] = print) -> dict:
@@ -260,19 +252,17 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
         heldout_tokens=int(windows.shape[0] * (windows.shape[1] - 1)),
         training=dict(steps=train_log["steps"], hardware=train_log["hardware"], seed=train_log["config"]["seed"]),
         corpus_digest=token_meta["corpus_manifest"]["digest"],
-        versions=dict(torch=torch.__version__, python=sys.version.split()[0]), commit=_git_commit(),
+        versions=dict(torch=torch.__version__, python=sys.version.split()[0]), commit=short_commit(),
         seconds=time.perf_counter() - t_all, points=rows)
     if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(out, result, indent=2)
     return result
 
 
 def load_results(path: str | Path | None = None) -> dict | None:
     """The committed ablation results (``data/results/quant_ablation.json``), or None when absent."""
     p = Path(path) if path is not None else RESULTS_FILE
-    return json.loads(p.read_text()) if p.exists() else None
+    return read_json(p) if p.exists() else None
 
 
 __all__ = ["ExpertFormat", "DenseFormat", "NATIVE_EXPERTS", "NATIVE_DENSE", "fp4_group_qdq", "fp8_dense_qdq",

@@ -47,8 +47,8 @@ from ..model.moe import MoE
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from ..model.transformer import Transformer
+from ..paths import DEFAULT_TOKENIZER
 
-DEFAULT_TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizers" / "pystdlib-bpe-4096.json"
 
 # ============================================================================================ the model
 def _tensor_generator(seed: int, name: str) -> torch.Generator:

@@ -38,8 +38,6 @@ def _backends(names, device):
 def run(args) -> int:
     import os
 
-    import torch
-
     from ..errors import UserError
     from .kernels import run_kernel_checks
     from .registry import OPS, op_names

@@ -21,8 +21,6 @@ def add_arguments(p):
 def run(args) -> int:
     from pathlib import Path
 
-    import torch
-
     import dsv4lab
 
     from .layers import first_divergence, trace_model

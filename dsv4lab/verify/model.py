@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from ..engine.sampling import trajectory_hash
+from ..paths import GOLDEN_DIR
 from .layers import first_divergence, trace_model
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "data" / "golden"
 GOLDEN_VERSION = 1
 TRAJECTORY_TOKENS = 256
 
