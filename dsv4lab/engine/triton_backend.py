@@ -19,42 +19,24 @@ any kernel module is imported, unless the caller chose otherwise).
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from ..model.linear import ExpertBank, Linear
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
+from .kernel_loader import kernel_module
 from .triton_prefill import TritonPrefillOps
 
 log = logging.getLogger("dsv4lab.triton")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def kernel_module(name: str):
-    """Import ``dsv4lab_kernels.<name>``; from a bare source tree (no ``pip install -e .``) the folder
-    ``kernels/`` beside the package is registered under that name first."""
-    if importlib.util.find_spec("dsv4lab_kernels") is None:
-        root = Path(__file__).resolve().parents[2] / "kernels"
-        if not (root / "__init__.py").exists():
-            raise ImportError("dsv4lab_kernels is not installed and no kernels/ folder was found beside dsv4lab/")
-        spec = importlib.util.spec_from_file_location("dsv4lab_kernels", root / "__init__.py",
-                                                      submodule_search_locations=[str(root)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["dsv4lab_kernels"] = mod
-        spec.loader.exec_module(mod)
-    return importlib.import_module(f"dsv4lab_kernels.{name}")
 
 
 gemv = kernel_module("fp8_gemv")

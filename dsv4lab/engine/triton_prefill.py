@@ -25,26 +25,16 @@ prefill``; it counts which ops ran on kernels (:meth:`TritonPrefillBackend.repor
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections import Counter
 from typing import Callable
 
 import torch
 
 from ..model.ops import ReferenceOps
+from .kernel_loader import kernel_module as _kernels  # on first use: triton is imported with the kernels
 
 PREFILL_OPS = ("linear", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention",
                "indexer_scores", "indexer_topk", "compressor_pool")
-
-
-def _kernels(name: str):
-    """Import ``dsv4lab_kernels.<name>`` (and triton) on first use: ``import dsv4lab`` stays light. From a bare
-    source tree (no ``pip install -e .``) the Triton backend registers the ``kernels/`` folder under that name."""
-    if importlib.util.find_spec("dsv4lab_kernels") is None:
-        from .triton_backend import kernel_module
-        return kernel_module(name)
-    return importlib.import_module(f"dsv4lab_kernels.{name}")
 
 
 def _can_launch(t: torch.Tensor) -> bool:
