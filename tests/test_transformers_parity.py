@@ -17,7 +17,7 @@ the difference explicit:
   breaks parity, so agreement is evidence the installed version follows the reference.
 
 The other direction is checked too: each bug class of spec §3.11 injected into dsv4lab's reference
-(``dsv4lab.load(fault=...)``) breaks parity.
+(``dsv4lab.load(backend=faulty_backend(...))``) breaks parity.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ transformers = pytest.importorskip("transformers", minversion="5.8")
 import dsv4lab  # noqa: E402
 from dsv4lab import quant  # noqa: E402
 from dsv4lab.verify import hf_convert  # noqa: E402
+from dsv4lab.verify.faults import faulty_backend  # noqa: E402
 from dsv4lab.checkpoint import make_random_checkpoint  # noqa: E402
 from dsv4lab.config import ModelArgs, get_preset  # noqa: E402
 
@@ -298,11 +299,11 @@ OUR_FAULTS = ["no_shared_clamp", "rope_first_half", "rope_non_interleaved", "com
 
 @pytest.mark.parametrize("fault", OUR_FAULTS)
 def test_oracle_catches_reference_faults(first_pair: Pair, fault, tmp_path_factory):
-    """The bug classes of spec §3.11, injected into dsv4lab's reference (``dsv4lab.load(fault=...)``), are caught
+    """The bug classes of spec §3.11, injected into dsv4lab's reference (``backend=faulty_backend(...)``), are caught
     by transformers. Another sequence runs in the same cache slots first, so state kept across a reset shows."""
     case = first_pair.case
     faulty = dsv4lab.load(first_pair.ours.checkpoint, dtype=torch.float32, act_quant=False, kv_fp8_sim=False,
-                          indexer_fp4_sim=False, max_batch=case.batch, validate=False, fault=fault)
+                          indexer_fp4_sim=False, max_batch=case.batch, validate=False, backend=faulty_backend(fault))
     other = torch.randint(0, case.args.vocab_size, first_pair.tokens.shape, generator=torch.Generator().manual_seed(9))
     faulty.forward(other, start_pos=0)
     faulty.reset()

@@ -9,7 +9,7 @@ import torch
 
 import dsv4lab
 from dsv4lab.layouts import FAULTS, inject_fault_into_checkpoint
-from dsv4lab.model.ops import MODEL_FAULTS
+from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
 from dsv4lab.verify.compare import compare, tolerance
 from dsv4lab.verify.model import load_golden, record_golden, verify_model
 
@@ -113,7 +113,7 @@ def test_layout_faults_fail_verify_model_and_are_localised(fault, tmp_path):
 
 @pytest.mark.parametrize("fault", sorted(MODEL_EXPECT))
 def test_model_faults_fail_verify_model_and_are_localised(fault):
-    m = dsv4lab.load(ROOT / "data" / "tiny", max_batch=1, fault=fault)
+    m = dsv4lab.load(ROOT / "data" / "tiny", max_batch=1, backend=faulty_backend(fault))
     res = verify_model(m, load_golden(GOLDEN), ROOT / "data" / "tiny", tiers=("oracles",))
     _check(res, MODEL_EXPECT[fault])
 

@@ -1,21 +1,33 @@
-"""Backend registry: a backend is an ops object (see :class:`dsv4lab.model.ops.ReferenceOps`)."""
+"""Backend registry: a backend is an ops object (see :class:`dsv4lab.model.ops.ReferenceOps`).
+
+:func:`make_ops` builds one from a name of :data:`dsv4lab.engine.BACKENDS` or from an *ops factory* — any callable
+``numerics → ops object``. The factory is how tools above the engine run a backend the engine does not know by
+name, e.g. the reference with a deliberate bug (:func:`dsv4lab.verify.faults.faulty_backend`), without the engine
+importing them.
+"""
 from __future__ import annotations
 
+from typing import Callable, Union
+
+from ..errors import ConfigError
 from ..model.numerics import Numerics
-from ..model.ops import FaultyReferenceOps, ReferenceOps
+from ..model.ops import ReferenceOps
+from . import BACKENDS
 
-BACKENDS = ("reference", "triton")
+OpsFactory = Callable[[Numerics], ReferenceOps]
+Backend = Union[str, OpsFactory]
 
 
-def make_ops(backend: str, numerics: Numerics, fault: str | None = None):
-    """Instantiate ``backend``; ``fault`` (reference only) injects one of ``MODEL_FAULTS``."""
-    if fault is not None:
-        if backend != "reference":
-            raise ValueError("model faults are injected into the reference backend only")
-        return FaultyReferenceOps(numerics, fault)
+def make_ops(backend: Backend, numerics: Numerics) -> ReferenceOps:
+    """Instantiate ``backend``: ``"reference"``, ``"triton"`` or an ops factory called with ``numerics``."""
+    if callable(backend):
+        return backend(numerics)
     if backend == "reference":
         return ReferenceOps(numerics)
     if backend == "triton":
         from .triton_backend import TritonOps  # imports triton: only when asked for
         return TritonOps(numerics)
-    raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+__all__ = ["BACKENDS", "OpsFactory", "Backend", "make_ops"]

@@ -17,6 +17,8 @@ from ..config import ModelArgs
 from ..layouts.repair import RepairSpec
 from ..model.numerics import Numerics
 from ..model.transformer import Transformer
+from .backends import Backend, make_ops
+from .runner import ModelRunner
 
 # Tensors the reference holds in fp32 although the file stores bf16 (spec §2.4: norms are fp32 parameters).
 _NORM_RE = re.compile(r"(^|\.)(norm|q_norm|kv_norm|attn_norm|ffn_norm|enorm|hnorm)\.weight$")
@@ -118,9 +120,9 @@ def build_model(args: ModelArgs, plan: ShardPlan | None = None) -> Transformer:
 
 
 def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
-         act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: str = "reference",
+         act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: Backend = "reference",
          max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
-         validate: bool = True, progress: bool = False, fault: str | None = None):
+         validate: bool = True, progress: bool = False):
     """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
 
     Args:
@@ -132,17 +134,15 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
             oracles).
         act_quant, kv_fp8_sim, indexer_fp4_sim: the reference's quantization simulations (see
             :class:`~dsv4lab.model.numerics.Numerics`).
-        backend: ``"reference"`` or ``"triton"`` (falls back to the reference per op where no kernel exists).
+        backend: ``"reference"``, ``"triton"`` (falls back to the reference per op where no kernel exists), or an
+            ops factory (``numerics → ops``; e.g. :func:`dsv4lab.verify.faults.faulty_backend` for a deliberately
+            faulted reference).
         max_batch: cache slots (concurrent sequences).
         max_seq_len: positions the caches hold (default: the config's ``max_seq_len``).
         repairs: a layout repair spec (path or :class:`dsv4lab.layouts.RepairSpec`) applied while loading.
         plan: a tensor/expert-parallel shard plan (see :mod:`dsv4lab.parallel`).
         validate: check the whole checkpoint (names, dtypes, shapes, truncation, NaN scales) first.
-        fault: a deliberate model fault for the verification tests (see ``dsv4lab.model.ops.MODEL_FAULTS``).
     """
-    from .runner import ModelRunner
-    from .backends import make_ops
-
     ck = open_checkpoint(checkpoint)
     if validate:
         small = sum(i.nbytes for i in ck.tensors.values()) < (1 << 30)
@@ -153,7 +153,7 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
     model = build_model(args, plan)
     read_bytes = load_weights(model, ck, plan, device, repairs, progress)
     numerics = Numerics(dtype, act_quant, kv_fp8_sim, indexer_fp4_sim)
-    ops = make_ops(backend, numerics, fault=fault)
+    ops = make_ops(backend, numerics)
     native = sum(read_bytes.values())
     for m in model.modules():
         if hasattr(m, "cache_dequant"):

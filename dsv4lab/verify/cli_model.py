@@ -5,7 +5,9 @@ that diverge from the golden digests. Writes ``model.json`` and ``model.md`` to 
 """
 from __future__ import annotations
 
+from ..errors import UserError
 from ..options import add_backend, add_device, resolve_device
+from .faults import MODEL_FAULTS, faulty_backend
 
 HELP = "fixed-id oracles, 256-token hash, teacher-forced cached-vs-recompute around every boundary; localises failures"
 
@@ -20,8 +22,8 @@ def add_arguments(p):
     p.add_argument("--skip-trajectory", action="store_true", help="skip the 256-token trajectory tier")
     p.add_argument("--layers", choices=["on-failure", "always", "never"], default="on-failure")
     p.add_argument("--repairs", default=None, help="a layout repair spec applied while loading")
-    p.add_argument("--inject-fault", default=None, metavar="NAME",
-                   help="run the reference backend with a deliberate model fault (see dsv4lab.model.ops.MODEL_FAULTS) "
+    p.add_argument("--inject-fault", default=None, choices=sorted(MODEL_FAULTS),
+                   help="run the reference backend with a deliberate model fault (dsv4lab.verify.faults.MODEL_FAULTS) "
                         "to see how the harness reports it")
     p.add_argument("--out", default=None)
 
@@ -88,8 +90,11 @@ def run(args) -> int:
     gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
     golden = load_golden(gpath)
     device = resolve_device(args.device)
-    runner = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend=args.backend, max_batch=1,
-                          repairs=args.repairs, fault=args.inject_fault)
+    if args.inject_fault and args.backend != "reference":
+        raise UserError("--inject-fault: model faults are injected into the reference backend only")
+    backend = faulty_backend(args.inject_fault) if args.inject_fault else args.backend
+    runner = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend=backend, max_batch=1,
+                          repairs=args.repairs)
     ref = None
     if args.backend != "reference":
         ref = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend="reference", max_batch=1,

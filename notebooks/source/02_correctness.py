@@ -14,16 +14,16 @@ SMOKE: bool = False  # tiny CPU run (tests): one shape per op, no Triton, one or
 INTERACTIVE: bool = False  # show the interactive widgets (this notebook has none)
 SEED: int = 0  # seed of the kernel-tier random inputs
 CHECKPOINT: str = ""  # checkpoint folder; empty: data/tiny-py when present, else data/tiny
-FAULT: str = "compressed_rope_block_end"  # a model fault the tiers must catch (dsv4lab.model.ops.MODEL_FAULTS)
+FAULT: str = "compressed_rope_block_end"  # a model fault the tiers must catch (dsv4lab.verify.faults.MODEL_FAULTS)
 TF_TOKENS: int = 0  # teacher-forced tokens; 0: the golden sequence, which crosses every boundary
 
 # %%
 # %matplotlib inline
 import dsv4lab
 from dsv4lab import measurements, plots, runs
-from dsv4lab.model.ops import MODEL_FAULTS
 from dsv4lab.verify import layers as layer_tier
 from dsv4lab.verify import model as model_tier
+from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("02_correctness", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, FAULT=FAULT,
@@ -110,7 +110,7 @@ out.table("model_tier", tiers)
 # boundary — and the tier names that position. The reference's own cached-vs-recompute KL stays on the floor.
 
 # %%
-faulty = dsv4lab.load(ckpt, max_batch=1, fault=FAULT)
+faulty = dsv4lab.load(ckpt, max_batch=1, backend=faulty_backend(FAULT))
 ids = model_tier.torch.tensor([tf_ids])
 runner.reset([0])
 faulty.reset([0])
