@@ -13,6 +13,7 @@ import pytest
 from dsv4lab.cli import main
 from dsv4lab.config import ConfigError, get_preset
 from dsv4lab.perf import costmodel as cm
+from dsv4lab.perf import account as acc_mod
 from dsv4lab.perf import roofline as rl
 from dsv4lab.perf.hardware import HardwareError, list_hardware, load_hardware
 
@@ -102,7 +103,32 @@ def test_kv_row_and_key_bytes_match_spec_5_2():
     assert cm.kv_row_bytes(FLASH, "fp8") == 584
     assert cm.index_key_bytes(FLASH, "fp8") == 68
     assert cm.index_key_bytes(FLASH, "bf16") == 256
-    assert 584 / 4 + 68 / 4 == 163 and 584 / 128 == 4.5625
+
+
+def stored_kv_bytes_per_token(args, layer: int, fmt: str) -> float:
+    """KV bytes one more token adds to ``layer``'s caches, from the cost model's row and key sizes and the
+    model's layer schedule: a compressed row per ``ratio`` tokens, plus an indexer key where there is an indexer
+    (the window ring is fixed-size)."""
+    ratio = args.compress_ratios[layer]
+    if not ratio:
+        return 0.0
+    keys = cm.index_key_bytes(args, fmt) / ratio if args.has_indexer(layer) else 0.0
+    return cm.kv_row_bytes(args, fmt) / ratio + keys
+
+
+@pytest.mark.parametrize("fmt,csa,hca,whole", [("fp8", 163, 4.5625, 3514), ("bf16", 320, 8, 6880)])
+def test_stored_kv_bytes_per_token_match_spec_5_2(fmt, csa, hca, whole):
+    layers = range(FLASH.n_layers)
+    by_kind = {FLASH.layer_kind(i): stored_kv_bytes_per_token(FLASH, i, fmt) for i in layers}
+    assert by_kind == {"swa": 0.0, "csa": csa, "hca": hca}
+    assert sum(stored_kv_bytes_per_token(FLASH, i, fmt) for i in layers) == pytest.approx(whole, abs=0.5)
+    # kv_read_bytes reads every HCA row and scans every CSA index key: past the window and the top-k, 128 more
+    # tokens of context add exactly those rates of the stored bytes to a decode step's reads
+    grown = {k: cm.kv_read_bytes(FLASH, 65536 + 128, fmt)[k] - cm.kv_read_bytes(FLASH, 65536, fmt)[k]
+             for k in ("rows", "index_keys")}
+    n_kind = {k: sum(FLASH.layer_kind(i) == k for i in layers) for k in ("csa", "hca")}
+    assert grown["rows"] == 128 * n_kind["hca"] * hca
+    assert grown["index_keys"] == 128 * n_kind["csa"] * cm.index_key_bytes(FLASH, fmt) / 4
 
 
 @pytest.mark.parametrize("context,fmt,table,unit", [
@@ -233,7 +259,7 @@ def test_host_cpu_entry_matches_its_measurement_file():
 def test_mi250_kernel_overhead_follows_from_the_reported_wo_a_gemv():
     hw = load_hardware("mi250-gcd")
     wo_a_rank_bytes = FLASH.o_lora_rank * FLASH.wo_a_in_per_group + 1024 // 128 * 4096 // 128  # one group + scales
-    micro = rl.load_paper("microbenchmarks")["entries"]["wo_a_gemv_decode"]
+    micro = acc_mod.load_paper("microbenchmarks")["entries"]["wo_a_gemv_decode"]
     derived = micro["us_after"] - wo_a_rank_bytes / (hw.bandwidth_gbps("achievable") * 1e3)
     assert hw.kernel_overhead_us == pytest.approx(derived, abs=0.05)
 
@@ -291,7 +317,7 @@ def test_bound_is_below_the_penalised_model():
 # ============================================================================================ the paper account
 @pytest.fixture(scope="module")
 def account():
-    return rl.paper_account()
+    return acc_mod.paper_account()
 
 
 def test_account_predicts_the_final_step_within_15_percent(account):
@@ -322,8 +348,8 @@ def test_account_states_bandwidth_utilization(account):
 
 def test_account_responds_to_its_inputs():
     hw = load_hardware("mi250-gcd")
-    base = rl.paper_account()
-    slower = rl.paper_account(hardware=rl.with_values(hw, {"launch.kernel_overhead_us": hw.kernel_overhead_us + 1}))
+    base = acc_mod.paper_account()
+    slower = acc_mod.paper_account(hardware=rl.with_values(hw, {"launch.kernel_overhead_us": hw.kernel_overhead_us + 1}))
     step = cm.decode_step(FLASH, tp=4, context=140, sharding="sglang")
     streaming_launches = sum(o.launches for o in step.compute_ops
                              if not o.latency_bound and not o.name.startswith("routed."))
@@ -348,9 +374,9 @@ def test_account_reproduces_milestone_directions(account):
 
 
 def test_prefill_and_h200_accounts():
-    pre = rl.paper_account()["prefill"]
+    pre = acc_mod.paper_account()["prefill"]
     assert 7 < pre["mfma_utilization_pct"] < 11  # the paper's derived analysis: ~9% of MFMA peak
-    h = rl.predict_account("h200-sxm")
+    h = acc_mod.predict_account("h200-sxm")
     assert sum(h["components_us"].values()) == pytest.approx(h["step_us"])
     assert h["predicted_tok_s"] < h["bound_tok_s"]
     assert h["what_if"]["no overhead on streaming kernels"] > h["predicted_tok_s"]
@@ -358,13 +384,13 @@ def test_prefill_and_h200_accounts():
 
 def test_paper_data_files_carry_sources_and_agree():
     for name in ("headline", "decode_milestones", "prefill_milestones", "microbenchmarks", "rejected_directions"):
-        assert "reported by the paper" in rl.load_paper(name)["source"]
-    decode = [m["tok_s"] for m in rl.load_paper("decode_milestones")["milestones"]]
+        assert "reported by the paper" in acc_mod.load_paper(name)["source"]
+    decode = [m["tok_s"] for m in acc_mod.load_paper("decode_milestones")["milestones"]]
     assert decode == sorted(decode) and decode[-1] == 74.5
-    for m in rl.load_paper("prefill_milestones")["milestones"]:
+    for m in acc_mod.load_paper("prefill_milestones")["milestones"]:
         assert 4604 / m["ttft_s"] == pytest.approx(m["input_tok_s"], rel=0.01)
     with pytest.raises(rl.PerfError, match="no such paper data file"):
-        rl.load_paper("nonexistent")
+        acc_mod.load_paper("nonexistent")
 
 
 # ============================================================================================ kernel results
@@ -447,7 +473,7 @@ def test_cli_errors_and_other_actions(capsys, tmp_path):
 def test_figures_are_built_and_byte_stable(tmp_path):
     from dsv4lab import plots
     rep = rl.roofline_report(FLASH, load_hardware("mi250-gcd"), tp=4)
-    acc = rl.paper_account()
+    acc = acc_mod.paper_account()
 
     def build():
         return {

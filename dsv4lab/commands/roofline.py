@@ -11,7 +11,12 @@ from __future__ import annotations
 import json
 import sys
 
+from ..config import get_preset, resolve_args
+from ..errors import UserError
 from ..options import add_hardware, add_preset
+from ..perf import account
+from ..perf import roofline as rl
+from ..perf.hardware import catalogue, list_hardware, load_hardware
 
 NAME = "roofline"
 HELP = "bytes/FLOPs per op, roofline bound and step-time model; 'account' rebuilds the paper's MI250 decode step"
@@ -46,28 +51,13 @@ def add_arguments(p):
     p.add_argument("--top", type=int, default=0, help="text output: show only the N most expensive ops")
 
 
-def run(args) -> int:
-    from ..errors import UserError
-    from ..perf.hardware import HardwareError
-    from ..perf.roofline import PerfError
-    try:
-        return _run(args)
-    except (HardwareError, PerfError) as err:
-        raise UserError(str(err)) from None
-
-
 def _model_args(args):
-    from ..config import get_preset, resolve_args
     if args.config:
         return resolve_args(None, args.config)
     return get_preset(args.preset or "flash")
 
 
-def _run(args) -> int:
-    from ..errors import UserError
-    from ..perf import roofline as rl
-    from ..perf.hardware import catalogue, list_hardware, load_hardware
-
+def run(args) -> int:
     if args.path and args.action != "compare":
         raise UserError(f"unexpected argument {args.path!r} (only 'compare' takes a file)")
 
@@ -106,13 +96,13 @@ def _run(args) -> int:
 
     if args.action == "account":
         if args.hardware and load_hardware(args.hardware).name != "mi250-gcd":
-            acc = rl.predict_account(args.hardware, tp=args.tp or 2, ep=args.ep, batch=args.batch,
+            acc = account.predict_account(args.hardware, tp=args.tp or 2, ep=args.ep, batch=args.batch,
                                      context=args.context or 4096, sharding=args.sharding or "reference",
                                      allreduce=args.allreduce, args=_model_args(args))
             _print_prediction(acc, args)
             return 0
-        acc = rl.paper_account(context=args.context or 140)
-        acc["h200"] = {k: v for k, v in rl.predict_account("h200-sxm").items() if k != "ops"}
+        acc = account.paper_account(context=args.context or 140)
+        acc["h200"] = {k: v for k, v in account.predict_account("h200-sxm").items() if k != "ops"}
         if args.json:
             print(json.dumps(acc, indent=2))
         else:

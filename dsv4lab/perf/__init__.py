@@ -2,27 +2,20 @@
 
 * :mod:`dsv4lab.perf.hardware` — ``data/hardware/*.yaml``, every number with its source;
 * :mod:`dsv4lab.perf.costmodel` — bytes and FLOPs per op of a decode step / prefill, per rank under TP/EP;
-* :mod:`dsv4lab.perf.roofline` — bounds, penalty terms, step-time attribution, the paper account.
+* :mod:`dsv4lab.perf.roofline` — bounds, penalty terms, step-time attribution (the timing model);
+* :mod:`dsv4lab.perf.account` — the paper's numbers rebuilt from components, and predictions.
 
-Importing this package loads nothing heavy; the names below are resolved on first use.
+The benchmarks that measure what these modules predict live in :mod:`dsv4lab.bench`.
+
+Importing this package imports none of torch, numpy, yaml or matplotlib: ``dsv4lab roofline`` runs without them.
 """
 from __future__ import annotations
 
-_EXPORTS = {
-    "load_hardware": "hardware", "list_hardware": "hardware", "catalogue": "hardware", "Hardware": "hardware",
-    "HardwareError": "hardware",
-    "decode_step": "costmodel", "prefill": "costmodel", "weight_bytes_per_token": "costmodel",
-    "kv_read_bytes": "costmodel", "StepCost": "costmodel", "Op": "costmodel", "COMPONENTS": "costmodel",
-    "roofline_report": "roofline", "paper_account": "roofline", "predict_account": "roofline",
-    "compare_kernel_results": "roofline", "time_step": "roofline", "load_paper": "roofline",
-}
+from .account import load_paper, paper_account, predict_account
+from .costmodel import COMPONENTS, Op, StepCost, decode_step, kv_read_bytes, prefill, weight_bytes_per_token
+from .hardware import Hardware, HardwareError, catalogue, list_hardware, load_hardware
+from .roofline import compare_kernel_results, roofline_report, time_step
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        import importlib
-        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["COMPONENTS", "Hardware", "HardwareError", "Op", "StepCost", "catalogue", "compare_kernel_results",
+           "decode_step", "kv_read_bytes", "list_hardware", "load_hardware", "load_paper", "paper_account",
+           "predict_account", "prefill", "roofline_report", "time_step", "weight_bytes_per_token"]

@@ -24,6 +24,7 @@ PROMPT_TOKENS: int = 4604  # the paper's prompt length, for the chunk-size accou
 # %matplotlib inline
 from dsv4lab import measurements, plots, runs
 from dsv4lab.config import get_preset
+from dsv4lab.perf import account as perf_account
 from dsv4lab.perf import roofline
 from dsv4lab.perf.hardware import load_hardware
 
@@ -75,7 +76,7 @@ out.figure(plots.plot_prefill_throughput(rows, peak=peak, ylabel="TFLOP/s per GP
 
 # %%
 chunks = (512, 2048) if SMOKE else (512, 1024, 2048, None)
-reported = {m["id"]: m for m in roofline.load_paper("prefill_milestones")["milestones"]}
+reported = {m["id"]: m for m in perf_account.load_paper("prefill_milestones")["milestones"]}
 account = []
 for chunk in chunks:
     rep = roofline.roofline_report(flash, mi250, tp=4, phase="prefill", context=PROMPT_TOKENS, chunk=chunk)
@@ -98,7 +99,7 @@ out.figure(plots.plot_step_waterfall(account, title=f"Prefill of {PROMPT_TOKENS}
 # sorter rows appear beside it when the committed results carry them.
 
 # %%
-micro = roofline.load_paper("microbenchmarks")["entries"]["routed_moe_prefill_m2048"]
+micro = perf_account.load_paper("microbenchmarks")["entries"]["routed_moe_prefill_m2048"]
 sorter = [dict(source="reported by the paper (MI250)", sorter_rows=rows_, gate_up_ms=g, down_ms=d)
           for rows_, g, d in zip((32, 64), micro["gate_up_ms"], micro["down_ms"])]
 if doc is not None:

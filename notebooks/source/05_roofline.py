@@ -25,6 +25,7 @@ CONTEXT: int = 4096  # cached tokens per sequence
 # %matplotlib inline
 from dsv4lab import plots, runs
 from dsv4lab.config import get_preset
+from dsv4lab.perf import account as perf_account
 from dsv4lab.perf import roofline
 from dsv4lab.perf.hardware import catalogue, load_hardware
 
@@ -89,8 +90,8 @@ out.figure(fig, "bytes")
 # project's target (two H200s, TP2). Diamonds mark the reported step times.
 
 # %%
-account = roofline.paper_account()
-prediction = roofline.predict_account("h200-sxm")
+account = perf_account.paper_account()
+prediction = perf_account.predict_account("h200-sxm")
 print(account["bandwidth"]["statement"])
 print(f"reported {account['reported_tok_s']} tok/s; rebuilt {account['predicted_tok_s']:.1f} tok/s "
       f"({account['error_pct']:+.1f}%), input ranges give {account['range_tok_s']['slow']:.1f}–"

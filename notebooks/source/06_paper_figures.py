@@ -19,13 +19,13 @@ GPU: str = "h200"  # results folder of our measurements under data/results/
 # %%
 # %matplotlib inline
 from dsv4lab import measurements, plots, runs
-from dsv4lab.perf import roofline
+from dsv4lab.perf import account as perf_account
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("06_paper_figures", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, GPU=GPU))
-headline = roofline.load_paper("headline")
-account = roofline.paper_account()
-prediction = roofline.predict_account("h200-sxm")
+headline = perf_account.load_paper("headline")
+account = perf_account.paper_account()
+prediction = perf_account.predict_account("h200-sxm")
 e2e = measurements.e2e_headline(measurements.load_results_file("e2e", GPU))
 print("our end-to-end measurements: " + (", ".join(f"{k} {v:g}" for k, v in e2e.items()) if e2e else
                                          f"none committed ({measurements.results_path('e2e', GPU)} is absent)"))
@@ -34,7 +34,7 @@ print("our end-to-end measurements: " + (", ".join(f"{k} {v:g}" for k, v in e2e.
 # ## Decode milestones
 
 # %%
-decode = roofline.load_paper("decode_milestones")["milestones"]
+decode = perf_account.load_paper("decode_milestones")["milestones"]
 modelled = {m["id"]: m for m in account["milestones"]}
 decode_rows = [dict(id=m["id"], label=m["label"], tok_s=m["tok_s"], tok_s_range=m.get("tok_s_range"),
                     modelled_tok_s=modelled.get(m["id"], {}).get("predicted_tok_s"),
@@ -55,7 +55,7 @@ out.figure(fig, "decode")
 # ## Prefill milestones
 
 # %%
-prefill = roofline.load_paper("prefill_milestones")
+prefill = perf_account.load_paper("prefill_milestones")
 prefill_rows = [dict(id=m["id"], label=m["label"], input_tok_s=m["input_tok_s"], ttft_s=m["ttft_s"])
                 for m in prefill["milestones"]]
 lines = {"model: MI250 TP4, same prompt": account["prefill"]["model_input_tok_s"]}
