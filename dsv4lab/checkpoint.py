@@ -18,16 +18,16 @@ import shutil
 import struct
 import tempfile
 import zlib
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 
 from .config import ConfigError, ModelArgs, ceil_div
 from .errors import CheckpointError
+from .provenance import file_sha256
 from . import quant
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -643,23 +643,6 @@ def write_state_dict(out: str | Path, args: ModelArgs, state: Mapping[str, torch
     return write_checkpoint(out, args, lambda s: state[s.name], **kw)
 
 
-def iter_block_names(args: ModelArgs, block: int) -> Iterator[str]:
-    for s in block_tensors(args, block):
-        yield s.name
-
-
 def file_hashes(folder: str | Path) -> dict[str, str]:
     """sha256 of every file in a folder (for reproducibility checks)."""
-    import hashlib
-    out = {}
-    for p in sorted(Path(folder).iterdir()):
-        if p.is_file():
-            out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
-def group_by_block(specs: Iterable[TensorSpec]) -> dict[int | None, list[TensorSpec]]:
-    out: dict[int | None, list[TensorSpec]] = defaultdict(list)
-    for s in specs:
-        out[s.block].append(s)
-    return out
+    return {p.name: file_sha256(p) for p in sorted(Path(folder).iterdir()) if p.is_file()}

@@ -263,11 +263,3 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: 
     qa = quantize_activations(x2)
     y = fp8_block_gemm(qa["q"], qa["scale"], w, w_scale, config=config)
     return y.reshape(*lead, w.shape[0])
-
-
-def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """Plain-torch oracle of :func:`fp8_linear` (fp32 products of the exact quantized values)."""
-    from dsv4lab import quant
-    xq = quant.act_qdq_fp8(x.float())
-    wd = quant.fp8_block_dequant(w, w_scale, torch.float32)
-    return (xq.double() @ wd.double().T).float().to(torch.bfloat16)

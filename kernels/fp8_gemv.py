@@ -188,15 +188,3 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     if split > 1:
         sum_partials(part, out)
     return out.reshape(*lead, N)
-
-
-def reference_fp8_gemv(x, weight, scale, act_quant=True, out_dtype=torch.bfloat16, groups=1):
-    """Plain-torch twin (fp64 exact sum rounded to fp32, then ``out_dtype``) used by the tests and the bench."""
-    from dsv4lab import quant
-    N, Kg = weight.shape
-    w = quant.fp8_block_dequant(weight, scale, torch.float64) if scale is not None else weight.double()
-    xs = x.reshape(*x.shape[:-1], groups, Kg)
-    if act_quant:
-        xs = quant.act_qdq_fp8(xs.float())
-    y = torch.einsum("...gk,grk->...gr", xs.double(), w.view(groups, N // groups, Kg))
-    return y.reshape(*x.shape[:-1], N).float().to(out_dtype)

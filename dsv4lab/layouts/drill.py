@@ -20,12 +20,17 @@ oracles and layer tracing in :mod:`dsv4lab.verify`; this module adds what the dr
 """
 from __future__ import annotations
 
+import fnmatch
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from .. import layouts
+from ..checkpoint import Checkpoint
+from ..provenance import file_sha256
+from ..verify.layers import trace_model
 from ..verify.model import (checkpoint_identity, default_oracles, first_mismatch, golden_path_for, greedy_with_margins,
                            load_golden)
 
@@ -101,7 +106,6 @@ def isolated_moe_stages(trusted, suspect, input_ids: Sequence[int]) -> list[dict
     The trusted runner is traced on ``input_ids``; for every layer its MoE input and routing feed the suspect's
     stage 1 (W1, W3), and its activation feeds the suspect's stage 2 (W2). Each row has the cosine and relative
     error of ``stage1_w1``, ``stage1_w3`` and ``stage2_w2`` (NaN slots of unpicked experts ignored)."""
-    from ..verify.layers import trace_model
     tr = trace_model(trusted, list(input_ids), keep_tensors=True)
     ops = suspect.ops
     rows = []
@@ -129,7 +133,6 @@ def channel_similarity(trusted: str | Path, suspect: str | Path, linear: str, *,
     (columns) inside output tile ``tile`` (``t = min(tile_size, out_features)``), on random probe inputs.
 
     An exact row permutation shows as one 1 per row; the paper's W2 fault as 16-row blocks off the diagonal."""
-    from ..checkpoint import Checkpoint
     ref_ck, sus_ck = Checkpoint(trusted), Checkpoint(suspect)
     ops = []
     for ck in (ref_ck, sus_ck):
@@ -154,8 +157,6 @@ def channel_similarity(trusted: str | Path, suspect: str | Path, linear: str, *,
 
 def expert_linears(checkpoint: str | Path, which: str = "w2") -> dict[tuple[int, int], str]:
     """``{(layer, expert): linear name}`` of the routed experts' ``which`` projection (main layers only)."""
-    import re
-    from ..checkpoint import Checkpoint
     out = {}
     for lin in layouts.checkpoint_linears(Checkpoint(checkpoint)):
         m = re.fullmatch(rf"layers\.(\d+)\.ffn\.experts\.(\d+)\.{which}", lin)
@@ -170,8 +171,6 @@ def injected_layout_recovered(result: "layouts.CheckpointFingerprint", checkpoin
                               only: Sequence[str] | None = None) -> dict[str, Any]:
     """Whether the repair spec a fingerprint derived names exactly ``fault``'s layout on exactly the
     ``injected`` linears (and nothing on any other fingerprinted linear)."""
-    import fnmatch
-    from ..checkpoint import Checkpoint
     fault = layouts.FAULTS[fault] if isinstance(fault, str) else fault
     injected = set(injected)
     linears = layouts.checkpoint_linears(Checkpoint(checkpoint))
@@ -191,7 +190,6 @@ def injected_layout_recovered(result: "layouts.CheckpointFingerprint", checkpoin
 
 def same_files(a: str | Path, b: str | Path) -> dict[str, bool]:
     """``{file name: identical bytes}`` over the files of folder ``a`` (a repaired copy against the original)."""
-    from ..runs import file_sha256
     a, b = Path(a), Path(b)
     return {p.name: (b / p.name).exists() and file_sha256(p) == file_sha256(b / p.name)
             for p in sorted(a.iterdir()) if p.is_file()}
