@@ -24,11 +24,13 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from . import quant
 from .config import ConfigError, ModelArgs, ceil_div
 from .errors import CheckpointError
 from .provenance import file_sha256
-from . import quant
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -352,7 +354,6 @@ class Checkpoint(TensorTable):
 
     def _handle(self, file: str):
         if file not in self._handles:
-            from safetensors import safe_open
             self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
         return self._handles[file]
 
@@ -491,8 +492,6 @@ def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable
     ``shards`` fixes which tensors go to which shard file (to keep another checkpoint's sharding when copying
     it); without it the table is split into ``n_shards`` runs of about equal bytes.
     """
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists (pass overwrite=True / --overwrite to replace it)")

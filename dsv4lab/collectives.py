@@ -18,11 +18,15 @@ a CUDA graph is being captured, which are the same on every rank.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+import warnings
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
 
 STRATEGIES = ("library", "peer_read", "auto")
 DEFAULT_PEER_READ_BYTES = 256 << 10  # messages up to this size may take the peer-read path
@@ -39,7 +43,6 @@ class LibraryAllReduce:
         self.group = group
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
         t = t.contiguous()
         dist.all_reduce(t, group=self.group)
         return t
@@ -63,13 +66,11 @@ class PeerReadAllReduce:
     def __init__(self, group=None, device: torch.device | str | None = None,
                  capacity_bytes: int = DEFAULT_PEER_READ_BYTES, num_programs: int = 16, block: int = 2048,
                  num_warps: int = 8):
-        import torch.distributed as dist
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         if self.device.type != "cuda":
             raise ValueError(f"the peer-read all-reduce needs GPUs; device {self.device} is not one "
                              "(use the library strategy on CPUs)")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # peer reads only, never NVLink multicast
-        import torch.distributed._symmetric_memory as symm_mem
         from dsv4lab_kernels import allreduce as kernel
 
         self._kernel = kernel
@@ -155,9 +156,6 @@ class CountingAllReduce:
 def enable_symmetric_memory(group_name: str) -> None:
     """Older torch releases need symmetric memory enabled per group before a rendezvous; newer ones deprecate
     the call (a no-op with a FutureWarning), so it is made quietly."""
-    import warnings
-
-    import torch.distributed._symmetric_memory as symm_mem
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -171,7 +169,6 @@ def peer_read_available(device: torch.device | str) -> bool:
     """Whether this process can run the peer-read strategy on ``device`` (a GPU with symmetric memory)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return False
-    import importlib.util
     return all(importlib.util.find_spec(m) is not None for m in ("torch.distributed._symmetric_memory", "triton"))
 
 

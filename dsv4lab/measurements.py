@@ -23,8 +23,12 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 from .errors import RunError
 from .paths import RESULTS_DIR, display_path, read_json
+from .verify import registry
+from .verify.kernels import run_kernel_checks
 PROVENANCE_FIELDS = ("gpu", "torch", "triton", "commit")
 RESULT_FILES = ("decode_kernels", "prefill_kernels", "collectives", "e2e")
 BENCH_MODULES = {"kernels": "dsv4lab.bench.kernels", "e2e": "dsv4lab.bench.e2e",
@@ -112,10 +116,7 @@ def kernel_checks(backend: str, ops: Sequence[str] | None = None, *, seed: int =
             return dict(status="unavailable", rows=[], message="triton is not installed")
         if not gpu_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit decoration
-    import torch
 
-    from .verify import registry
-    from .verify.kernels import run_kernel_checks
     try:
         from .engine.backends import make_ops
         from .model.numerics import Numerics

@@ -28,9 +28,11 @@ Entry points: :func:`load_parallel` (under ``torchrun``; used by ``dsv4lab gener
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
 import pickle
 import re
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -38,10 +40,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from .collectives import DEFAULT_PEER_READ_BYTES, CountingAllReduce, make_all_reduce
 from .config import ModelArgs
-from .engine.loader import ShardPlan
+from .engine.loader import ShardPlan, load, open_checkpoint
 from .errors import ParallelError
 
 FP8_BLOCK = 128
@@ -257,9 +261,6 @@ def init_distributed(device: str | torch.device | None = None, timeout_s: float 
                                                                                                    torch.device]:
     """Join the process group the launcher describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR/PORT``, as set by
     ``torchrun``): NCCL/RCCL on GPUs, gloo on CPUs. Returns ``(rank, world_size, device)``."""
-    import datetime
-
-    import torch.distributed as dist
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ParallelError("--tp/--ep need one process per rank: launch with "
@@ -278,14 +279,12 @@ def init_distributed(device: str | torch.device | None = None, timeout_s: float 
 
 
 def _shutdown() -> None:
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def _my_group(groups: list[list[int]], rank: int, world: int):
     """Create every group (all ranks must, in the same order) and return this rank's; None for groups of one."""
-    import torch.distributed as dist
     if len(groups[0]) == 1:
         return None
     mine = None
@@ -323,8 +322,6 @@ def load_parallel(checkpoint: str | Path, tp: int = 1, ep: int = 1, dtype: torch
     The runner's ``plan`` (a :class:`ParallelPlan`) has ``load_report``, ``collectives_per_token`` and the
     counting ``reducer``.
     """
-    from .engine.loader import load, open_checkpoint
-
     ck = open_checkpoint(checkpoint)
     check_split(ck.args, tp, ep)  # before any process group exists: a bad request fails fast on every rank
     rank, world, dev = init_distributed(device)
@@ -350,7 +347,6 @@ def load_parallel(checkpoint: str | Path, tp: int = 1, ep: int = 1, dtype: torch
 
 # ============================================================================================ spawning
 def _free_port() -> int:
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -369,7 +365,6 @@ def run_parallel(fn: Callable, world: int, *args) -> list:
     """Run ``fn(rank, world, *args)`` in ``world`` fresh processes (torch.multiprocessing, spawn) with the
     torchrun environment set, and return the ranks' return values in rank order. ``fn`` must be importable
     (a module-level function); a rank's exception is re-raised here with its traceback."""
-    import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="dsv4lab-ranks-") as out_dir:
         mp.start_processes(_spawned, args=(fn, world, _free_port(), out_dir, args), nprocs=world, join=True,
                            start_method="spawn")

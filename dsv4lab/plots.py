@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .paths import STYLE_FILE as STYLE
+from .perf.hardware import Hardware, load_hardware
 ROOFLINE_SIZE = (7.0, 4.6)
 WATERFALL_SIZE = (8.0, 4.2)
 COMPOSITION_SIZE = (7.0, 3.6)
@@ -67,7 +68,6 @@ def save_figure(fig, path: str | Path, formats: Iterable[str] = ("png",)) -> lis
 
 # ============================================================================================ roofline
 def _as_hardware(items) -> list:
-    from .perf.hardware import Hardware, load_hardware
     if isinstance(items, (str, Hardware)):
         items = [items]
     return [h if isinstance(h, Hardware) else load_hardware(h) for h in items]
@@ -364,8 +364,6 @@ def plot_layer_divergence(rows: Sequence[Mapping[str, Any]], *, floor: float = 1
     """Which layer and stage diverge first: a layers × stages map of the relative error against the golden
     digests (rows of :func:`dsv4lab.verify.layers.first_divergence`, ``StageDiff.to_dict()``; top-k stages show
     ``1 − Jaccard``). The first failing stage is circled."""
-    import math
-
     import numpy as np
     blocks = list(dict.fromkeys(r["block"] for r in rows if r["block"] != "model"))
     stages = list(dict.fromkeys(r["stage"] for r in rows if r["block"] != "model"))

@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -32,7 +34,6 @@ class Tokenizer:
     """A thin wrapper over ``tokenizers.Tokenizer`` with the ids the engine and server need."""
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer as HFTokenizer
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"{self.path}: no tokenizer.json")
@@ -63,8 +64,6 @@ def load_tokenizer(checkpoint: str | Path) -> Tokenizer | None:
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096, out: str | Path | None = None):
     """Train the small models' byte-level BPE (deterministic for a given text order)."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .formats import RNE_MAGIC, e2m1_pair_times2_int, e2m1_pair_to_f32_scaled, quantize_fp8_block, round_to_bf16
 from .fp8_gemv import sum_partials
+from dsv4lab import quant
 
 ROUTES = ("fma", "int8", "dot_scaled")
 
@@ -389,7 +390,6 @@ def routed_moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
 def reference_int8_route(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """Oracle of the INT8 route for one weight: ``x [M, K]`` → ``[M, N]`` fp64, computed as the paper describes
     (per-32 INT8 activations, ``2·E2M1`` int8 weights, exact integer group dots, then both scales / 2)."""
-    from dsv4lab import quant
     xq, xs = quant.act_quant_int8(x.float(), 32)
     codes = quant.unpack_fp4(w_packed).long()
     w2x = torch.tensor(quant.E2M1_TIMES2_INT8, dtype=torch.int64, device=codes.device)[codes]

@@ -33,7 +33,7 @@ quantization block), written per sorted row in the layout stage 2 reads. Stage 2
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -277,7 +277,6 @@ class MoEGeometry:
     stages2: int = 3
 
     def replace(self, **kw) -> "MoEGeometry":
-        from dataclasses import replace
         return replace(self, **kw)
 
 

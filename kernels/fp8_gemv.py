@@ -18,6 +18,7 @@ replay equals eager, bit for bit).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,6 @@ class GemvGeometry:
 
 
 def interpreting() -> bool:
-    import os
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -24,10 +24,20 @@ Results go to JSON (GPU, versions, commit); a short table is printed last.
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import sys
+import threading
 import time
 
+import torch
+import torch.distributed as dist
+import torch.distributed._symmetric_memory as symm_mem
+
+from ..collectives import LibraryAllReduce, PeerReadAllReduce, enable_symmetric_memory
+from ..config import get_preset
+from ..errors import UserError
+from ..parallel import init_distributed, run_parallel
 from ..provenance import result_path, short_commit, write_json
 
 HELP = "all-reduce latency: library vs peer-read, eager and CUDA-graph, 4-256 KiB; TP2 layer (writes JSON)"
@@ -54,8 +64,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from ..parallel import run_parallel
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     try:
@@ -71,7 +79,6 @@ def run(args) -> int:
     else:
         if args.nproc < 2:
             raise UserError("--nproc must be >= 2 (an all-reduce needs peers)")
-        import torch
         if torch.cuda.is_available() and torch.cuda.device_count() < args.nproc:
             raise UserError(f"--nproc {args.nproc} but only {torch.cuda.device_count()} GPUs are visible")
         res = run_parallel(_worker, args.nproc, opts)[0]
@@ -80,14 +87,12 @@ def run(args) -> int:
 
 # ============================================================================================ timing helpers
 def _sync(device):
-    import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _time_eager(fn, inputs, iters: int, reps: int, device, barrier) -> list[float]:
     """Per-call seconds of ``reps`` runs of ``iters`` back-to-back calls (device time included)."""
-    import torch
     for i in range(5):
         fn(inputs[i % len(inputs)])
     out = []
@@ -112,7 +117,6 @@ def _time_eager(fn, inputs, iters: int, reps: int, device, barrier) -> list[floa
 
 def _capture(body, device):
     """A CUDA graph of ``body()`` (warmed up on a side stream first, as NCCL capture requires)."""
-    import torch
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -127,7 +131,6 @@ def _capture(body, device):
 
 
 def _time_graph(graph, calls: int, reps: int, device, barrier) -> list[float]:
-    import torch
     graph.replay()
     _sync(device)
     out = []
@@ -156,10 +159,7 @@ class TorchSymmOneShot:
     name = "torch_symm_one_shot"
 
     def __init__(self, group, device, capacity_bytes: int):
-        import torch
-        import torch.distributed._symmetric_memory as symm_mem
         self.group_name = group.group_name
-        from ..collectives import enable_symmetric_memory
         enable_symmetric_memory(self.group_name)
         self.buffer = symm_mem.empty(capacity_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)
@@ -173,7 +173,6 @@ class TorchSymmOneShot:
 
 
 def _strategies(device, world_group, capacity: int, errors: dict) -> dict:
-    from ..collectives import LibraryAllReduce, PeerReadAllReduce
     out = {"library": LibraryAllReduce(world_group)}
     if device.type != "cuda":
         return out
@@ -193,7 +192,6 @@ def _strategies(device, world_group, capacity: int, errors: dict) -> dict:
 
 # ============================================================================================ correctness
 def _same_bits(a, b) -> bool:
-    import torch
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
                                                                      b.contiguous().view(torch.uint8))
 
@@ -201,7 +199,6 @@ def _same_bits(a, b) -> bool:
 def _check(name, fn, library, rank, device, capacity, dtypes, align_bytes: int = 1) -> list[dict]:
     """Bitwise comparison of ``fn`` with ``library`` (see the module docstring); one row per case.
     ``align_bytes``: only messages whose size is a multiple of it (torch's own kernel needs 4)."""
-    import torch
     rows = []
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
 
@@ -253,9 +250,6 @@ def _check(name, fn, library, rank, device, capacity, dtypes, align_bytes: int =
 # ============================================================================================ TP2 layer stand-in
 def _layer_proxy(strategies: dict, rank: int, world: int, device, reps: int, barrier) -> dict:
     """Time one DeepSeek-V4-Flash decode layer's per-rank work at TP=EP=world with each strategy (graph)."""
-    import torch
-
-    from ..config import get_preset
     a = get_preset("flash")
     bf = torch.bfloat16
     g = torch.Generator(device=device).manual_seed(7 + rank)
@@ -316,10 +310,6 @@ def _layer_proxy(strategies: dict, rank: int, world: int, device, reps: int, bar
 
 # ============================================================================================ the worker
 def _meta(device, commit: str | None = None) -> dict:
-    import platform
-
-    import torch
-
     meta = {"commit": commit or short_commit(), "torch": torch.__version__, "python": platform.python_version(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}}
@@ -344,7 +334,6 @@ def _meta(device, commit: str | None = None) -> dict:
 def _graph_kernel_floor(device, iters: int, reps: int, barrier) -> dict:
     """Per-kernel time of a captured graph of ``iters`` trivial kernels (4 KiB ``add_``): the floor of any
     single-kernel collective inside a graph."""
-    import torch
     t = torch.zeros(1024, device=device)
 
     def body():
@@ -355,10 +344,6 @@ def _graph_kernel_floor(device, iters: int, reps: int, barrier) -> dict:
 
 
 def _worker(rank: int, world: int, opts: dict) -> dict | None:
-    import torch
-    import torch.distributed as dist
-
-    from ..parallel import init_distributed
     rank, world, device = init_distributed()
     group = dist.group.WORLD
     barrier = (lambda: dist.barrier(group=group))
@@ -383,7 +368,6 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
         doc["aborted"] = f"watchdog: still in phase {phase[0]!r} after {opts['budget_s']} s"
         save()
         os._exit(3)
-    import threading
     watchdog = threading.Timer(opts["budget_s"], abort)
     watchdog.daemon = True
     watchdog.start()

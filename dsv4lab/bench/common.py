@@ -11,8 +11,8 @@
 * The driver's plumbing: :func:`select_device`, :func:`run_header`, :func:`output_path`, and
   :func:`~dsv4lab.provenance.write_json` (re-exported: the suites write their results through it).
 
-Like the suites, it imports nothing heavy at module level (the ``bench kernels`` command imports the suites to
-collect their options).
+Like the suites, it imports triton only inside the functions that need it (on a CPU, ``TRITON_INTERPRET`` must be
+set before the first kernel module is imported).
 """
 from __future__ import annotations
 
@@ -21,7 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from ..errors import UserError
+from ..model.linear import ExpertBank, Linear
 from ..provenance import short_commit, write_json  # noqa: F401 — write_json: the suites' result writer
+from ..verify.compare import compare, tolerance
 
 FLUSH_BYTES = 256 << 20  # written before a repetition to evict the previous one's operands (H200 L2: 60 MiB)
 CEILING_COPY_BYTES = 1 << 30
@@ -39,7 +44,6 @@ class BenchRun:
     suite = ""  # "decode", "prefill": the log prefix and the result file's ``suite``
 
     def __init__(self, device, budget_s: float, smoke: bool):
-        import torch
         self.torch = torch
         self.device = device
         self.cuda = device.type == "cuda"
@@ -94,7 +98,6 @@ class BenchRun:
     def check(self, name: str, out, ref, kind: str = "reduction", gating: bool = True) -> bool:
         """Compare ``out`` with ``ref`` under the bf16 tolerance of ``kind`` and record it; ``gating=False``
         records the result as information only."""
-        from ..verify.compare import compare, tolerance
         c = compare(name, out, ref, tolerance(self.torch.bfloat16, kind))
         self.checks.append(self.check_record(c, gating))
         self.log(c.line() + ("" if gating else " (information)"))
@@ -241,7 +244,6 @@ def measure_ceilings(b: BenchRun, timing: str) -> dict:
 
 def median_copy_us(src, dst) -> float:
     """Median of 10 event-timed copies ``dst ← src`` on the GPU after 20 that bring the clocks up."""
-    import torch
     for _ in range(20):
         dst.copy_(src)
     torch.cuda.synchronize()
@@ -260,8 +262,6 @@ def median_copy_us(src, dst) -> float:
 def random_bank(n_experts: int, dim: int, inter: int, device, gen):
     """A routed-expert bank with uniformly random E2M1 codes and 1×32 E8M0 scales 2^-10 … 2^-6 (within the fp8
     route's exact upcast window)."""
-    import torch
-    from ..model.linear import ExpertBank
     bank = ExpertBank(n_experts, dim, inter, "fp4")
     for name, (n, k) in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
         bank._buffers[name] = torch.randint(-128, 128, (n_experts, n, k // 2), dtype=torch.int8, device=device,
@@ -273,7 +273,6 @@ def random_bank(n_experts: int, dim: int, inter: int, device, gen):
 
 def random_routing(T: int, n_experts: int, k: int, device, gen):
     """Uniformly random distinct top-k experts per token and renormalised weights (fp32)."""
-    import torch
     idx = torch.rand(T, n_experts, device=device, generator=gen).topk(k, dim=-1).indices
     w = torch.rand(T, k, device=device, generator=gen) + 0.1
     return idx, (w / w.sum(-1, keepdim=True) * 1.5).float()
@@ -281,8 +280,6 @@ def random_routing(T: int, n_experts: int, k: int, device, gen):
 
 def random_fp8_linear(n: int, k: int, device, gen, act_quant: bool = True):
     """An FP8 ``Linear`` (``k`` → ``n``) with random E4M3 weights and 128×128 E8M0 block scales 2^-15 … 2^-12."""
-    import torch
-    from ..model.linear import Linear
     lin = Linear(k, n, "fp8", act_quant=act_quant)
     w = torch.randn(n, k, device=device, generator=gen) * 64
     lin._buffers["weight"] = w.clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -293,8 +290,6 @@ def random_fp8_linear(n: int, k: int, device, gen, act_quant: bool = True):
 
 def materialize_random(module, device, gen) -> None:
     """Fill every meta buffer of ``module`` with random values of its dtype at plausible magnitudes."""
-    import torch
-    from ..model.linear import ExpertBank
     for mod_name, mod in module.named_modules():
         for name, buf in list(mod._buffers.items()):
             if buf is None or buf.device.type != "meta":
@@ -326,8 +321,6 @@ def materialize_random(module, device, gen) -> None:
 # ============================================================================================ driver
 def select_device(suite: str, smoke: bool):
     """The GPU, or the CPU for a ``--smoke`` run (a clear error otherwise)."""
-    import torch
-    from ..errors import UserError
     if not torch.cuda.is_available() and not smoke:
         raise UserError(f"bench kernels --suite {suite} needs a GPU (use --smoke to check the script on a CPU)")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -335,7 +328,6 @@ def select_device(suite: str, smoke: bool):
 
 def run_header(b: BenchRun, args, smoke: bool) -> dict:
     """The fields every result file starts with: suite, GPU, versions, commit, model, smoke."""
-    import torch
     import triton
     return dict(suite=b.suite, gpu=torch.cuda.get_device_name() if b.cuda else "CPU (Triton interpreter)",
                 torch=torch.__version__, triton=triton.__version__,

@@ -32,11 +32,24 @@ from __future__ import annotations
 
 import statistics
 import types
+from dataclasses import replace
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from .. import quant
+from ..config import get_preset
+from ..engine.decode_graph import DecodeGraphs, StaticDecodeStep
+from ..engine.loader import load
+from ..model.block import Block
+from ..model.numerics import Numerics
+from ..model.ops import ReferenceOps
 from ..paths import DATA_DIR
-from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path,
-                           random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
+from ..verify.registry import _make_attention
+from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path, random_bank,
+                     random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = "decode kernels: routed FP4 MoE, FP8 GEMV, sparse attention, one layer step (writes JSON)"
 
@@ -98,13 +111,9 @@ def moe_geometries(smoke: bool):
 def run_checks(b: DecodeBench, a, gen, tiny_path: Path) -> set[str]:
     """Every variant on this device at real widths (fewer experts) against the reference; returns those that
     passed. Also the static decode step on the tiny model: vs the reference decode, and graph replay vs eager."""
-    import torch
     from dsv4lab_kernels import attention_decode as attn
     from dsv4lab_kernels import fp4_moe_decode as moe
     from dsv4lab_kernels import fp8_gemv as gemv
-    from ..model.numerics import Numerics
-    from ..model.ops import ReferenceOps
-    from ..verify.registry import _make_attention
     ref, dev, passed = ReferenceOps(Numerics()), b.device, set()
     E = 8
     bank = random_bank(E, a.dim, a.moe_inter_dim, dev, gen)
@@ -177,13 +186,9 @@ def attention_geometries(smoke: bool):
 def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
     """Teacher-forced decode of two ragged rows on the tiny model: the static step (Triton backend) vs the
     reference decode, and (on a GPU) the graph replay vs the eager static step, bit for bit."""
-    import torch
-    import dsv4lab
-    from ..engine.decode_graph import DecodeGraphs, StaticDecodeStep
-    from ..model.ops import ReferenceOps
     dev = b.device
-    ref = dsv4lab.load(tiny_path, device=dev, backend="reference", max_batch=2, max_seq_len=128)
-    tri = dsv4lab.load(tiny_path, device=dev, backend="triton", max_batch=2, max_seq_len=128)
+    ref = load(tiny_path, device=dev, backend="reference", max_batch=2, max_seq_len=128)
+    tri = load(tiny_path, device=dev, backend="triton", max_batch=2, max_seq_len=128)
     ids = torch.randint(2, 4096, (2, 24), generator=torch.Generator().manual_seed(5)).to(dev)
     lens = torch.tensor([17, 9])
     steps = 2 if b.smoke else 6
@@ -230,8 +235,6 @@ def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
 
 # ============================================================================================ MoE
 def bench_moe(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
-    import torch
-    from dsv4lab import quant
     from dsv4lab_kernels import fp4_moe_decode as moe
     dev = b.device
     E, k, D, I = (16, 4, 256, 128) if b.smoke else (a.n_routed_experts, a.n_activated_experts, a.dim,
@@ -272,9 +275,6 @@ def bench_moe(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
 
 
 def moe_baselines(b, bank, xs, host_routes, routings, T, nbytes, limit, quant) -> None:
-    import torch
-    import torch.nn.functional as F
-
     def swiglu(g, u):
         return F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
 
@@ -334,8 +334,6 @@ def gemv_geometries(smoke: bool):
 
 
 def bench_gemv(b: DecodeBench, a, gen, passed: set[str], batches, only=None) -> None:
-    import torch
-    import torch.nn.functional as F
     from dsv4lab_kernels import fp8_gemv as gemv
     from ..engine.triton_backend import DecodeConfig
     dev = b.device
@@ -405,13 +403,11 @@ def bench_gemv(b: DecodeBench, a, gen, passed: set[str], batches, only=None) -> 
 
 
 def replace_geo(cfg, bn: int, bk: int, target: int):
-    from dataclasses import replace
     return replace(cfg, gemv_block_n=bn, gemv_block_k=bk, gemv_target_programs=target)
 
 
 # ============================================================================================ attention
 def bench_attention(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
-    import torch
     from dsv4lab_kernels import attention_decode as attn
     dev = b.device
     H, d, W = a.n_heads, a.head_dim, a.window_size
@@ -455,9 +451,6 @@ def bench_attention(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
 def build_layer(a, layer: int, max_batch: int, max_seq_len: int, position: int, device, gen):
     """One real-dims block with random weights and caches filled as at ``position`` (compressed entries and
     index keys written below it, NaN above), plus a runner-like object for :class:`StaticDecodeStep`."""
-    import torch
-    from ..model.block import Block
-    from ..model.numerics import Numerics
     from ..engine.triton_backend import TritonOps
     blk = Block(a, layer)
     materialize_random(blk, device, gen)
@@ -496,8 +489,6 @@ def layer_bytes(blk, batch: int, idx_unique: float, position: int) -> int:
 
 
 def bench_layer(b: DecodeBench, a, gen, batches) -> None:
-    import torch
-    from ..engine.decode_graph import StaticDecodeStep
     dev = b.device
     layer = 4 if not b.smoke else 3  # a CSA layer with biased top-k routing
     max_seq = 4096 if not b.smoke else 64
@@ -530,8 +521,6 @@ def bench_layer(b: DecodeBench, a, gen, batches) -> None:
 
 def profile_breakdown(calls) -> dict:
     """Per-kernel GPU time (µs per call) of ``calls`` replayed from a CUDA graph, grouped into op families."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
     g = torch.cuda.CUDAGraph()
     with torch.inference_mode():
         with torch.cuda.graph(g):
@@ -548,8 +537,6 @@ def profile_breakdown(calls) -> dict:
 
 # ============================================================================================ driver
 def run_suite(args) -> int:
-    import torch
-    from ..config import get_preset
     smoke = getattr(args, "smoke", False)
     quick = getattr(args, "quick", False)
     device = select_device("decode", smoke)

@@ -21,12 +21,30 @@
 """
 from __future__ import annotations
 
+import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from ..config import get_preset
+from ..engine.decode_graph import GraphDecoder
+from ..engine.loader import load
+from ..errors import UserError
 from ..options import add_backend, add_preset
+from ..parallel import init_distributed, load_parallel, make_site_reducer, run_parallel
+from ..perf.costmodel import decode_step
+from ..perf.hardware import load_hardware
+from ..perf.roofline import time_step
 from ..provenance import short_commit
+from ..random_checkpoint import RandomCheckpoint
+from ..verify.model import fixed_sequence, trajectory_hash
+from .common import kernel_families, median_copy_us, write_json
+from .engine import _ints
 
 HELP = "end-to-end: decode tok/s and MBU at batch 1/2/4/8, TTFT of a 4,604-token prompt, oracle hash, ABBA, breakdown"
 
@@ -53,14 +71,11 @@ def add_arguments(p):
 
 def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
-    from ..errors import UserError
-    from .engine import _ints
     o = dict(preset=args.preset, seed=args.seed, nproc=args.nproc, tp=args.tp, ep=args.ep, backend=args.backend,
              collective=args.collective, batches=_ints(args.batches, "--batches"), decode_tokens=args.decode_tokens,
              rounds=args.rounds, prompt_tokens=args.prompt_tokens, chunks=_ints(args.chunks, "--chunks"),
              abba=[s for s in args.abba.split(",") if s], smoke=args.smoke, commit=args.commit)
     if args.smoke:
-        import torch
         o.update(preset="tiny", decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1])
         if not torch.cuda.is_available():
@@ -77,12 +92,6 @@ def options(args) -> dict:
 
 
 def run(args) -> int:
-    import torch
-
-    from ..errors import UserError
-    from ..parallel import run_parallel
-    from .common import write_json
-    from pathlib import Path
     o = options(args)
     if not o["smoke"] and not torch.cuda.is_available():
         raise UserError("bench e2e measures GPUs (use --smoke to check the script on a CPU)")
@@ -102,14 +111,12 @@ class _Clock:
     """Device-synchronised, rank-barriered wall time."""
 
     def __init__(self, device, world: int):
-        import torch
         self.torch, self.device, self.world = torch, device, world
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
         if self.world > 1:
-            import torch.distributed as dist
             dist.barrier()
 
     def time(self, fn) -> float:
@@ -126,25 +133,19 @@ def log(rank: int, msg: str) -> None:
 
 
 def worker(rank: int, world: int, o: dict) -> dict | None:
-    import torch
-
-    from ..config import get_preset
-    from ..random_checkpoint import RandomCheckpoint
     t_start = time.perf_counter()
     args = get_preset(o["preset"])
     max_len = max(o["prompt_tokens"], 16 + o["decode_tokens"], 48) + 8
     if world > 1:
-        from ..parallel import init_distributed, load_parallel
         _, _, device = init_distributed()
         ck = RandomCheckpoint(args, o["seed"], device, name=o["preset"])
         runner, _ = load_parallel(ck, o["tp"], o["ep"], backend=o["backend"], collective=o["collective"],
                                   device=device, max_batch=max(o["batches"]), verbose=rank == 0, max_seq_len=max_len,
                                   validate=False)
     else:
-        import dsv4lab
         device = torch.device("cuda" if torch.cuda.is_available() and not o["smoke"] else "cpu")
         ck = RandomCheckpoint(args, o["seed"], device, name=o["preset"])
-        runner = dsv4lab.load(ck, device=device, backend=o["backend"], max_batch=max(o["batches"]),
+        runner = load(ck, device=device, backend=o["backend"], max_batch=max(o["batches"]),
                               max_seq_len=max_len, validate=False)
     ck.close()
     clock = _Clock(device, world)
@@ -177,10 +178,6 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
 
 
 def identity(device, commit: str | None) -> dict:
-    import platform
-
-    import torch
-
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     try:
         import triton
@@ -193,9 +190,6 @@ def identity(device, commit: str | None) -> dict:
 
 def copy_bandwidth(device) -> float | None:
     """GB/s of a 1 GiB fp32 copy (bytes read + written), median of 10 after a warm-up; None on a CPU."""
-    import torch
-
-    from .common import median_copy_us
     if device.type != "cuda":
         return None
     src = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_()
@@ -205,13 +199,11 @@ def copy_bandwidth(device) -> float | None:
 
 # ============================================================================================ measurements
 def _prompt(args, n: int, seed: int) -> list[int]:
-    from ..verify.model import fixed_sequence
     return fixed_sequence(args, n, seed=seed)
 
 
 def oracle(runner) -> dict:
     """32 greedy tokens from a fixed 16-token prompt: ids and trajectory hash."""
-    from ..verify.model import trajectory_hash
     prompt = [runner.args.bos_token_id] + _prompt(runner.args, 15, seed=4604)
     ids = runner.generate(prompt, 32, stop_at_eos=False)
     runner.reset()
@@ -221,9 +213,7 @@ def oracle(runner) -> dict:
 def _decoder(runner, batch: int):
     """Graph replay on a GPU (every rank captures the same step, collectives included); eager ``runner.forward``
     steps otherwise. Returns the step and the path's name."""
-    import torch
     if runner.device.type == "cuda":
-        from ..engine.decode_graph import GraphDecoder
         return GraphDecoder(runner, graphs=True, tiers=(batch,)), "graph"
 
     def step(tokens, slots):
@@ -236,7 +226,6 @@ def _decoder(runner, batch: int):
 
 def decode_round(runner, decode, batch: int, n: int, prompt: list[int]) -> tuple[float, list[int]]:
     """Prefill ``batch`` copies of ``prompt``, then ``n`` greedy steps; returns (decode seconds, row 0's ids)."""
-    import torch
     slots = list(range(batch))
     runner.reset()
     logits = runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots)[:, -1]
@@ -254,7 +243,6 @@ def decode_round(runner, decode, batch: int, n: int, prompt: list[int]) -> tuple
 
 
 def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> dict:
-    from ..perf.costmodel import decode_step
     prompt = _prompt(runner.args, 16, seed=batch)
     decode, path = _decoder(runner, batch)
     seconds = []
@@ -277,7 +265,6 @@ def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> d
 
 def prefill_rows(runner, clock, o: dict) -> list[dict]:
     """TTFT per chunk size: chunked prefill of the prompt, then the first token's argmax read on the host."""
-    import torch
     ids = torch.tensor([_prompt(runner.args, o["prompt_tokens"], seed=7)], device=runner.device)
     n = ids.shape[1]
     rows = []
@@ -299,7 +286,6 @@ def prefill_rows(runner, clock, o: dict) -> list[dict]:
 def abba(runner, clock, o: dict, device) -> dict:
     """Batch-1 decode rounds in the order A B B A for two all-reduce strategies: the switch's effect with drift
     cancelled. Every rank swaps its strategy together (the reducers are collective to create)."""
-    from ..parallel import make_site_reducer
     plan = runner.plan
     reducers = {s: make_site_reducer(plan.layout, device, s) for s in o["abba"]}
     original = runner._all_reduce
@@ -327,13 +313,6 @@ def abba(runner, clock, o: dict, device) -> dict:
 def breakdown(runner, o: dict, device) -> dict:
     """One eager batch-1 decode step under the profiler (GPU µs by kernel family) and the roofline model's
     prediction of the same step (µs by op kind) on the H200 catalogue entry."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from .common import kernel_families
-    from ..perf.costmodel import decode_step
-    from ..perf.hardware import load_hardware
-    from ..perf.roofline import time_step
     prompt = _prompt(runner.args, 16, seed=2)
     runner.reset()
     nxt = runner.forward(torch.tensor([prompt], device=device), 0)[:, -1].argmax(-1)

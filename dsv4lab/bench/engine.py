@@ -20,8 +20,13 @@ import statistics
 import sys
 import time
 
+import torch
+
+from ..checkpoint import expected_tensors
+from ..errors import UserError
 from ..options import add_backend, add_device, add_dtype, resolve_device
 from ..provenance import identity, result_path, write_json
+from ..serve.server import ServerOptions, load_model
 
 HELP = "engine benchmark without HTTP (SGLang bench_one_batch: prefill tok/s, decode tok/s, GB/s)"
 
@@ -39,7 +44,6 @@ def add_arguments(p):
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    from ..errors import UserError
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
@@ -51,7 +55,6 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def decode_weight_bytes(args, batch_size: int) -> int:
     """Analytic weight bytes one decode step of ``batch_size`` sequences reads (see the module docstring)."""
-    from ..checkpoint import expected_tensors
     total = 0
     experts_per_layer: dict[int, int] = {}
     for spec in expected_tensors(args):
@@ -71,14 +74,12 @@ def decode_weight_bytes(args, batch_size: int) -> int:
 
 
 def _sync(device) -> None:
-    import torch
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
 
 
 def bench_case(model, batch_size: int, input_len: int, output_len: int, seed: int, device) -> dict:
     """One SGLang-style case: prefill B×L_in, then L_out − 1 greedy decode steps."""
-    import torch
     vocab = int(model.args.vocab_size)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(6, vocab, (batch_size, input_len), generator=g).to(device)
@@ -124,9 +125,6 @@ def format_table(results: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from ..errors import UserError
-    from ..serve.server import ServerOptions, load_model
-
     batches = _ints(args.batch_size, "--batch-size")
     lengths = _ints(args.input_len, "--input-len")
     if args.output_len < 2:

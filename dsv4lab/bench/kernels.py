@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..errors import UserError
+
 HELP = "kernel benchmarks on the GPU: --suite decode (batch 1…64) or prefill (512…8192 tokens); writes JSON"
 SUITES = ("decode", "prefill")
 
@@ -25,7 +27,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..errors import UserError
     try:
         mod = importlib.import_module(f"dsv4lab.bench.{args.suite}")
     except ImportError as err:

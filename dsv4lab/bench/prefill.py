@@ -26,10 +26,23 @@ ceilings, random inputs) is shared with the decode suite: :mod:`dsv4lab.bench.co
 """
 from __future__ import annotations
 
+import os
 import time
 
-from .common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank,
-                           random_fp8_linear, random_routing, run_header, select_device, write_json)
+import torch
+
+from ..config import get_preset
+from ..engine.kernel_loader import kernel_module
+from ..engine.triton_prefill import TritonPrefillBackend
+from ..errors import UserError
+from ..model.block import Block
+from ..model.linear import ExpertBank
+from ..model.numerics import Numerics
+from ..model.ops import ReferenceOps
+from ..perf import costmodel
+from ..verify.registry import _make_attention
+from .common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank, random_fp8_linear,
+                     random_routing, run_header, select_device, write_json)
 
 HELP = "prefill kernels: grouped FP4 MoE, FP8 GEMM, sparse attention, indexer, chunked layer (writes JSON)"
 
@@ -79,7 +92,6 @@ class PrefillBench(BenchRun):
 
 # ============================================================================================ inputs
 def bank_slice(bank, n_experts: int):
-    from ..model.linear import ExpertBank
     part = ExpertBank(n_experts, bank.dim, bank.inter, "fp4")
     for name in ("w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale"):
         part._buffers[name] = getattr(bank, name)[:n_experts]
@@ -89,13 +101,9 @@ def bank_slice(bank, n_experts: int):
 # ============================================================================================ checks
 def run_checks(b: PrefillBench, args, gen, moe_variants) -> set[str]:
     """Correctness of every variant at real widths; returns the names of the variants that passed."""
-    import torch
     from dsv4lab_kernels import attention_prefill as ap
     from dsv4lab_kernels import fp4_moe_grouped as fm
     from dsv4lab_kernels import fp8_gemm as fg
-    from ..model.numerics import Numerics
-    from ..model.ops import ReferenceOps
-    from ..verify.registry import _make_attention
     ref = ReferenceOps(Numerics())
     a, dev = args, b.device
     passed: set[str] = set()
@@ -200,7 +208,6 @@ class MoEBench:
         self.bank = random_bank(args.n_routed_experts, args.dim, args.moe_inter_dim, b.device, gen)
 
     def run(self, route: str, rows: int, T: int, stages: bool, tag: str = "") -> None:
-        import torch
         from dsv4lab_kernels import fp4_moe_grouped as fm
         from dsv4lab_kernels.moe_sort import sort_by_expert
         b, a, bank = self.b, self.a, self.bank
@@ -270,7 +277,6 @@ def dense_projections(a) -> dict[str, tuple[int, int]]:
 
 
 def bench_gemm(b: PrefillBench, args, gen, passed: set[str], tokens, configs) -> None:
-    import torch
     from dsv4lab_kernels import fp8_gemm as fg
     a, dev = args, b.device
     lins = {name: random_fp8_linear(n, k, dev, gen) for name, (n, k) in dense_projections(a).items()}
@@ -305,7 +311,6 @@ def prefill_attention_inputs(a, T: int, ratio: int, device, gen):
     """q, kv_all, idx, sink for one chunk of ``T`` tokens from position 0 laid out as the model does: window
     history (empty), the chunk's own rows, then the compressed entries; CSA picks ``index_topk`` of the
     visible entries at random, HCA attends to every visible one."""
-    import torch
     W, H, d = a.window_size, a.n_heads, a.head_dim
     n_ent = T // ratio
     q = torch.randn(1, T, H, d, device=device, generator=gen).to(torch.bfloat16)
@@ -329,7 +334,6 @@ def prefill_attention_inputs(a, T: int, ratio: int, device, gen):
 
 
 def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, configs) -> None:
-    import torch
     from dsv4lab_kernels import attention_prefill as ap
     a, dev = args, b.device
     for T in tokens:
@@ -378,7 +382,6 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, config
 # ============================================================================================ chunked layer
 def layer_roofline(a, tokens: int, chunk: int, peaks: dict) -> dict:
     """Roofline time of each op of one CSA layer's prefill (cost model), and the attention / indexer shares."""
-    from ..perf import costmodel
     one = a.replace(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(4,))
     cost = costmodel.prefill(one, tokens=tokens, chunk=chunk)
     bw = peaks["copy_gbps"] * 1e9
@@ -401,9 +404,6 @@ def layer_roofline(a, tokens: int, chunk: int, peaks: dict) -> dict:
 
 
 def bench_chunked_layer(b: PrefillBench, args, gen, total: int, chunks) -> dict:
-    import torch
-    from ..model.block import Block
-    from ..model.numerics import Numerics
     a, dev = args.replace(max_seq_len=max(total, args.max_seq_len)), b.device
     layer = next(i for i in range(a.n_layers) if a.compress_ratios[i] == 4 and not a.is_hash_layer(i))
     blk = Block(a, layer)
@@ -413,7 +413,6 @@ def bench_chunked_layer(b: PrefillBench, args, gen, total: int, chunks) -> dict:
         from ..engine.triton_backend import TritonOps
         ops = TritonOps(nm)
     except Exception:  # noqa: BLE001 — the prefill kernels alone still make the measurement
-        from ..engine.triton_prefill import TritonPrefillBackend
         ops = TritonPrefillBackend(nm)
     blk.attn.allocate(1, a.max_seq_len, nm.act, nm.acc, dev)
     X = (torch.randn(1, total, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
@@ -488,18 +487,13 @@ def bench_chunked_layer(b: PrefillBench, args, gen, total: int, chunks) -> dict:
 
 # ============================================================================================ driver
 def run_suite(args) -> int:
-    import torch
-    from ..errors import UserError
-    from ..config import get_preset
     smoke = getattr(args, "smoke", False)
     quick = getattr(args, "quick", False)
     device = select_device("prefill", smoke)
     if not torch.cuda.is_available():
-        import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from ..engine.triton_prefill import _kernels
     for name in ("fp8_gemm", "moe_sort", "fp4_moe_grouped", "attention_prefill"):
-        _kernels(name)  # registers dsv4lab_kernels from the source tree when it is not installed
+        kernel_module(name)  # registers dsv4lab_kernels from the source tree when it is not installed
     b = PrefillBench(device, getattr(args, "budget_s", 160.0), smoke)
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")

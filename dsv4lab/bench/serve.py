@@ -27,8 +27,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ..errors import UserError
 from ..options import add_backend, add_dtype
 from ..provenance import identity, result_path, write_json
+from ..serve.server import BackgroundServer, ServerOptions, build_app
 
 HELP = "HTTP benchmark of an OpenAI-compatible server (vLLM bench serve metrics: TTFT, TPOT, ITL, E2E)"
 PERCENTILES = (50, 90, 99)
@@ -242,8 +244,6 @@ def _discover(url: str, api_key: str | None) -> dict:
 
 
 def run(args) -> int:
-    from ..errors import UserError
-
     if (args.url is None) == (args.checkpoint is None):
         raise UserError("give exactly one of --url (a running server) or --checkpoint (start one here)")
     try:
@@ -259,7 +259,6 @@ def run(args) -> int:
     server = None
     url = args.url.rstrip("/") if args.url else None
     if args.checkpoint:
-        from ..serve.server import BackgroundServer, ServerOptions, build_app
         app, scheduler = build_app(ServerOptions(checkpoint=args.checkpoint, max_concurrency=max(levels),
                                                  api_key=args.api_key, backend=args.backend, dtype=args.dtype))
         server = BackgroundServer(app, scheduler=scheduler).start()

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..errors import UserError
+
 NAME = "fingerprint"
 HELP = "fingerprint a suspect checkpoint's weight layouts against a trusted one or golden dumps; write a repair spec"
 
@@ -36,7 +38,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..errors import UserError
     from ..layouts import LayoutError, fingerprint_checkpoint
 
     try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from ..config import resolve_args
 from ..options import add_preset
 
 NAME = "inventory"
@@ -17,7 +18,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from ..checkpoint import inventory
-    from ..config import resolve_args
     margs = resolve_args(args.preset, args.config)
     inv = inventory(margs)
     if args.json:

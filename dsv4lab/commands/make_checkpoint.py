@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..config import resolve_args
+from ..errors import UserError
 from ..options import add_preset
 from ..paths import DEFAULT_TOKENIZER, require
 
@@ -31,8 +33,6 @@ def add_arguments(p):
 
 def run(args) -> int:
     from ..checkpoint import inventory, make_random_checkpoint
-    from ..config import resolve_args
-    from ..errors import UserError
 
     margs = resolve_args(args.preset, args.config)
     tok = args.tokenizer

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from ..errors import UserError
+
 NAME = "repair"
 HELP = "write a copy of a checkpoint with a repair spec applied (or, for drills, a catalogue fault injected)"
 
@@ -33,7 +35,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from ..errors import UserError
     from ..layouts import FAULTS, LayoutError, inject_fault_into_checkpoint, repair_checkpoint
 
     if args.list_faults:

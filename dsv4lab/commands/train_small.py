@@ -14,10 +14,13 @@ other formats (see :mod:`dsv4lab.train.quant_ablation`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
+from ..errors import UserError
 from ..options import add_device
 
 NAME = "train-small"
@@ -77,8 +80,6 @@ def _log(msg: str) -> None:
 
 
 def run(args) -> int:
-    from ..errors import UserError
-
     if args.step == "prepare":
         from ..train.trainer import DEFAULT_TOKENIZER, prepare_tokens
         out = prepare_tokens(args.out, args.tokenizer or DEFAULT_TOKENIZER, args.packed_corpus)
@@ -88,9 +89,7 @@ def run(args) -> int:
         return 0
 
     if args.step == "train":
-        import os
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
-        import dataclasses
 
         import torch
 

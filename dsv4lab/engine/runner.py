@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 
 from ..model.transformer import Transformer
+from ..tokenizer import load_tokenizer
 from .sampling import sample, trajectory_hash
 
 
@@ -36,7 +37,6 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, ops, checkpoint: Path | None = None, plan=None, read_bytes=None):
-        from ..tokenizer import load_tokenizer
         self.model, self.ops, self.plan = model, ops, plan
         self.args = model.args
         self.checkpoint = checkpoint

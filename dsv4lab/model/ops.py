@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import quant
+from .indexer import select_topk
 from .linear import ExpertBank, Linear
+from .mhc import hc_head, hc_post, hc_pre
 from .numerics import Numerics
 from .rope import apply_rope
 
@@ -167,7 +169,6 @@ class ReferenceOps:
 
     # ---------------------------------------------------------------- mHC
     def hc_pre(self, X, fn, base, scale, args):
-        from .mhc import hc_pre
         return hc_pre(X, fn, base, scale, args, self.numerics.acc, self.numerics.calc)
 
     def head_rms(self, q: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,11 +191,9 @@ class ReferenceOps:
         return s.to(acc)
 
     def hc_post(self, out, X, post, comb):
-        from .mhc import hc_post
         return hc_post(out, X, post, comb, self.numerics.calc)
 
     def hc_head(self, X, fn, base, scale, args):
-        from .mhc import hc_head
         return hc_head(X, fn, base, scale, args, self.numerics.acc, self.numerics.calc)
 
     # ---------------------------------------------------------------- compressor and indexer
@@ -216,7 +215,6 @@ class ReferenceOps:
         return y.to(self.numerics.acc).to(act)
 
     def indexer_topk(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
-        from .indexer import select_topk
         return select_topk(scores, positions, ratio, topk)
 
     # ---------------------------------------------------------------- attention

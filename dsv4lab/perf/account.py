@@ -16,7 +16,7 @@ from typing import Any
 from ..config import ModelArgs, get_preset
 from ..errors import PerfError
 from ..paths import PAPER_DIR, display_path, read_yaml
-from .costmodel import decode_step, prefill
+from .costmodel import decode_step, ep_load_imbalance, prefill
 from .hardware import Hardware, Quantity, load_hardware
 from .roofline import StepTime, roofline_report, time_step, with_values
 
@@ -275,7 +275,6 @@ def milestone_account(final_components: dict[str, float], st: StepTime, args: Mo
     rccl_gap = (rs("int8_dot_moe") - rs("peer_read_allreduce")) / n_coll            # µs per collective
     cktile_gap = (rs("ep1_no_alltoall") - rs("int8_dot_moe")) / L                   # µs per layer
     routed_us = _micro("routed_moe_stage_decode", "us_per_layer")
-    from .costmodel import ep_load_imbalance
     imbalance = ep_load_imbalance(args.n_routed_experts, args.n_activated_experts, 1, 4)
 
     rows = []

@@ -25,6 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from ..engine.sampling import sample
+
 log = logging.getLogger("dsv4lab.serve")
 
 
@@ -159,7 +163,6 @@ class Scheduler:
 
     # ---- engine thread --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        import torch
         torch.set_grad_enabled(False)
         while True:
             with self._cond:
@@ -196,7 +199,6 @@ class Scheduler:
             self._fail(seq, RuntimeError("the server is shutting down"))
 
     def _release_slot(self, seq: Sequence) -> None:
-        import torch
         if seq.slot is None:
             return
         self.model.reset(slots=torch.tensor([seq.slot], dtype=torch.long))
@@ -224,7 +226,6 @@ class Scheduler:
     def _new_generator(seq: Sequence) -> None:
         """Sampled sequences get their own CPU generator (``sample`` draws on the CPU), seeded like
         ``m.generate(seed=...)`` so a seeded request reproduces it."""
-        import torch
         if seq.params.temperature > 0:
             seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
@@ -245,7 +246,6 @@ class Scheduler:
         return groups
 
     def _prefill(self, admitted: list[Sequence]) -> None:
-        import torch
         device = _model_device(self.model)
         self.model.reset(slots=torch.tensor([s.slot for s in admitted], dtype=torch.long))
         for group in self._prefill_groups(admitted):
@@ -272,7 +272,6 @@ class Scheduler:
             self._emit(group, last, prompt_logprobs)
 
     def _decode(self) -> None:
-        import torch
         device = _model_device(self.model)
         batch = [s for s in self._running if not s.finished]
         if not batch:
@@ -308,7 +307,6 @@ class Scheduler:
 
     @staticmethod
     def _sample(batch: list[Sequence], logits) -> list[int]:
-        from ..engine.sampling import sample
         logits = logits.float()
         chosen = logits.argmax(dim=-1)
         for row, seq in enumerate(batch):
@@ -327,7 +325,6 @@ class Scheduler:
 
 
 def _logprobs_of(logits_row, token: int, top_k: int) -> tuple[float, list[tuple[int, float]]]:
-    import torch
     lp = torch.log_softmax(logits_row.float(), dim=-1)
     top: list[tuple[int, float]] = []
     if top_k > 0:
@@ -341,7 +338,6 @@ def _model_device(model):
     if dev is not None:
         return dev
     try:
-        import torch
         params = getattr(model, "parameters", None)
         if callable(params):
             return next(iter(params())).device

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from ..engine.loader import load
 from ..options import resolve_device, torch_dtype
+from .encoding import chat_format_for
+from .scheduler import Scheduler
 
 log = logging.getLogger("dsv4lab.serve")
 
@@ -53,8 +55,6 @@ def load_model(opts: ServerOptions):
 def build_app(opts: ServerOptions, model=None):
     """Load (unless ``model`` is given), start the scheduler and return ``(app, scheduler)``."""
     from .app import ServeConfig, create_app
-    from .encoding import chat_format_for
-    from .scheduler import Scheduler
 
     model = model if model is not None else load_model(opts)
     cache_len = int(model.args.max_seq_len)

@@ -21,6 +21,7 @@ difference between points is the weight format.
 from __future__ import annotations
 
 import math
+import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,9 +31,14 @@ from typing import Callable, Literal
 import torch
 
 from .. import quant
+from ..checkpoint import expected_tensors
 from ..config import ModelArgs, get_preset
+from ..model.numerics import Numerics
+from ..model.ops import ReferenceOps
 from ..paths import RESULTS_DIR, read_json
 from ..provenance import short_commit, write_json
+from .trainer import (bf16_rounded_state, evaluate_nll, heldout_windows, load_tokens, load_weights_f32, read_train_log,
+                      trainable_from_state)
 
 RESULTS_FILE = RESULTS_DIR / "quant_ablation.json"
 
@@ -115,8 +121,6 @@ def fp8_dense_qdq(w: torch.Tensor, fmt: DenseFormat) -> tuple[torch.Tensor, int]
 # ============================================================================================ re-quantization
 def _families(args: ModelArgs) -> tuple[list[str], list[str]]:
     """(expert bank names ``layers.L.ffn.experts.wX``, dense FP8 weight names) of ``args``."""
-    from ..checkpoint import expected_tensors
-
     banks, dense = set(), []
     for s in expected_tensors(args):
         if ".ffn.experts." in s.name and s.name.endswith(".weight"):
@@ -135,8 +139,6 @@ def requantize(args: ModelArgs, state: dict[str, torch.Tensor], experts: ExpertF
     Returns ``(state, stats)`` with per-family ``rel_error`` (‖Ŵ − W‖/‖W‖ over the family) and
     ``bytes_per_param``.
     """
-    from .trainer import bf16_rounded_state
-
     out = bf16_rounded_state(args, state)
     bank_names, dense_names = _families(args)
     stats = {}
@@ -183,13 +185,6 @@ def run_ablation(weights_dir: str | Path, tokens_dir: str | Path, out: str | Pat
                  eval_windows: int = 24, batch_size: int = 4, points: list[dict] | None = None,
                  log: Callable[[str], None] = print) -> dict:
     """Evaluate every point of :func:`sweep_points` (or ``points``) and write the results JSON to ``out``."""
-    import platform
-
-    from ..model.numerics import Numerics
-    from ..model.ops import ReferenceOps
-    from .trainer import (evaluate_nll, heldout_windows, load_tokens, load_weights_f32, read_train_log,
-                        trainable_from_state)
-
     weights_dir = Path(weights_dir)
     train_log = read_train_log(weights_dir)
     args = get_preset(train_log["config"]["preset"])

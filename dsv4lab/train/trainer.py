@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import platform
 import sys
 import time
 import zlib
@@ -39,15 +40,23 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .. import quant
+from ..checkpoint import TORCH_DTYPE, Checkpoint, expected_tensors, file_hashes, write_state_dict
 from ..config import ModelArgs, get_preset
+from ..engine.backends import make_ops
+from ..engine.loader import load
+from ..engine.sampling import trajectory_hash
 from ..model.linear import ExpertBank, Linear
 from ..model.moe import MoE
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from ..model.transformer import Transformer
 from ..paths import DEFAULT_TOKENIZER
+from ..tokenizer import Tokenizer
+from . import corpus
 
 
 # ============================================================================================ the model
@@ -275,9 +284,6 @@ def prepare_tokens(out_dir: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZE
 
     Each file becomes ``BOS + ids(text) + EOS``; files are concatenated in the corpus's sorted order.
     """
-    from . import corpus
-    from ..tokenizer import Tokenizer
-
     tok = Tokenizer(tokenizer)
     if packed_corpus is not None:
         split = corpus.load_packed(packed_corpus)
@@ -449,7 +455,6 @@ def _device_info(device: torch.device) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
     else:
-        import platform
         info["cpu"] = platform.processor() or platform.machine()
         info["threads"] = torch.get_num_threads()
     return info
@@ -563,10 +568,6 @@ def save_weights(model: Transformer, out_dir: str | Path, max_shard_bytes: int =
     saved in bf16 — they are only ever used rounded to bf16 — and everything else in float32: the routed
     experts and dense projections (the inputs of FP4/FP8 quantization and of the ablation), and the F32 tensors.
     """
-    from safetensors.torch import save_file
-
-    from ..checkpoint import expected_tensors
-
     bf16_in_file = {s.name for s in expected_tensors(model.args) if s.dtype == "BF16"}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -592,8 +593,6 @@ def save_weights(model: Transformer, out_dir: str | Path, max_shard_bytes: int =
 
 def load_weights_f32(folder: str | Path) -> dict[str, torch.Tensor]:
     """The state written by :func:`save_weights`, every float tensor as float32."""
-    from safetensors.torch import load_file
-
     files = sorted(Path(folder).glob("weights-*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no weights-*.safetensors (the output of `dsv4lab train-small train`)")
@@ -635,9 +634,6 @@ def native_state_dict(args: ModelArgs, state: dict[str, torch.Tensor],
     """Quantize a float32 trained state into the native tensors of ``args`` (names, dtypes and shapes of
     :func:`dsv4lab.checkpoint.expected_tensors`): FP4 experts via ``quant.fp4_quantize`` (E2M1, E8M0 per 32),
     FP8 dense projections via ``quant.fp8_block_quantize`` (E4M3, 128×128 E8M0), BF16 and F32 elsewhere."""
-    from .. import quant
-    from ..checkpoint import TORCH_DTYPE, expected_tensors
-
     expert_quantizer = expert_quantizer or (quant.fp4_quantize if args.expert_dtype == "fp4"
                                             else quant.fp8_block_quantize)
     dense_quantizer = dense_quantizer or quant.fp8_block_quantize
@@ -669,8 +665,6 @@ def bf16_rounded_state(args: ModelArgs, state: dict[str, torch.Tensor]) -> dict[
     """The trained state as an unquantized bf16 checkpoint would hold it: the tensors the native file stores in
     F32 (mHC, ``attn_sink``, ``ape``, router bias) kept, every other float tensor rounded to bf16 (returned as
     float32 so the trainable model can hold it)."""
-    from ..checkpoint import expected_tensors
-
     f32_in_file = {s.name for s in expected_tensors(args) if s.dtype == "F32"}
     return {k: (v if (k in f32_in_file or not v.is_floating_point()) else v.to(torch.bfloat16).float())
             for k, v in state.items()}
@@ -688,8 +682,6 @@ ORACLE_PROMPTS = (
 
 def record_oracles(runner, prompts: Iterable[str] = ORACLE_PROMPTS, max_new_tokens: int = 40) -> list[dict]:
     """Greedy completions (``BOS + prompt``) with the runner's settings: prompt, ids, completion, hash."""
-    from ..engine.sampling import trajectory_hash
-
     tok = runner.tokenizer
     rows = []
     for prompt in prompts:
@@ -706,10 +698,6 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
     """Quantize the trained weights into a native checkpoint at ``out``, validate it, evaluate held-out
     perplexity (bf16 unquantized, quantized as loaded by :func:`dsv4lab.load`), record oracles and write
     ``train_report.json`` and ``oracles.json`` into ``out``. Returns the report."""
-    from .. import load
-    from ..checkpoint import Checkpoint, write_state_dict
-    from ..engine.backends import make_ops
-
     weights_dir, out = Path(weights_dir), Path(out)
     train_log = read_train_log(weights_dir)
     cfg = train_log["config"]
@@ -750,7 +738,6 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
     for row in oracles:
         log(f"  {row['prompt']!r} -> {row['completion']!r}")
 
-    from ..checkpoint import file_hashes
     oracle_doc = dict(
         checkpoint=out.name, max_new_tokens=max_new_tokens, add_bos=True, decoding="greedy (temperature 0)",
         settings="dsv4lab.load(checkpoint, dtype=torch.bfloat16) — reference backend, every simulation on",

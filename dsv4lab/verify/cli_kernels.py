@@ -1,9 +1,17 @@
 """``dsv4lab verify kernels [--backend NAME] [--op NAME]`` — every registered op against the reference."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 
+from ..engine.backends import make_ops
+from ..errors import UserError
+from ..model.numerics import Numerics
 from ..options import add_backend, add_device, resolve_device
+from .kernels import run_kernel_checks
+from .registry import OPS, op_names
+from .report import md_table, write_report
 
 HELP = "run every registered op of each backend against the reference on random inputs; print the metrics"
 
@@ -18,10 +26,6 @@ def add_arguments(p):
 
 
 def _backends(names, device):
-    import importlib.util
-
-    from ..engine.backends import make_ops
-    from ..model.numerics import Numerics
     if names is None:
         names = ["reference"]
         if importlib.util.find_spec("triton") is not None:
@@ -36,13 +40,6 @@ def _backends(names, device):
 
 
 def run(args) -> int:
-    import os
-
-    from ..errors import UserError
-    from .kernels import run_kernel_checks
-    from .registry import OPS, op_names
-    from .report import md_table, write_report
-
     if args.list:
         for c in OPS:
             print(f"{c.name:<18} {c.method:<18} {c.kind:<12} {len(c.shapes)} shapes  {c.description}")

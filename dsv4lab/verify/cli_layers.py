@@ -2,7 +2,13 @@
 (or, with ``--against-reference``, against a live reference run of the same checkpoint)."""
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..engine.loader import load
 from ..options import add_backend, add_device, resolve_device
+from .layers import first_divergence, trace_model
+from .model import golden_path_for, load_golden
+from .report import md_table, write_report
 
 HELP = "per-layer, per-stage comparison (router, stage 1, activation, stage 2, MoE, attention, compressor, indexer, mHC)"
 
@@ -19,19 +25,11 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    import dsv4lab
-
-    from .layers import first_divergence, trace_model
-    from .model import golden_path_for, load_golden
-    from .report import md_table, write_report
-
     device = resolve_device(args.device)
-    runner = dsv4lab.load(args.checkpoint, device=device, backend=args.backend, max_batch=1, repairs=args.repairs)
+    runner = load(args.checkpoint, device=device, backend=args.backend, max_batch=1, repairs=args.repairs)
     gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
     if args.against_reference:
-        ref = dsv4lab.load(args.checkpoint, device=device, backend="reference", max_batch=1, repairs=args.repairs)
+        ref = load(args.checkpoint, device=device, backend="reference", max_batch=1, repairs=args.repairs)
         ids = load_golden(gpath)["layers"]["input_ids"] if gpath.exists() else list(range(2, 98))
         rt = trace_model(ref, ids)
         golden_layers = dict(input_ids=ids, order=rt.order, digests=rt.digests)

@@ -5,9 +5,16 @@ that diverge from the golden digests. Writes ``model.json`` and ``model.md`` to 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
+from ..engine.loader import load
 from ..errors import UserError
 from ..options import add_backend, add_device, resolve_device
 from .faults import MODEL_FAULTS, faulty_backend
+from .model import golden_path_for, load_golden, verify_model
+from .report import md_table, write_report
 
 HELP = "fixed-id oracles, 256-token hash, teacher-forced cached-vs-recompute around every boundary; localises failures"
 
@@ -29,7 +36,6 @@ def add_arguments(p):
 
 
 def render(res: dict, golden_path) -> str:
-    from .report import md_table
     lines = [f"# verify model: {'PASS' if res['ok'] else 'FAIL'}", "",
              f"backend `{res['backend']}`, golden `{golden_path}`, checkpoint matches the golden's: "
              f"{res['checkpoint_matches_golden']}, teacher-forced KL bound {res['kl_bound']:g}", ""]
@@ -78,26 +84,17 @@ def render(res: dict, golden_path) -> str:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    import torch
-
-    import dsv4lab
-
-    from .model import golden_path_for, load_golden, verify_model
-    from .report import write_report
-
     gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
     golden = load_golden(gpath)
     device = resolve_device(args.device)
     if args.inject_fault and args.backend != "reference":
         raise UserError("--inject-fault: model faults are injected into the reference backend only")
     backend = faulty_backend(args.inject_fault) if args.inject_fault else args.backend
-    runner = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend=backend, max_batch=1,
+    runner = load(args.checkpoint, device=device, dtype=torch.bfloat16, backend=backend, max_batch=1,
                           repairs=args.repairs)
     ref = None
     if args.backend != "reference":
-        ref = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend="reference", max_batch=1,
+        ref = load(args.checkpoint, device=device, dtype=torch.bfloat16, backend="reference", max_batch=1,
                            repairs=args.repairs)
     res = verify_model(runner, golden, Path(args.checkpoint), ref, args.kl_bound, args.skip_trajectory, args.layers)
     if hasattr(runner.ops, "report"):

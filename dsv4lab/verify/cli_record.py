@@ -1,7 +1,10 @@
 """``dsv4lab verify record --checkpoint DIR`` — record the golden oracles of a checkpoint (reference backend)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..options import add_device, resolve_device
+from .model import golden_path_for, record_golden
 
 HELP = "record golden oracles (fixed-id oracles, 256-token hash, teacher-forced data, layer digests) for a checkpoint"
 
@@ -15,9 +18,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from .model import golden_path_for, record_golden
     out = Path(args.out) if args.out else golden_path_for(args.checkpoint)
     g = record_golden(args.checkpoint, out, args.dump_layers, resolve_device(args.device))
     print(f"recorded {len(g['oracles'])} oracles, a {g['trajectory']['n_tokens']}-token trajectory "

@@ -10,14 +10,19 @@ semantics — and re-recording reproduces it byte for byte.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from .. import __version__, quant
+from ..engine.loader import load
 from ..engine.sampling import trajectory_hash
+from ..model.ops import ReferenceOps
 from ..paths import GOLDEN_DIR
 from .layers import first_divergence, trace_model
 
@@ -152,9 +157,6 @@ def rounding_noise_floor(reference_runner, ids: list[int], exact: torch.Tensor |
     (fp64) reductions: a change of summation order only, no change of semantics. How far a correct but not
     bit-exact backend can drift on this checkpoint is of this order; a layout fault is orders of magnitude above.
     ``exact``: the reference's logits of ``ids`` when the caller already has them."""
-    import dataclasses
-
-    from ..model.ops import ReferenceOps
     t = torch.tensor([ids])
     exact_ops = reference_runner.ops
     if exact is None:
@@ -193,9 +195,8 @@ def boundary_report(kl: list[float], args, bound: float, radius: int = 2) -> tup
 def record_golden(checkpoint: str | Path, out: str | Path | None = None, dump_layers: str | Path | None = None,
                   device: str = "cpu", progress: bool = False) -> dict:
     """Record the golden oracles of ``checkpoint`` with the reference backend (bf16, simulations on)."""
-    import dsv4lab
     checkpoint = Path(checkpoint)
-    runner = dsv4lab.load(checkpoint, device=device, dtype=torch.bfloat16, backend="reference", max_batch=1)
+    runner = load(checkpoint, device=device, dtype=torch.bfloat16, backend="reference", max_batch=1)
     args = runner.args
     oracles = []
     for o in default_oracles(args, runner.tokenizer, checkpoint):
@@ -211,7 +212,7 @@ def record_golden(checkpoint: str | Path, out: str | Path | None = None, dump_la
     golden = dict(
         version=GOLDEN_VERSION, checkpoint=checkpoint_identity(checkpoint),
         recorded_with=dict(backend="reference", dtype="bfloat16", act_quant=True, kv_fp8_sim=True,
-                           indexer_fp4_sim=True, exact_reductions=True, dsv4lab=dsv4lab.__version__),
+                           indexer_fp4_sim=True, exact_reductions=True, dsv4lab=__version__),
         oracles=oracles,
         trajectory=dict(prompt_ids=traj_prompt, n_tokens=len(traj_ids), hash=trajectory_hash(traj_ids),
                         ids=traj_ids, min_margin=min(traj_margins)),
@@ -231,9 +232,6 @@ def write_linear_dumps(runner, ids: list[int], path: str | Path) -> Path:
     """Per routed expert of every layer: the rows that reached its w1/w3/w2 in the fixed run, as recorded
     linear inputs/outputs (``<linear>.input [n, in]``, ``<linear>.output [n, out]``) for layout fingerprinting
     against golden dumps (:func:`dsv4lab.layouts.load_golden_dumps`)."""
-    from safetensors.torch import save_file
-
-    from .. import quant
     tr = trace_model(runner, ids, keep_tensors=True)
     nm = runner.ops.numerics
     arrays: dict[str, torch.Tensor] = {}

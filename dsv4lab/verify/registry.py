@@ -20,6 +20,7 @@ from .. import quant
 from ..config import get_preset
 from ..model.linear import ExpertBank, Linear
 from ..model.numerics import Numerics
+from ..model.ops import ReferenceOps
 from ..model.rope import rope_table
 
 
@@ -265,7 +266,6 @@ def implementations(ops, case: OpCase) -> dict[str, Callable]:
     The reference backend counts as an implementation of everything (it is compared with itself, a sanity check
     that must be bitwise).
     """
-    from ..model.ops import ReferenceOps
     out: dict[str, Callable] = {}
     method = getattr(type(ops), case.method, None)
     if type(ops) is ReferenceOps or (method is not None and method is not getattr(ReferenceOps, case.method)):
