@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _prog=p.prog)
     return parser
 
 
@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         if os.environ.get("DSV4LAB_DEBUG"):
             raise
-        print(f"dsv4lab {args.command}: error: {err}", file=sys.stderr)
+        print(f"{args._prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"dsv4lab {args.command}: interrupted", file=sys.stderr)
+        print(f"{args._prog}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -41,6 +41,10 @@ class CheckpointError(DSV4LabError):
     def __init__(self, path: str | Path, problems: list[str]):
         self.path = str(path)
         self.problems = list(problems)
+        if len(self.problems) == 1:  # one line, naming the checkpoint once
+            only = self.problems[0]
+            super().__init__(only if only.startswith(self.path) else f"{path}: {only}")
+            return
         shown = "\n  ".join(self.problems[:50])
         more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
         super().__init__(f"{path}: {len(self.problems)} problem(s):\n  {shown}{more}")

@@ -29,11 +29,11 @@ class LazySubcommandParser(ArgumentParser):
         try:
             mod = importlib.import_module(self.module)
         except ImportError as err:  # an optional dependency is missing: say so when this sub-command is asked for
-            self.set_defaults(_run=_unavailable(self.prog, err))
+            self.set_defaults(_run=_unavailable(self.prog, err), _prog=self.prog)
             return
         self.description = getattr(mod, "DESCRIPTION", None) or getattr(mod, "HELP", None) or self.description
         mod.add_arguments(self)
-        self.set_defaults(_run=mod.run)
+        self.set_defaults(_run=mod.run, _prog=self.prog)
 
     def parse_known_args(self, args=None, namespace=None):
         self.fill()
