@@ -56,25 +56,22 @@ def display_path(path: str | Path) -> str:
 
 def read_json(path: str | Path, error: type[Exception] = DSV4LabError) -> Any:
     """The parsed JSON of ``path``; a missing file or invalid JSON raises ``error`` naming the file."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise error(f"{path}: not valid JSON ({err})") from None
+    return _read(Path(path), error, json.loads, json.JSONDecodeError, "JSON")
 
 
 def read_yaml(path: str | Path, error: type[Exception] = DSV4LabError) -> Any:
     """The parsed YAML of ``path`` (``None`` for an empty file); a missing file or invalid YAML raises ``error``."""
     import yaml  # only when a YAML file is read: `roofline` and `--help` stay fast
-    path = Path(path)
+    return _read(Path(path), error, yaml.safe_load, yaml.YAMLError, "YAML")
+
+
+def _read(path: Path, error: type[Exception], parse, invalid: type[Exception], language: str) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return parse(path.read_text())
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
-    except yaml.YAMLError as err:
-        raise error(f"{path}: not valid YAML ({err})") from None
+    except invalid as err:
+        raise error(f"{path}: not valid {language} ({err})") from None
 
 
 __all__ = ["PACKAGE_DIR", "REPO_ROOT", "IN_CHECKOUT", "DATA_DIR", "HARDWARE_DIR", "PAPER_DIR", "GOLDEN_DIR",

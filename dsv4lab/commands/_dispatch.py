@@ -44,12 +44,18 @@ class LazySubcommandParser(ArgumentParser):
         return super().format_help()
 
 
-def add_subcommands(parser, table: dict[str, tuple[str, str]], dest: str) -> None:
-    """``table``: sub-command name → (module, one-line help)."""
-    sub = parser.add_subparsers(dest=dest, metavar="SUBCOMMAND", parser_class=LazySubcommandParser)
-    sub.required = True
-    for name, (module, help_line) in table.items():
-        sub.add_parser(name, help=help_line, description=help_line, module=module)
+def subcommand_group(table: dict[str, tuple[str, str]], dest: str):
+    """``(add_arguments, run)`` of a command made of the sub-commands of ``table`` (name → (module, one-line
+    help)); the chosen sub-command's name lands in ``args.<dest>``."""
+    def add_arguments(parser) -> None:
+        sub = parser.add_subparsers(dest=dest, metavar="SUBCOMMAND", parser_class=LazySubcommandParser)
+        sub.required = True
+        for name, (module, help_line) in table.items():
+            sub.add_parser(name, help=help_line, description=help_line, module=module)
+
+    def run(args) -> int:
+        return args._run(args)
+    return add_arguments, run
 
 
 def _unavailable(prog: str, err: ImportError):

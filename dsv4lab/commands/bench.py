@@ -1,7 +1,7 @@
 """``dsv4lab bench {kernels,engine,serve,e2e,collectives}`` — measurements that write JSON results."""
 from __future__ import annotations
 
-from ._dispatch import add_subcommands
+from ._dispatch import subcommand_group
 
 NAME = "bench"
 HELP = "benchmarks: kernels (--suite decode|prefill), engine, serve (HTTP), e2e, collectives"
@@ -14,10 +14,4 @@ SUBCOMMANDS = {
     "collectives": ("dsv4lab.bench.collectives", "all-reduce latency: library vs peer-read, eager and graphed"),
 }
 
-
-def add_arguments(p):
-    add_subcommands(p, SUBCOMMANDS, "bench_command")
-
-
-def run(args) -> int:
-    return args._run(args)
+add_arguments, run = subcommand_group(SUBCOMMANDS, "bench_command")

@@ -11,11 +11,11 @@ Exit status 0 when every fingerprinted linear is either as the reference or exac
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from ..errors import UserError
+from ..provenance import write_json
 
 NAME = "fingerprint"
 HELP = "fingerprint a suspect checkpoint's weight layouts against a trusted one or golden dumps; write a repair spec"
@@ -49,8 +49,7 @@ def run(args) -> int:
     result.spec.source["path"] = str(out)
     result.spec.save(out)
     if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        write_json(args.report, result.to_json())
     print(result.summary())
     for rule in result.spec.rules:
         print(f"  rule: {rule.selector}: stored as {rule.description}")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..options import add_device
+from ..provenance import write_json
 
 NAME = "train-small"
 HELP = "train the small DeepSeek-V4 model on the stdlib corpus, quantize it natively, evaluate, ablate"
@@ -114,7 +115,7 @@ def run(args) -> int:
         out = Path(args.out)
         paths = save_weights(model, out, max_shard_bytes=15 << 20)  # files of at most 16 MiB travel back
         report["tokens"] = meta
-        (out / "train_log.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_json(out / "train_log.json", report)
         print(f"wrote {len(paths)} weight shards and train_log.json to {out}: {report['steps']} steps in "
               f"{report['train_seconds']:.0f} s, held-out ppl (float32) {report['heldout_ppl_f32']:.3f}")
         return 0

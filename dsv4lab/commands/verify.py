@@ -5,7 +5,7 @@ on failure.
 """
 from __future__ import annotations
 
-from ._dispatch import add_subcommands
+from ._dispatch import subcommand_group
 
 NAME = "verify"
 HELP = "correctness hierarchy: kernels, layers, model, record (golden oracles), endpoint (any OpenAI server)"
@@ -18,10 +18,4 @@ SUBCOMMANDS = {
     "endpoint": ("dsv4lab.serve.verify_endpoint", "check an OpenAI-compatible server against a golden file"),
 }
 
-
-def add_arguments(p):
-    add_subcommands(p, SUBCOMMANDS, "verify_command")
-
-
-def run(args) -> int:
-    return args._run(args)
+add_arguments, run = subcommand_group(SUBCOMMANDS, "verify_command")

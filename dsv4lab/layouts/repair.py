@@ -20,6 +20,7 @@ import torch
 
 from ..checkpoint import INDEX_NAME, Checkpoint, TensorSpec, write_checkpoint
 from ..errors import CheckpointError, LayoutError
+from ..paths import read_json
 from .algebra import Layout, layout_from_json
 from .formats import format_of_dtype_code, logical_shape, weight_format
 
@@ -190,14 +191,7 @@ class RepairSpec:
             return source
         if isinstance(source, Mapping):
             return cls.from_json(source)
-        path = Path(source)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: repair spec not found") from None
-        except json.JSONDecodeError as err:
-            raise LayoutError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_json(d, str(path))
+        return cls.from_json(read_json(source, LayoutError), str(source))
 
 
 def _json_compact_lists(text: str) -> str:

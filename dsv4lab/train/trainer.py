@@ -55,6 +55,7 @@ from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from ..model.transformer import Transformer
 from ..paths import DEFAULT_TOKENIZER
+from ..provenance import write_json
 from ..tokenizer import Tokenizer
 from . import corpus
 
@@ -311,7 +312,7 @@ def prepare_tokens(out_dir: str | Path, tokenizer: str | Path = DEFAULT_TOKENIZE
                 tokenizer_sha256=hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest(),
                 n_files={k: len(v) for k, v in split.items()}, n_tokens={k: int(len(v)) for k, v in streams.items()},
                 document_format="BOS + tokens + EOS per file, files in sorted path order")
-    (out / "tokens.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(out / "tokens.json", meta, indent=2)
     return out
 
 
@@ -744,7 +745,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
         oracles=oracles,
         float32_exact=dict(settings="dsv4lab.load(checkpoint, dtype=torch.float32, act_quant=False, "
                                     "kv_fp8_sim=False, indexer_fp4_sim=False)", oracles=oracles_f32))
-    (out / "oracles.json").write_text(json.dumps(oracle_doc, indent=2, ensure_ascii=False) + "\n")
+    write_json(out / "oracles.json", oracle_doc, indent=2)
     report = dict(
         checkpoint=out.name, architecture=f"preset {cfg['preset']!r}: {args.summary()}",
         heldout_ppl_bf16=ev_bf16["ppl"], heldout_ppl_quantized=ev_q["ppl"],
@@ -772,7 +773,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
                       trainable_parameters=train_log["trainable_parameters"], hardware=train_log["hardware"],
                       seed=cfg["seed"], config=cfg, stopped_early=train_log["stopped_early"],
                       final_train_loss=train_log["history"][-1]["lm"], evals=train_log["evals"],
-                      recipe="dsv4lab train-small train (dsv4lab/train.py): AdamW, warm-up + cosine, "
+                      recipe="dsv4lab train-small train (dsv4lab/train/trainer.py): AdamW, warm-up + cosine, "
                              "LM + 0.3·MTP + indexer-KL losses, noaux_tc bias balancing, tid2eid fixed random"),
         corpus=dict(token_meta, heldout_split="sha256(relative path)[0] < 13 (dsv4lab/train/corpus.py)"),
         quantization=dict(routed_experts="FP4 E2M1, E8M0 scale per 32 along K (quant.fp4_quantize)",
@@ -783,7 +784,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
         oracles=[dict(prompt=r["prompt"], completion=r["completion"], hash=r["hash"]) for r in oracles],
     )
     report["files"].pop("train_report.json", None)
-    (out / "train_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    write_json(out / "train_report.json", report, indent=2)
     log(f"unigram ppl {uni:.2f}; quantized {ev_q['ppl']:.3f} < {uni / 2:.2f}: {report['acceptance']['passed']}")
     return report
 
