@@ -99,3 +99,13 @@ def test_every_user_facing_error_shares_the_base():
         assert issubclass(cls, errors.DSV4LabError), cls
     assert str(errors.CheckpointError("ck", ["ck/config.json: missing"])) == "ck/config.json: missing"
     assert str(errors.CheckpointError("ck", ["a", "b"])).splitlines()[0] == "ck: 2 problem(s):"
+
+
+def test_a_sub_command_whose_module_cannot_be_imported_says_why():
+    from dsv4lab.cli import ArgumentParser
+    parser = ArgumentParser(prog="dsv4lab")
+    sub = parser.add_subparsers(dest="command", parser_class=LazySubcommandParser)
+    sub.add_parser("x", module="dsv4lab.no_such_module")
+    args = parser.parse_args(["x", "--any-flag", "value"])  # its flags are unknown: the reason comes first
+    with pytest.raises(errors.UserError, match="unavailable in this installation .*no_such_module"):
+        args._run(args)

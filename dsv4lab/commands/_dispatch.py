@@ -8,6 +8,7 @@ shown), so ``dsv4lab --help`` and ``dsv4lab bench --help`` import none of them. 
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 
 from ..cli import ArgumentParser
@@ -20,6 +21,7 @@ class LazySubcommandParser(ArgumentParser):
     def __init__(self, *args, module: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.module = module
+        self.unavailable: ImportError | None = None
         self._filled = False
 
     def fill(self) -> None:
@@ -29,7 +31,7 @@ class LazySubcommandParser(ArgumentParser):
         try:
             mod = importlib.import_module(self.module)
         except ImportError as err:  # an optional dependency is missing: say so when this sub-command is asked for
-            self.set_defaults(_run=_unavailable(self.prog, err), _prog=self.prog)
+            self.unavailable = err
             return
         self.description = getattr(mod, "DESCRIPTION", None) or getattr(mod, "HELP", None) or self.description
         mod.add_arguments(self)
@@ -37,6 +39,10 @@ class LazySubcommandParser(ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self.fill()
+        if self.unavailable is not None:  # whatever the flags, the answer is why the sub-command cannot run
+            namespace = namespace if namespace is not None else argparse.Namespace()
+            namespace._run, namespace._prog = _unavailable(self.unavailable), self.prog
+            return namespace, []
         return super().parse_known_args(args, namespace)
 
     def format_help(self) -> str:
@@ -58,7 +64,7 @@ def subcommand_group(table: dict[str, tuple[str, str]], dest: str):
     return add_arguments, run
 
 
-def _unavailable(prog: str, err: ImportError):
+def _unavailable(err: ImportError):
     def run(args):
-        raise UserError(f"{prog} is unavailable: {err}")
+        raise UserError(f"unavailable in this installation ({err})")
     return run
