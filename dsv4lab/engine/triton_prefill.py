@@ -528,3 +528,29 @@ class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
     def compressor_pool(self, kv_slots, sc_slots):
         return self._dispatch("compressor_pool", self.prefill_compressor_pool(kv_slots, sc_slots),
                               lambda: ReferenceOps.compressor_pool(self, kv_slots, sc_slots))
+
+
+# ============================================================================================ Σ|terms| of the ops
+def linear_magnitude(x: torch.Tensor, lin, act_quant: bool) -> torch.Tensor:
+    """``Σ_k |x_k · W_nk|`` per output of a projection (float64), with ``x`` quantized as the reference does."""
+    from .. import quant
+    xq = quant.act_qdq_fp8(x) if act_quant else x
+    return xq.double().abs() @ lin.dequantized(torch.float64).abs().T
+
+
+def expert_stage_magnitude(x: torch.Tensor, idx: torch.Tensor, bank, which: str, act_quant: bool) -> torch.Tensor:
+    """``Σ|terms|`` of one routed-expert projection per slot: ``x [T, K]`` (stage 1) or ``[T, k, K]`` (stage 2's
+    per-slot input), ``which`` ∈ {w1, w3, w2} → ``[T, k, N]`` float64 (NaN for slots of other ranks)."""
+    from .. import quant
+    T, k = idx.shape
+    per_slot = x.ndim == 3
+    xq = quant.act_qdq_fp8(x.to(torch.bfloat16)) if act_quant else x
+    n = bank.inter if which != "w2" else bank.dim
+    out = torch.full((T, k, n), float("nan"), dtype=torch.float64, device=x.device)
+    for e in torch.unique(idx).tolist():
+        if not bank.owns(e):
+            continue
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        rows = xq[tok, slot] if per_slot else xq[tok]
+        out[tok, slot] = rows.double().abs() @ bank.dequantized(which, e, torch.float64).abs().T
+    return out
