@@ -210,7 +210,7 @@ INDEXER_CONFIGS = {
 }
 
 
-def _indexer_launch(qi, w, keys, positions, ratio, causal: bool, block_q, block_t, tiles, num_warps):
+def _indexer_launch(qi, w, keys, positions, ratio, causal: bool, block_q, block_t, tiles, num_warps, out=None):
     b, S, H, DIM = qi.shape
     T = keys.shape[1]
     if keys.shape[0] != b or keys.shape[2] != DIM:
@@ -226,7 +226,8 @@ def _indexer_launch(qi, w, keys, positions, ratio, causal: bool, block_q, block_
         block_q = max(1, 128 // block_h)
     block_q = max(block_q, -(-16 // block_h))  # the MMA needs at least 16 rows
     block_d = max(16, triton.next_power_of_2(DIM))
-    out = torch.empty(b, S, T, dtype=torch.bfloat16, device=qi.device)
+    if out is None:
+        out = torch.empty(b, S, T, dtype=torch.bfloat16, device=qi.device)
     if b * S * T == 0:
         return out
     pos = positions if positions is not None else out  # unread unless causal

@@ -36,6 +36,7 @@ kernels (:meth:`TritonPrefillBackend.report`).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -138,11 +139,16 @@ def load_choices(path: Path | None = None, gpu: str | None = None) -> PrefillCho
     ``gpu`` (default: this process's GPU; a CPU matches nothing), else the defaults. Cached per (path, gpu)."""
     path = Path(path or CHOICES_FILE)
     if gpu is None:
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        gpu = _gpu_name()
     key = f"{path}|{gpu}"
     if key not in _CHOICES:
         _CHOICES[key] = _read_choices(path, gpu)
     return _CHOICES[key]
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
 
 
 def _read_choices(path: Path, gpu: str) -> PrefillChoices:
