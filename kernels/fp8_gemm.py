@@ -10,13 +10,13 @@ exact, so
 
 with the inner dot on FP8 tensor cores and the two scales applied to the fp32 partial once per 128-wide K block
 (DeepSeek's block-FP8 scheme; the "promotion" that also bounds the error of Hopper's reduced-precision FP8
-accumulator, see ``docs/kernels_prefill.md``, Numerics). :func:`fp8_linear` runs it on the Triton kernel below or,
-``backend="cublas"``, on ``torch._scaled_mm`` with the same scales (1×128 activation and 128×128 weight blocks,
+accumulator, see ``docs/kernels_prefill.md``, Numerics). :func:`fp8_linear` runs it on the Triton kernel below
+or, ``backend="cublas"``, on ``torch._scaled_mm`` with the same scales (1×128 activation and 128×128 weight blocks,
 cuBLAS ≥ 12.9 on sm_90): the same products promoted per 128-K block, so the same error bound holds.
 
 **BF16 activations** (``linear`` of a BF16 weight or without activation quantization, ``linear_f32``, the grouped
-``wo_a``): :func:`weight_gemm` computes ``yᵀ = W · xᵀ`` tile by tile — the weight tile is the MMA's first operand,
-so an FP8 weight is upcast in registers (E4M3 × 2^s is exact in bf16) without a trip through shared memory, and
+``wo_a``): :func:`weight_gemm` computes ``yᵀ = W · xᵀ`` tile by tile — the weight tile is the MMA's first
+operand, so an FP8 weight is upcast in registers (E4M3 × 2^s is exact in bf16) without a trip through shared memory, and
 the activations stream in as the second operand. fp32 accumulation; bf16 (RNE) or fp32 out.
 
 :func:`quantize_activations` is the reference quantizer as a kernel. Besides ``x_q`` and the per-128 scales (row-

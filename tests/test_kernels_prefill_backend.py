@@ -95,7 +95,8 @@ def test_linear_f32_expert_mlp_and_wo_a_dispatch():
                              out_dtype=torch.float32, **accumulation_bound(256, "tc_bf16"))
     assert res.ok, res.line()  # fp32 out: the sum's own rounding shows
     w1, w3, w2 = make_linear("fp8", 128, 256, g), make_linear("fp8", 128, 256, g), make_linear("fp8", 256, 128, g)
-    assert torch.equal(ops.expert_mlp(x, w1, w2, w3, 10.0, shared=True), REF.expert_mlp(x, w1, w2, w3, 10.0, shared=True))
+    assert torch.equal(ops.expert_mlp(x, w1, w2, w3, 10.0, shared=True),
+                       REF.expert_mlp(x, w1, w2, w3, 10.0, shared=True))
     wo_a = make_linear("fp8", 4 * 32, 96, g, act_quant=False)
     o = torch.randn(1, 66, 4, 96, generator=g).to(torch.bfloat16)
     assert torch.equal(ops.grouped_wo_a(o, wo_a, 4), REF.grouped_wo_a(o, wo_a, 4))
