@@ -16,8 +16,8 @@ cuBLAS ≥ 12.9 on sm_90): the same products promoted per 128-K block, so the sa
 
 **BF16 activations** (``linear`` of a BF16 weight or without activation quantization, ``linear_f32``, the grouped
 ``wo_a``): :func:`weight_gemm` computes ``yᵀ = W · xᵀ`` tile by tile — the weight tile is the MMA's first
-operand, so an FP8 weight is upcast in registers (E4M3 × 2^s is exact in bf16) without a trip through shared memory, and
-the activations stream in as the second operand. fp32 accumulation; bf16 (RNE) or fp32 out.
+operand, so an FP8 weight is upcast in registers (E4M3 × 2^s is exact in bf16) without a trip through shared
+memory, and the activations stream in as the second operand. fp32 accumulation; bf16 (RNE) or fp32 out.
 
 :func:`quantize_activations` is the reference quantizer as a kernel. Besides ``x_q`` and the per-128 scales (row-
 or column-major: cuBLAS wants the latter) it can emit the layouts the grouped FP4 MoE GEMM consumes
