@@ -182,7 +182,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, o_ptr, S, H, DIM, T, ra
     oq = q0 + tl.arange(0, BLOCK_Q)
     t_end = T
     if CAUSAL:  # keys no query of this block may see are never scored (the top-k never reads them)
-        p = tl.load(pos_ptr + b.to(tl.int64) * sp_b + oq, mask=oq < S, other=0)
+        p = tl.load(pos_ptr + b.to(tl.int64) * sp_b + oq, mask=oq < S, other=0).to(tl.int32)
         t_end = tl.minimum(tl.max((p + 1) // ratio, axis=0), T)
     t_lo = pid_t * TILES * BLOCK_T
     t_hi = tl.minimum(t_lo + TILES * BLOCK_T, t_end)
