@@ -61,6 +61,21 @@ MOE_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=Tru
             "k64": dict(block_k1=64, block_k2=64)}
 
 
+def plan_variants(mode: str, routes, ablation_route: str) -> dict:
+    """What a run of ``mode`` (smoke / quick / full) checks and times: the quick probe keeps the headline
+    variants (every route, the bf16 route's decodes and scheduling, 64 and 128 rows, the default geometries)."""
+    full = mode == "full"
+    rows = {"quick": (64, 128), "smoke": (16, 64)}.get(mode, SORTER_ROWS)
+    tags = [t for t in route_tags(ablation_route) if t and (full or (mode == "quick" and t in ("f16", "persistent")))]
+    moe = sorted({(r, 64, "") for r in routes} | {(ablation_route, n, "") for n in rows}
+                 | ({("bf16", 128, "")} if "bf16" in routes else set()) | {(ablation_route, 64, t) for t in tags})
+    return dict(moe=moe, rows=rows, tags=tags,
+                gemm=GEMM_CONFIGS if full else GEMM_CONFIGS[:1],
+                weight=WEIGHT_GEMM_CONFIGS if full else WEIGHT_GEMM_CONFIGS[:1],
+                attention=ATTENTION_CONFIGS if full else ("h64n32", "h64n32x"),
+                indexer=INDEXER_CONFIGS if full else ("q2t64x8",))
+
+
 def add_suite_arguments(p) -> None:
     """Options of this suite beyond the dispatcher's common ``--out --quick --smoke --budget-s --commit``."""
     p.add_argument("--moe-routes", default=",".join(MOE_ROUTES), help="prefill: grouped-MoE routes to check and time")
@@ -148,15 +163,16 @@ def bf16_projections(a) -> dict[str, tuple[int, int]]:
 
 
 # ============================================================================================ checks
-def run_checks(b: PrefillBench, args, gen, moe_variants) -> set[str]:
-    """Correctness of every variant at real widths (within its analytic bound); returns the names that passed."""
+def run_checks(b: PrefillBench, args, gen, plan: dict) -> set[str]:
+    """Correctness of every planned variant at real widths (within its analytic bound); returns the names that
+    passed."""
     passed: set[str] = set()
     for section in (check_moe_variants, check_dense, check_attention_side):
-        b.guard(section.__name__, lambda: section(b, args, gen, passed, moe_variants))
+        b.guard(section.__name__, lambda: section(b, args, gen, passed, plan))
     return passed
 
 
-def check_moe_variants(b: PrefillBench, a, gen, passed: set[str], moe_variants) -> None:
+def check_moe_variants(b: PrefillBench, a, gen, passed: set[str], plan: dict) -> None:
     """Real widths, fewer experts so each gets about as many rows as at 4,096 tokens with 256 experts."""
     import torch
     from dsv4lab_kernels import fp4_moe_grouped as fm
@@ -197,7 +213,7 @@ def check_moe_variants(b: PrefillBench, a, gen, passed: set[str], moe_variants) 
         b.check(f"{name}:end_to_end", y, want_total, "quantized", gating=False)
         return ok
 
-    for route, rows, tag in moe_variants:
+    for route, rows, tag in plan["moe"]:
         name = moe_variant_name(route, rows, tag)
         if tag in ("f16", "persistent") and route != "bf16":
             continue
@@ -205,7 +221,7 @@ def check_moe_variants(b: PrefillBench, a, gen, passed: set[str], moe_variants) 
             passed.add(name)
 
 
-def check_dense(b: PrefillBench, a, gen, passed: set[str], _moe_variants) -> None:
+def check_dense(b: PrefillBench, a, gen, passed: set[str], plan: dict) -> None:
     """FP8 projections (Triton configs, cuBLAS), the weight-stationary GEMM, the fused shared expert."""
     import torch
     from dsv4lab_kernels import fp8_gemm as fg
@@ -218,7 +234,7 @@ def check_dense(b: PrefillBench, a, gen, passed: set[str], _moe_variants) -> Non
     lin = random_fp8_linear(a.q_lora_rank, a.dim, dev, gen)
     x = (torch.randn(M, a.dim, device=dev, generator=gen) * 2).to(torch.bfloat16)
     want, mag = ref.linear(x, lin), linear_magnitude(x, lin, True)
-    for cfg in GEMM_CONFIGS:
+    for cfg in plan["gemm"]:
         name = f"fp8_gemm:{cfg}"
         if b.guard(name, lambda: b.check_bound(name, fg.fp8_linear(x, lin.weight, lin.scale, config=cfg), want, mag,
                                                a.dim, "tc_fp8", torch.bfloat16)):
@@ -236,7 +252,7 @@ def check_dense(b: PrefillBench, a, gen, passed: set[str], _moe_variants) -> Non
     want = ref.grouped_wo_a(o, wo_a, G)
     w3 = wo_a.dequantized(torch.float64).view(G, -1, a.wo_a_in_per_group)
     mag = torch.einsum("bsgd,grd->bsgr", o.double().abs(), w3.abs())
-    for cfg in WEIGHT_GEMM_CONFIGS:
+    for cfg in plan["weight"]:
         name = f"weight_gemm:{cfg}"
         if b.guard(name, lambda: b.check_bound(name, fg.weight_gemm(
                 o.reshape(M, G, -1), wo_a.weight, wo_a.scale, torch.bfloat16, G, config=cfg).view(want.shape), want,
@@ -271,7 +287,7 @@ def check_dense(b: PrefillBench, a, gen, passed: set[str], _moe_variants) -> Non
         passed.add("shared_expert")
 
 
-def check_attention_side(b: PrefillBench, a, gen, passed: set[str], _moe_variants) -> None:
+def check_attention_side(b: PrefillBench, a, gen, passed: set[str], plan: dict) -> None:
     """Sparse attention (the attention tolerance policy), indexer scores, selection and pooling."""
     import torch
     from dsv4lab_kernels import attention_prefill as ap
@@ -285,7 +301,7 @@ def check_attention_side(b: PrefillBench, a, gen, passed: set[str], _moe_variant
     q, kv, aidx, sink, scale = _make_attention(shape, torch.Generator().manual_seed(1), "cpu", Numerics())
     q, kv, aidx, sink = q.to(dev), kv.to(dev), aidx.to(dev), sink.to(dev)
     want = ref.sparse_attention(q, kv, aidx, sink, scale)
-    for cfg in ATTENTION_CONFIGS:
+    for cfg in plan["attention"]:
         name = f"attn:{cfg}"
         if b.guard(name, lambda: b.check(name, ap.sparse_attention(q, kv, aidx, sink, scale, config=cfg), want,
                                          "attention")):
@@ -303,7 +319,7 @@ def check_attention_side(b: PrefillBench, a, gen, passed: set[str], _moe_variant
                                                ref.indexer_topk(scores, pos, 4, a.index_topk), "exact")):
         passed.add("indexer_topk")
     want_sel = ref.indexer_topk(scores, pos, 4, a.index_topk)
-    for cfg in INDEXER_CONFIGS:
+    for cfg in plan["indexer"]:
         name = f"indexer_select:{cfg}"
         # scores of bf16 MMAs may differ from the exact reference in a last bit, so near-ties may pick another
         # entry: the selection is judged by the reference scores of what it picked (sorted), not by the indices
@@ -384,12 +400,13 @@ class MoEBench:
         return t
 
 
-def bench_moe_headline(b: PrefillBench, moe: MoEBench, routes, headline: int, rows_list, ablation_tokens,
+def bench_moe_headline(b: PrefillBench, moe: MoEBench, routes, headline: int, plan: dict, ablation_tokens,
                        ablation_route, quick: bool) -> None:
     """Every route at the headline token count, the bf16 route's variants and 128 rows, then the sorter-rows
     ablation at the paper's M = 2048 and at the headline count."""
     cases = [(r, 64, "") for r in routes] + [("bf16", 128, "")] * ("bf16" in routes)
-    cases += [(ablation_route, 64, t) for t in route_tags(ablation_route) if t and not moe.b.smoke]
+    cases += [(ablation_route, 64, t) for t in plan["tags"]]
+    rows_list = plan["rows"]
     for route, rows, tag in cases:
         if not b.over_budget(f"moe {moe_variant_name(route, rows, tag)} @{headline}"):
             b.guard(f"moe {route} {rows} {tag}", lambda: moe.run(route, rows, headline, True, tag))
@@ -417,7 +434,7 @@ def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int, quick: bool) 
     from dsv4lab_kernels import fp8_gemm as fg
     dev = b.device
     cublas = b.cuda and "fp8_gemm:cublas" in passed
-    configs = [c for c in (GEMM_CONFIGS[:1] if quick else GEMM_CONFIGS) if f"fp8_gemm:{c}" in passed]
+    configs = [c for c in GEMM_CONFIGS if f"fp8_gemm:{c}" in passed]
     for name, (n, k) in dense_projections(a).items():
         if b.over_budget(f"fp8 {name} @{T}"):
             return
@@ -442,7 +459,7 @@ def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int, quick: bool) 
         if configs:
             t = b.time_events_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale, config=configs[0]), flush_l2=True)
             b.add("fp8_gemm", f"{name}:linear:triton", t, flops, "fp8", **meta)
-    wcfgs = [c for c in (WEIGHT_GEMM_CONFIGS[:1] if quick else WEIGHT_GEMM_CONFIGS) if f"weight_gemm:{c}" in passed]
+    wcfgs = [c for c in WEIGHT_GEMM_CONFIGS if f"weight_gemm:{c}" in passed]
     if not wcfgs or b.over_budget(f"weight gemms @{T}"):
         return
     G = a.o_groups
@@ -509,7 +526,7 @@ def prefill_attention_inputs(a, T: int, ratio: int, device, gen):
     return q, kv, idx, sink
 
 
-def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, quick: bool) -> None:
+def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens) -> None:
     import torch
     from dsv4lab_kernels import attention_prefill as ap
     a, dev = args, b.device
@@ -534,7 +551,7 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, quick:
         pos = torch.arange(T, device=dev)[None]
         visible_pairs = float(((torch.arange(T, device=dev) + 1) // 4).sum())
         useful = 2.0 * a.index_n_heads * a.index_head_dim * visible_pairs
-        for cfg in (INDEXER_CONFIGS[1:2] if quick else INDEXER_CONFIGS):
+        for cfg in INDEXER_CONFIGS:
             if f"indexer_select:{cfg}" not in passed:
                 continue
             t = b.guard("indexer_select", lambda: b.time_events_us(
@@ -714,13 +731,13 @@ def run_suite(args) -> int:
     b = PrefillBench(device, getattr(args, "budget_s", 160.0), smoke)
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")
+    mode = "smoke" if smoke else ("quick" if quick else "full")
     if smoke:
-        tokens, rows_list, abl, prompts, chunks, headline, reps = (64,), (16,), 64, (64,), (32, 0), 64, 1
+        tokens, abl, prompts, chunks, headline, reps = (64,), 64, (64,), (32, 0), 64, 1
     elif quick:
-        tokens, rows_list, abl, prompts, chunks, headline, reps = (4096,), SORTER_ROWS, 2048, (2048, 4604), \
-            (2048, 4096, 0), 4096, 2
+        tokens, abl, prompts, chunks, headline, reps = (4096,), 2048, (2048, 4604), (2048, 4096, 0), 4096, 2
     else:
-        tokens, rows_list, abl, prompts, chunks, headline, reps = TOKENS, SORTER_ROWS, 2048, PROMPTS, CHUNKS, 4096, 3
+        tokens, abl, prompts, chunks, headline, reps = TOKENS, 2048, PROMPTS, CHUNKS, 4096, 3
     doc = run_header(b, args, smoke)
     routes = tuple(r for r in getattr(args, "moe_routes", ",".join(MOE_ROUTES)).split(",") if r)
     abl_route = getattr(args, "ablation_route", "bf16")
@@ -729,12 +746,10 @@ def run_suite(args) -> int:
     bad = [r for r in routes if r not in MOE_ROUTES]
     if bad:
         raise UserError(f"--moe-routes: unknown route(s) {', '.join(bad)}; known: {', '.join(MOE_ROUTES)}")
-    moe_variants = sorted({(r, 64, "") for r in routes} | {(abl_route, n, "") for n in rows_list}
-                          | ({("bf16", 128, "")} if "bf16" in routes else set())
-                          | {(abl_route, 64, t) for t in route_tags(abl_route) if t and not smoke})
+    plan = plan_variants(mode, routes, abl_route)
     b.record_ceilings()
     b.log(f"checks ({b.elapsed():.0f} s)")
-    passed = run_checks(b, a, gen, moe_variants)
+    passed = run_checks(b, a, gen, plan)
     moe: dict = {}
 
     def moe_bench() -> MoEBench:
@@ -750,10 +765,10 @@ def run_suite(args) -> int:
     ratios = (4,) if (quick or smoke) else (4, max(a.compress_ratios))
     # most important first: the watchdog cuts from the end
     sections = [
-        ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, rows_list, abl, abl_route,
+        ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, plan, abl, abl_route,
                                            quick or smoke)),
         ("dense gemms", lambda: bench_dense(b, a, gen, passed, headline, quick or smoke)),
-        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,), quick or smoke)),
+        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,))),
         ("release", release_moe),
         ("chunk choice", lambda: bench_chunks(b, a, gen, prompts, chunks, ratios, reps)),
     ]
@@ -762,11 +777,10 @@ def run_suite(args) -> int:
             ("moe sweep", lambda: bench_moe_sweep(b, moe_bench(), routes, tokens, headline)),
             ("release", release_moe),
             ("dense sweep", lambda: [bench_dense(b, a, gen, passed, T, True) for T in tokens if T != headline]),
-            ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != headline],
-                                                        True)),
+            ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != headline])),
         ]
     b.run_sections(sections)
-    doc.update(mode="smoke" if smoke else ("quick" if quick else "full"), peaks=b.peaks, checks=b.checks,
+    doc.update(mode=mode, peaks=b.peaks, checks=b.checks,
                rows=b.rows, skipped=b.skipped, errors=b.errors, compile_s=b.compile_s,
                elapsed_s=round(b.elapsed(), 1), diagnostics=diagnostics(b), choices=choices(b, headline),
                targets=targets(b, headline))
@@ -844,10 +858,10 @@ def targets(b: PrefillBench, headline: int) -> dict:
     best = max((r for r in moe if r["pct_peak"] is not None), key=lambda r: r["pct_peak"], default=None)
     fastest = min(moe, key=lambda r: r["time_us"], default=None)
     out = dict(moe_best_pct=None if best is None else dict(
-        variant=best["variant"], sorter_rows=best["sorter_rows"], pct_peak=best["pct_peak"],
+        tokens=headline, variant=best["variant"], sorter_rows=best["sorter_rows"], pct_peak=best["pct_peak"],
         peak_kind=best["peak_kind"], tflops=best["tflops"], time_ms=round(best["time_us"] / 1e3, 3),
         met=best["pct_peak"] >= 50), moe_fastest=None if fastest is None else dict(
-        variant=fastest["variant"], sorter_rows=fastest["sorter_rows"], time_ms=round(fastest["time_us"] / 1e3, 3),
+        tokens=headline, variant=fastest["variant"], sorter_rows=fastest["sorter_rows"], time_ms=round(fastest["time_us"] / 1e3, 3),
         pct_peak=fastest["pct_peak"], peak_kind=fastest["peak_kind"]))
     gemm = []
     for r in _rows(b, "fp8_gemm", tokens=headline):
@@ -906,11 +920,11 @@ def print_summary(doc: dict) -> None:
     t = doc.get("targets", {})
     m = t.get("moe_best_pct")
     if m:
-        print(f"\ntarget grouped MoE @4096 ≥ 50% of the peak of its dtype: {m['pct_peak']}% {m['peak_kind']} "
+        print(f"\ntarget grouped MoE @{m['tokens']} ≥ 50% of the peak of its dtype: {m['pct_peak']}% {m['peak_kind']} "
               f"({m['variant']}, rows {m['sorter_rows']}, {m['time_ms']} ms) → {'met' if m['met'] else 'MISSED'}")
     f = t.get("moe_fastest")
     if f:
-        print(f"fastest grouped MoE @4096: {f['variant']} rows {f['sorter_rows']}, {f['time_ms']} ms")
+        print(f"fastest grouped MoE @{f['tokens']}: {f['variant']} rows {f['sorter_rows']}, {f['time_ms']} ms")
     for g in t.get("fp8_gemm_vs_cublas", []):
         print(f"target FP8 GEMM {g['projection']}: Triton best {g['triton_best_us']:.1f} µs vs cuBLAS "
               f"{g['cublas_us']:.1f} µs → {'met' if g['met'] else 'slower: the backend dispatches to cuBLAS'}")
