@@ -861,8 +861,8 @@ def targets(b: PrefillBench, headline: int) -> dict:
         tokens=headline, variant=best["variant"], sorter_rows=best["sorter_rows"], pct_peak=best["pct_peak"],
         peak_kind=best["peak_kind"], tflops=best["tflops"], time_ms=round(best["time_us"] / 1e3, 3),
         met=best["pct_peak"] >= 50), moe_fastest=None if fastest is None else dict(
-        tokens=headline, variant=fastest["variant"], sorter_rows=fastest["sorter_rows"], time_ms=round(fastest["time_us"] / 1e3, 3),
-        pct_peak=fastest["pct_peak"], peak_kind=fastest["peak_kind"]))
+        tokens=headline, variant=fastest["variant"], sorter_rows=fastest["sorter_rows"],
+        time_ms=round(fastest["time_us"] / 1e3, 3), pct_peak=fastest["pct_peak"], peak_kind=fastest["peak_kind"]))
     gemm = []
     for r in _rows(b, "fp8_gemm", tokens=headline):
         name, _, impl = r["variant"].partition(":")
@@ -920,8 +920,9 @@ def print_summary(doc: dict) -> None:
     t = doc.get("targets", {})
     m = t.get("moe_best_pct")
     if m:
-        print(f"\ntarget grouped MoE @{m['tokens']} ≥ 50% of the peak of its dtype: {m['pct_peak']}% {m['peak_kind']} "
-              f"({m['variant']}, rows {m['sorter_rows']}, {m['time_ms']} ms) → {'met' if m['met'] else 'MISSED'}")
+        print(f"\ntarget grouped MoE @{m['tokens']} ≥ 50% of the peak of its dtype: {m['pct_peak']}% "
+              f"{m['peak_kind']} ({m['variant']}, rows {m['sorter_rows']}, {m['time_ms']} ms) → "
+              f"{'met' if m['met'] else 'MISSED'}")
     f = t.get("moe_fastest")
     if f:
         print(f"fastest grouped MoE @{f['tokens']}: {f['variant']} rows {f['sorter_rows']}, {f['time_ms']} ms")
