@@ -124,19 +124,23 @@ mul.rn.bf16x2 $3, t0, $6;
 
 
 @triton.jit
-def _decode_bf16_tile(wb, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """Packed bytes ``wb [BLOCK_N, BLOCK_K/2]`` (uint8) with their E8M0 scale bytes ``sc [BLOCK_N, BLOCK_K/32]``
-    (int32) → the even-column (low nibble) and odd-column (high nibble) values, bf16 ``[BLOCK_N, BLOCK_K/2]``
-    each, exact (value × 2^(s−127))."""
+def _decode_bf16_tile(wb, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+                      SCALE_PER_BYTE: tl.constexpr):
+    """Packed bytes ``wb [BLOCK_N, BLOCK_K/2]`` (uint8) with their E8M0 scale bytes ``sc`` (int32: one per 32
+    weights ``[BLOCK_N, BLOCK_K/32]``, or ``SCALE_PER_BYTE``: already one per byte ``[BLOCK_N, BLOCK_K/2]``) → the
+    even-column (low nibble) and odd-column (high nibble) values, bf16 ``[BLOCK_N, BLOCK_K/2]`` each, exact
+    (value × 2^(s−127))."""
     G: tl.constexpr = BLOCK_K // 32
     if ASM:
         mult = ((sc + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s−1) = 2^(s−127) · 2^126
-        mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
+        if not SCALE_PER_BYTE:
+            mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
         lo, hi = tl.inline_asm_elementwise(_DECODE_BF16_PTX, "=r,=r,=r,=r,r,r,r", [wb, mult],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         f = e8m0_to_f32(sc) * 16384.0  # × 2^14: the fp16 codec returns value · 2^-14
-        f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
+        if not SCALE_PER_BYTE:
+            f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
         lo, hi = e2m1_pair_to_f32_scaled(wb.to(tl.int32))
         lo = (lo * f).to(tl.bfloat16)  # exact: E2M1 × 2^s fits bf16
         hi = (hi * f).to(tl.bfloat16)
@@ -171,7 +175,7 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
 def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok, k0, K,
                      stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ROUTE: tl.constexpr,
-                     DECODE_ASM: tl.constexpr, UPCAST: tl.constexpr):
+                     DECODE_ASM: tl.constexpr, SCALE_PER_BYTE: tl.constexpr, UPCAST: tl.constexpr):
     """``acc[BLOCK_N, ROWS] += W[e, rn, k0:k0+BLOCK_K] · X[xrow, k0:k0+BLOCK_K]ᵀ`` for one route."""
     x_rows = x_ptr + xrow[None, :].to(tl.int64) * stride_xm
     if ROUTE == 2:  # tl.dot_scaled on the stored E2M1 bytes and E8M0 scales
@@ -195,13 +199,15 @@ def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok
         xe = tl.load(x_rows + (k0 // 2 + kj)[:, None], mask=m, other=0.0)
         xo = tl.load(x_rows + K // 2 + (k0 // 2 + kj)[:, None], mask=m, other=0.0)
         if ROUTE == 0:
-            G: tl.constexpr = BLOCK_K // 32
-            gi = tl.arange(0, G)
             w_row = w_ptr + e.to(tl.int64) * stride_we + rn[:, None].to(tl.int64) * stride_wn
             wb = tl.load(w_row + (k0 // 2 + kj)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-            sc = tl.load(s_ptr + e.to(tl.int64) * stride_se + rn[:, None].to(tl.int64) * stride_sn + k0 // 32
-                         + gi[None, :], mask=n_ok[:, None] & ((k0 + 32 * gi) < K)[None, :], other=127).to(tl.int32)
-            w_lo, w_hi = _decode_bf16_tile(wb, sc, BLOCK_N, BLOCK_K, DECODE_ASM)
+            s_row = s_ptr + e.to(tl.int64) * stride_se + rn[:, None].to(tl.int64) * stride_sn + k0 // 32
+            if SCALE_PER_BYTE:  # each byte's scale loaded where it is used (16 bytes share one: cached)
+                sc = tl.load(s_row + (kj // 16)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=127)
+            else:  # one per 32 weights, broadcast in registers
+                gi = tl.arange(0, BLOCK_K // 32)
+                sc = tl.load(s_row + gi[None, :], mask=n_ok[:, None] & ((k0 + 32 * gi) < K)[None, :], other=127)
+            w_lo, w_hi = _decode_bf16_tile(wb, sc.to(tl.int32), BLOCK_N, BLOCK_K, DECODE_ASM, SCALE_PER_BYTE)
             acc = _mma(w_lo, xe, acc, UPCAST)
             acc = _mma(w_hi, xo, acc, UPCAST)
         else:
@@ -233,7 +239,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
                     expert_blocks_ptr, used_blocks_ptr, rw_ptr, out0_ptr, out1_ptr, D, I, TOPK, limit,
                     stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_o0, stride_o1,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
-                    FUSE: tl.constexpr, DECODE_ASM: tl.constexpr, UPCAST: tl.constexpr):
+                    FUSE: tl.constexpr, DECODE_ASM: tl.constexpr, SCALE_PER_BYTE: tl.constexpr, UPCAST: tl.constexpr):
     n_tiles = tl.cdiv(I, BLOCK_N)
     total = tl.load(used_blocks_ptr) * n_tiles
     for w in range(tl.program_id(0), total, tl.num_programs(0)):  # one item per program unless persistent
@@ -249,10 +255,10 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
         for k0 in range(0, D, BLOCK_K):
             acc_g = _accumulate_tile(acc_g, w1_ptr, s1_ptr, e, rn, n_ok, x_ptr, xs_ptr, tok, valid, k0, D,
                                      stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
-                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, UPCAST)
+                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, SCALE_PER_BYTE, UPCAST)
             acc_u = _accumulate_tile(acc_u, w3_ptr, s3_ptr, e, rn, n_ok, x_ptr, xs_ptr, tok, valid, k0, D,
                                      stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
-                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, UPCAST)
+                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, SCALE_PER_BYTE, UPCAST)
         # the reference's Linear outputs bf16: round g and u before the activation
         g = to_bf16(acc_g).to(tl.float32)
         u = to_bf16(acc_u).to(tl.float32)
@@ -297,7 +303,8 @@ def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, fi
                  used_blocks_ptr, out_ptr, D, I,
                  stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
-                 X_SORTED: tl.constexpr, DECODE_ASM: tl.constexpr, UPCAST: tl.constexpr):
+                 X_SORTED: tl.constexpr, DECODE_ASM: tl.constexpr, SCALE_PER_BYTE: tl.constexpr,
+                 UPCAST: tl.constexpr):
     n_tiles = tl.cdiv(D, BLOCK_N)
     total = tl.load(used_blocks_ptr) * n_tiles
     for w in range(tl.program_id(0), total, tl.num_programs(0)):
@@ -315,7 +322,7 @@ def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, fi
         for k0 in range(0, I, BLOCK_K):
             acc = _accumulate_tile(acc, w2_ptr, s2_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, valid, k0, I,
                                    stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
-                                   BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, UPCAST)
+                                   BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, SCALE_PER_BYTE, UPCAST)
         off = slot[None, :].to(tl.int64) * stride_o + rn[:, None]
         tl.store(out_ptr + off, to_bf16(acc), mask=n_ok[:, None] & valid[None, :])
 
@@ -359,6 +366,7 @@ class MoEGeometry:
     stages2: int = 3
     decode: str = "auto"  # bf16 route's weight decode: "asm" (GPU), "f16" (portable) or "auto" (see the docstring)
     persistent: bool = False  # one program per SM walking the work items, instead of one program per item
+    scale_per_byte: bool = False  # bf16 route: load each byte's scale (a cached gather) instead of broadcasting
 
     def replace(self, **kw) -> "MoEGeometry":
         from dataclasses import replace
@@ -424,7 +432,7 @@ def _decode_probe_kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, BLOCK_N: tl.constexpr, BL
     kj = tl.arange(0, BLOCK_K // 2)
     wb = tl.load(w_ptr + rn[:, None] * (BLOCK_K // 2) + kj[None, :])
     sc = tl.load(s_ptr + rn[:, None] * G + tl.arange(0, G)[None, :]).to(tl.int32)
-    lo, hi = _decode_bf16_tile(wb, sc, BLOCK_N, BLOCK_K, ASM)
+    lo, hi = _decode_bf16_tile(wb, sc, BLOCK_N, BLOCK_K, ASM, False)
     tl.store(lo_ptr + rn[:, None] * (BLOCK_K // 2) + kj[None, :], lo)
     tl.store(hi_ptr + rn[:, None] * (BLOCK_K // 2) + kj[None, :], hi)
 
@@ -564,8 +572,8 @@ def gate_up(xv: torch.Tensor, xs: torch.Tensor, bank, routing: SortedRouting, ro
                           D, I, routing.top_k, float(limit), xv.stride(0), xs.stride(0), w1.stride(0), w1.stride(1),
                           s1.stride(0), s1.stride(1), so0, so1, ROWS=rows, BLOCK_N=geo.block_n1,
                           BLOCK_K=geo.block_k1, ROUTE=ROUTE_ID[route], FUSE=fuse,
-                          DECODE_ASM=_decode_asm(route, geo, bank, dev), UPCAST=interpreting(),
-                          num_warps=geo.warps1, num_stages=geo.stages1)
+                          DECODE_ASM=_decode_asm(route, geo, bank, dev), SCALE_PER_BYTE=geo.scale_per_byte,
+                          UPCAST=interpreting(), num_warps=geo.warps1, num_stages=geo.stages1)
     return out0, out1
 
 
@@ -582,8 +590,9 @@ def down(hv: torch.Tensor, hs: torch.Tensor, bank, routing: SortedRouting, route
                        routing.expert_blocks, routing.used_blocks, out, D, I, hv.stride(0),
                        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
                        ROWS=routing.rows, BLOCK_N=geo.block_n2, BLOCK_K=geo.block_k2, ROUTE=ROUTE_ID[route],
-                       X_SORTED=x_sorted, DECODE_ASM=_decode_asm(route, geo, bank, hv.device), UPCAST=interpreting(),
-                       num_warps=geo.warps2, num_stages=geo.stages2)
+                       X_SORTED=x_sorted, DECODE_ASM=_decode_asm(route, geo, bank, hv.device),
+                       SCALE_PER_BYTE=geo.scale_per_byte, UPCAST=interpreting(), num_warps=geo.warps2,
+                       num_stages=geo.stages2)
     return out
 
 

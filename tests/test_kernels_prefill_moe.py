@@ -58,9 +58,11 @@ def test_work_order_covers_every_block_and_tile_once(persistent):
 
 def test_portable_decode_is_exact_and_asm_is_refused_off_the_gpu():
     x, idx, w, bank = _case(seed=7)
-    g, u = fm.moe_stage1(x, idx, bank, route="bf16", geo=fm.MoEGeometry(rows=16, decode="f16"))
     rg, ru = REF.moe_stage1(x, idx, bank)
-    assert torch.equal(g, rg) and torch.equal(u, ru)
+    for per_byte in (False, True):  # scales broadcast per 32 weights, or loaded per byte
+        g, u = fm.moe_stage1(x, idx, bank, route="bf16", geo=fm.MoEGeometry(rows=16, decode="f16",
+                                                                            scale_per_byte=per_byte))
+        assert torch.equal(g, rg) and torch.equal(u, ru)
     assert fm.asm_decode_exact(bank) and not fm.asm_decode_works("cpu")
     with pytest.raises(ValueError, match="'asm' is not usable"):
         fm.moe_stage1(x, idx, bank, route="bf16", geo=fm.MoEGeometry(rows=16, decode="asm"))
@@ -88,6 +90,7 @@ def test_gpu_asm_decode_self_test_passes_on_hopper():
 @pytest.mark.parametrize("route,geo", [
     ("bf16", fm.MoEGeometry(rows=64)), ("bf16", fm.MoEGeometry(rows=128)),
     ("bf16", fm.MoEGeometry(rows=64, decode="f16")), ("bf16", fm.MoEGeometry(rows=32, persistent=True)),
+    ("bf16", fm.MoEGeometry(rows=64, scale_per_byte=True)),
     ("fp8", fm.MoEGeometry(rows=64)), ("scaled", fm.MoEGeometry(rows=64))])
 def test_gpu_grouped_moe_stage_by_stage_within_bounds(route, geo):
     """Real widths (D 4096, I 2048), 32 experts with about as many rows each as 256 experts at 4,096 tokens."""

@@ -110,8 +110,8 @@ class PrefillChoices:
     Attributes:
         chunk_by_prompt: ``((prompt tokens up to, chunk), …)`` ascending; a chunk of 0 means one-shot.
         moe_rows_by_tokens: ``((tokens up to, sorter rows), …)`` ascending.
-        moe_route, moe_decode, moe_persistent, gemm_backend: the grouped MoE route/decode/scheduling and the FP8
-            GEMM backend that measured fastest (None: keep the class default).
+        moe_route, moe_decode, moe_persistent, moe_scale_per_byte, gemm_backend: the grouped MoE route, decode,
+            scheduling and scale loads, and the FP8 GEMM backend that measured fastest (None: the class default).
         source: where these came from (a file and its commit, or "defaults").
     """
 
@@ -120,6 +120,7 @@ class PrefillChoices:
     moe_route: str | None = None
     moe_decode: str | None = None
     moe_persistent: bool | None = None
+    moe_scale_per_byte: bool | None = None
     gemm_backend: str | None = None
     source: str = "defaults"
 
@@ -162,7 +163,8 @@ def _read_choices(path: Path, gpu: str) -> PrefillChoices:
     return PrefillChoices(chunk_by_prompt=tuple(tuple(p) for p in c.get("chunk_by_prompt", ())),
                           moe_rows_by_tokens=tuple(tuple(p) for p in c.get("moe_rows_by_tokens", ())),
                           moe_route=c.get("moe_route"), moe_decode=c.get("moe_decode"),
-                          moe_persistent=c.get("moe_persistent"), gemm_backend=c.get("gemm_backend"),
+                          moe_persistent=c.get("moe_persistent"), moe_scale_per_byte=c.get("moe_scale_per_byte"),
+                          gemm_backend=c.get("gemm_backend"),
                           source=f"{path.name} at {doc.get('commit')}")
 
 
@@ -189,7 +191,8 @@ class TritonPrefillOps:
         prefill_moe_route: ``"bf16"`` (default), ``"fp8"`` (falls back to ``bf16`` for a bank whose scales the
             exact E4M3 upcast cannot hold) or ``"scaled"``.
         prefill_moe_rows: sorter rows (the grouped GEMM's block height); None: by token count.
-        prefill_moe_decode / prefill_moe_persistent: the bf16 route's weight decode and scheduling.
+        prefill_moe_decode / prefill_moe_persistent / prefill_moe_scale_per_byte: the bf16 route's weight decode,
+            scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
         prefill_gemm_backend: FP8 GEMM on ``"triton"``, ``"cublas"`` (``torch._scaled_mm`` with the same block
             scales, where it takes them) or ``"auto"`` (cuBLAS where available).
         prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
@@ -201,6 +204,7 @@ class TritonPrefillOps:
     prefill_moe_rows: int | None = None
     prefill_moe_decode: str | None = None
     prefill_moe_persistent: bool | None = None
+    prefill_moe_scale_per_byte: bool | None = None
     prefill_gemm_backend: str | None = None
     prefill_gemm_config: str = "m128n128"
     prefill_weight_gemm_config: str = "n128m128"
@@ -230,7 +234,8 @@ class TritonPrefillOps:
         if rows is None:
             rows = self.prefill_moe_rows or PrefillChoices._lookup(self._choices().moe_rows_by_tokens, tokens, 64)
         return fm.MoEGeometry(rows=rows, decode=self._setting("moe_decode", "auto"),
-                              persistent=bool(self._setting("moe_persistent", False)))
+                              persistent=bool(self._setting("moe_persistent", False)),
+                              scale_per_byte=bool(self._setting("moe_scale_per_byte", False)))
 
     def _moe_route(self, bank, route: str | None = None) -> str:
         fm = _kernels("fp4_moe_grouped")

@@ -57,8 +57,8 @@ INDEXER_CONFIGS = ("q2t64", "q2t64x8", "q2t128x4", "q4t64x8")
 PEAK_OF_ROUTE = {"bf16": "bf16", "fp8": "fp8", "scaled": "bf16"}  # sm_90 has no MX cores: dot_scaled runs in bf16
 ACCUMULATION_OF_ROUTE = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}
 # tag: MoEGeometry changes (the bf16 route's decode and scheduling, launch geometry)
-MOE_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=True), "w4": dict(warps1=4, warps2=4),
-            "k64": dict(block_k1=64, block_k2=64)}
+MOE_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=True),
+            "sbyte": dict(scale_per_byte=True), "w4": dict(warps1=4, warps2=4), "k64": dict(block_k1=64, block_k2=64)}
 
 
 def plan_variants(mode: str, routes, ablation_route: str) -> dict:
@@ -66,7 +66,8 @@ def plan_variants(mode: str, routes, ablation_route: str) -> dict:
     variants (every route, the bf16 route's decodes and scheduling, 64 and 128 rows, the default geometries)."""
     full = mode == "full"
     rows = {"quick": (64, 128), "smoke": (16, 64)}.get(mode, SORTER_ROWS)
-    tags = [t for t in route_tags(ablation_route) if t and (full or (mode == "quick" and t in ("f16", "persistent")))]
+    tags = [t for t in route_tags(ablation_route)
+            if t and (full or (mode == "quick" and t in ("f16", "persistent", "sbyte")))]
     moe = sorted({(r, 64, "") for r in routes} | {(ablation_route, n, "") for n in rows}
                  | ({("bf16", 128, "")} if "bf16" in routes else set()) | {(ablation_route, 64, t) for t in tags})
     return dict(moe=moe, rows=rows, tags=tags,
@@ -215,7 +216,7 @@ def check_moe_variants(b: PrefillBench, a, gen, passed: set[str], plan: dict) ->
 
     for route, rows, tag in plan["moe"]:
         name = moe_variant_name(route, rows, tag)
-        if tag in ("f16", "persistent") and route != "bf16":
+        if tag in ("f16", "persistent", "sbyte") and route != "bf16":
             continue
         if b.guard(name, lambda: check(route, rows, tag)):
             passed.add(name)
@@ -348,7 +349,7 @@ def moe_variant_name(route: str, rows: int, tag: str = "") -> str:
 def route_tags(route: str) -> list[str]:
     """The variants a route can run: decode and scheduling belong to bf16; the fp8 route's K tile must divide its
     128-wide scale block."""
-    return [t for t in MOE_TAGS if not (route != "bf16" and t in ("f16", "persistent"))
+    return [t for t in MOE_TAGS if not (route != "bf16" and t in ("f16", "persistent", "sbyte"))
             and not (route == "fp8" and MOE_TAGS[t].get("block_k1", 128) > 128)]
 
 
@@ -813,7 +814,8 @@ def choices(b: PrefillBench, headline: int) -> dict:
         best = min(moe, key=lambda r: r["time_us"])
         route_tag = best["variant"].split(":")[0]
         route, _, tag = route_tag.partition("+")
-        out.update(moe_route=route, moe_decode="f16" if tag == "f16" else "auto", moe_persistent=tag == "persistent")
+        out.update(moe_route=route, moe_decode="f16" if tag == "f16" else "auto", moe_persistent=tag == "persistent",
+                   moe_scale_per_byte=tag == "sbyte")
         out["why"]["moe"] = f"fastest at {headline} tokens: {best['variant']} rows {best['sorter_rows']} " \
                             f"{best['time_us'] / 1e3:.2f} ms"
     rows_table = []
