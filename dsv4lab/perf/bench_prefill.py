@@ -428,7 +428,7 @@ def bench_moe_sweep(b: PrefillBench, moe: MoEBench, routes, tokens, headline: in
 
 
 # ============================================================================================ dense GEMMs
-def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int, quick: bool) -> None:
+def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int) -> None:
     """FP8 projections (quantizer, Triton per config, cuBLAS, whole projection per backend), BF16-activation
     GEMMs beside cuBLAS bf16, and the shared expert."""
     import torch
@@ -768,7 +768,7 @@ def run_suite(args) -> int:
     sections = [
         ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, plan, abl, abl_route,
                                            quick or smoke)),
-        ("dense gemms", lambda: bench_dense(b, a, gen, passed, headline, quick or smoke)),
+        ("dense gemms", lambda: bench_dense(b, a, gen, passed, headline)),
         ("attention", lambda: bench_attention(b, a, gen, passed, (headline,))),
         ("release", release_moe),
         ("chunk choice", lambda: bench_chunks(b, a, gen, prompts, chunks, ratios, reps)),
@@ -777,7 +777,7 @@ def run_suite(args) -> int:
         sections += [
             ("moe sweep", lambda: bench_moe_sweep(b, moe_bench(), routes, tokens, headline)),
             ("release", release_moe),
-            ("dense sweep", lambda: [bench_dense(b, a, gen, passed, T, True) for T in tokens if T != headline]),
+            ("dense sweep", lambda: [bench_dense(b, a, gen, passed, T) for T in tokens if T != headline]),
             ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != headline])),
         ]
     b.run_sections(sections)
