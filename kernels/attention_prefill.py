@@ -15,8 +15,13 @@ each program a ``d/SPLIT_D`` slice of the output (fewer registers for ``d = 512`
 slice).
 
 **Indexer scores** (``ReferenceOps.indexer_scores``): ``Σ_h bf16(relu(bf16(q_h·K_t))·w_h)`` → bf16. A program
-takes ``BLOCK_Q`` queries × all heads as the MMA's M (``BLOCK_Q·BLOCK_H`` rows) against ``BLOCK_T`` keys, then
-reduces over heads exactly (fp64) and rounds once to fp32 and then bf16, as the reference.
+takes ``BLOCK_Q`` queries × all heads as the MMA's M (``BLOCK_Q·BLOCK_H`` rows), loads them once and walks
+``tiles`` key tiles of ``BLOCK_T`` keys, reducing over heads exactly (fp64) and rounding once to fp32 and then
+bf16, as the reference.
+
+**Indexer selection** (``ReferenceOps.indexer_select`` = scores then top-k): the same scores kernel in its causal
+form — a query block stops at the last key any of its queries may see (``t < (p+1)//ratio``), so about half the
+scores of a prefill are never computed — into a scratch the top-k kernel reads; the op returns only the selection.
 
 **Indexer top-k** (``select_topk``): per query row, the visible entries (``t < (p+1)//ratio``) sorted by score,
 ties to the lower index, as one bitonic sort of 64-bit keys ``(order-preserving score bits) << 32 | (2^31−1−t)``
@@ -154,10 +159,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
 
 # ============================================================================================ indexer scores
 @triton.jit
-def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, DIM, T,
-                           sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_t, so_b, so_s,
+def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, o_ptr, S, H, DIM, T, ratio,
+                           sq_b, sq_s, sq_h, sw_b, sw_s, sk_b, sk_t, sp_b, so_b, so_s,
                            BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_T: tl.constexpr, UPCAST: tl.constexpr):
+                           BLOCK_T: tl.constexpr, TILES: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
     pid_q = tl.program_id(0)
     pid_t = tl.program_id(1)
     n_qb = tl.cdiv(S, BLOCK_Q)
@@ -171,46 +176,90 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, o_ptr, S, H, DIM, T,
     d_ok = rd < DIM
     q = tl.load(q_ptr + b.to(tl.int64) * sq_b + rq[:, None].to(tl.int64) * sq_s + rh[:, None] * sq_h + rd[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.load(w_ptr + b.to(tl.int64) * sw_b + rq.to(tl.int64) * sw_s + rh, mask=row_ok, other=0.0).to(tl.float32)
-    rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = rt < T
-    keys = tl.load(k_ptr + b.to(tl.int64) * sk_b + rt[:, None].to(tl.int64) * sk_t + rd[None, :],
-                   mask=t_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-        keys = keys.to(tl.float32)
-    dots = to_bf16(tl.dot(q, tl.trans(keys))).to(tl.float32)  # each head's dot rounded to bf16, as the reference
-    weighted = to_bf16(tl.maximum(dots, 0.0) * w[:, None]).to(tl.float64)
-    # the head sum of bf16 terms is exact in fp64, then rounded to fp32 and bf16 as the reference does
-    score = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_H, BLOCK_T)), axis=1).to(tl.float32)
+    w = tl.load(w_ptr + b.to(tl.int64) * sw_b + rq.to(tl.int64) * sw_s + rh, mask=row_ok, other=0.0).to(tl.float32)
     oq = q0 + tl.arange(0, BLOCK_Q)
-    o = o_ptr + b.to(tl.int64) * so_b + oq[:, None].to(tl.int64) * so_s + rt[None, :]
-    tl.store(o, to_bf16(score), mask=(oq < S)[:, None] & t_ok[None, :])
+    t_end = T
+    if CAUSAL:  # keys no query of this block may see are never scored (the top-k never reads them)
+        p = tl.load(pos_ptr + b.to(tl.int64) * sp_b + oq, mask=oq < S, other=0).to(tl.int32)
+        t_end = tl.minimum(tl.max((p + 1) // ratio, axis=0), T)
+    t_lo = pid_t * TILES * BLOCK_T
+    t_hi = tl.minimum(t_lo + TILES * BLOCK_T, t_end)
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        rt = t0 + tl.arange(0, BLOCK_T)
+        t_ok = rt < t_hi
+        keys = tl.load(k_ptr + b.to(tl.int64) * sk_b + rt[:, None].to(tl.int64) * sk_t + rd[None, :],
+                       mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            keys = keys.to(tl.float32)
+        dots = to_bf16(tl.dot(q, tl.trans(keys))).to(tl.float32)  # each head's dot rounded to bf16, as the reference
+        weighted = to_bf16(tl.maximum(dots, 0.0) * w[:, None]).to(tl.float64)
+        # the head sum of bf16 terms is exact in fp64, then rounded to fp32 and bf16 as the reference does
+        score = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_H, BLOCK_T)), axis=1).to(tl.float32)
+        o = o_ptr + b.to(tl.int64) * so_b + oq[:, None].to(tl.int64) * so_s + rt[None, :]
+        tl.store(o, to_bf16(score), mask=(oq < S)[:, None] & t_ok[None, :])
 
 
-def indexer_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_q: int | None = None,
-                   block_t: int = 64, num_warps: int = 4) -> torch.Tensor:
-    """``qi [b, s, h, d]``, ``w [b, s, h]``, ``keys [b, T, d]`` (bf16) → ``[b, s, T]`` bf16."""
+INDEXER_CONFIGS = {
+    # name: (queries per program (or 0: fill 128 MMA rows), BLOCK_T, key tiles per program, num_warps)
+    "q2t64": (0, 64, 1, 4),
+    "q2t64x8": (0, 64, 8, 4),
+    "q2t128x4": (0, 128, 4, 8),
+    "q4t64x8": (4, 64, 8, 8),
+}
+
+
+def _indexer_launch(qi, w, keys, positions, ratio, causal: bool, block_q, block_t, tiles, num_warps, out=None):
     b, S, H, DIM = qi.shape
     T = keys.shape[1]
-    assert keys.shape[0] == b and keys.shape[2] == DIM, f"keys {list(keys.shape)} vs qi {list(qi.shape)}"
-    assert tuple(w.shape) == (b, S, H), f"w {list(w.shape)} vs qi {list(qi.shape)}"
-    assert qi.dtype == torch.bfloat16 and keys.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-    assert qi.stride(-1) == 1 and keys.stride(-1) == 1 and w.stride(-1) == 1, "indexer_scores: contiguous last dims"
+    if keys.shape[0] != b or keys.shape[2] != DIM:
+        raise ValueError(f"indexer: keys {list(keys.shape)} vs qi {list(qi.shape)}")
+    if tuple(w.shape) != (b, S, H):
+        raise ValueError(f"indexer: w {list(w.shape)} vs qi {list(qi.shape)}")
+    if not (qi.dtype == keys.dtype == w.dtype == torch.bfloat16):
+        raise ValueError(f"indexer: bf16 qi, w and keys expected, got {qi.dtype}, {w.dtype}, {keys.dtype}")
+    if qi.stride(-1) != 1 or keys.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("indexer: qi, w and keys must be contiguous in their last dim")
     block_h = triton.next_power_of_2(H)
-    if block_q is None:
+    if not block_q:
         block_q = max(1, 128 // block_h)
     block_q = max(block_q, -(-16 // block_h))  # the MMA needs at least 16 rows
     block_d = max(16, triton.next_power_of_2(DIM))
-    out = torch.empty(b, S, T, dtype=torch.bfloat16, device=qi.device)
+    if out is None:
+        out = torch.empty(b, S, T, dtype=torch.bfloat16, device=qi.device)
     if b * S * T == 0:
         return out
-    grid = (b * triton.cdiv(S, block_q), triton.cdiv(T, block_t))
-    _indexer_scores_kernel[grid](qi, w, keys, out, S, H, DIM, T, qi.stride(0), qi.stride(1), qi.stride(2),
-                                 w.stride(0), w.stride(1), keys.stride(0), keys.stride(1), out.stride(0),
-                                 out.stride(1), BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t,
+    pos = positions if positions is not None else out  # unread unless causal
+    grid = (b * triton.cdiv(S, block_q), triton.cdiv(T, block_t * tiles))
+    _indexer_scores_kernel[grid](qi, w, keys, pos, out, S, H, DIM, T, ratio, qi.stride(0), qi.stride(1),
+                                 qi.stride(2), w.stride(0), w.stride(1), keys.stride(0), keys.stride(1),
+                                 pos.stride(0), out.stride(0), out.stride(1), BLOCK_Q=block_q, BLOCK_H=block_h,
+                                 BLOCK_D=block_d, BLOCK_T=block_t, TILES=tiles, CAUSAL=causal,
                                  UPCAST=interpreting(), num_warps=num_warps)
     return out
+
+
+def indexer_scores(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, block_q: int | None = None,
+                   block_t: int = 64, num_warps: int = 4, tiles: int = 1) -> torch.Tensor:
+    """``qi [b, s, h, d]``, ``w [b, s, h]``, ``keys [b, T, d]`` (bf16) → every score ``[b, s, T]`` bf16."""
+    return _indexer_launch(qi, w, keys, None, 1, False, block_q, block_t, tiles, num_warps)
+
+
+def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, ratio: int,
+                   topk: int, config: str = "q2t64x8") -> torch.Tensor:
+    """``ReferenceOps.indexer_select``: the causal top-``topk`` entries of each query ``[b, s, min(topk, T)]``
+    (int64, −1 = none), scoring only the keys some query of a block may see (``config``: :data:`INDEXER_CONFIGS`)."""
+    b, S = qi.shape[:2]
+    if tuple(positions.shape) != (b, S):
+        raise ValueError(f"indexer_select: positions {list(positions.shape)} vs qi {list(qi.shape)}")
+    block_q, block_t, tiles, warps = INDEXER_CONFIGS[config]
+    pos = positions.to(torch.int64).contiguous()
+    scores = _indexer_launch(qi, w, keys, pos, ratio, True, block_q, block_t, tiles, warps)
+    if keys.shape[1] > TOPK_MAX_ENTRIES:
+        raise ValueError(f"indexer_select: {keys.shape[1]} entries exceed the one-program top-k limit "
+                         f"{TOPK_MAX_ENTRIES}")
+    return indexer_topk(scores, pos, ratio, topk)
 
 
 # ============================================================================================ indexer top-k
@@ -225,7 +274,8 @@ def _topk_kernel(scores_ptr, pos_ptr, out_ptr, ROWS, S, T, KOUT, ratio, ss_b, ss
     visible = ((p + 1) // ratio).to(tl.int32)
     t = tl.arange(0, BLOCK_T)
     base = b.to(tl.int64) * ss_b + s.to(tl.int64) * ss_s
-    sc = tl.load(scores_ptr + base[:, None] + t[None, :], mask=row_ok[:, None] & (t < T)[None, :], other=0.0)
+    seen = row_ok[:, None] & (t < T)[None, :] & (t[None, :] < visible[:, None])  # invisible: never read
+    sc = tl.load(scores_ptr + base[:, None] + t[None, :], mask=seen, other=0.0)
     sc = sc.to(tl.float32) + 0.0  # −0 → +0: torch orders them as equal
     bits = sc.to(tl.int32, bitcast=True)
     order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving as a signed integer

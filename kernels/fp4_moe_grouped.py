@@ -25,6 +25,21 @@ For the ``bf16``/``fp8`` routes the activations are stored with the even K colum
 (``quantize_activations(..., deq_split/q_split)``), so a weight byte's low nibble meets the first half and its
 high nibble the second and no interleave is needed.
 
+**Decode** (``bf16`` route, :class:`MoEGeometry` ``decode``): ``"asm"`` turns four packed bytes into eight bf16
+values with a few integer instructions and one ``mul.bf16x2`` per pair (the bits ``sign<<15 | magnitude<<6`` read
+as bf16 are the E2M1 value times 2^-126 for every code, subnormal 0.5 included, so multiplying by ``2^(s−1)``
+gives ``value · 2^(s−127)`` exactly; needs every scale byte ≤ 128, i.e. scales ≤ 2, which
+:func:`asm_decode_exact` checks once per bank) — inline PTX, GPUs only, and checked at first use against the
+portable decode by :func:`asm_decode_works`; ``"f16"`` is the portable form (the fp16 codec of
+``kernels/formats.py`` and an fp32 multiply), which the CPU interpreter runs; ``"auto"`` picks ``"asm"`` where it
+is exact and works.
+
+**Work order**: work items are (block, N tile) pairs numbered expert by expert — within an expert, tile by tile,
+and within a tile its blocks — so the programs that run together share each weight tile through L2 (an expert
+with 96 rows in 64-row blocks reads its weights from DRAM once, not twice) and an expert's activation rows stay in
+L2 across its tiles. ``persistent=True`` launches a fixed grid (one program per SM) that walks the items;
+otherwise one program per possible item, the unused ones returning at once.
+
 Stage 1 with ``fuse=True`` ends in the reference's activation: each of g, u rounded to bf16, clamped SwiGLU (SiLU
 evaluated in fp64 and rounded once, as the reference), times the routing weight, rounded to bf16, then
 FP8-quantized per row over its 128 columns (``BLOCK_N = 128`` is the
@@ -44,7 +59,9 @@ from .fp8_gemm import interpreting, pow2_exponent, quantize_activations, quantiz
 from .moe_sort import SortedRouting, sort_by_expert
 
 ROUTES = ("bf16", "fp8", "scaled")
+DECODES = ("auto", "asm", "f16")
 FP8_ROUTE_MAX_SPREAD = 14  # binades of 1×32 scales one K tile may span for the exact E2M1 → E4M3 upcast
+ASM_MAX_SCALE_BYTE = 128  # the asm decode multiplies by 2^(s−1) in bf16: s ≤ 128 (scales ≤ 2) keeps it finite
 ROUTE_ID = {name: i for i, name in enumerate(ROUTES)}
 
 
@@ -68,16 +85,66 @@ def _load_weight_halves(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, 
     return lo, hi, sc
 
 
+# Four packed bytes ($4) and their four bf16 scale multipliers 2^(s−1) ($5: elements 0-1, $6: elements 2-3) → the
+# low nibbles' values ($0: elements 0-1, $1: 2-3) and the high nibbles' ($2, $3). prmt spreads the bytes to the
+# two 16-bit halves; each nibble's magnitude goes to bits 6-8 and its sign to bit 15 of its half (value · 2^-126 as
+# bf16, subnormal 0.5 included), and one mul.bf16x2 applies the scale (exact: a power of two).
+_DECODE_BF16_PTX = """
+{
+.reg .b32 z, w0, w1, t0, t1;
+mov.b32 z, 0;
+prmt.b32 w0, $4, z, 0x4140;
+prmt.b32 w1, $4, z, 0x4342;
+and.b32 t0, w0, 0x00070007;
+shl.b32 t0, t0, 6;
+and.b32 t1, w0, 0x00080008;
+shl.b32 t1, t1, 12;
+or.b32 t0, t0, t1;
+mul.rn.bf16x2 $0, t0, $5;
+and.b32 t0, w1, 0x00070007;
+shl.b32 t0, t0, 6;
+and.b32 t1, w1, 0x00080008;
+shl.b32 t1, t1, 12;
+or.b32 t0, t0, t1;
+mul.rn.bf16x2 $1, t0, $6;
+and.b32 t0, w0, 0x00700070;
+shl.b32 t0, t0, 2;
+and.b32 t1, w0, 0x00800080;
+shl.b32 t1, t1, 8;
+or.b32 t0, t0, t1;
+mul.rn.bf16x2 $2, t0, $5;
+and.b32 t0, w1, 0x00700070;
+shl.b32 t0, t0, 2;
+and.b32 t1, w1, 0x00800080;
+shl.b32 t1, t1, 8;
+or.b32 t0, t0, t1;
+mul.rn.bf16x2 $3, t0, $6;
+}
+"""
+
+
 @triton.jit
-def _unpack_bf16(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The tile as two bf16 halves ``[BLOCK_N, BLOCK_K/2]`` (even columns, odd columns), value × scale (exact)."""
-    lo, hi, sc = _load_weight_halves(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
-                                     BLOCK_N, BLOCK_K)
-    scale = (e8m0_to_f32(sc) * 16384.0)[:, :, None]  # × 2^14: the codec returns value · 2^-14
-    w_lo = tl.reshape((lo * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
-    w_hi = tl.reshape((hi * scale).to(tl.bfloat16), (BLOCK_N, BLOCK_K // 2))
-    return w_lo, w_hi
+def _decode_bf16_tile(wb, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+                      SCALE_PER_BYTE: tl.constexpr):
+    """Packed bytes ``wb [BLOCK_N, BLOCK_K/2]`` (uint8) with their E8M0 scale bytes ``sc`` (int32: one per 32
+    weights ``[BLOCK_N, BLOCK_K/32]``, or ``SCALE_PER_BYTE``: already one per byte ``[BLOCK_N, BLOCK_K/2]``) → the
+    even-column (low nibble) and odd-column (high nibble) values, bf16 ``[BLOCK_N, BLOCK_K/2]`` each, exact
+    (value × 2^(s−127))."""
+    G: tl.constexpr = BLOCK_K // 32
+    if ASM:
+        mult = ((sc + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s−1) = 2^(s−127) · 2^126
+        if not SCALE_PER_BYTE:
+            mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
+        lo, hi = tl.inline_asm_elementwise(_DECODE_BF16_PTX, "=r,=r,=r,=r,r,r,r", [wb, mult],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        f = e8m0_to_f32(sc) * 16384.0  # × 2^14: the fp16 codec returns value · 2^-14
+        if not SCALE_PER_BYTE:
+            f = tl.reshape(tl.broadcast_to(f[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
+        lo, hi = e2m1_pair_to_f32_scaled(wb.to(tl.int32))
+        lo = (lo * f).to(tl.bfloat16)  # exact: E2M1 × 2^s fits bf16
+        hi = (hi * f).to(tl.bfloat16)
+    return lo, hi
 
 
 @triton.jit
@@ -108,7 +175,7 @@ def _mma(a, b, acc, UPCAST: tl.constexpr):
 def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok, k0, K,
                      stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, ROUTE: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     DECODE_ASM: tl.constexpr, SCALE_PER_BYTE: tl.constexpr, UPCAST: tl.constexpr):
     """``acc[BLOCK_N, ROWS] += W[e, rn, k0:k0+BLOCK_K] · X[xrow, k0:k0+BLOCK_K]ᵀ`` for one route."""
     x_rows = x_ptr + xrow[None, :].to(tl.int64) * stride_xm
     if ROUTE == 2:  # tl.dot_scaled on the stored E2M1 bytes and E8M0 scales
@@ -132,8 +199,15 @@ def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok
         xe = tl.load(x_rows + (k0 // 2 + kj)[:, None], mask=m, other=0.0)
         xo = tl.load(x_rows + K // 2 + (k0 // 2 + kj)[:, None], mask=m, other=0.0)
         if ROUTE == 0:
-            w_lo, w_hi = _unpack_bf16(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, stride_se, stride_sn,
-                                      BLOCK_N, BLOCK_K)
+            w_row = w_ptr + e.to(tl.int64) * stride_we + rn[:, None].to(tl.int64) * stride_wn
+            wb = tl.load(w_row + (k0 // 2 + kj)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+            s_row = s_ptr + e.to(tl.int64) * stride_se + rn[:, None].to(tl.int64) * stride_sn + k0 // 32
+            if SCALE_PER_BYTE:  # each byte's scale loaded where it is used (16 bytes share one: cached)
+                sc = tl.load(s_row + (kj // 16)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=127)
+            else:  # one per 32 weights, broadcast in registers
+                gi = tl.arange(0, BLOCK_K // 32)
+                sc = tl.load(s_row + gi[None, :], mask=n_ok[:, None] & ((k0 + 32 * gi) < K)[None, :], other=127)
+            w_lo, w_hi = _decode_bf16_tile(wb, sc.to(tl.int32), BLOCK_N, BLOCK_K, DECODE_ASM, SCALE_PER_BYTE)
             acc = _mma(w_lo, xe, acc, UPCAST)
             acc = _mma(w_hi, xo, acc, UPCAST)
         else:
@@ -146,19 +220,30 @@ def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok
     return acc
 
 
+# ============================================================================================ work order
+@triton.jit
+def _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr):
+    """Work item ``w`` (< used blocks × ``n_tiles``) → (block, N tile, local expert). Items are numbered expert
+    by expert (an expert's blocks are contiguous, so ``w // n_tiles`` is one of its blocks), then tile by tile,
+    then block by block: programs running together share each weight tile."""
+    e = tl.load(block_expert_ptr + w // n_tiles)
+    first = tl.load(first_block_ptr + e)
+    nb = tl.load(expert_blocks_ptr + e)
+    local = w - first * n_tiles
+    return first + local % nb, local // nb, e
+
+
 # ============================================================================================ stage 1: gate/up
 @triton.jit
-def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, block_expert_ptr, rw_ptr,
-                    out0_ptr, out1_ptr, D, I, TOPK, limit,
+def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, block_expert_ptr, first_block_ptr,
+                    expert_blocks_ptr, used_blocks_ptr, rw_ptr, out0_ptr, out1_ptr, D, I, TOPK, limit,
                     stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_o0, stride_o1,
                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
-                    FUSE: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
+                    FUSE: tl.constexpr, DECODE_ASM: tl.constexpr, SCALE_PER_BYTE: tl.constexpr, UPCAST: tl.constexpr):
     n_tiles = tl.cdiv(I, BLOCK_N)
-    blk = pid // n_tiles  # consecutive programs share a block: its rows stay in L2 across the N tiles
-    tile = pid % n_tiles
-    e = tl.load(block_expert_ptr + blk)
-    if e >= 0:
+    total = tl.load(used_blocks_ptr) * n_tiles
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):  # one item per program unless persistent
+        blk, tile, e = _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
         rows = blk * ROWS + tl.arange(0, ROWS)
         slot = tl.load(sorted_ptr + rows)
         valid = slot >= 0
@@ -170,10 +255,10 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
         for k0 in range(0, D, BLOCK_K):
             acc_g = _accumulate_tile(acc_g, w1_ptr, s1_ptr, e, rn, n_ok, x_ptr, xs_ptr, tok, valid, k0, D,
                                      stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
-                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, UPCAST)
+                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, SCALE_PER_BYTE, UPCAST)
             acc_u = _accumulate_tile(acc_u, w3_ptr, s3_ptr, e, rn, n_ok, x_ptr, xs_ptr, tok, valid, k0, D,
                                      stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
-                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, UPCAST)
+                                     BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, SCALE_PER_BYTE, UPCAST)
         # the reference's Linear outputs bf16: round g and u before the activation
         g = to_bf16(acc_g).to(tl.float32)
         u = to_bf16(acc_u).to(tl.float32)
@@ -214,16 +299,16 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
 
 # ============================================================================================ stage 2: down
 @triton.jit
-def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, out_ptr, D, I,
+def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, first_block_ptr, expert_blocks_ptr,
+                 used_blocks_ptr, out_ptr, D, I,
                  stride_xm, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_o,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUTE: tl.constexpr,
-                 X_SORTED: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
+                 X_SORTED: tl.constexpr, DECODE_ASM: tl.constexpr, SCALE_PER_BYTE: tl.constexpr,
+                 UPCAST: tl.constexpr):
     n_tiles = tl.cdiv(D, BLOCK_N)
-    blk = pid // n_tiles
-    tile = pid % n_tiles
-    e = tl.load(block_expert_ptr + blk)
-    if e >= 0:
+    total = tl.load(used_blocks_ptr) * n_tiles
+    for w in range(tl.program_id(0), total, tl.num_programs(0)):
+        blk, tile, e = _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
         rows = blk * ROWS + tl.arange(0, ROWS)
         slot = tl.load(sorted_ptr + rows)
         valid = slot >= 0
@@ -237,28 +322,32 @@ def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, ou
         for k0 in range(0, I, BLOCK_K):
             acc = _accumulate_tile(acc, w2_ptr, s2_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, valid, k0, I,
                                    stride_we, stride_wn, stride_se, stride_sn, stride_xm, stride_xs,
-                                   BLOCK_N, BLOCK_K, ROWS, ROUTE, UPCAST)
+                                   BLOCK_N, BLOCK_K, ROWS, ROUTE, DECODE_ASM, SCALE_PER_BYTE, UPCAST)
         off = slot[None, :].to(tl.int64) * stride_o + rn[:, None]
         tl.store(out_ptr + off, to_bf16(acc), mask=n_ok[:, None] & valid[None, :])
 
 
 # ============================================================================================ combine
 @triton.jit
-def _combine_kernel(out_ptr, idx_ptr, y_ptr, D, TOPK, expert_lo, expert_hi, stride_o, stride_y,
-                    BLOCK_D: tl.constexpr, OUT_F64: tl.constexpr):
-    t = tl.program_id(0)
+def _combine_kernel(out_ptr, idx_ptr, y_ptr, T, D, TOPK, expert_lo, expert_hi, stride_o, stride_y,
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, OUT_F64: tl.constexpr):
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    acc = tl.zeros((BLOCK_D,), dtype=tl.float64)  # a sum of k bf16 values is exact in fp64: order-free
+    t_ok = rt < T
+    d_ok = d < D
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float64)  # a sum of k bf16 values is exact in fp64: order-free
     for j in range(0, TOPK):
-        ex = tl.load(idx_ptr + t * TOPK + j)
-        width = tl.where((ex >= expert_lo) & (ex < expert_hi), D, 0)  # slots of other ranks: read nothing
-        v = tl.load(out_ptr + (t * TOPK + j).to(tl.int64) * stride_o + d, mask=d < width, other=0.0)
-        v = v.to(tl.float64)
+        slot = rt.to(tl.int64) * TOPK + j
+        ex = tl.load(idx_ptr + slot, mask=t_ok, other=-1)
+        own = (ex >= expert_lo) & (ex < expert_hi)  # slots of other ranks: read nothing
+        v = tl.load(out_ptr + slot[:, None] * stride_o + d[None, :], mask=own[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float64)
         acc += tl.where(v != v, 0.0, v)  # the reference skips NaN slots (nan_to_num)
+    y = y_ptr + rt[:, None].to(tl.int64) * stride_y + d[None, :]
     if OUT_F64:
-        tl.store(y_ptr + t.to(tl.int64) * stride_y + d, acc, mask=d < D)
+        tl.store(y, acc, mask=t_ok[:, None] & d_ok[None, :])
     else:
-        tl.store(y_ptr + t.to(tl.int64) * stride_y + d, acc.to(tl.float32), mask=d < D)
+        tl.store(y, acc.to(tl.float32), mask=t_ok[:, None] & d_ok[None, :])
 
 
 # ============================================================================================ launchers
@@ -269,12 +358,15 @@ class MoEGeometry:
     rows: int = 64
     block_n1: int = 128
     block_k1: int = 128
-    warps1: int = 4
+    warps1: int = 8
     stages1: int = 3
     block_n2: int = 128
     block_k2: int = 128
-    warps2: int = 4
+    warps2: int = 8
     stages2: int = 3
+    decode: str = "auto"  # bf16 route's weight decode: "asm" (GPU), "f16" (portable) or "auto" (see the docstring)
+    persistent: bool = False  # one program per SM walking the work items, instead of one program per item
+    scale_per_byte: bool = False  # bf16 route: load each byte's scale (a cached gather) instead of broadcasting
 
     def replace(self, **kw) -> "MoEGeometry":
         return replace(self, **kw)
@@ -316,6 +408,92 @@ def fp8_route_exact(bank, block_k: int = 128) -> bool:
         ok = ok and bool(((hi - lo) <= FP8_ROUTE_MAX_SPREAD).all())
     _EXACT_CACHE[key] = ok
     return ok
+
+
+def asm_decode_exact(bank) -> bool:
+    """Whether every 1×32 scale byte of ``bank`` lies in [2, :data:`ASM_MAX_SCALE_BYTE`], where the ``asm``
+    decode's bf16 multiply by 2^(s−1) is exact (no overflow above, no bf16 subnormal result below)."""
+    key = ("asm",) + tuple((getattr(bank, n).data_ptr(), tuple(getattr(bank, n).shape))
+                           for n in ("w1_scale", "w3_scale", "w2_scale"))
+    hit = _EXACT_CACHE.get(key)
+    if hit is None:
+        hit = all(bool(((_u8(getattr(bank, n)) >= 2) & (_u8(getattr(bank, n)) <= ASM_MAX_SCALE_BYTE)).all())
+                  for n in ("w1_scale", "w3_scale", "w2_scale"))
+        _EXACT_CACHE[key] = hit
+    return hit
+
+
+@triton.jit
+def _decode_probe_kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ASM: tl.constexpr):
+    G: tl.constexpr = BLOCK_K // 32
+    rn = tl.arange(0, BLOCK_N)
+    kj = tl.arange(0, BLOCK_K // 2)
+    wb = tl.load(w_ptr + rn[:, None] * (BLOCK_K // 2) + kj[None, :])
+    sc = tl.load(s_ptr + rn[:, None] * G + tl.arange(0, G)[None, :]).to(tl.int32)
+    lo, hi = _decode_bf16_tile(wb, sc, BLOCK_N, BLOCK_K, ASM, False)
+    tl.store(lo_ptr + rn[:, None] * (BLOCK_K // 2) + kj[None, :], lo)
+    tl.store(hi_ptr + rn[:, None] * (BLOCK_K // 2) + kj[None, :], hi)
+
+
+_ASM_STATE: dict[str, object] = {}
+
+
+def asm_decode_works(device) -> bool:
+    """Whether the inline-PTX decode compiles and reproduces the portable decode bit for bit on ``device``: every
+    byte value under scale bytes 2 … 128, checked once per process (never in the CPU interpreter)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or interpreting():
+        return False
+    key = str(dev)
+    if key not in _ASM_STATE:
+        bn, bk = 32, 128
+        w = torch.arange(bn * bk // 2, device=dev).remainder(256).to(torch.uint8).view(bn, bk // 2)
+        sc = torch.linspace(2, ASM_MAX_SCALE_BYTE, bn * bk // 32, device=dev).round().to(torch.uint8).view(bn, -1)
+        outs = []
+        try:
+            for asm in (True, False):
+                lo, hi = (torch.empty(bn, bk // 2, dtype=torch.bfloat16, device=dev) for _ in range(2))
+                _decode_probe_kernel[(1,)](w, sc, lo, hi, BLOCK_N=bn, BLOCK_K=bk, ASM=asm)
+                outs.append(torch.cat((lo, hi), 1))
+            ok = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+            _ASM_STATE[key] = True if ok else "the inline-PTX decode differs from the portable decode"
+        except Exception as err:  # noqa: BLE001 — a compile failure means: use the portable decode
+            _ASM_STATE[key] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    return _ASM_STATE[key] is True
+
+
+def asm_decode_status(device) -> str:
+    """Why :func:`asm_decode_works` said what it said (for logs and benchmark records)."""
+    state = _ASM_STATE.get(str(torch.device(device)))
+    return "not probed" if state is None else ("works" if state is True else str(state))
+
+
+def _decode_asm(route: str, geo: "MoEGeometry", bank, device) -> bool:
+    """Resolve ``geo.decode`` for a launch: True to run the inline-PTX decode."""
+    if route != "bf16":
+        return False
+    if geo.decode not in DECODES:
+        raise ValueError(f"unknown MoE decode {geo.decode!r}; known: {', '.join(DECODES)}")
+    if geo.decode == "f16":
+        return False
+    usable = asm_decode_exact(bank) and asm_decode_works(device)
+    if geo.decode == "asm" and not usable:
+        raise ValueError(f"MoE decode 'asm' is not usable here (scale bytes in [2, {ASM_MAX_SCALE_BYTE}]: "
+                         f"{asm_decode_exact(bank)}; {asm_decode_status(device)})")
+    return usable
+
+
+def _grid(routing: SortedRouting, n_tiles: int, geo: "MoEGeometry", device) -> tuple[int]:
+    """One program per possible work item, or (persistent) one per SM — never more than there are items."""
+    items = routing.max_blocks * n_tiles
+    if not geo.persistent:
+        return (items,)
+    if torch.device(device).type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 3  # the interpreter: a few programs, each walking several items
+    return (max(1, min(items, sms)),)
 
 
 def _activation_operands(x: torch.Tensor, route: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,14 +563,16 @@ def gate_up(xv: torch.Tensor, xs: torch.Tensor, bank, routing: SortedRouting, ro
         out1 = torch.full_like(out0, float("nan"))
         so0 = so1 = I
         rw = routing.sorted_slots  # unused
-    grid = (routing.max_blocks * triton.cdiv(I, geo.block_n1),)
+    grid = _grid(routing, triton.cdiv(I, geo.block_n1), geo, dev)
     w1, w3 = _u8(bank.w1), _u8(bank.w3)
     s1, s3 = _u8(bank.w1_scale), _u8(bank.w3_scale)
-    _gate_up_kernel[grid](xv, xs, w1, w3, s1, s3, routing.sorted_slots, routing.block_expert, rw, out0, out1,
+    _gate_up_kernel[grid](xv, xs, w1, w3, s1, s3, routing.sorted_slots, routing.block_expert,
+                          routing.expert_first_block, routing.expert_blocks, routing.used_blocks, rw, out0, out1,
                           D, I, routing.top_k, float(limit), xv.stride(0), xs.stride(0), w1.stride(0), w1.stride(1),
                           s1.stride(0), s1.stride(1), so0, so1, ROWS=rows, BLOCK_N=geo.block_n1,
-                          BLOCK_K=geo.block_k1, ROUTE=ROUTE_ID[route], FUSE=fuse, UPCAST=interpreting(),
-                          num_warps=geo.warps1, num_stages=geo.stages1)
+                          BLOCK_K=geo.block_k1, ROUTE=ROUTE_ID[route], FUSE=fuse,
+                          DECODE_ASM=_decode_asm(route, geo, bank, dev), SCALE_PER_BYTE=geo.scale_per_byte,
+                          UPCAST=interpreting(), num_warps=geo.warps1, num_stages=geo.stages1)
     return out0, out1
 
 
@@ -404,16 +584,19 @@ def down(hv: torch.Tensor, hs: torch.Tensor, bank, routing: SortedRouting, route
     E, I, D = bank.n_experts, bank.inter, bank.dim
     out = torch.empty(n_slots, D, dtype=torch.bfloat16, device=hv.device)
     w2, s2 = _u8(bank.w2), _u8(bank.w2_scale)
-    grid = (routing.max_blocks * triton.cdiv(D, geo.block_n2),)
-    _down_kernel[grid](hv, hs, w2, s2, routing.sorted_slots, routing.block_expert, out, D, I, hv.stride(0),
+    grid = _grid(routing, triton.cdiv(D, geo.block_n2), geo, hv.device)
+    _down_kernel[grid](hv, hs, w2, s2, routing.sorted_slots, routing.block_expert, routing.expert_first_block,
+                       routing.expert_blocks, routing.used_blocks, out, D, I, hv.stride(0),
                        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
                        ROWS=routing.rows, BLOCK_N=geo.block_n2, BLOCK_K=geo.block_k2, ROUTE=ROUTE_ID[route],
-                       X_SORTED=x_sorted, UPCAST=interpreting(), num_warps=geo.warps2, num_stages=geo.stages2)
+                       X_SORTED=x_sorted, DECODE_ASM=_decode_asm(route, geo, bank, hv.device),
+                       SCALE_PER_BYTE=geo.scale_per_byte, UPCAST=interpreting(), num_warps=geo.warps2,
+                       num_stages=geo.stages2)
     return out
 
 
 def combine_slots(out: torch.Tensor, idx: torch.Tensor, expert_lo: int, expert_hi: int, all_reduce=None,
-                  block_d: int = 512) -> torch.Tensor:
+                  block_d: int = 512, block_t: int = 8) -> torch.Tensor:
     """``Σ`` over each token's owned slots ``[T·k, D]`` (bf16) → ``[T, D]`` fp32, as ``ReferenceOps.moe_combine``:
     the exact sum (fp64) rounded once, after ``all_reduce`` (expert parallelism) adds the other ranks' sums."""
     T, k = idx.shape
@@ -422,8 +605,9 @@ def combine_slots(out: torch.Tensor, idx: torch.Tensor, expert_lo: int, expert_h
     y = torch.empty(T, D, dtype=torch.float64 if all_reduce is not None else torch.float32, device=out.device)
     if T:
         block_d = min(block_d, triton.next_power_of_2(D))
-        _combine_kernel[(T, triton.cdiv(D, block_d))](out, idx32, y, D, k, expert_lo, expert_hi, out.stride(0),
-                                                      y.stride(0), BLOCK_D=block_d, OUT_F64=all_reduce is not None)
+        _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
+            out, idx32, y, T, D, k, expert_lo, expert_hi, out.stride(0), y.stride(0), BLOCK_T=block_t,
+            BLOCK_D=block_d, OUT_F64=all_reduce is not None)
     if all_reduce is not None:
         y = all_reduce(y).to(torch.float32)
     return y

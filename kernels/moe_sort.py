@@ -9,7 +9,10 @@ Outputs (all on the device, no host synchronisation):
 
 * ``sorted_slots [max_blocks·rows]`` int32 — the slot id at each sorted row, ``-1`` on padding rows;
 * ``block_expert [max_blocks]`` int32 — the local expert of each block, ``-1`` for blocks past the end;
-* ``counts [E]`` int32 — slots per local expert.
+* ``counts [E]`` int32 — slots per local expert;
+* ``expert_first_block [E]``, ``expert_blocks [E]`` int32 — each expert's first block and its number of blocks
+  (its blocks are contiguous), and ``used_blocks [1]`` int32 — the blocks in use (``Σ expert_blocks``; they are
+  blocks ``0 … used_blocks − 1``). The grouped GEMM orders its work by them (see ``fp4_moe_grouped.py``).
 
 ``max_blocks = ceil(T·k / rows) + min(E, T·k)`` bounds ``Σ_e ceil(count_e / rows)``, so the grid is known
 without reading the counts back. Slots routed to experts this rank does not own (expert parallelism) are left out.
@@ -35,6 +38,9 @@ class SortedRouting:
     counts: torch.Tensor
     rows: int
     top_k: int
+    expert_first_block: torch.Tensor | None = None
+    expert_blocks: torch.Tensor | None = None
+    used_blocks: torch.Tensor | None = None
 
     @property
     def max_blocks(self) -> int:
@@ -89,13 +95,22 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: 
     block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=dev)
     counts = torch.zeros(n_experts, dtype=torch.int32, device=dev)
     if n_slots == 0:
-        return SortedRouting(sorted_slots, block_expert, counts, rows, k)
+        return _with_block_ranges(SortedRouting(sorted_slots, block_expert, counts, rows, k))
     _count_kernel[(n_experts,)](flat, counts, n_slots, expert_offset, BLOCK=block)
     padded = (counts + rows - 1) // rows * rows
     padded_start = (torch.cumsum(padded, 0) - padded).to(torch.int32)
     _scatter_kernel[(n_experts,)](flat, padded_start, counts, sorted_slots, block_expert, n_slots, expert_offset,
                                   ROWS=rows, BLOCK=block)
-    return SortedRouting(sorted_slots, block_expert, counts, rows, k)
+    return _with_block_ranges(SortedRouting(sorted_slots, block_expert, counts, rows, k))
+
+
+def _with_block_ranges(r: SortedRouting) -> SortedRouting:
+    """Fill the per-expert block ranges and the used-block count from ``counts`` (device ops, no host sync)."""
+    blocks = ((r.counts + r.rows - 1) // r.rows).to(torch.int32)
+    r.expert_blocks = blocks
+    r.expert_first_block = (torch.cumsum(blocks, 0) - blocks).to(torch.int32)
+    r.used_blocks = blocks.sum().reshape(1).to(torch.int32)
+    return r
 
 
 def sort_by_expert_reference(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: int = 0) -> SortedRouting:
@@ -116,4 +131,4 @@ def sort_by_expert_reference(idx: torch.Tensor, n_experts: int, rows: int, exper
         nb = -(-len(slots) // rows)
         block_expert[pos // rows: pos // rows + nb] = e
         pos += nb * rows
-    return SortedRouting(sorted_slots, block_expert, counts, rows, k)
+    return _with_block_ranges(SortedRouting(sorted_slots, block_expert, counts, rows, k))

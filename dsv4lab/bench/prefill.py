@@ -1,28 +1,39 @@
 """``dsv4lab bench kernels --suite prefill`` — the prefill kernels at DeepSeek-V4-Flash shapes, on one GPU.
 
-One command, in this order (a watchdog writes what was measured and stops at ``--budget-s``):
+One command, in this order (a watchdog, ``--budget-s``, writes what was measured and stops; ``--quick`` keeps the
+headline cases only, < 2 min):
 
-1. **Ceilings** measured in the same run: device-to-device copy bandwidth, bf16 and FP8 (``torch._scaled_mm``)
-   8192³ matmuls. Every row reports ``pct_peak`` of the ceiling of the dtype its tensor cores compute in
-   (``peak_kind``).
-2. **Correctness** of every timed variant on this GPU against :class:`~dsv4lab.model.ops.ReferenceOps` at real
-   widths (fewer experts, fewer tokens); a variant that fails is not timed.
-3. **Grouped FP4 MoE GEMM** (sorter + quantizer + gate/up with SwiGLU + down + combine, and each GEMM alone) for
-   the three routes at M = 512…8192 tokens (256 experts, top-6, uniform random routing) and the **sorter-rows
-   ablation** 16/32/64/128 at M = 2048 (the paper's 32 → 64-row microbenchmark).
-4. **FP8 block GEMM** of the dense projections (and the grouped ``wo_a``) at the same M.
-5. **Sparse prefill attention** (CSA: window 128 + top-512; HCA: window + every visible 1/128 entry), the
-   **indexer** (scores and causal top-k) and the compressor pooling, one chunk from position 0.
-6. **Chunked prefill** of one real-dims CSA layer (random weights, the Triton backend): 4,096 tokens in chunks of
-   512/1024/2048/4096, with the attention and indexer times inside the layer and their roofline shares (cost
-   model: each op's FLOPs at the measured peak of its dtype or its bytes at the copy bandwidth, whichever is
-   longer).
+1. **Ceilings** measured in the same run: device-to-device copy bandwidth, bf16 and FP8 (``torch._scaled_mm``,
+   per-tensor scales) 8192³ matmuls. Every row reports ``pct_peak`` of the ceiling of the dtype its tensor cores
+   compute in (``peak_kind``).
+2. **Checks** of every timed variant on this GPU against :class:`~dsv4lab.model.ops.ReferenceOps` at real widths,
+   each within the analytic bound of its accumulation (:func:`~dsv4lab.engine.triton_prefill.accumulation_bound`:
+   reduction length and accumulation model stated per check); a variant that fails is not timed. The MoE and the
+   shared expert are checked stage by stage (a last-bit difference of g or u may flip an FP8 rounding of h that the
+   reference's re-quantization then amplifies), their fused epilogues against the reference composed from the
+   kernel's own g and u.
+3. **Grouped FP4 MoE** at 4,096 tokens (256 experts, top-6, uniform random routing): every route, the bf16
+   route's decodes (``asm``/``f16``) and scheduling (``persistent``), sorter rows 64 and 128, then the **sorter-
+   rows ablation** 16/32/64/128 at 2,048 (the paper's microbenchmark) and 4,096 tokens; total, gate/up, down, sort.
+4. **Dense GEMMs side by side** at 4,096 tokens: for each FP8 projection the activation quantizer alone, the
+   Triton block GEMM per configuration, cuBLAS ``_scaled_mm`` with the same block scales, and the whole projection
+   on each backend; the weight-stationary GEMM (grouped ``wo_a``, ``linear_f32`` of the head, compressor and
+   router, the indexer's ``weights_proj``) beside cuBLAS bf16 on the same (dequantized) weights; the fused shared
+   expert beside its three projections.
+5. **Sparse attention and the indexer** (CSA: window 128 + top-512; HCA: window + every visible 1/128 entry;
+   the causal indexer selection per configuration and the full score matrix), one chunk from position 0.
+6. **Chunk size by measurement**: one real-dims CSA layer (and an HCA layer in a full run), random weights,
+   ``TritonOps``, prefilling each prompt length in chunks of 512 … 4,096 tokens and in one shot; the op times
+   inside (CUDA events) and the attention / indexer roofline shares. The fastest chunk per prompt length becomes
+   ``choices.chunk_by_prompt``.
+7. (full run) every family at the other token counts.
 
-Timing: CUDA events, median of repetitions after a warm-up (which compiles); the 256-expert weights (3.2 GB) are
-far larger than L2, the dense ones are flushed from L2 before every repetition. FLOPs are the useful ones (rows
-padded by the sorter and masked attention slots are not counted). ``--smoke`` runs the same code at the tiny
-model's shapes (CPU interpreter included) to check the script itself. The harness (watchdog, checks, timers,
-ceilings, random inputs) is shared with the decode suite: :mod:`dsv4lab.bench.common`.
+``choices`` in the JSON (chunk per prompt length, MoE route/decode/scheduling/rows, FP8 GEMM backend) are read by
+:func:`~dsv4lab.engine.triton_prefill.load_choices` on the GPU they were measured on; ``targets`` states the
+issue's targets as measured. Timing: CUDA events, median of repetitions after a warm-up (which compiles); the
+256-expert weights (3.2 GB) are far larger than L2, the dense ones are flushed from L2 before every repetition.
+FLOPs are the useful ones (rows padded by the sorter and masked attention slots are not counted). ``--smoke``
+runs the same code at the tiny model's shapes (CPU interpreter included) to check the script itself.
 """
 from __future__ import annotations
 
@@ -33,27 +44,52 @@ import torch
 
 from ..config import get_preset
 from ..engine.kernel_loader import kernel_module
-from ..engine.triton_prefill import TritonPrefillBackend
+from ..engine.triton_prefill import (TritonPrefillBackend, accumulation_bound, expert_stage_magnitude,
+                                     linear_magnitude)
 from ..errors import UserError
 from ..model.block import Block
-from ..model.linear import ExpertBank
+from ..model.linear import ExpertBank, Linear
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from ..perf import costmodel
+from ..verify.bounds import check_within_bound
 from ..verify.registry import _make_attention
 from .common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank, random_fp8_linear,
                      random_routing, run_header, select_device, write_json)
 
-HELP = "prefill kernels: grouped FP4 MoE, FP8 GEMM, sparse attention, indexer, chunked layer (writes JSON)"
+HELP = ("prefill kernels: grouped FP4 MoE, FP8/BF16 GEMMs beside cuBLAS, sparse attention, indexer, chunk choice "
+        "(writes JSON)")
 
 MOE_ROUTES = ("bf16", "fp8", "scaled")
 SORTER_ROWS = (16, 32, 64, 128)
 TOKENS = (512, 1024, 2048, 4096, 8192)
-CHUNKS = (512, 1024, 2048, 4096)
-GEMM_CONFIGS = ("m128n128", "m128n256")
+PROMPTS = (1024, 2048, 4096, 4604, 8192)
+CHUNKS = (512, 1024, 2048, 4096, 0)  # 0: the whole prompt in one chunk
+GEMM_CONFIGS = ("m128n128", "m128n256", "m64n128")
+WEIGHT_GEMM_CONFIGS = ("n128m128", "n128m256", "n256m128")
 ATTENTION_CONFIGS = ("h64n32", "h64n32x", "h64n32d2")
+INDEXER_CONFIGS = ("q2t64", "q2t64x8", "q2t128x4", "q4t64x8")
 PEAK_OF_ROUTE = {"bf16": "bf16", "fp8": "fp8", "scaled": "bf16"}  # sm_90 has no MX cores: dot_scaled runs in bf16
-MOE_GEOMETRIES = {"": {}, "w8": dict(warps1=8, warps2=8), "k256": dict(block_k1=256, block_k2=256)}  # tag: changes
+ACCUMULATION_OF_ROUTE = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}
+# tag: MoEGeometry changes (the bf16 route's decode and scheduling, launch geometry)
+MOE_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=True),
+            "sbyte": dict(scale_per_byte=True), "w4": dict(warps1=4, warps2=4), "k64": dict(block_k1=64, block_k2=64)}
+
+
+def plan_variants(mode: str, routes, ablation_route: str) -> dict:
+    """What a run of ``mode`` (smoke / quick / full) checks and times: the quick probe keeps the headline
+    variants (every route, the bf16 route's decodes and scheduling, 64 and 128 rows, the default geometries)."""
+    full = mode == "full"
+    rows = {"quick": (64, 128), "smoke": (16, 64)}.get(mode, SORTER_ROWS)
+    tags = [t for t in route_tags(ablation_route)
+            if t and (full or (mode == "quick" and t in ("f16", "persistent", "sbyte")))]
+    moe = sorted({(r, 64, "") for r in routes} | {(ablation_route, n, "") for n in rows}
+                 | ({("bf16", 128, "")} if "bf16" in routes else set()) | {(ablation_route, 64, t) for t in tags})
+    return dict(moe=moe, rows=rows, tags=tags,
+                gemm=GEMM_CONFIGS if full else GEMM_CONFIGS[:1],
+                weight=WEIGHT_GEMM_CONFIGS if full else WEIGHT_GEMM_CONFIGS[:1],
+                attention=ATTENTION_CONFIGS if full else ("h64n32", "h64n32x"),
+                indexer=INDEXER_CONFIGS if full else ("q2t64x8",))
 
 
 def add_suite_arguments(p) -> None:
@@ -89,6 +125,23 @@ class PrefillBench(BenchRun):
         return dict(name=c.name, ok=c.ok, gating=gating, max_abs=c.max_abs, rel_l2=c.rel_l2, cosine=c.cosine,
                     n_bad=c.n_bad, numel=c.numel, line=c.line())
 
+    def check_bound(self, name: str, out, ref, magnitude, terms: int, accumulation: str, out_dtype,
+                    gating: bool = True, rounded_terms: bool = False) -> bool:
+        """``|out − ref| ≤ γ·Σ|terms| + 1 ulp(out_dtype)`` for a ``terms``-long reduction accumulated as
+        ``accumulation`` (:func:`~dsv4lab.engine.triton_prefill.accumulation_bound`), recorded as a check.
+        ``rounded_terms``: ``out`` is an exact sum of partial results each rounded to bf16 on both sides (the MoE
+        combine of its slots), which may straddle a bf16 rounding each: ``+ 2^-7·Σ|terms|`` (one bf16 ulp of a
+        value is at most 2^-7 of it, and a slot's value at most its ``Σ|terms|``)."""
+        kw = accumulation_bound(terms, accumulation)
+        if rounded_terms:
+            kw["c"] += 2.0 ** -7 / 2.0 ** -24
+        c = check_within_bound(out, ref, magnitude, out_dtype=out_dtype, name=name, **kw)
+        self.checks.append(dict(name=name, ok=c.ok, gating=gating, kind="bound", max_ratio=c.max_ratio,
+                                n_violations=c.n_violations, nan_mismatch=c.nan_mismatch, numel=c.numel,
+                                bitwise_equal=c.bitwise_equal, rule=c.rule, line=c.line()))
+        self.log(c.line() + ("" if gating else " (information)"))
+        return c.ok
+
 
 # ============================================================================================ inputs
 def bank_slice(bank, n_experts: int):
@@ -98,20 +151,43 @@ def bank_slice(bank, n_experts: int):
     return part
 
 
+def random_bf16_linear(n: int, k: int, device, gen):
+    """A BF16 ``Linear`` (``k`` → ``n``) with weights of the model's scale (router, compressor, head)."""
+    lin = Linear(k, n, "bf16")
+    lin._buffers["weight"] = (torch.randn(n, k, device=device, generator=gen) * k ** -0.5).to(torch.bfloat16)
+    return lin
+
+
+def dense_projections(a) -> dict[str, tuple[int, int]]:
+    """``name: (N, K)`` of the FP8 projections a prefill runs per layer (the indexer's wq_b in CSA layers)."""
+    return {"wq_a": (a.q_lora_rank, a.dim), "wq_b": (a.n_heads * a.head_dim, a.q_lora_rank),
+            "wkv": (a.head_dim, a.dim), "wo_b": (a.dim, a.o_groups * a.o_lora_rank),
+            "indexer.wq_b": (a.index_n_heads * a.index_head_dim, a.q_lora_rank),
+            "shared.w1": (a.moe_inter_dim, a.dim), "shared.w2": (a.dim, a.moe_inter_dim)}
+
+
+def bf16_projections(a) -> dict[str, tuple[int, int]]:
+    """``name: (N, K)`` of the BF16-weight projections of a prefill (``linear_f32`` except ``weights_proj``)."""
+    return {"compressor.wkv": (2 * a.head_dim, a.dim), "indexer.compressor.wkv": (2 * a.index_head_dim, a.dim),
+            "gate": (a.n_routed_experts, a.dim), "indexer.weights_proj": (a.index_n_heads, a.dim),
+            "head": (a.vocab_size, a.dim)}
+
+
 # ============================================================================================ checks
-def run_checks(b: PrefillBench, args, gen, moe_variants) -> set[str]:
-    """Correctness of every variant at real widths; returns the names of the variants that passed."""
-    from dsv4lab_kernels import attention_prefill as ap
-    from dsv4lab_kernels import fp4_moe_grouped as fm
-    from dsv4lab_kernels import fp8_gemm as fg
-    ref = ReferenceOps(Numerics())
-    a, dev = args, b.device
+def run_checks(b: PrefillBench, args, gen, plan: dict) -> set[str]:
+    """Correctness of every planned variant at real widths (within its analytic bound); returns the names that
+    passed."""
     passed: set[str] = set()
-    # grouped MoE: real widths, fewer experts so each gets about as many rows as at 4,096 tokens with 256.
-    # Stage by stage, each against the reference on the same inputs (a last-bit difference in g or u can flip a
-    # bf16 and then an FP8 rounding of h, which the reference's re-quantizations amplify end to end); then the
-    # fused epilogue against the reference composed from the kernel's own g and u. The end-to-end deviation is
-    # recorded too, as information.
+    for section in (check_moe_variants, check_dense, check_attention_side):
+        b.guard(section.__name__, lambda: section(b, args, gen, passed, plan))
+    return passed
+
+
+def check_moe_variants(b: PrefillBench, a, gen, passed: set[str], plan: dict) -> None:
+    """Real widths, fewer experts so each gets about as many rows as at 4,096 tokens with 256 experts."""
+    from dsv4lab_kernels import fp4_moe_grouped as fm
+    ref = ReferenceOps(Numerics())
+    dev = b.device
     E = 8 if b.smoke else 32
     T = 48 if b.smoke else 512
     limit = a.swiglu_limit
@@ -122,54 +198,113 @@ def run_checks(b: PrefillBench, args, gen, moe_variants) -> set[str]:
     h_in = ref.moe_activation(want_g, want_u, w, limit)
     want_down = ref.moe_stage2(h_in, idx, bank)
     want_total = ref.routed_experts(x, idx, w, bank, limit)
+    mag_g, mag_u = (expert_stage_magnitude(x, idx, bank, n, True) for n in ("w1", "w3"))
+    mag_down = expert_stage_magnitude(h_in, idx, bank, "w2", True)
+    b.log(f"MoE decode: asm {fm.asm_decode_status(dev) if b.cuda else 'interpreter: f16'}")
 
-    def check_moe(route: str, rows: int, tag: str) -> bool:
-        name, geo = moe_variant_name(route, rows, tag), fm.MoEGeometry(rows=rows, **MOE_GEOMETRIES[tag])
+    def check(route: str, rows: int, tag: str) -> bool:
+        name, geo = moe_variant_name(route, rows, tag), fm.MoEGeometry(rows=rows, **MOE_TAGS[tag])
+        acc = ACCUMULATION_OF_ROUTE[route]
         g, u = fm.moe_stage1(x, idx, bank, route=route, geo=geo)
-        ok = b.check(f"{name}:stage1.g", g, want_g, "quantized")
-        ok = b.check(f"{name}:stage1.u", u, want_u, "quantized") and ok
-        ok = b.check(f"{name}:stage2", fm.moe_stage2(h_in, idx, bank, route=route, geo=geo), want_down,
-                     "quantized") and ok
+        ok = b.check_bound(f"{name}:stage1.g", g, want_g, mag_g, a.dim, acc, torch.bfloat16)
+        ok = b.check_bound(f"{name}:stage1.u", u, want_u, mag_u, a.dim, acc, torch.bfloat16) and ok
+        ok = b.check_bound(f"{name}:stage2", fm.moe_stage2(h_in, idx, bank, route=route, geo=geo), want_down,
+                           mag_down, a.moe_inter_dim, acc, torch.bfloat16) and ok
         y = fm.routed_experts(x, idx, w, bank, limit, route=route, geo=geo, poison=True)
-        composed = ref.moe_combine(ref.moe_stage2(ref.moe_activation(g, u, w, limit), idx, bank), idx)
-        ok = b.check(f"{name}:fused", y, composed, "quantized") and ok
+        h_k = ref.moe_activation(g, u, w, limit)
+        composed = ref.moe_combine(ref.moe_stage2(h_k, idx, bank), idx)
+        # the combine sums k bf16 slot outputs exactly: the bound is k times a slot's
+        mag = torch.nan_to_num(expert_stage_magnitude(h_k, idx, bank, "w2", True)).sum(1)
+        ok = b.check_bound(f"{name}:fused", y, composed, mag, a.moe_inter_dim, acc, torch.float32,
+                           rounded_terms=True) and ok
         b.check(f"{name}:end_to_end", y, want_total, "quantized", gating=False)
         return ok
 
-    for route, rows, tag in moe_variants:
-        if b.guard(moe_variant_name(route, rows, tag), lambda: check_moe(route, rows, tag)):
-            passed.add(moe_variant_name(route, rows, tag))
-    # dense FP8 GEMM and the grouped wo_a
-    M = 64 if b.smoke else 300
-    lin = random_fp8_linear(a.q_lora_rank, a.dim, dev, gen)
-    xg = (torch.randn(M, a.dim, device=dev, generator=gen) * 2).to(torch.bfloat16)
-    want = ref.linear(xg, lin)
-    for cfg in GEMM_CONFIGS:
-        name = f"fp8_gemm:{cfg}"
-        if b.guard(name, lambda: b.check(name, fg.fp8_linear(xg, lin.weight, lin.scale, config=cfg), want,
-                                         "quantized")):
+    for route, rows, tag in plan["moe"]:
+        name = moe_variant_name(route, rows, tag)
+        if tag in ("f16", "persistent", "sbyte") and route != "bf16":
+            continue
+        if b.guard(name, lambda: check(route, rows, tag)):
             passed.add(name)
+
+
+def check_dense(b: PrefillBench, a, gen, passed: set[str], plan: dict) -> None:
+    """FP8 projections (Triton configs, cuBLAS), the weight-stationary GEMM, the fused shared expert."""
+    from dsv4lab_kernels import fp8_gemm as fg
+    ref = ReferenceOps(Numerics())
+    dev = b.device
+    M = 64 if b.smoke else 301  # odd: cuBLAS's row padding is exercised
+    lin = random_fp8_linear(a.q_lora_rank, a.dim, dev, gen)
+    x = (torch.randn(M, a.dim, device=dev, generator=gen) * 2).to(torch.bfloat16)
+    want, mag = ref.linear(x, lin), linear_magnitude(x, lin, True)
+    for cfg in plan["gemm"]:
+        name = f"fp8_gemm:{cfg}"
+        if b.guard(name, lambda: b.check_bound(name, fg.fp8_linear(x, lin.weight, lin.scale, config=cfg), want, mag,
+                                               a.dim, "tc_fp8", torch.bfloat16)):
+            passed.add(name)
+    if b.cuda and fg.cublas_block_fp8_available(dev):
+        if b.guard("fp8_gemm:cublas", lambda: b.check_bound("fp8_gemm:cublas", fg.fp8_linear(
+                x, lin.weight, lin.scale, backend="cublas"), want, mag, a.dim, "tc_fp8", torch.bfloat16)):
+            passed.add("fp8_gemm:cublas")
+    elif b.cuda:
+        b.log(f"cuBLAS block-scaled FP8: {fg.cublas_unavailable_reason(dev)}")
+    # grouped wo_a: bf16 activations × FP8 weight upcast in registers
     G = a.o_groups
-    wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen)
+    wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen, act_quant=False)
     o = torch.randn(1, M, G, a.wo_a_in_per_group, device=dev, generator=gen).to(torch.bfloat16)
     want = ref.grouped_wo_a(o, wo_a, G)
-    for cfg in GEMM_CONFIGS:
-        name = f"wo_a:{cfg}"
-        if b.guard(name, lambda: b.check(name, fg.grouped_bf16_fp8_gemm(
-                o.reshape(M, G, -1), wo_a.weight, wo_a.scale, G, config=cfg).view(want.shape), want, "reduction")):
+    w3 = wo_a.dequantized(torch.float64).view(G, -1, a.wo_a_in_per_group)
+    mag = torch.einsum("bsgd,grd->bsgr", o.double().abs(), w3.abs())
+    for cfg in plan["weight"]:
+        name = f"weight_gemm:{cfg}"
+        if b.guard(name, lambda: b.check_bound(name, fg.weight_gemm(
+                o.reshape(M, G, -1), wo_a.weight, wo_a.scale, torch.bfloat16, G, config=cfg).view(want.shape), want,
+                mag, a.wo_a_in_per_group, "tc_bf16", torch.bfloat16)):
             passed.add(name)
-    # attention at the real head count and width
+    # linear_f32 of a BF16 weight (fp32 out)
+    lb = random_bf16_linear(2 * a.head_dim, a.dim, dev, gen)
+    name = "weight_gemm_f32"
+    if b.guard(name, lambda: b.check_bound(name, fg.weight_gemm(x, lb.weight, None, torch.float32), ref.linear_f32(
+            x, lb), linear_magnitude(x, lb, False), a.dim, "tc_bf16", torch.float32)):
+        passed.add(name)
+    # the fused shared expert, stage by stage
+    w1, w3_, w2 = (random_fp8_linear(n, k, dev, gen) for n, k in ((a.moe_inter_dim, a.dim), (a.moe_inter_dim, a.dim),
+                                                                  (a.dim, a.moe_inter_dim)))
+    limit = a.swiglu_limit
+
+    def check_shared() -> bool:
+        g, u = fg.fp8_gate_up(x, w1.weight, w1.scale, w3_.weight, w3_.scale, limit, fuse=False)
+        ok = b.check_bound("shared:gate", g, ref.linear(x, w1).float(), linear_magnitude(x, w1, True), a.dim,
+                           "tc_fp8", torch.bfloat16)
+        ok = b.check_bound("shared:up", u, ref.linear(x, w3_).float(), linear_magnitude(x, w3_, True), a.dim,
+                           "tc_fp8", torch.bfloat16) and ok
+        h = ref.swiglu(g, u, limit, shared=True).to(torch.bfloat16)
+        composed = ref.linear(h, w2)
+        for backend in ("triton", "cublas") if b.cuda else ("triton",):
+            y = fg.fp8_swiglu_mlp(x, w1.weight, w1.scale, w3_.weight, w3_.scale, w2.weight, w2.scale, limit,
+                                  backend=backend)
+            ok = b.check_bound(f"shared:fused[{backend}]", y, composed, linear_magnitude(h, w2, True),
+                               a.moe_inter_dim, "tc_fp8", torch.bfloat16) and ok
+        return ok
+    if b.guard("shared_expert", check_shared):
+        passed.add("shared_expert")
+
+
+def check_attention_side(b: PrefillBench, a, gen, passed: set[str], plan: dict) -> None:
+    """Sparse attention (the attention tolerance policy), indexer scores, selection and pooling."""
+    from dsv4lab_kernels import attention_prefill as ap
+    ref = ReferenceOps(Numerics())
+    dev = b.device
     shape = dict(b=1, s=8 if b.smoke else 48, h=a.n_heads, d=a.head_dim, n_kv=300 if b.smoke else 1200,
                  k=(a.window_size + a.index_topk), masked=0.3)
     q, kv, aidx, sink, scale = _make_attention(shape, torch.Generator().manual_seed(1), "cpu", Numerics())
     q, kv, aidx, sink = q.to(dev), kv.to(dev), aidx.to(dev), sink.to(dev)
     want = ref.sparse_attention(q, kv, aidx, sink, scale)
-    for cfg in ATTENTION_CONFIGS:
+    for cfg in plan["attention"]:
         name = f"attn:{cfg}"
         if b.guard(name, lambda: b.check(name, ap.sparse_attention(q, kv, aidx, sink, scale, config=cfg), want,
                                          "attention")):
             passed.add(name)
-    # indexer scores, top-k and the compressor pooling
     S, Tk = (16, 40) if b.smoke else (64, 1024)
     qi = torch.randn(1, S, a.index_n_heads, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
     wi = (torch.randn(1, S, a.index_n_heads, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
@@ -182,12 +317,25 @@ def run_checks(b: PrefillBench, args, gen, moe_variants) -> set[str]:
     if b.guard("indexer_topk", lambda: b.check("indexer_topk", ap.indexer_topk(scores, pos, 4, a.index_topk),
                                                ref.indexer_topk(scores, pos, 4, a.index_topk), "exact")):
         passed.add("indexer_topk")
+    want_sel = ref.indexer_topk(scores, pos, 4, a.index_topk)
+    for cfg in plan["indexer"]:
+        name = f"indexer_select:{cfg}"
+        # scores of bf16 MMAs may differ from the exact reference in a last bit, so near-ties may pick another
+        # entry: the selection is judged by the reference scores of what it picked (sorted), not by the indices
+        if b.guard(name, lambda: b.check(name, _picked_scores(scores, ap.indexer_select(
+                qi, wi, keys, pos, 4, a.index_topk, config=cfg)), _picked_scores(scores, want_sel), "attention")):
+            passed.add(name)
     kvs = torch.randn(64, 8, a.head_dim, device=dev, generator=gen)
     scs = torch.randn(64, 8, a.head_dim, device=dev, generator=gen)
     if b.guard("compressor_pool", lambda: b.check("compressor_pool", ap.compressor_pool(kvs, scs),
                                                   ref.compressor_pool(kvs, scs), "reduction")):
         passed.add("compressor_pool")
-    return passed
+
+
+def _picked_scores(scores, sel):
+    """The scores of the selected entries, sorted descending (−inf where nothing was selected)."""
+    got = torch.gather(scores.float(), -1, sel.clamp_min(0))
+    return torch.where(sel >= 0, got, float("-inf")).sort(-1, descending=True).values
 
 
 # ============================================================================================ MoE
@@ -195,68 +343,76 @@ def moe_variant_name(route: str, rows: int, tag: str = "") -> str:
     return f"moe:{route}:{rows}" + (f":{tag}" if tag else "")
 
 
-def geometry_tags(route: str) -> list[str]:
-    """The launch-geometry variants a route can run (the fp8 route's K tile must divide its 128-wide scale block)."""
-    return [t for t in MOE_GEOMETRIES if not (route == "fp8" and MOE_GEOMETRIES[t].get("block_k1", 128) > 128)]
+def route_tags(route: str) -> list[str]:
+    """The variants a route can run: decode and scheduling belong to bf16; the fp8 route's K tile must divide its
+    128-wide scale block."""
+    return [t for t in MOE_TAGS if not (route != "bf16" and t in ("f16", "persistent", "sbyte"))
+            and not (route == "fp8" and MOE_TAGS[t].get("block_k1", 128) > 128)]
 
 
 class MoEBench:
-    """The 256-expert bank at real shapes and the timing of one (route, sorter rows, tokens) case."""
+    """The 256-expert bank at real shapes and the timing of one (route, sorter rows, tokens, tag) case."""
 
     def __init__(self, b: PrefillBench, args, gen, passed: set[str]):
         self.b, self.a, self.gen, self.passed = b, args, gen, passed
         self.bank = random_bank(args.n_routed_experts, args.dim, args.moe_inter_dim, b.device, gen)
+        self.inputs: dict[int, tuple] = {}
 
-    def run(self, route: str, rows: int, T: int, stages: bool, tag: str = "") -> None:
+    def _inputs(self, T: int):
+        if T not in self.inputs:
+            idx, w = random_routing(T, self.a.n_routed_experts, self.a.n_activated_experts, self.b.device, self.gen)
+            x = torch.randn(T, self.a.dim, device=self.b.device, generator=self.gen).to(torch.bfloat16)
+            self.inputs[T] = (idx, w, x)
+        return self.inputs[T]
+
+    def run(self, route: str, rows: int, T: int, stages: bool, tag: str = "") -> float | None:
         from dsv4lab_kernels import fp4_moe_grouped as fm
         from dsv4lab_kernels.moe_sort import sort_by_expert
         b, a, bank = self.b, self.a, self.bank
         name = moe_variant_name(route, rows, tag)
         if name not in self.passed:
-            b.skipped.append(f"{name} (not checked or failed its check)")
-            return
+            b.skipped.append(f"{name} @{T} (not checked or failed its check)")
+            return None
         E, k, D, I = a.n_routed_experts, a.n_activated_experts, a.dim, a.moe_inter_dim
-        geo = fm.MoEGeometry(rows=rows, **MOE_GEOMETRIES[tag])
+        geo = fm.MoEGeometry(rows=rows, **MOE_TAGS[tag])
         route_tag = route + (f"+{tag}" if tag else "")
-        idx, w = random_routing(T, E, k, b.device, self.gen)
-        x = torch.randn(T, D, device=b.device, generator=self.gen).to(torch.bfloat16)
+        idx, w, x = self._inputs(T)
         f_up, f_down = 2.0 * T * k * 2 * I * D, 2.0 * T * k * D * I
-        kind = PEAK_OF_ROUTE[route]
-        limit = a.swiglu_limit
+        kind, limit = PEAK_OF_ROUTE[route], a.swiglu_limit
         t = b.time_events_us(lambda: fm.routed_experts(x, idx, w, bank, limit, route=route, geo=geo), name=name)
         routing = sort_by_expert(idx, E, rows)
         padded = int(((routing.counts + rows - 1) // rows * rows).sum())
         b.add("moe_grouped_gemm", f"{route_tag}:total", t, f_up + f_down, kind, tokens=T, sorter_rows=rows,
               row_efficiency=round(T * k / padded, 3))
-        if not stages:
-            return
-        xv, xs = fm._activation_operands(x, route)
-        w_flat = w.reshape(-1).contiguous()
-        h = fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit)
-        t_up = b.time_events_us(lambda: fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit))
-        b.add("moe_grouped_gemm", f"{route_tag}:gate_up", t_up, f_up, kind, tokens=T, sorter_rows=rows)
-        t_dn = b.time_events_us(lambda: fm.down(h[0], h[1], bank, routing, route, geo, T * k))
-        b.add("moe_grouped_gemm", f"{route_tag}:down", t_dn, f_down, kind, tokens=T, sorter_rows=rows)
-        t_sort = b.time_events_us(lambda: sort_by_expert(idx, E, rows))
-        b.add("moe_sort", "sort", t_sort, tokens=T, sorter_rows=rows, peak_kind="copy")
+        if stages:
+            xv, xs = fm._activation_operands(x, route)
+            w_flat = w.reshape(-1).contiguous()
+            h = fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit)
+            t_up = b.time_events_us(lambda: fm.gate_up(xv, xs, bank, routing, route, geo, w_flat, limit))
+            b.add("moe_grouped_gemm", f"{route_tag}:gate_up", t_up, f_up, kind, tokens=T, sorter_rows=rows)
+            t_dn = b.time_events_us(lambda: fm.down(h[0], h[1], bank, routing, route, geo, T * k))
+            b.add("moe_grouped_gemm", f"{route_tag}:down", t_dn, f_down, kind, tokens=T, sorter_rows=rows)
+            t_sort = b.time_events_us(lambda: sort_by_expert(idx, E, rows))
+            b.add("moe_sort", "sort", t_sort, tokens=T, sorter_rows=rows, peak_kind="copy")
+        return t
 
 
-def bench_moe_headline(b: PrefillBench, moe: MoEBench, routes, headline: int, rows_list, ablation_tokens,
-                       ablation_route) -> None:
-    """Every route at the headline token count (64 rows) and the launch-geometry variants, then the sorter-rows
-    ablation."""
-    for route in routes:
-        if b.over_budget(f"moe {route} @{headline}"):
-            return
-        b.guard(f"moe {route} @{headline}", lambda: moe.run(route, 64, headline, True))
-    for tag in geometry_tags(ablation_route):
-        if tag and not b.over_budget(f"moe {ablation_route}+{tag} @{headline}"):
-            b.guard(f"moe {ablation_route}+{tag}", lambda: moe.run(ablation_route, 64, headline, True, tag))
-    for rows in rows_list:  # the paper's M = 2048 microbenchmark, gate/up and down separately
-        if b.over_budget(f"sorter ablation {ablation_route} rows {rows}"):
-            return
-        b.guard(f"moe ablation {ablation_route} {rows}", lambda: moe.run(ablation_route, rows, ablation_tokens,
-                                                                         True))
+def bench_moe_headline(b: PrefillBench, moe: MoEBench, routes, headline: int, plan: dict, ablation_tokens,
+                       ablation_route, quick: bool) -> None:
+    """Every route at the headline token count, the bf16 route's variants and 128 rows, then the sorter-rows
+    ablation at the paper's M = 2048 and at the headline count."""
+    cases = [(r, 64, "") for r in routes] + [("bf16", 128, "")] * ("bf16" in routes)
+    cases += [(ablation_route, 64, t) for t in plan["tags"]]
+    rows_list = plan["rows"]
+    for route, rows, tag in cases:
+        if not b.over_budget(f"moe {moe_variant_name(route, rows, tag)} @{headline}"):
+            b.guard(f"moe {route} {rows} {tag}", lambda: moe.run(route, rows, headline, True, tag))
+    for T in (headline,) if quick else (ablation_tokens, headline):
+        for rows in rows_list:
+            if T == headline and rows in (64, 128):
+                continue  # timed above
+            if not b.over_budget(f"sorter ablation {ablation_route} rows {rows} @{T}"):
+                b.guard(f"moe ablation {rows} @{T}", lambda: moe.run(ablation_route, rows, T, True))
 
 
 def bench_moe_sweep(b: PrefillBench, moe: MoEBench, routes, tokens, headline: int) -> None:
@@ -268,42 +424,74 @@ def bench_moe_sweep(b: PrefillBench, moe: MoEBench, routes, tokens, headline: in
 
 
 # ============================================================================================ dense GEMMs
-def dense_projections(a) -> dict[str, tuple[int, int]]:
-    """``name: (N, K)`` of the FP8 projections a prefill runs per layer (the indexer's wq_b in CSA layers)."""
-    return {"wq_a": (a.q_lora_rank, a.dim), "wq_b": (a.n_heads * a.head_dim, a.q_lora_rank),
-            "wkv": (a.head_dim, a.dim), "wo_b": (a.dim, a.o_groups * a.o_lora_rank),
-            "indexer.wq_b": (a.index_n_heads * a.index_head_dim, a.q_lora_rank),
-            "shared.w1": (a.moe_inter_dim, a.dim), "shared.w2": (a.dim, a.moe_inter_dim)}
-
-
-def bench_gemm(b: PrefillBench, args, gen, passed: set[str], tokens, configs) -> None:
+def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int) -> None:
+    """FP8 projections (quantizer, Triton per config, cuBLAS, whole projection per backend), BF16-activation
+    GEMMs beside cuBLAS bf16, and the shared expert."""
     from dsv4lab_kernels import fp8_gemm as fg
-    a, dev = args, b.device
-    lins = {name: random_fp8_linear(n, k, dev, gen) for name, (n, k) in dense_projections(a).items()}
-    G = a.o_groups
-    wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen)
-    for T in tokens:
-        if b.over_budget(f"fp8 gemm @{T}"):
+    dev = b.device
+    cublas = b.cuda and "fp8_gemm:cublas" in passed
+    configs = [c for c in GEMM_CONFIGS if f"fp8_gemm:{c}" in passed]
+    for name, (n, k) in dense_projections(a).items():
+        if b.over_budget(f"fp8 {name} @{T}"):
             return
+        lin = random_fp8_linear(n, k, dev, gen)
+        x = torch.randn(T, k, device=dev, generator=gen).to(torch.bfloat16)
+        flops, meta = 2.0 * T * n * k, dict(tokens=T, n=n, k=k)
+        t = b.time_events_us(lambda: fg.quantize_activations(x), name="act_quant", flush_l2=True)
+        b.add("fp8_gemm", f"{name}:act_quant", t, 0.0, "copy", gbps=round(3 * T * k / (t * 1e-6) / 1e9, 1), **meta)
+        qa = fg.quantize_activations(x)
         for cfg in configs:
-            if f"fp8_gemm:{cfg}" not in passed:
-                continue
-            for name, lin in lins.items():
-                x = torch.randn(T, lin.in_features, device=dev, generator=gen).to(torch.bfloat16)
-                flops = 2.0 * T * lin.in_features * lin.out_features
-                t = b.guard(f"fp8 {name}", lambda: b.time_events_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale,
-                                                                                          config=cfg),
-                                                                    name=f"fp8:{cfg}", flush_l2=True))
-                if t:
-                    b.add("fp8_gemm", f"{name}:{cfg}", t, flops, "fp8", tokens=T, n=lin.out_features,
-                          k=lin.in_features)
-            if f"wo_a:{cfg}" in passed:
-                o = torch.randn(T, G, a.wo_a_in_per_group, device=dev, generator=gen).to(torch.bfloat16)
-                t = b.guard("wo_a", lambda: b.time_events_us(lambda: fg.grouped_bf16_fp8_gemm(
-                    o, wo_a.weight, wo_a.scale, G, config=cfg), name=f"wo_a:{cfg}", flush_l2=True))
-                if t:
-                    b.add("fp8_gemm", f"wo_a_grouped_bf16:{cfg}", t, 2.0 * T * G * a.o_lora_rank *
-                          a.wo_a_in_per_group, "bf16", tokens=T)
+            t = b.time_events_us(lambda: fg.fp8_block_gemm(qa["q"], qa["scale"], lin.weight, lin.scale, config=cfg),
+                                 name=f"fp8:{cfg}", flush_l2=True)
+            b.add("fp8_gemm", f"{name}:triton:{cfg}", t, flops, "fp8", **meta)
+        if cublas and fg.cublas_eligible(T, n, k):
+            qc, sw = fg.quantize_activations(x, scale_cols=True), fg.weight_scale_f32(lin.scale)
+            t = b.time_events_us(lambda: fg._cublas_gemm(qc["q"], qc["scale"], lin.weight, sw, torch.bfloat16),
+                                 name="fp8:cublas", flush_l2=True)
+            b.add("fp8_gemm", f"{name}:cublas", t, flops, "fp8", **meta)
+            t = b.time_events_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale, backend="cublas", w_scale_f32=sw),
+                                 flush_l2=True)
+            b.add("fp8_gemm", f"{name}:linear:cublas", t, flops, "fp8", **meta)
+        if configs:
+            t = b.time_events_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale, config=configs[0]), flush_l2=True)
+            b.add("fp8_gemm", f"{name}:linear:triton", t, flops, "fp8", **meta)
+    wcfgs = [c for c in WEIGHT_GEMM_CONFIGS if f"weight_gemm:{c}" in passed]
+    if not wcfgs or b.over_budget(f"weight gemms @{T}"):
+        return
+    G = a.o_groups
+    wo_a = random_fp8_linear(G * a.o_lora_rank, a.wo_a_in_per_group, dev, gen, act_quant=False)
+    o = torch.randn(T, G, a.wo_a_in_per_group, device=dev, generator=gen).to(torch.bfloat16)
+    flops = 2.0 * T * G * a.o_lora_rank * a.wo_a_in_per_group
+    for cfg in wcfgs:
+        t = b.time_events_us(lambda: fg.weight_gemm(o, wo_a.weight, wo_a.scale, torch.bfloat16, G, config=cfg),
+                             name=f"weight:{cfg}", flush_l2=True)
+        b.add("weight_gemm", f"wo_a:{cfg}", t, flops, "bf16", tokens=T)
+    if b.cuda:  # cuBLAS bf16 on the dequantized weight: the speed reference (the same products, exact weights)
+        wd = wo_a.dequantized(torch.bfloat16).view(G, -1, a.wo_a_in_per_group)
+        ot = o.transpose(0, 1)
+        t = b.time_events_us(lambda: torch.bmm(ot, wd.transpose(1, 2)), flush_l2=True)
+        b.add("weight_gemm", "wo_a:cublas_bf16", t, flops, "bf16", tokens=T)
+    x = torch.randn(T, a.dim, device=dev, generator=gen).to(torch.bfloat16)
+    for name, (n, k) in bf16_projections(a).items():
+        if b.over_budget(f"bf16 {name} @{T}"):
+            return
+        lb = random_bf16_linear(n, k, dev, gen)
+        out = torch.bfloat16 if name.endswith("weights_proj") else torch.float32
+        flops = 2.0 * T * n * k
+        t = b.time_events_us(lambda: fg.weight_gemm(x, lb.weight, None, out, config=wcfgs[0]), flush_l2=True)
+        b.add("weight_gemm", f"{name}:{wcfgs[0]}", t, flops, "bf16", tokens=T, n=n, k=k)
+        if b.cuda:
+            t = b.time_events_us(lambda: torch.mm(x, lb.weight.t()), flush_l2=True)
+            b.add("weight_gemm", f"{name}:cublas_bf16", t, flops, "bf16", tokens=T, n=n, k=k)
+    if "shared_expert" in passed and not b.over_budget(f"shared expert @{T}"):
+        w1, w3, w2 = (random_fp8_linear(n, k, dev, gen) for n, k in ((a.moe_inter_dim, a.dim),
+                                                                     (a.moe_inter_dim, a.dim),
+                                                                     (a.dim, a.moe_inter_dim)))
+        flops = 2.0 * T * 3 * a.dim * a.moe_inter_dim
+        for backend in ("triton", "cublas") if cublas else ("triton",):
+            t = b.time_events_us(lambda: fg.fp8_swiglu_mlp(x, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight,
+                                                           w2.scale, a.swiglu_limit, backend=backend), flush_l2=True)
+            b.add("shared_expert", f"fused:{backend}", t, flops, "fp8", tokens=T)
 
 
 # ============================================================================================ attention side
@@ -333,9 +521,10 @@ def prefill_attention_inputs(a, T: int, ratio: int, device, gen):
     return q, kv, idx, sink
 
 
-def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, configs) -> None:
+def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens) -> None:
     from dsv4lab_kernels import attention_prefill as ap
     a, dev = args, b.device
+    configs = [c for c in ATTENTION_CONFIGS if f"attn:{c}" in passed]
     for T in tokens:
         if b.over_budget(f"attention @{T}"):
             return
@@ -344,26 +533,33 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, config
             valid = float((idx >= 0).sum())
             flops = 4.0 * a.n_heads * a.head_dim * valid
             for cfg in configs:
-                if f"attn:{cfg}" not in passed:
-                    continue
                 t = b.guard(f"attn {cfg}", lambda: b.time_events_us(
                     lambda: ap.sparse_attention(q, kv, idx, sink, a.softmax_scale, config=cfg), name=f"attn:{cfg}"))
                 if t:
                     b.add("attn_prefill", f"{kind}:{cfg}", t, flops, "bf16", tokens=T, attended_rows=int(valid))
-        # the indexer of a CSA layer: scores against every key (as the reference), then the causal top-k
+        # the indexer of a CSA layer: the causal selection (visible keys only), and the full score matrix
         n_keys = T // 4
         qi = torch.randn(1, T, a.index_n_heads, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
         wi = (torch.randn(1, T, a.index_n_heads, device=dev, generator=gen) * 0.1).to(torch.bfloat16)
         keys = torch.randn(1, n_keys, a.index_head_dim, device=dev, generator=gen).to(torch.bfloat16)
+        pos = torch.arange(T, device=dev)[None]
+        visible_pairs = float(((torch.arange(T, device=dev) + 1) // 4).sum())
+        useful = 2.0 * a.index_n_heads * a.index_head_dim * visible_pairs
+        for cfg in INDEXER_CONFIGS:
+            if f"indexer_select:{cfg}" not in passed:
+                continue
+            t = b.guard("indexer_select", lambda: b.time_events_us(
+                lambda: ap.indexer_select(qi, wi, keys, pos, 4, a.index_topk, config=cfg), name=f"select:{cfg}"))
+            if t:
+                b.add("indexer", f"select:{cfg}", t, useful, "bf16", tokens=T, entries=n_keys)
         if "indexer_scores" in passed:
             t = b.guard("indexer_scores", lambda: b.time_events_us(lambda: ap.indexer_scores(qi, wi, keys),
                                                                    name="indexer_scores"))
             if t:
-                b.add("indexer", "scores", t, 2.0 * T * a.index_n_heads * n_keys * a.index_head_dim, "bf16",
-                      tokens=T)
+                b.add("indexer", "scores:all_keys", t, 2.0 * T * a.index_n_heads * n_keys * a.index_head_dim,
+                      "bf16", tokens=T)
         if "indexer_topk" in passed and n_keys <= ap.TOPK_MAX_ENTRIES:
             scores = ap.indexer_scores(qi, wi, keys)
-            pos = torch.arange(T, device=dev)[None]
             t = b.guard("indexer_topk", lambda: b.time_events_us(lambda: ap.indexer_topk(scores, pos, 4, a.index_topk),
                                                                  name=f"topk:{n_keys}"))
             if t:
@@ -379,10 +575,14 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens, config
                       gbps=round(2 * kvs.numel() * 4 / (t * 1e-6) / 1e9, 1))
 
 
-# ============================================================================================ chunked layer
-def layer_roofline(a, tokens: int, chunk: int, peaks: dict) -> dict:
-    """Roofline time of each op of one CSA layer's prefill (cost model), and the attention / indexer shares."""
-    one = a.replace(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(4,))
+# ============================================================================================ chunked layers
+TIMED_OPS = ("sparse_attention", "indexer_select", "routed_experts", "expert_mlp", "linear", "linear_f32",
+             "grouped_wo_a", "compressor_pool")
+
+
+def layer_roofline(a, tokens: int, chunk: int, peaks: dict, ratio: int) -> dict:
+    """Roofline time of each op of one layer's prefill (cost model), and the attention / indexer shares."""
+    one = a.replace(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(ratio,))
     cost = costmodel.prefill(one, tokens=tokens, chunk=chunk)
     bw = peaks["copy_gbps"] * 1e9
     per_op = {}
@@ -403,92 +603,110 @@ def layer_roofline(a, tokens: int, chunk: int, peaks: dict) -> dict:
                 attention_share=per_op.get("attn.core", 0.0) / total, indexer_share=idx_t / total)
 
 
-def bench_chunked_layer(b: PrefillBench, args, gen, total: int, chunks) -> dict:
-    a, dev = args.replace(max_seq_len=max(total, args.max_seq_len)), b.device
-    layer = next(i for i in range(a.n_layers) if a.compress_ratios[i] == 4 and not a.is_hash_layer(i))
-    blk = Block(a, layer)
-    materialize_random(blk, dev, gen)
-    nm = Numerics(exact_reductions=False)  # production semantics; torch's fp32 reductions for the non-kernel ops
-    try:
-        from ..engine.triton_backend import TritonOps
-        ops = TritonOps(nm)
-    except Exception:  # noqa: BLE001 — the prefill kernels alone still make the measurement
-        ops = TritonPrefillBackend(nm)
-    blk.attn.allocate(1, a.max_seq_len, nm.act, nm.acc, dev)
-    X = (torch.randn(1, total, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
-    ids = torch.zeros(1, total, dtype=torch.long, device=dev)
-    timed = ("sparse_attention", "indexer_scores", "indexer_topk", "routed_experts", "linear", "grouped_wo_a",
-             "compressor_pool")
-    events: dict[str, list] = {}
-    for name in timed:
-        fn = getattr(ops, name)
+class LayerBench:
+    """One real-dims layer (random weights) through ``TritonOps``, prefilled in chunks, op times by CUDA event."""
 
-        def run(*xs, _fn=fn, _name=name, **kw):
+    def __init__(self, b: PrefillBench, args, gen, ratio: int, max_tokens: int):
+        self.b, self.torch = b, torch
+        self.a = args.replace(max_seq_len=-(-max(max_tokens, args.max_seq_len) // 128) * 128)
+        a, dev = self.a, b.device
+        self.layer = next(i for i in range(a.n_layers) if a.compress_ratios[i] == ratio and not a.is_hash_layer(i))
+        self.ratio = ratio
+        self.blk = Block(a, self.layer)
+        materialize_random(self.blk, dev, gen)
+        nm = Numerics(exact_reductions=False)  # production semantics; torch's fp32 reductions for the glue ops
+        from ..engine.triton_backend import TritonOps  # imports triton
+        self.ops = TritonOps(nm)
+        self.blk.attn.allocate(1, a.max_seq_len, nm.act, nm.acc, dev)
+        self.X = (torch.randn(1, max_tokens, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+        self.ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
+        self.events: dict[str, list] = {}
+        for name in TIMED_OPS:
+            setattr(self.ops, name, self._timed(name, getattr(self.ops, name)))
+
+    def _timed(self, name, fn):
+        torch, b = self.torch, self.b
+
+        def run(*xs, **kw):
             if not b.cuda:
-                return _fn(*xs, **kw)
+                return fn(*xs, **kw)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            r = _fn(*xs, **kw)
+            r = fn(*xs, **kw)
             e.record()
-            events.setdefault(_name, []).append((s, e))
+            self.events.setdefault(name, []).append((s, e))
             return r
-        setattr(ops, name, run)
+        return run
 
-    def prefill(chunk: int) -> None:
-        blk.attn.reset(None, ops)
+    def prefill(self, total: int, chunk: int) -> None:
+        torch, dev = self.torch, self.b.device
+        self.blk.attn.reset(None, self.ops)
         for p in range(0, total, chunk):
             c = min(chunk, total - p)
-            one = torch.tensor([p], device=dev)
-            blk(X[:, p:p + c], one, torch.tensor([c], device=dev), torch.tensor([0], device=dev), ids[:, p:p + c], ops)
+            self.blk(self.X[:, p:p + c], torch.tensor([p], device=dev), torch.tensor([c], device=dev),
+                     torch.tensor([0], device=dev), self.ids[:, p:p + c], self.ops)
 
-    def timed_prefill(chunk: int) -> tuple[float, dict]:
-        """One prefill: its time in µs and the time of each timed op inside it."""
-        events.clear()
+    def time(self, total: int, chunk: int) -> tuple[float, dict]:
+        """One prefill of ``total`` tokens: its time in µs and the time of each timed op inside it."""
+        torch, b = self.torch, self.b
+        self.events.clear()
         if not b.cuda:
             t = time.perf_counter()
-            prefill(chunk)
+            self.prefill(total, chunk)
             return (time.perf_counter() - t) * 1e6, {}
         b.l2_flush_buffer().zero_()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        prefill(chunk)
+        self.prefill(total, chunk)
         e.record()
         b.sync()
-        return s.elapsed_time(e) * 1e3, {k: sum(s2.elapsed_time(e2) for s2, e2 in v) * 1e3 for k, v in events.items()}
+        return s.elapsed_time(e) * 1e3, {k: sum(s2.elapsed_time(e2) for s2, e2 in v) * 1e3
+                                         for k, v in self.events.items()}
 
-    out = {}
-    for chunk in chunks:
-        if b.over_budget(f"chunked prefill chunk {chunk}"):
-            break
-        with torch.inference_mode():
-            if b.guard(f"layer warm-up {chunk}", lambda: timed_prefill(chunk)) is None:  # compiles
-                continue
-            runs = [b.guard(f"layer chunk {chunk}", lambda: timed_prefill(chunk)) for _ in range(1 if b.smoke else 3)]
-        runs = sorted((r for r in runs if r is not None), key=lambda r: r[0])
-        if not runs:
-            continue
-        t, per_op = runs[len(runs) // 2]
-        roof = layer_roofline(a, total, chunk, b.peaks) if b.peaks.get("copy_gbps") else None
-        row = b.add("chunked_prefill", f"csa_layer{layer}", t, 0.0, "bf16", tokens=total, chunk=chunk,
-                    tok_per_s=round(total / (t * 1e-6)), op_us={k: round(v, 1) for k, v in per_op.items()})
-        if roof:
-            att = per_op.get("sparse_attention", 0.0)
-            idx_t = per_op.get("indexer_scores", 0.0) + per_op.get("indexer_topk", 0.0)
-            row.update(roofline_layer_us=round(roof["layer_us"], 1),
-                       attention_share=round(att / t, 4), attention_roofline_share=round(roof["attention_share"], 4),
-                       indexer_share=round(idx_t / t, 4), indexer_roofline_share=round(roof["indexer_share"], 4))
-        out[chunk] = row
-        b.log(f"layer prefill {total} tokens, chunk {chunk}: {t / 1e3:.2f} ms; ops (µs): "
-              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(per_op.items())))
-    if hasattr(ops, "report"):
-        b.log("backend report:\n" + ops.report())
-    return out
+
+def bench_chunks(b: PrefillBench, args, gen, prompts, chunks, ratios, reps: int) -> None:
+    """Each prompt length in each chunk size (0: one shot) through one layer per compression ratio."""
+    for ratio in ratios:
+        if b.over_budget(f"chunked layer ratio {ratio}"):
+            return
+        lb = LayerBench(b, args, gen, ratio, max(prompts))
+        kind = {4: "csa", 0: "swa"}.get(ratio, "hca")
+        for total in prompts:
+            for chunk in chunks:
+                c = total if chunk == 0 else chunk
+                if (chunk and chunk >= total) or b.over_budget(f"layer {kind} {total} chunk {chunk}"):
+                    continue
+                with torch.inference_mode():
+                    if b.guard(f"layer warm-up {kind} {total}/{c}", lambda: lb.time(total, c)) is None:
+                        continue
+                    runs = [b.guard(f"layer {kind} {total}/{c}", lambda: lb.time(total, c)) for _ in range(reps)]
+                runs = sorted((r for r in runs if r is not None), key=lambda r: r[0])
+                if not runs:
+                    continue
+                t, per_op = runs[len(runs) // 2]
+                row = b.add("chunked_prefill", f"{kind}_layer{lb.layer}", t, 0.0, "bf16", tokens=total, chunk=chunk,
+                            tok_per_s=round(total / (t * 1e-6)), op_us={k: round(v, 1) for k, v in per_op.items()})
+                if b.peaks.get("copy_gbps"):
+                    roof = layer_roofline(args, total, c, b.peaks, ratio)
+                    att = per_op.get("sparse_attention", 0.0)
+                    idx_t = per_op.get("indexer_select", 0.0)
+                    row.update(roofline_layer_us=round(roof["layer_us"], 1),
+                               attention_share=round(att / t, 4),
+                               attention_roofline_share=round(roof["attention_share"], 4),
+                               indexer_share=round(idx_t / t, 4),
+                               indexer_roofline_share=round(roof["indexer_share"], 4))
+                b.log(f"{kind} layer, {total} tokens in chunks of {c}: {t / 1e3:.2f} ms; ops (µs): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in sorted(per_op.items())))
+        b.log("backend report:\n" + lb.ops.report())
+        del lb
+        if b.cuda:
+            torch.cuda.empty_cache()
 
 
 # ============================================================================================ driver
 def run_suite(args) -> int:
     smoke = getattr(args, "smoke", False)
-    quick = getattr(args, "quick", False)
+    quick = getattr(args, "quick", False) and not smoke
     device = select_device("prefill", smoke)
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -497,23 +715,25 @@ def run_suite(args) -> int:
     b = PrefillBench(device, getattr(args, "budget_s", 160.0), smoke)
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")
+    mode = "smoke" if smoke else ("quick" if quick else "full")
     if smoke:
-        tokens, chunks, rows_list, abl, total = (64,), (32, 64), (16,), 64, 64
+        tokens, abl, prompts, chunks, headline, reps = (64,), 64, (64,), (32, 0), 64, 1
     elif quick:
-        tokens, chunks, rows_list, abl, total = (1024, 4096), (1024, 4096), SORTER_ROWS, 2048, 4096
+        tokens, abl, prompts, chunks, headline, reps = (4096,), 2048, (2048, 4604), (2048, 4096, 0), 4096, 2
     else:
-        tokens, chunks, rows_list, abl, total = TOKENS, CHUNKS, SORTER_ROWS, 2048, 4096
+        tokens, abl, prompts, chunks, headline, reps = TOKENS, 2048, PROMPTS, CHUNKS, 4096, 3
     doc = run_header(b, args, smoke)
     routes = tuple(r for r in getattr(args, "moe_routes", ",".join(MOE_ROUTES)).split(",") if r)
     abl_route = getattr(args, "ablation_route", "bf16")
     if abl_route not in routes:
         raise UserError(f"--ablation-route {abl_route!r} is not among --moe-routes {','.join(routes)}")
-    moe_variants = sorted({(r, 64, "") for r in routes} | {(abl_route, n, "") for n in rows_list}
-                          | {(abl_route, 64, tag) for tag in geometry_tags(abl_route) if not smoke})
+    bad = [r for r in routes if r not in MOE_ROUTES]
+    if bad:
+        raise UserError(f"--moe-routes: unknown route(s) {', '.join(bad)}; known: {', '.join(MOE_ROUTES)}")
+    plan = plan_variants(mode, routes, abl_route)
     b.record_ceilings()
     b.log(f"checks ({b.elapsed():.0f} s)")
-    passed = run_checks(b, a, gen, moe_variants)
-    headline = 4096 if 4096 in tokens else max(tokens)
+    passed = run_checks(b, a, gen, plan)
     moe: dict = {}
 
     def moe_bench() -> MoEBench:
@@ -522,72 +742,179 @@ def run_suite(args) -> int:
         return moe["bench"]
 
     def release_moe() -> None:
-        moe.clear()  # the 3.2 GB bank: the layer below brings its own
+        moe.clear()  # the 3.2 GB bank: the layers below bring their own
         if b.cuda:
             torch.cuda.empty_cache()
 
+    ratios = (4,) if (quick or smoke) else (4, max(a.compress_ratios))
     # most important first: the watchdog cuts from the end
     sections = [
-        ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, rows_list, abl, abl_route)),
-        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,), ATTENTION_CONFIGS)),
+        ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, plan, abl, abl_route,
+                                           quick or smoke)),
+        ("dense gemms", lambda: bench_dense(b, a, gen, passed, headline)),
+        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,))),
         ("release", release_moe),
-        ("chunked", lambda: bench_chunked_layer(b, a, gen, total, chunks)),
-        ("gemm", lambda: bench_gemm(b, a, gen, passed, tokens, GEMM_CONFIGS if not quick else GEMM_CONFIGS[:1])),
-        ("moe sweep", lambda: bench_moe_sweep(b, moe_bench(), routes, tokens, headline)),
+        ("chunk choice", lambda: bench_chunks(b, a, gen, prompts, chunks, ratios, reps)),
     ]
-    if not smoke:
-        sections.append(("attention sweep", lambda: bench_attention(
-            b, a, gen, passed, [t for t in tokens if t != headline], ATTENTION_CONFIGS)))
+    if not (quick or smoke):
+        sections += [
+            ("moe sweep", lambda: bench_moe_sweep(b, moe_bench(), routes, tokens, headline)),
+            ("release", release_moe),
+            ("dense sweep", lambda: [bench_dense(b, a, gen, passed, T) for T in tokens if T != headline]),
+            ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != headline])),
+        ]
     b.run_sections(sections)
-    doc.update(peaks=b.peaks, checks=b.checks, rows=b.rows, skipped=b.skipped, errors=b.errors,
-               compile_s=b.compile_s, elapsed_s=round(b.elapsed(), 1), targets=targets(b))
+    doc.update(mode=mode, peaks=b.peaks, checks=b.checks,
+               rows=b.rows, skipped=b.skipped, errors=b.errors, compile_s=b.compile_s,
+               elapsed_s=round(b.elapsed(), 1), diagnostics=diagnostics(b), choices=choices(b, headline),
+               targets=targets(b, headline))
     out = output_path(args, "prefill")
     write_json(out, doc)
-    print_table(doc)
+    print_summary(doc)
     print(f"wrote {out}")
     return 0 if all(c["ok"] for c in b.checks if c["gating"]) and not b.errors else 1
 
 
-def targets(b: PrefillBench) -> dict:
-    """The issue's targets, measured: best grouped-MoE %-of-peak at 4,096 tokens; attention / indexer shares."""
-    moe = [r for r in b.rows if r["kernel"] == "moe_grouped_gemm" and r["tokens"] == 4096
-           and r["variant"].endswith(":total") and r["pct_peak"] is not None]
-    best = max(moe, key=lambda r: r["pct_peak"], default=None)
-    layer = [r for r in b.rows if r["kernel"] == "chunked_prefill" and "attention_share" in r]
-    out = dict(moe_4096_best=None if best is None else dict(variant=best["variant"], sorter_rows=best["sorter_rows"],
-                                                            pct_peak=best["pct_peak"], peak_kind=best["peak_kind"],
-                                                            tflops=best["tflops"], met=best["pct_peak"] >= 50))
-    out["layer_shares"] = [dict(chunk=r["chunk"], attention=r["attention_share"],
-                                attention_roofline=r["attention_roofline_share"], indexer=r["indexer_share"],
-                                indexer_roofline=r["indexer_roofline_share"],
-                                met=r["attention_share"] <= r["attention_roofline_share"]
-                                and r["indexer_share"] <= r["indexer_roofline_share"]) for r in layer]
+# ============================================================================================ conclusions
+def diagnostics(b: PrefillBench) -> dict:
+    """What this GPU supports of the fast paths (and why not), for whoever reads the result file next."""
+    if not b.cuda:
+        return dict(note="CPU interpreter: the inline-PTX decode and cuBLAS are GPU-only")
+    from dsv4lab_kernels import fp4_moe_grouped as fm
+    from dsv4lab_kernels import fp8_gemm as fg
+    return dict(moe_asm_decode=fm.asm_decode_status(b.device), cublas_block_fp8=fg.cublas_unavailable_reason(b.device))
+
+
+def _rows(b: PrefillBench, kernel: str, **match) -> list[dict]:
+    return [r for r in b.rows if r["kernel"] == kernel and all(r.get(k) == v for k, v in match.items())]
+
+
+def choices(b: PrefillBench, headline: int) -> dict:
+    """The settings the measurements pick (read back by ``triton_prefill.load_choices``); ``why`` says from what."""
+    out: dict = {"why": {}}
+    moe = [r for r in _rows(b, "moe_grouped_gemm", tokens=headline) if r["variant"].endswith(":total")]
+    if moe:
+        best = min(moe, key=lambda r: r["time_us"])
+        route_tag = best["variant"].split(":")[0]
+        route, _, tag = route_tag.partition("+")
+        out.update(moe_route=route, moe_decode="f16" if tag == "f16" else "auto", moe_persistent=tag == "persistent",
+                   moe_scale_per_byte=tag == "sbyte")
+        out["why"]["moe"] = f"fastest at {headline} tokens: {best['variant']} rows {best['sorter_rows']} " \
+                            f"{best['time_us'] / 1e3:.2f} ms"
+    rows_table = []
+    for T in sorted({r["tokens"] for r in moe} | {r["tokens"] for r in _rows(b, "moe_grouped_gemm")}):
+        cands = [r for r in _rows(b, "moe_grouped_gemm", tokens=T) if r["variant"].endswith(":total")
+                 and r["variant"].split(":")[0] == out.get("moe_route", "bf16")]
+        if cands:
+            rows_table.append([T, min(cands, key=lambda r: r["time_us"])["sorter_rows"]])
+    if rows_table:
+        out["moe_rows_by_tokens"] = rows_table
+    lin = {}
+    for r in _rows(b, "fp8_gemm", tokens=headline):
+        name, _, impl = r["variant"].partition(":")
+        if impl in ("linear:cublas", "linear:triton"):
+            lin.setdefault(impl.split(":")[1], 0.0)
+            lin[impl.split(":")[1]] += r["time_us"]
+    if len(lin) == 2:
+        out["gemm_backend"] = min(lin, key=lin.get)
+        out["why"]["gemm_backend"] = ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in lin.items()) + \
+            f" for the FP8 projections of a layer at {headline} tokens"
+    chunk_rows = _rows(b, "chunked_prefill")
+    table = []
+    for total in sorted({r["tokens"] for r in chunk_rows}):
+        per_chunk: dict = {}
+        for r in chunk_rows:
+            if r["tokens"] == total:
+                per_chunk.setdefault(r["chunk"], []).append(r["time_us"])
+        n_kinds = max(len(v) for v in per_chunk.values())
+        full = {c: sum(v) for c, v in per_chunk.items() if len(v) == n_kinds}  # every layer kind measured
+        if full:
+            table.append([total, min(full, key=full.get)])
+    if table:
+        out["chunk_by_prompt"] = table
+        out["why"]["chunk"] = "fastest chunk (0 = one shot) per prompt length, summed over the measured layer kinds"
     return out
 
 
-def print_table(doc: dict) -> None:
+def targets(b: PrefillBench, headline: int) -> dict:
+    """The issue's targets, measured: grouped MoE %-of-peak at 4,096 tokens; FP8 GEMM vs cuBLAS; attention and
+    indexer shares of a layer against their roofline shares."""
+    moe = [r for r in _rows(b, "moe_grouped_gemm", tokens=headline) if r["variant"].endswith(":total")]
+    best = max((r for r in moe if r["pct_peak"] is not None), key=lambda r: r["pct_peak"], default=None)
+    fastest = min(moe, key=lambda r: r["time_us"], default=None)
+    out = dict(moe_best_pct=None if best is None else dict(
+        tokens=headline, variant=best["variant"], sorter_rows=best["sorter_rows"], pct_peak=best["pct_peak"],
+        peak_kind=best["peak_kind"], tflops=best["tflops"], time_ms=round(best["time_us"] / 1e3, 3),
+        met=best["pct_peak"] >= 50), moe_fastest=None if fastest is None else dict(
+        tokens=headline, variant=fastest["variant"], sorter_rows=fastest["sorter_rows"],
+        time_ms=round(fastest["time_us"] / 1e3, 3), pct_peak=fastest["pct_peak"], peak_kind=fastest["peak_kind"]))
+    gemm = []
+    for r in _rows(b, "fp8_gemm", tokens=headline):
+        name, _, impl = r["variant"].partition(":")
+        if impl == "cublas":
+            tri = [t["time_us"] for t in _rows(b, "fp8_gemm", tokens=headline)
+                   if t["variant"].startswith(f"{name}:triton:")]
+            if tri:
+                gemm.append(dict(projection=name, cublas_us=r["time_us"], triton_best_us=min(tri),
+                                 triton_over_cublas=round(min(tri) / r["time_us"], 3), met=min(tri) <= r["time_us"]))
+    out["fp8_gemm_vs_cublas"] = gemm
+    out["layer_shares"] = [dict(layer=r["variant"], tokens=r["tokens"], chunk=r["chunk"],
+                                attention=r["attention_share"], attention_roofline=r["attention_roofline_share"],
+                                indexer=r["indexer_share"], indexer_roofline=r["indexer_roofline_share"],
+                                met=r["attention_share"] <= r["attention_roofline_share"]
+                                and r["indexer_share"] <= r["indexer_roofline_share"])
+                           for r in _rows(b, "chunked_prefill") if "attention_share" in r]
+    return out
+
+
+def print_summary(doc: dict) -> None:
+    """A summary a reader without the code can act on: ceilings, failed checks, headline rows, choices, targets."""
     p = doc["peaks"]
-    print(f"\nprefill kernels on {doc['gpu']} (torch {doc['torch']}, triton {doc['triton']}, commit {doc['commit']})")
-    print(f"ceilings: copy {p.get('copy_gbps')} GB/s, bf16 {p.get('bf16_tflops')} TFLOP/s, fp8 {p.get('fp8_tflops')} "
-          f"TFLOP/s; checks {sum(c['ok'] for c in doc['checks'] if c['gating'])}/"
-          f"{sum(c['gating'] for c in doc['checks'])} ok; "
-          f"{len(doc['errors'])} errors; {doc['elapsed_s']} s")
-    keep = [r for r in doc["rows"] if r["tokens"] in (2048, 4096, 64) or r["kernel"] == "chunked_prefill"]
-    print(f"{'kernel':<17}{'variant':<25}{'tokens':>7}{'rows':>5}{'chunk':>6}{'time_us':>11}{'TFLOP/s':>9}"
+    checks = [c for c in doc["checks"] if c["gating"]]
+    print(f"\nprefill kernels ({doc['mode']} run) on {doc['gpu']} (torch {doc['torch']}, triton {doc['triton']}, "
+          f"commit {doc['commit']}), {doc['elapsed_s']} s")
+    print(f"ceilings measured now: copy {p.get('copy_gbps')} GB/s, bf16 {p.get('bf16_tflops')} TFLOP/s, fp8 "
+          f"{p.get('fp8_tflops')} TFLOP/s (8192³, per-tensor scales)")
+    print(f"fast paths here: {doc.get('diagnostics')}")
+    print(f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} within their bounds; errors {len(doc['errors'])}; "
+          f"skipped {len(doc['skipped'])}")
+    for c in checks:
+        if not c["ok"]:
+            print("  FAILED " + c["line"])
+    for e in doc["errors"]:
+        print("  ERROR " + e[:300])
+    print(f"\n{'kernel':<17}{'variant':<34}{'tokens':>7}{'rows':>5}{'chunk':>6}{'time_us':>11}{'TFLOP/s':>9}"
           f"{'% peak':>12}")
-    for r in keep:
-        if r["kernel"] == "fp8_gemm" and r["tokens"] != 4096:
+    head = max((r["tokens"] or 0) for r in doc["rows"]) if doc["rows"] else 0
+    head = 4096 if any(r["tokens"] == 4096 for r in doc["rows"]) else head
+    for r in doc["rows"]:
+        if r["tokens"] != head and r["kernel"] not in ("chunked_prefill",) and not (
+                r["kernel"] == "moe_grouped_gemm" and r["variant"].endswith(":total")):
             continue
         tflops = f"{r['tflops']:.1f}" if r["tflops"] is not None else ""
         pct = f"{r['pct_peak']:.1f} {r['peak_kind']}" if r["pct_peak"] is not None else ""
-        print(f"{r['kernel']:<17}{r['variant'][:24]:<25}{r['tokens'] or '':>7}{r['sorter_rows'] or '':>5}"
-              f"{r['chunk'] or '':>6}{r['time_us']:>11.1f}{tflops:>9}{pct:>12}")
+        print(f"{r['kernel']:<17}{r['variant'][:33]:<34}{r['tokens'] or '':>7}{r['sorter_rows'] or '':>5}"
+              f"{'' if r['chunk'] is None else r['chunk']:>6} {r['time_us']:>10.1f}{tflops:>9}{pct:>12}")
+    c = doc.get("choices", {})
+    print("\nchoices (read by dsv4lab.engine.triton_prefill.load_choices on this GPU):")
+    for k, v in c.items():
+        if k != "why":
+            print(f"  {k} = {v}")
+    for k, v in c.get("why", {}).items():
+        print(f"  ({k}: {v})")
     t = doc.get("targets", {})
-    if t.get("moe_4096_best"):
-        m = t["moe_4096_best"]
-        print(f"target MoE@4096 ≥ 50% of {m['peak_kind']} peak: {m['pct_peak']}% ({m['variant']}, rows "
-              f"{m['sorter_rows']}) → {'met' if m['met'] else 'missed'}")
+    m = t.get("moe_best_pct")
+    if m:
+        print(f"\ntarget grouped MoE @{m['tokens']} ≥ 50% of the peak of its dtype: {m['pct_peak']}% "
+              f"{m['peak_kind']} ({m['variant']}, rows {m['sorter_rows']}, {m['time_ms']} ms) → "
+              f"{'met' if m['met'] else 'MISSED'}")
+    f = t.get("moe_fastest")
+    if f:
+        print(f"fastest grouped MoE @{f['tokens']}: {f['variant']} rows {f['sorter_rows']}, {f['time_ms']} ms")
+    for g in t.get("fp8_gemm_vs_cublas", []):
+        print(f"target FP8 GEMM {g['projection']}: Triton best {g['triton_best_us']:.1f} µs vs cuBLAS "
+              f"{g['cublas_us']:.1f} µs → {'met' if g['met'] else 'slower: the backend dispatches to cuBLAS'}")
     for s in t.get("layer_shares", []):
-        print(f"chunk {s['chunk']}: attention {s['attention']:.3f} of the layer "
-              f"(roofline {s['attention_roofline']:.3f}), indexer {s['indexer']:.3f} "
-              f"(roofline {s['indexer_roofline']:.3f}) → {'met' if s['met'] else 'missed'}")
+        print(f"target shares, {s['layer']} {s['tokens']} tokens chunk {s['chunk']}: attention {s['attention']:.3f} "
+              f"(roofline {s['attention_roofline']:.3f}), indexer {s['indexer']:.3f} (roofline "
+              f"{s['indexer_roofline']:.3f}) → {'met' if s['met'] else 'MISSED'}")

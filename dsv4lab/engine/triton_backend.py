@@ -45,7 +45,8 @@ attn = kernel_module("attention_decode")
 
 # Ops of ReferenceOps that may run on a kernel (decode and/or prefill); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
-              "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool")
+              "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
+              "expert_mlp", "indexer_select")
 # Helpers other ops call (counting them would count one op twice) and state hygiene, not compute.
 _NOT_COUNTED = ("elementwise", "compressed_rope_position", "reset_compressor_state")
 REFERENCE_ONLY_OPS = tuple(n for n, v in vars(ReferenceOps).items()
@@ -195,6 +196,10 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
                              route=route or self.config.gemv_route, geometry=geo)
 
     def linear_f32(self, x: torch.Tensor, lin: Linear, route: str | None = None) -> torch.Tensor:
+        if route is None:
+            out = self._prefill("linear_f32", self.prefill_linear_f32(x, lin))
+            if out is not None:
+                return out
         rows = x.numel() // max(x.shape[-1], 1)
         why = self._unsupported(rows, x, lin.weight)
         if why is None and lin.fmt not in ("bf16", "f32"):
@@ -224,6 +229,13 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         y = gemv.fp8_gemv(o.flatten(-2), lin.weight, lin.scale, act_quant=False, out_dtype=self.numerics.act,
                           groups=groups, route=route or self.config.gemv_route, geometry=geo)
         return y.view(*o.shape[:-1], lin.out_features // groups)
+
+    def expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
+        out = self._prefill("expert_mlp", self.prefill_expert_mlp(x, w1, w2, w3, limit, weight, shared))
+        if out is not None:
+            return out
+        self._fallback("expert_mlp", "no kernel")  # as before: its projections still run on the decode GEMVs
+        return ReferenceOps.expert_mlp(self, x, w1, w2, w3, limit, weight, shared)
 
     # ------------------------------------------------------------------ routed experts
     def _moe_unsupported(self, x: torch.Tensor, bank: ExpertBank) -> str | None:
@@ -317,6 +329,13 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return out
         self._fallback("indexer_scores", "no decode kernel")
         return ReferenceOps.indexer_scores(self, qi, w, keys, all_reduce)
+
+    def indexer_select(self, qi, w, keys, positions, ratio, topk, all_reduce=None):
+        out = self._prefill("indexer_select", self.prefill_indexer_select(qi, w, keys, positions, ratio, topk,
+                                                                          all_reduce))
+        if out is not None:
+            return out
+        return ReferenceOps.indexer_select(self, qi, w, keys, positions, ratio, topk, all_reduce)  # counts its two
 
     def indexer_topk(self, scores, positions, ratio, topk):
         out = self._prefill("indexer_topk", self.prefill_indexer_topk(scores, positions, ratio, topk))

@@ -1,40 +1,62 @@
 """The prefill (large token count) paths of the Triton backend.
 
-:class:`TritonPrefillOps` is a mixin: each ``prefill_<op>`` method takes the arguments of
-``ReferenceOps.<op>`` and returns the same result computed by the kernels in ``kernels/`` — or ``None`` when the
-kernel does not apply (too few tokens, another weight format, numerics the kernel does not implement, no GPU and
-no interpreter). The Triton backend calls them first for its ops and falls back otherwise:
+:class:`TritonPrefillOps` is a mixin: each ``prefill_<op>`` method takes the arguments of ``ReferenceOps.<op>``
+and returns the same result computed by the kernels in ``kernels/`` — or ``None`` when the kernel does not apply
+(too few rows, a weight format or numerics the kernel does not implement, no GPU and no interpreter). The Triton
+backend calls them first for its ops and falls back otherwise:
 
-=================== ============================================== =================================================
-op                  kernel                                         applies when
-=================== ============================================== =================================================
-linear              ``fp8_gemm.fp8_linear``                        FP8 weight, activation quantization on, M ≥ min
-grouped_wo_a        ``fp8_gemm.grouped_bf16_fp8_gemm``             FP8 weight, M ≥ min
-routed_experts      ``moe_sort`` + ``fp4_moe_grouped`` (fused)     FP4 bank, activation quantization on, T ≥ min
-moe_stage1/2        ``fp4_moe_grouped.moe_stage1/2``               as above
-sparse_attention    ``attention_prefill.sparse_attention``         b·s ≥ min
-indexer_scores      ``attention_prefill.indexer_scores``           b·s ≥ min
-indexer_topk        ``attention_prefill.indexer_topk``             b·s ≥ min, T ≤ TOPK_MAX_ENTRIES
-compressor_pool     ``attention_prefill.compressor_pool``          entries ≥ min / 4
-=================== ============================================== =================================================
+=================== ===================================================== =========================================
+op                  kernel                                                applies when
+=================== ===================================================== =========================================
+linear              ``fp8_gemm.fp8_linear`` (Triton or cuBLAS)            FP8 weight, activation quantization on
+                    ``fp8_gemm.weight_gemm``                              BF16 weight, or FP8 without act. quant.
+linear_f32          ``fp8_gemm.weight_gemm`` (fp32 out)                   BF16 weight (router, compressor, head)
+grouped_wo_a        ``fp8_gemm.weight_gemm`` (grouped)                    FP8 weight
+expert_mlp          ``fp8_gemm.fp8_swiglu_mlp``                           FP8 shared expert, act. quant. on
+routed_experts      ``moe_sort`` + ``fp4_moe_grouped`` (fused)            FP4 bank, activation quantization on
+moe_stage1/2        ``fp4_moe_grouped.moe_stage1/2``                      as above
+sparse_attention    ``attention_prefill.sparse_attention``                bf16 q and kv
+indexer_select      ``attention_prefill.indexer_select`` (causal scores)  ≤ TOPK_MAX_ENTRIES entries, no TP split
+indexer_scores/topk ``attention_prefill.indexer_scores/topk``             as above
+compressor_pool     ``attention_prefill.compressor_pool``                 ≥ 2 entries (one entry: a decode step's)
+=================== ===================================================== =========================================
 
-All kernels need ``numerics.act == bf16`` (they round where the reference rounds to bf16) and fp32 ``acc``.
+Every kernel needs ``numerics.act == bf16`` (they round where the reference rounds to bf16), fp32 ``acc``, and at
+least ``prefill_min_tokens`` rows (64; the decode kernels take up to 63). A tensor-parallel partial sum
+(``all_reduce``) of a projection is computed in fp32 and rounded after the reduction, as the reference does.
+
+The settings (class attributes ``prefill_*``) default to what ``dsv4lab bench kernels --suite prefill`` measured
+best on the H200 when its result file carries ``choices`` (:func:`load_choices`); :func:`prefill_chunk` is the
+chunk size chosen per prompt length the same way. :func:`accumulation_bound` states each kernel family's error
+bound (reduction length and accumulation model) for the tests and the benchmark's checks.
+
 :class:`TritonPrefillBackend` is the mixin over :class:`~dsv4lab.model.ops.ReferenceOps` as a backend of its own
-(prefill kernels, reference for everything else), used by the tests and by ``dsv4lab bench kernels --suite
-prefill``; it counts which ops ran on kernels (:meth:`TritonPrefillBackend.report`).
+(prefill kernels, reference for everything else), used by the tests and the benchmark; it counts which ops ran on
+kernels (:meth:`TritonPrefillBackend.report`).
 """
 from __future__ import annotations
 
+import functools
+import json
+import logging
 from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from .. import quant
 from ..model.ops import ReferenceOps
+from ..paths import RESULTS_DIR
 from .kernel_loader import kernel_module as _kernels  # on first use: triton is imported with the kernels
 
-PREFILL_OPS = ("linear", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention",
-               "indexer_scores", "indexer_topk", "compressor_pool")
+log = logging.getLogger("dsv4lab.triton")
+
+PREFILL_OPS = ("linear", "linear_f32", "grouped_wo_a", "expert_mlp", "routed_experts", "moe_stage1", "moe_stage2",
+               "sparse_attention", "indexer_select", "indexer_scores", "indexer_topk", "compressor_pool")
+CHOICES_FILE = RESULTS_DIR / "h200" / "prefill_kernels.json"
+DEFAULT_MAX_CHUNK = 4096  # measured: one real-dims CSA layer prefills fastest in 4,096-token chunks (docs)
 
 
 def _can_launch(t: torch.Tensor) -> bool:
@@ -43,25 +65,145 @@ def _can_launch(t: torch.Tensor) -> bool:
     return _kernels("fp8_gemm").interpreting()
 
 
+# ============================================================================================ error bounds
+# Unit roundoff of the accumulations the prefill kernels run on (docs/kernels_prefill.md, Numerics):
+TC_FP32_U = 2.0 ** -23  # bf16/fp16 tensor-core MMA: products exact, fp32 adds aligned with truncation (< 1 ulp)
+TC_FP8_U = 2.0 ** -13   # Hopper FP8 MMA: about 14 significant bits kept per add (DeepSeek-V3 report, §3.3.2)
+PROMOTION_K = 128       # the FP8 kernels promote the tensor-core partial to fp32 every 128-wide K block
+
+
+def accumulation_bound(terms: int, kind: str) -> dict:
+    """``check_within_bound`` keywords for a ``terms``-long dot product accumulated as ``kind``:
+
+    * ``"fp32"`` — exact products summed in fp32 on CUDA cores (RN, u = 2^-24): ``γ_n``;
+    * ``"tc_bf16"`` — BF16/FP16 tensor cores (exact products, fp32 accumulator with truncating alignment):
+      ``γ_n`` with u = 2^-23, i.e. ``c = 2n`` in units of fp32's 2^-24;
+    * ``"tc_fp8"`` — FP8 tensor cores promoted every 128 K: within a block ``γ_128`` at u = 2^-13, then the
+      ``n/128`` block partials summed in fp32 (RN): ``c = 128·2^11 + ⌈n/128⌉``.
+
+    First-order bounds (``γ ≈ n·u``), each ``Σ|terms|``-relative, so they hold under cancellation."""
+    if kind == "fp32":
+        c = float(terms)
+    elif kind == "tc_bf16":
+        c = terms * TC_FP32_U / 2.0 ** -24
+    elif kind == "tc_fp8":
+        c = min(terms, PROMOTION_K) * TC_FP8_U / 2.0 ** -24 + -(-terms // PROMOTION_K)
+    else:
+        raise ValueError(f"accumulation kind {kind!r}: expected fp32, tc_bf16 or tc_fp8")
+    return dict(terms=terms, c=c, acc_dtype=torch.float32)
+
+
+# ============================================================================================ measured choices
+@dataclass(frozen=True)
+class PrefillChoices:
+    """Settings chosen by measurement: ``dsv4lab bench kernels --suite prefill`` writes them as ``choices`` into
+    its result file, and :func:`load_choices` reads them back on the GPU they were measured on.
+
+    Attributes:
+        chunk_by_prompt: ``((prompt tokens up to, chunk), …)`` ascending; a chunk of 0 means one-shot.
+        moe_rows_by_tokens: ``((tokens up to, sorter rows), …)`` ascending.
+        moe_route, moe_decode, moe_persistent, moe_scale_per_byte, gemm_backend: the grouped MoE route, decode,
+            scheduling and scale loads, and the FP8 GEMM backend that measured fastest (None: the class default).
+        source: where these came from (a file and its commit, or "defaults").
+    """
+
+    chunk_by_prompt: tuple[tuple[int, int], ...] = ()
+    moe_rows_by_tokens: tuple[tuple[int, int], ...] = ()
+    moe_route: str | None = None
+    moe_decode: str | None = None
+    moe_persistent: bool | None = None
+    moe_scale_per_byte: bool | None = None
+    gemm_backend: str | None = None
+    source: str = "defaults"
+
+    @staticmethod
+    def _lookup(table, n: int, default):
+        for upto, value in table:
+            if n <= upto:
+                return value
+        return table[-1][1] if table else default
+
+
+_CHOICES: dict[str, PrefillChoices] = {}
+
+
+def load_choices(path: Path | None = None, gpu: str | None = None) -> PrefillChoices:
+    """The ``choices`` of a prefill benchmark result (default: the committed H200 file) if it was measured on
+    ``gpu`` (default: this process's GPU; a CPU matches nothing), else the defaults. Cached per (path, gpu)."""
+    path = Path(path or CHOICES_FILE)
+    if gpu is None:
+        gpu = _gpu_name()
+    key = f"{path}|{gpu}"
+    if key not in _CHOICES:
+        _CHOICES[key] = _read_choices(path, gpu)
+    return _CHOICES[key]
+
+
+@functools.lru_cache(maxsize=1)
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+
+
+def _read_choices(path: Path, gpu: str) -> PrefillChoices:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return PrefillChoices()
+    c = doc.get("choices")
+    if not c or not gpu or doc.get("gpu") != gpu or doc.get("smoke"):
+        return PrefillChoices()
+    return PrefillChoices(chunk_by_prompt=tuple(tuple(p) for p in c.get("chunk_by_prompt", ())),
+                          moe_rows_by_tokens=tuple(tuple(p) for p in c.get("moe_rows_by_tokens", ())),
+                          moe_route=c.get("moe_route"), moe_decode=c.get("moe_decode"),
+                          moe_persistent=c.get("moe_persistent"), moe_scale_per_byte=c.get("moe_scale_per_byte"),
+                          gemm_backend=c.get("gemm_backend"),
+                          source=f"{path.name} at {doc.get('commit')}")
+
+
+def prefill_chunk(prompt_tokens: int, choices: PrefillChoices | None = None) -> int:
+    """The prefill chunk size for a prompt of ``prompt_tokens`` tokens: the measured best for that length
+    (``choices.chunk_by_prompt``; 0 there means one chunk), else one chunk up to :data:`DEFAULT_MAX_CHUNK`
+    tokens and chunks of that size beyond. Returns a chunk length in tokens (≥ 1)."""
+    if prompt_tokens < 1:
+        raise ValueError(f"prefill_chunk: prompt_tokens must be ≥ 1, got {prompt_tokens}")
+    choices = choices if choices is not None else load_choices()
+    chunk = PrefillChoices._lookup(choices.chunk_by_prompt, prompt_tokens, None)
+    if chunk is None:
+        chunk = min(prompt_tokens, DEFAULT_MAX_CHUNK)
+    return prompt_tokens if chunk == 0 else min(chunk, prompt_tokens)
+
+
+# ============================================================================================ the mixin
 class TritonPrefillOps:
     """Mixin with the prefill kernels (see the module docstring). Needs ``self.numerics``.
 
-    Attributes (class defaults; set on an instance to change them):
-        prefill_min_tokens: fewest tokens (rows of the op) for which a prefill kernel is used.
-        prefill_moe_route: ``"bf16"`` (default: fp32 accumulation on every GPU), ``"fp8"`` (Hopper's FP8 MMA
-            accumulates with reduced precision, see docs/kernels_prefill.md; falls back to ``bf16`` for a bank whose
-            scales the exact E4M3 upcast cannot hold) or ``"scaled"``.
-        prefill_moe_rows: sorter rows (the grouped GEMM's block height).
-        prefill_gemm_config / prefill_attention_config: launch geometry names (see the kernel modules).
+    Attributes (class defaults; set on an instance to change them; ``None`` = the measured choice, see
+    :func:`load_choices`, or the built-in default):
+        prefill_min_tokens: fewest token rows for which a prefill kernel is used.
+        prefill_moe_route: ``"bf16"`` (default), ``"fp8"`` (falls back to ``bf16`` for a bank whose scales the
+            exact E4M3 upcast cannot hold) or ``"scaled"``.
+        prefill_moe_rows: sorter rows (the grouped GEMM's block height); None: by token count.
+        prefill_moe_decode / prefill_moe_persistent / prefill_moe_scale_per_byte: the bf16 route's weight decode,
+            scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
+        prefill_gemm_backend: FP8 GEMM on ``"triton"``, ``"cublas"`` (``torch._scaled_mm`` with the same block
+            scales, where it takes them) or ``"auto"`` (cuBLAS where available).
+        prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
+            launch geometry names (see the kernel modules).
     """
 
     prefill_min_tokens: int = 64
-    prefill_moe_route: str = "bf16"
-    prefill_moe_rows: int = 64
+    prefill_moe_route: str | None = None
+    prefill_moe_rows: int | None = None
+    prefill_moe_decode: str | None = None
+    prefill_moe_persistent: bool | None = None
+    prefill_moe_scale_per_byte: bool | None = None
+    prefill_gemm_backend: str | None = None
     prefill_gemm_config: str = "m128n128"
+    prefill_weight_gemm_config: str = "n128m128"
     prefill_attention_config: str = "h64n32x"
+    prefill_indexer_config: str = "q2t64x8"
 
-    # ------------------------------------------------------------------ applicability
+    # ------------------------------------------------------------------ applicability and settings
     def _prefill_numerics_ok(self) -> bool:
         nm = self.numerics
         return nm.act == torch.bfloat16 and nm.acc == torch.float32
@@ -69,12 +211,27 @@ class TritonPrefillOps:
     def _prefill_applies(self, t: torch.Tensor, rows: int) -> bool:
         return rows >= self.prefill_min_tokens and self._prefill_numerics_ok() and _can_launch(t)
 
-    def _moe_geometry(self, rows: int | None = None):
-        return _kernels("fp4_moe_grouped").MoEGeometry(rows=rows or self.prefill_moe_rows)
+    def _choices(self) -> PrefillChoices:
+        return load_choices()
+
+    def _setting(self, name: str, default):
+        own = getattr(self, f"prefill_{name}")
+        if own is not None:
+            return own
+        measured = getattr(self._choices(), name, None)
+        return default if measured is None else measured
+
+    def _moe_geometry(self, tokens: int, rows: int | None = None):
+        fm = _kernels("fp4_moe_grouped")
+        if rows is None:
+            rows = self.prefill_moe_rows or PrefillChoices._lookup(self._choices().moe_rows_by_tokens, tokens, 64)
+        return fm.MoEGeometry(rows=rows, decode=self._setting("moe_decode", "auto"),
+                              persistent=bool(self._setting("moe_persistent", False)),
+                              scale_per_byte=bool(self._setting("moe_scale_per_byte", False)))
 
     def _moe_route(self, bank, route: str | None = None) -> str:
         fm = _kernels("fp4_moe_grouped")
-        route = route or self.prefill_moe_route
+        route = route or self._setting("moe_route", "bf16")
         if route == "fp8" and not fm.fp8_route_exact(bank):
             return "bf16"
         return route
@@ -83,23 +240,70 @@ class TritonPrefillOps:
         return (bank.fmt == "fp4" and self.numerics.act_quant and self._prefill_applies(x, tokens)
                 and bank.dim % 32 == 0 and bank.inter % 32 == 0)
 
+    def _gemm_backend(self) -> str:
+        backend = self._setting("gemm_backend", "auto")
+        return "cublas" if backend == "auto" else backend
+
+    @staticmethod
+    def _scale_f32(lin):
+        """The weight's fp32 block scales for cuBLAS, computed once per scale tensor and kept on the Linear."""
+        fg = _kernels("fp8_gemm")
+        hit = getattr(lin, "_prefill_scale_f32", None)
+        if hit is None or hit[0] != lin.scale.data_ptr():
+            hit = (lin.scale.data_ptr(), fg.weight_scale_f32(lin.scale))
+            lin._prefill_scale_f32 = hit
+        return hit[1]
+
     # ------------------------------------------------------------------ projections
     def prefill_linear(self, x: torch.Tensor, lin, all_reduce=None) -> torch.Tensor | None:
         rows = x.numel() // max(1, x.shape[-1])
-        # a row-split projection (all_reduce) must be summed before rounding: the reference's job
-        if all_reduce is not None or not (lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant
-                                          and self._prefill_applies(x, rows)):
+        if x.dtype != torch.bfloat16 or not self._prefill_applies(x, rows):
             return None
-        return _kernels("fp8_gemm").fp8_linear(x.to(torch.bfloat16), lin.weight, lin.scale,
-                                              config=self.prefill_gemm_config)
+        fg = _kernels("fp8_gemm")
+        # a row-split projection (all_reduce) is summed in fp32 and rounded after the reduction, as the reference
+        out_dtype = torch.float32 if all_reduce is not None else torch.bfloat16
+        if lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant:
+            backend = self._gemm_backend()
+            y = fg.fp8_linear(x, lin.weight, lin.scale, config=self.prefill_gemm_config, backend=backend,
+                              out_dtype=out_dtype, w_scale_f32=self._scale_f32(lin) if backend == "cublas" and
+                              x.is_cuda else None)
+        elif lin.fmt == "fp8" or (lin.fmt == "bf16" and not lin.act_quant):
+            y = fg.weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, lin.scale if lin.fmt == "fp8" else None,
+                               out_dtype, config=self.prefill_weight_gemm_config).view(*x.shape[:-1], -1)
+        else:
+            return None
+        if all_reduce is not None:
+            y = all_reduce(y).to(torch.bfloat16)
+        return y
+
+    def prefill_linear_f32(self, x: torch.Tensor, lin) -> torch.Tensor | None:
+        rows = x.numel() // max(1, x.shape[-1])
+        if lin.fmt != "bf16" or x.dtype != torch.bfloat16 or not self._prefill_applies(x, rows):
+            return None
+        y = _kernels("fp8_gemm").weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, None, torch.float32,
+                                             config=self.prefill_weight_gemm_config)
+        return y.view(*x.shape[:-1], -1)
 
     def prefill_grouped_wo_a(self, o: torch.Tensor, lin, groups: int) -> torch.Tensor | None:
         rows = o.numel() // max(1, o.shape[-1] * groups)
         if not (lin.fmt == "fp8" and o.dtype == torch.bfloat16 and self._prefill_applies(o, rows)):
             return None
-        y = _kernels("fp8_gemm").grouped_bf16_fp8_gemm(o.reshape(rows, groups, o.shape[-1]), lin.weight, lin.scale,
-                                                       groups, config=self.prefill_gemm_config)
+        y = _kernels("fp8_gemm").weight_gemm(o.reshape(rows, groups, o.shape[-1]), lin.weight, lin.scale,
+                                             torch.bfloat16, groups, config=self.prefill_weight_gemm_config)
         return y.view(*o.shape[:-1], -1)
+
+    def prefill_expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
+        rows = x.numel() // max(1, x.shape[-1])
+        if (weight is not None or x.dtype != torch.bfloat16 or not self.numerics.act_quant
+                or any(w.fmt != "fp8" or not w.act_quant for w in (w1, w2, w3))
+                or not self._prefill_applies(x, rows)):
+            return None
+        backend = self._gemm_backend()
+        y = _kernels("fp8_gemm").fp8_swiglu_mlp(
+            x.reshape(-1, x.shape[-1]), w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, limit,
+            config=self.prefill_gemm_config, backend=backend,
+            w2_scale_f32=self._scale_f32(w2) if backend == "cublas" and x.is_cuda else None)
+        return y.view(*x.shape[:-1], -1)
 
     # ------------------------------------------------------------------ experts
     def prefill_routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route=None,
@@ -107,7 +311,7 @@ class TritonPrefillOps:
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
         fm = _kernels("fp4_moe_grouped")
-        route, geo = self._moe_route(bank, route), self._moe_geometry(rows)
+        route, geo = self._moe_route(bank, route), self._moe_geometry(idx.shape[0], rows)
         if trace is None:
             return fm.routed_experts(x.contiguous(), idx, weights.float(), bank, limit, route=route, geo=geo,
                                      all_reduce=all_reduce)
@@ -125,13 +329,13 @@ class TritonPrefillOps:
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
         return _kernels("fp4_moe_grouped").moe_stage1(x, idx, bank, route=self._moe_route(bank, route),
-                                                     geo=self._moe_geometry(rows))
+                                                     geo=self._moe_geometry(idx.shape[0], rows))
 
     def prefill_moe_stage2(self, h, idx, bank, route=None, rows=None):
         if not self._moe_applies(h, idx.shape[0], bank):
             return None
         return _kernels("fp4_moe_grouped").moe_stage2(h, idx, bank, route=self._moe_route(bank, route),
-                                                     geo=self._moe_geometry(rows))
+                                                     geo=self._moe_geometry(idx.shape[0], rows))
 
     # ------------------------------------------------------------------ attention side
     def prefill_sparse_attention(self, q, kv, idx, sink, scale, config=None):
@@ -141,11 +345,21 @@ class TritonPrefillOps:
         return _kernels("attention_prefill").sparse_attention(q.contiguous(), kv.contiguous(), idx, sink, scale,
                                                              config=config or self.prefill_attention_config)
 
-    def prefill_indexer_scores(self, qi, w, keys, all_reduce=None):
+    def _indexer_ok(self, qi, w, keys, all_reduce) -> bool:
         b, s = qi.shape[:2]
         # split heads (all_reduce) must be summed before rounding: the reference's job
-        if all_reduce is not None or not (qi.dtype == keys.dtype == w.dtype == torch.bfloat16
-                                          and self._prefill_applies(qi, b * s)):
+        return all_reduce is None and qi.dtype == keys.dtype == w.dtype == torch.bfloat16 and \
+            self._prefill_applies(qi, b * s)
+
+    def prefill_indexer_select(self, qi, w, keys, positions, ratio, topk, all_reduce=None):
+        ap = _kernels("attention_prefill")
+        if keys.shape[1] > ap.TOPK_MAX_ENTRIES or not self._indexer_ok(qi, w, keys, all_reduce):
+            return None
+        return ap.indexer_select(qi.contiguous(), w.contiguous(), keys.contiguous(), positions, ratio, topk,
+                                 config=self.prefill_indexer_config)
+
+    def prefill_indexer_scores(self, qi, w, keys, all_reduce=None):
+        if not self._indexer_ok(qi, w, keys, all_reduce):
             return None
         return _kernels("attention_prefill").indexer_scores(qi.contiguous(), w.contiguous(), keys.contiguous())
 
@@ -157,9 +371,9 @@ class TritonPrefillOps:
         return ap.indexer_topk(scores.contiguous(), positions, ratio, topk)
 
     def prefill_compressor_pool(self, kv_slots, sc_slots):
-        nb = kv_slots.shape[0]
-        if not (kv_slots.dtype == sc_slots.dtype == torch.float32
-                and self._prefill_applies(kv_slots, nb * 4)):
+        # one entry is what a decode step completes; a prefill chunk completes several at once
+        if not (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 2
+                and self._prefill_numerics_ok() and _can_launch(kv_slots)):
             return None
         return _kernels("attention_prefill").compressor_pool(kv_slots, sc_slots)
 
@@ -170,11 +384,14 @@ class TritonPrefillOps:
         out: dict[str, Callable] = {}
         if method == "routed_experts":
             fm = _kernels("fp4_moe_grouped")
-            for route, rows in (("bf16", 16), ("bf16", 64), ("fp8", 32), ("scaled", 16)):
-                out[f"prefill_{route}_rows{rows}"] = (
-                    lambda x, idx, w, bank, limit, trace=None, all_reduce=None, route=route, rows=rows:
-                    fm.routed_experts(x.contiguous(), idx, w.float(), bank, limit, route=route,
-                                      geo=fm.MoEGeometry(rows=rows), all_reduce=all_reduce))
+            for route, rows, persistent in (("bf16", 16, False), ("bf16", 64, True), ("fp8", 32, False),
+                                            ("scaled", 16, False)):
+                tag = f"prefill_{route}_rows{rows}" + ("_persistent" if persistent else "")
+                out[tag] = (lambda x, idx, w, bank, limit, trace=None, all_reduce=None, route=route, rows=rows,
+                            persistent=persistent:
+                            fm.routed_experts(x.contiguous(), idx, w.float(), bank, limit, route=route,
+                                              geo=fm.MoEGeometry(rows=rows, persistent=persistent),
+                                              all_reduce=all_reduce))
         elif method in ("moe_stage1", "moe_stage2"):
             fm = _kernels("fp4_moe_grouped")
             fn = getattr(fm, method)
@@ -184,24 +401,48 @@ class TritonPrefillOps:
         elif method == "linear":
             fg = _kernels("fp8_gemm")
 
-            def fp8_linear(x, lin, all_reduce=None):
-                if lin.fmt != "fp8" or all_reduce is not None:  # the variant is the FP8 GEMM alone
-                    return ReferenceOps.linear(self, x, lin, all_reduce)
-                return fg.fp8_linear(x.to(torch.bfloat16), lin.weight, lin.scale, config="small")
-            out["prefill_fp8_gemm"] = fp8_linear
+            def prefill_gemm(x, lin, all_reduce=None):
+                if all_reduce is not None or x.dtype != torch.bfloat16 or lin.fmt not in ("fp8", "bf16"):
+                    return ReferenceOps.linear(self, x, lin, all_reduce)  # the variant is the GEMMs alone
+                if lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant:
+                    return fg.fp8_linear(x, lin.weight, lin.scale, config="small")
+                y = fg.weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, lin.scale if lin.fmt == "fp8" else None,
+                                   torch.bfloat16, config="small")
+                return y.view(*x.shape[:-1], -1)
+            out["prefill_gemm"] = prefill_gemm
+        elif method == "linear_f32":
+            fg = _kernels("fp8_gemm")
+            out["prefill_weight_gemm"] = (lambda x, lin: fg.weight_gemm(
+                x.reshape(-1, x.shape[-1]), lin.weight, None, torch.float32, config="small").view(
+                    *x.shape[:-1], -1))
         elif method == "grouped_wo_a":
             fg = _kernels("fp8_gemm")
-            out["prefill_bf16_fp8_gemm"] = (lambda o, lin, groups: fg.grouped_bf16_fp8_gemm(
-                o.reshape(-1, groups, o.shape[-1]), lin.weight, lin.scale, groups, config="small").view(
-                    *o.shape[:-1], -1))
+            out["prefill_weight_gemm"] = (lambda o, lin, groups: fg.weight_gemm(
+                o.reshape(-1, groups, o.shape[-1]), lin.weight, lin.scale, torch.bfloat16, groups,
+                config="small").view(*o.shape[:-1], -1))
+        elif method == "expert_mlp":
+            fg = _kernels("fp8_gemm")
+            out["prefill_swiglu_mlp"] = (lambda x, w1, w2, w3, limit, weight=None, shared=False: fg.fp8_swiglu_mlp(
+                x, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, limit, config="small"))
         elif method == "sparse_attention":
             ap = _kernels("attention_prefill")
             for cfg in ("h16n16", "h16n16x", "h64n32d2"):
                 out[f"prefill_{cfg}"] = (lambda q, kv, idx, sink, scale, cfg=cfg:
                                          ap.sparse_attention(q, kv, idx, sink, scale, config=cfg))
+        elif method == "indexer_select":
+            ap = _kernels("attention_prefill")
+            out["prefill"] = (lambda qi, w, keys, positions, ratio, topk, all_reduce=None: ap.indexer_select(
+                qi, w, keys, positions, ratio, topk, config="q2t64x8"))
         elif method in ("indexer_scores", "indexer_topk", "compressor_pool"):
             out["prefill"] = getattr(_kernels("attention_prefill"), method)
         return out
+
+
+# ============================================================================================ standalone backend
+@dataclass
+class _Counts:
+    kernel_runs: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
 
 
 class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
@@ -215,10 +456,12 @@ class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
             self.prefill_min_tokens = min_tokens
         for key, value in settings.items():
             if not hasattr(TritonPrefillOps, f"prefill_{key}"):
-                raise ValueError(f"unknown prefill setting {key!r}")
+                raise ValueError(f"unknown prefill setting {key!r}; known: " + ", ".join(
+                    n[len("prefill_"):] for n in vars(TritonPrefillOps) if n.startswith("prefill_")
+                    and not callable(getattr(TritonPrefillOps, n))))
             setattr(self, f"prefill_{key}", value)
-        self.kernel_runs: Counter = Counter()
-        self.fallbacks: Counter = Counter()
+        counts = _Counts()
+        self.kernel_runs, self.fallbacks = counts.kernel_runs, counts.fallbacks
 
     def _dispatch(self, op: str, result, fallback):
         if result is not None:
@@ -239,38 +482,76 @@ class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
 
     def linear(self, x, lin, all_reduce=None):
         return self._dispatch("linear", self.prefill_linear(x, lin, all_reduce),
-                              lambda: super(TritonPrefillBackend, self).linear(x, lin, all_reduce))
+                              lambda: ReferenceOps.linear(self, x, lin, all_reduce))
+
+    def linear_f32(self, x, lin):
+        return self._dispatch("linear_f32", self.prefill_linear_f32(x, lin),
+                              lambda: ReferenceOps.linear_f32(self, x, lin))
 
     def grouped_wo_a(self, o, lin, groups):
         return self._dispatch("grouped_wo_a", self.prefill_grouped_wo_a(o, lin, groups),
-                              lambda: super(TritonPrefillBackend, self).grouped_wo_a(o, lin, groups))
+                              lambda: ReferenceOps.grouped_wo_a(self, o, lin, groups))
+
+    def expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
+        return self._dispatch("expert_mlp", self.prefill_expert_mlp(x, w1, w2, w3, limit, weight, shared),
+                              lambda: ReferenceOps.expert_mlp(self, x, w1, w2, w3, limit, weight, shared))
 
     def routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None):
         return self._dispatch("routed_experts",
                               self.prefill_routed_experts(x, idx, weights, bank, limit, trace, all_reduce),
-                              lambda: super(TritonPrefillBackend, self).routed_experts(x, idx, weights, bank, limit,
-                                                                                       trace, all_reduce))
+                              lambda: ReferenceOps.routed_experts(self, x, idx, weights, bank, limit, trace,
+                                                                  all_reduce))
 
     def moe_stage1(self, x, idx, bank):
         return self._dispatch("moe_stage1", self.prefill_moe_stage1(x, idx, bank),
-                              lambda: super(TritonPrefillBackend, self).moe_stage1(x, idx, bank))
+                              lambda: ReferenceOps.moe_stage1(self, x, idx, bank))
 
     def moe_stage2(self, h, idx, bank):
         return self._dispatch("moe_stage2", self.prefill_moe_stage2(h, idx, bank),
-                              lambda: super(TritonPrefillBackend, self).moe_stage2(h, idx, bank))
+                              lambda: ReferenceOps.moe_stage2(self, h, idx, bank))
 
     def sparse_attention(self, q, kv, idx, sink, scale):
         return self._dispatch("sparse_attention", self.prefill_sparse_attention(q, kv, idx, sink, scale),
-                              lambda: super(TritonPrefillBackend, self).sparse_attention(q, kv, idx, sink, scale))
+                              lambda: ReferenceOps.sparse_attention(self, q, kv, idx, sink, scale))
+
+    def indexer_select(self, qi, w, keys, positions, ratio, topk, all_reduce=None):
+        return self._dispatch("indexer_select",
+                              self.prefill_indexer_select(qi, w, keys, positions, ratio, topk, all_reduce),
+                              lambda: ReferenceOps.indexer_select(self, qi, w, keys, positions, ratio, topk,
+                                                                  all_reduce))
 
     def indexer_scores(self, qi, w, keys, all_reduce=None):
         return self._dispatch("indexer_scores", self.prefill_indexer_scores(qi, w, keys, all_reduce),
-                              lambda: super(TritonPrefillBackend, self).indexer_scores(qi, w, keys, all_reduce))
+                              lambda: ReferenceOps.indexer_scores(self, qi, w, keys, all_reduce))
 
     def indexer_topk(self, scores, positions, ratio, topk):
         return self._dispatch("indexer_topk", self.prefill_indexer_topk(scores, positions, ratio, topk),
-                              lambda: super(TritonPrefillBackend, self).indexer_topk(scores, positions, ratio, topk))
+                              lambda: ReferenceOps.indexer_topk(self, scores, positions, ratio, topk))
 
     def compressor_pool(self, kv_slots, sc_slots):
         return self._dispatch("compressor_pool", self.prefill_compressor_pool(kv_slots, sc_slots),
-                              lambda: super(TritonPrefillBackend, self).compressor_pool(kv_slots, sc_slots))
+                              lambda: ReferenceOps.compressor_pool(self, kv_slots, sc_slots))
+
+
+# ============================================================================================ Σ|terms| of the ops
+def linear_magnitude(x: torch.Tensor, lin, act_quant: bool) -> torch.Tensor:
+    """``Σ_k |x_k · W_nk|`` per output of a projection (float64), with ``x`` quantized as the reference does."""
+    xq = quant.act_qdq_fp8(x) if act_quant else x
+    return xq.double().abs() @ lin.dequantized(torch.float64).abs().T
+
+
+def expert_stage_magnitude(x: torch.Tensor, idx: torch.Tensor, bank, which: str, act_quant: bool) -> torch.Tensor:
+    """``Σ|terms|`` of one routed-expert projection per slot: ``x [T, K]`` (stage 1) or ``[T, k, K]`` (stage 2's
+    per-slot input), ``which`` ∈ {w1, w3, w2} → ``[T, k, N]`` float64 (NaN for slots of other ranks)."""
+    T, k = idx.shape
+    per_slot = x.ndim == 3
+    xq = quant.act_qdq_fp8(x.to(torch.bfloat16)) if act_quant else x
+    n = bank.inter if which != "w2" else bank.dim
+    out = torch.full((T, k, n), float("nan"), dtype=torch.float64, device=x.device)
+    for e in torch.unique(idx).tolist():
+        if not bank.owns(e):
+            continue
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        rows = xq[tok, slot] if per_slot else xq[tok]
+        out[tok, slot] = rows.double().abs() @ bank.dequantized(which, e, torch.float64).abs().T
+    return out

@@ -132,8 +132,8 @@ class Attention(nn.Module):
                 qi = self.indexer.queries(qr, cos_q, sin_q, ops)
                 w = self.indexer.head_weights(x, ops)
                 n_keys = int(((start + lengths) // 4).max())
-                scores = ops.indexer_scores(qi, w, self.ikv[slots, :n_keys], all_reduce=all_reduce)
-                sel = ops.indexer_topk(scores, positions, 4, a.index_topk)
+                sel = ops.indexer_select(qi, w, self.ikv[slots, :n_keys], positions, 4, a.index_topk,
+                                         all_reduce=all_reduce)
                 if trace is not None:
                     trace("indexer_selection", sel)
                 idx.append(torch.where(sel >= 0, sel + base, -1))

@@ -217,6 +217,13 @@ class ReferenceOps:
     def indexer_topk(self, scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
         return select_topk(scores, positions, ratio, topk)
 
+    def indexer_select(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                       ratio: int, topk: int, all_reduce=None) -> torch.Tensor:
+        """The indexer's selection, :meth:`indexer_scores` then :meth:`indexer_topk`: ``[b, s, min(topk, T)]``
+        entry indices (−1 = none). One op, so a fast path may score only the keys a query can see and never
+        materialise the scores."""
+        return self.indexer_topk(self.indexer_scores(qi, w, keys, all_reduce=all_reduce), positions, ratio, topk)
+
     # ---------------------------------------------------------------- attention
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:

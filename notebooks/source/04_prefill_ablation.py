@@ -109,6 +109,25 @@ if doc is not None:
 out.table("sorter", sorter)
 
 # %% [markdown]
+# ## What the measurements chose, and the issue's targets
+#
+# The prefill benchmark (issue 18) also times each FP8 projection beside cuBLAS `_scaled_mm` with the same block
+# scales, and writes the settings its measurements pick (`choices`: chunk size per prompt length, MoE route /
+# decode / sorter rows, GEMM backend — read back by `dsv4lab.engine.triton_prefill.load_choices` on that GPU) and
+# the issue's targets as measured. Results files from before issue 18 carry neither; the tables are then empty.
+
+# %%
+measured = doc or {}
+gemm_side_by_side = [dict(r) for r in measured.get("rows", []) if r["kernel"] == "fp8_gemm"
+                     and (r["variant"].endswith(":cublas") or ":triton:" in r["variant"])]
+out.table("fp8_gemm_vs_cublas", gemm_side_by_side)
+choices = measured.get("choices", {})
+out.table("choices", [dict(setting=k, value=str(v), why=choices.get("why", {}).get(k.split("_")[0], ""))
+                      for k, v in choices.items() if k != "why"])
+targets = measured.get("targets", {})
+out.table("targets", [dict(target=k, measured=str(v)) for k, v in targets.items()])
+
+# %% [markdown]
 # ## Fresh measurements (GPU only) and the interpreter check (CPU)
 
 # %%
