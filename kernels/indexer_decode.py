@@ -60,7 +60,7 @@ def _order_key(score, SHIFT: tl.constexpr):
 
 @triton.jit
 def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_ptr, buf_ptr, out_ptr,
-                           H, DI, T, KOUT, TOPK, RATIO, sq_b, sq_h, sw_b, sk_b, sk_t, s_sc, s_buf, s_out,
+                           H, DI, T, KOUT, TOPK, RATIO, w_scale, sq_b, sq_h, sw_b, sk_b, sk_t, s_sc, s_buf, s_out,
                            ROUND_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -76,7 +76,9 @@ def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_p
         hm = h < H
         dm = d < DI
         q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-        w = tl.load(w_ptr + b * sw_b + h, mask=hm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + b * sw_b + h, mask=hm, other=0.0).to(tl.float32) * w_scale
+        if ROUND_BF16:  # the head weights are the act tensor weights_proj(x) · scale
+            w = round_to_bf16(w)
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < n_vis
         slot = tl.load(slot_ptr + b)
@@ -135,11 +137,12 @@ def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_p
 
 
 def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
-                   positions: torch.Tensor, topk: int, ratio: int = 4, block_t: int | None = None,
-                   return_scores: bool = False):
-    """``qi [b, H, d]`` (prepared queries), ``w [b, H]``, the index-key cache ``keys [slots, T, d]`` read at
-    ``slots [b]``, ``positions [b]`` → ``[b, min(topk, T)]`` int64 entry indices (−1 = none); with
-    ``return_scores`` also the scores ``[b, T]`` (fp32 holding act values; only the visible ones are written)."""
+                   positions: torch.Tensor, topk: int, ratio: int = 4, w_scale: float = 1.0,
+                   block_t: int | None = None, return_scores: bool = False):
+    """``qi [b, H, d]`` (prepared queries), head weights ``w [b, H] · w_scale`` (rounded to act as the reference
+    scales them), the index-key cache ``keys [slots, T, d]`` read at ``slots [b]``, ``positions [b]`` →
+    ``[b, min(topk, T)]`` int64 entry indices (−1 = none); with ``return_scores`` also the scores ``[b, T]`` (fp32
+    holding act values; only the visible ones are written)."""
     B, H, DI = qi.shape
     T = keys.shape[1]
     assert keys.shape[2] == DI and w.shape == (B, H) and keys.stride(-1) == 1 and qi.stride(-1) == 1
@@ -154,7 +157,7 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots:
     picks = torch.empty(B, block_k, dtype=torch.int64, device=qi.device)
     grid = (B, triton.cdiv(T, block_t))
     _indexer_select_kernel[grid](qi, w, keys, slots, positions, scores, _counters(B, qi.device), picks, out,
-                                 H, DI, T, kout, topk, ratio, qi.stride(0), qi.stride(1), w.stride(0),
+                                 H, DI, T, kout, topk, ratio, float(w_scale), qi.stride(0), qi.stride(1), w.stride(0),
                                  keys.stride(0), keys.stride(1), scores.stride(0), picks.stride(0), out.stride(0),
                                  ROUND_BF16=qi.dtype == torch.bfloat16, UPCAST=interpreting(),
                                  BLOCK_H=max(16, triton.next_power_of_2(H)),

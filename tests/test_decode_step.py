@@ -136,7 +136,7 @@ def test_fused_static_step_on_the_triton_kernels(capsys):
     with capsys.disabled():
         print(f"\n[decode step, tiny, b=2] {counts['triton']} Triton launches + {counts['torch']} torch ops "
               f"= {(counts['triton'] + counts['torch']) / layers:.1f} per layer (6 layers + embedding and head); "
-              f"torch ops: {dict(counts['torch_ops'].most_common(8))}")
+              f"Triton: {dict(counts['triton_kernels'].most_common())}; torch: {dict(counts['torch_ops'])}")
     assert counts["triton"] > 0
 
 

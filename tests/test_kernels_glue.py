@@ -323,11 +323,12 @@ def test_indexer_select_scores_and_topk(case):
         keys[slots[i], :n] = quant.fp4_qdq(torch.randn(n, D, generator=g), 32).to(dtype)
     keys[slots[0], 5] = keys[slots[0], 9] = keys[slots[0], 2]  # tied scores
     ops = _ref(dtype)
-    ref = ops.indexer_select(qi, w, keys, slots, pos, case["topk"])
-    ref_scores = ops.indexer_scores(qi[:, None], w[:, None], keys[slots])[:, 0].float()
+    scale = TINY.index_scale  # the head weights' scale, applied (and rounded to act) inside the op
+    ref = ops.indexer_select(qi, w, keys, slots, pos, case["topk"], w_scale=scale)
+    ref_scores = ops.indexer_scores(qi[:, None], (w * scale)[:, None], keys[slots])[:, 0].float()
     args = (_poisoned(qi), _poisoned(w), keys.to(DEV), slots.to(DEV), pos.to(DEV), case["topk"])
     for _ in range(2):
-        sel, scores = ixd.indexer_select(*args, return_scores=True)
+        sel, scores = ixd.indexer_select(*args, w_scale=scale, return_scores=True)
         visible = torch.arange(T)[None, :] < ((pos + 1) // 4)[:, None]
         got = torch.where(visible, scores.cpu(), float("nan"))
         want = torch.where(visible, ref_scores, float("nan"))
@@ -365,6 +366,108 @@ def test_attention_epilogue_is_the_reference_inverse_rope(splits):
     want = _ref().rope(plain.cpu(), cos.cpu()[pos][:, None], sin.cpu()[pos][:, None], inverse=True)
     assert_bound("attention epilogue", rotated, want, out_dtype=torch.bfloat16)
     assert torch.isfinite(rotated.float()).all()  # the NaN rows past each visible prefix were never read
+
+
+# ------------------------------------------------------------------------------------------ Flash widths
+FLASH = get_preset("flash")
+
+
+def _flash_case(name: str, g):
+    """(kernel output, reference output, bound keywords) of one glue op at DeepSeek-V4-Flash widths, 2 rows."""
+    a, b, bf = FLASH, 2, torch.bfloat16
+    cos, sin = rope_table(a, 2, 4096)
+    pos = torch.tensor([4095, 517])
+    ops = _ref()
+    if name == "hc_pre_norm":
+        X = (torch.randn(b, 1, a.hc_mult, a.dim, generator=g) * 2).to(bf)
+        fn = torch.randn(a.mix_hc, a.hc_dim, generator=g) * a.hc_dim ** -0.5
+        base, scale, w = torch.randn(a.mix_hc, generator=g) * 0.5, torch.rand(3, generator=g) + 0.5, \
+            1 + 0.1 * torch.randn(a.dim, generator=g)
+        out = mhc.hc_pre_norm(*[t.to(DEV) for t in (X, fn, base, scale, w)], a.hc_sinkhorn_iters, a.norm_eps,
+                              a.hc_eps)
+        return out[0], ops.hc_pre_norm(X, fn, base, scale, w, a)[0], dict(ulps=3.0)
+    if name == "head_rms_rope":
+        q = torch.randn(b, 1, a.n_heads, a.head_dim, generator=g).to(bf)
+        return (nrq.head_rms_rope(q.to(DEV), cos.to(DEV), sin.to(DEV), pos[:, None].to(DEV), a.norm_eps),
+                ops.head_rms_rope(q, cos, sin, pos[:, None], a.norm_eps), {})
+    if name == "kv_norm_rope":
+        kv, w = torch.randn(b, 1, a.head_dim, generator=g).to(bf), 1 + 0.1 * torch.randn(a.head_dim, generator=g)
+        ref = ops.kv_norm_rope(kv, w, a.norm_eps, cos, sin, pos[:, None])
+        mag = torch.zeros_like(ref, dtype=torch.float64)
+        mag[..., :a.nope_head_dim] = quant_step(ref[..., :a.nope_head_dim], 64, "e4m3")
+        return (nrq.kv_norm_rope(kv.to(DEV), w.to(DEV), a.norm_eps, cos.to(DEV), sin.to(DEV), pos[:, None].to(DEV),
+                                 a.nope_head_dim, True), ref, dict(magnitude=mag, terms=1 << 23))
+    if name == "indexer_query":
+        qi = torch.randn(b, 1, a.index_n_heads, a.index_head_dim, generator=g).to(bf)
+        ref = ops.indexer_query(qi, cos, sin, pos[:, None])
+        return (nrq.indexer_query(qi.to(DEV), cos.to(DEV), sin.to(DEV), pos[:, None].to(DEV), True), ref,
+                dict(magnitude=quant_step(ref, 32, "e2m1"), terms=1 << 23))
+    if name == "router_topk":
+        gate = Gate(a, False)
+        gate._buffers["bias"] = torch.randn(a.n_routed_experts, generator=g) * 0.1
+        logits = torch.randn(b, a.n_routed_experts, generator=g) * 3
+        idx, w = router.router_topk(logits.to(DEV), 6, a.route_scale, a.score_func, bias=gate.bias.to(DEV))
+        ref_idx, ref_w = ops.router_topk(logits, gate, pos)
+        assert torch.equal(idx.cpu(), ref_idx)
+        return w, ref_w, dict(out_dtype=torch.float32, ulps=3.0)
+    if name.startswith("compressor"):
+        ratio, indexer = (4, False) if name == "compressor_csa" else (4, True) if name == "compressor_indexer" \
+            else (128, False)
+        ch = a.index_head_dim if indexer else a.head_dim
+        comp = Compressor(a, ratio, ch, indexer)
+        width = comp.coff * ch
+        comp._buffers["ape"] = torch.randn(ratio, width, generator=g)
+        comp.norm._buffers["weight"] = 1 + 0.1 * torch.randn(ch, generator=g)
+        comp.allocate_state(3, torch.float32, "cpu")
+        comp.kv_ring.normal_(generator=g)
+        comp.score_ring.normal_(generator=g)
+        cache = torch.full((3, 4096 // ratio, ch), float("nan"), dtype=bf)
+        rings = (comp.kv_ring.to(DEV), comp.score_ring.to(DEV))
+        cache_dev = cache.to(DEV)
+        p = torch.tensor([4095, 511]) if ratio == 128 else torch.tensor([4095, 518])
+        kv, sc = torch.randn(b, width, generator=g), torch.randn(b, width, generator=g)
+        slots = torch.tensor([2, 0])
+        ops.compressor_step(comp, kv, sc, p, slots, cache, cos, sin)
+        cmpd.compressor_step(kv.to(DEV), sc.to(DEV), comp.ape.to(DEV), p.to(DEV), slots.to(DEV), *rings, cache_dev,
+                             comp.norm.weight.to(DEV), cos.to(DEV), sin.to(DEV), ratio, ratio == 4, a.norm_eps,
+                             indexer, True)
+        nope = ch - a.rope_head_dim
+        mag = torch.zeros_like(cache, dtype=torch.float64)
+        if indexer:
+            mag = quant_step(cache, 32, "e2m1")
+        else:
+            mag[..., :nope] = quant_step(cache[..., :nope], 64, "e4m3")
+        assert (~torch.isnan(cache.float())).any(-1).sum() >= 1
+        return cache_dev, cache, dict(magnitude=mag, terms=1 << 23)
+    if name == "indexer_select":
+        T, H, D = 4096 // 4, a.index_n_heads, a.index_head_dim
+        qi = quant.fp4_qdq(torch.randn(b, H, D, generator=g), 32).to(bf)
+        w = torch.randn(b, H, generator=g).to(bf)
+        keys = quant.fp4_qdq(torch.randn(3, T, D, generator=g), 32).to(bf)
+        slots = torch.tensor([2, 0])
+        sel, scores = ixd.indexer_select(qi.to(DEV), w.to(DEV), keys.to(DEV), slots.to(DEV), pos.to(DEV),
+                                         a.index_topk, w_scale=a.index_scale, return_scores=True)
+        # the selection is exact given the scores; the scores are checked against the reference's
+        assert torch.equal(sel.cpu(), ops.indexer_topk(scores.cpu().to(bf)[:, None], pos[:, None], 4,
+                                                        a.index_topk)[:, 0])
+        if not GPU:
+            assert torch.equal(sel.cpu(), ops.indexer_select(qi, w, keys, slots, pos, a.index_topk,
+                                                              w_scale=a.index_scale))
+        ref = ops.indexer_scores(qi[:, None], (w * a.index_scale)[:, None], keys[slots])[:, 0].float()
+        visible = torch.arange(T)[None, :] < ((pos + 1) // 4)[:, None]
+        return (torch.where(visible, scores.cpu(), float("nan")), torch.where(visible, ref, float("nan")),
+                dict(out_dtype=bf))
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["hc_pre_norm", "head_rms_rope", "kv_norm_rope", "indexer_query", "router_topk",
+                                  "compressor_csa", "compressor_indexer", "compressor_hca", "indexer_select"])
+def test_glue_at_flash_widths(name):
+    """Each glue kernel at DeepSeek-V4-Flash widths (D 4096, 64 heads × 512, index 64 × 128, 256 experts, ratio
+    128's 128-slot pooling, top-512 of 1,024 keys), positions deep in a 4,096-token context."""
+    out, ref, kw = _flash_case(name, torch.Generator().manual_seed(17))
+    kw.setdefault("out_dtype", torch.bfloat16)
+    assert_bound(name, out, ref, **kw)
 
 
 # ------------------------------------------------------------------------------------------ GPU compilers

@@ -5,14 +5,14 @@ Python loops and ``int()`` / ``.tolist()`` reads of positions; a CUDA graph cann
 the *decode* step over the same modules, weights and caches, written with tensors only and with the backend's fused
 ops (:class:`~dsv4lab.model.ops.ReferenceOps` defines each as the composition it replaces):
 
-* per layer: ``hc_pre_norm`` → ``linear`` (wq_a, wkv) → ``rms_norm`` → ``linear`` (wq_b) → ``head_rms_rope``;
+* per layer: ``hc_pre_norm`` (fused with the previous layer's last ``hc_post``) → ``linear`` (wq_a, wkv) → ``rms_norm`` → ``linear`` (wq_b) → ``head_rms_rope``;
   ``kv_norm_rope`` writes the new KV row into the window ring; each compressor: its two projections and
   ``compressor_step`` (ring update, pooling, entry finish and write where the token completes a block — the
   candidate block is pooled only then, and written only then, so the last partial block of ``max_seq_len``, which
   has no cache row, is never touched); CSA: ``indexer_query`` and ``indexer_select`` (scores and top-k over the
   visible keys only); ``attention_from_caches`` reads the window ring and the compressed cache in place and
   applies the inverse RoPE; ``grouped_wo_a``, ``wo_b``; ``hc_post_pre_norm``; the router (``linear_f32``,
-  ``router_topk``), ``routed_experts``, the shared expert; ``hc_post``;
+  ``router_topk``), ``routed_experts``, the shared expert; ``hc_post`` (with the next layer's ``hc_pre_norm``);
 * per step: the window rows ``p−W+1 … p`` (−1 where negative) and HCA's visible prefix ``j < (p+1)//r`` are
   computed once and shared by every layer.
 
@@ -100,23 +100,40 @@ class StaticDecodeStep:
         h = model.embed.weight[tokens].to(nm.act)  # [b, D]
         X = h[:, None, None, :].expand(-1, 1, a.hc_mult, -1).contiguous()  # [b, 1, hc, D]
         rows = _StepRows(positions, a.window_size)
-        for blk in model.layers:
-            X = self._block(blk, X, tokens, positions, slots, rows)
+        layers = list(model.layers)
+        first = layers[0]
+        x, post, comb = ops.hc_pre_norm(X, first.hc_attn_fn, first.hc_attn_base, first.hc_attn_scale,
+                                        first.attn_norm.weight, a)
+        for i, blk in enumerate(layers):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            X, x, post, comb = self._layer(blk, X, x, post, comb, tokens, positions, slots, rows, nxt)
         y = ops.hc_head(X, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a)
         return model.logits(y, ops)[:, 0].float()
 
     # ------------------------------------------------------------------ block
     def _block(self, blk: Block, X, tokens, positions, slots, rows: _StepRows | None = None):
+        """One block on its own: ``X [b, 1, hc, D]`` → ``X``."""
+        a = self.args
+        rows = rows or _StepRows(positions, a.window_size)
+        x, post, comb = self.ops.hc_pre_norm(X, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale,
+                                             blk.attn_norm.weight, a)
+        return self._layer(blk, X, x, post, comb, tokens, positions, slots, rows, None)[0]
+
+    def _layer(self, blk: Block, X, x, post, comb, tokens, positions, slots, rows: _StepRows, nxt: Block | None):
+        """A block from its mixed, normed input ``x`` (and ``post, comb`` of its attention site): attention,
+        ``hc_post_pre_norm`` into the MoE, the MoE, then the MoE's ``hc_post`` — fused with the next block's
+        ``hc_pre_norm`` when there is one (``Block.forward`` composes the same ops block by block). Returns
+        ``(X, x, post, comb)`` for the next block (the last three None after the last)."""
         ops, a = self.ops, self.args
         b = X.shape[0]
-        rows = rows or _StepRows(positions, a.window_size)
-        x, post, comb = ops.hc_pre_norm(X, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, blk.attn_norm.weight,
-                                        a)
         h = self._attention(blk.attn, x, positions, slots, rows)
         X, x, post, comb = ops.hc_post_pre_norm(h, X, post, comb, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale,
                                                 blk.ffn_norm.weight, a)
-        f = self._moe(blk.ffn, x.reshape(b, -1), tokens)
-        return ops.hc_post(f.view(b, 1, -1), X, post, comb)
+        f = self._moe(blk.ffn, x.reshape(b, -1), tokens).view(b, 1, -1)
+        if nxt is None:
+            return ops.hc_post(f, X, post, comb), None, None, None
+        return ops.hc_post_pre_norm(f, X, post, comb, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale,
+                                    nxt.attn_norm.weight, a)
 
     def _moe(self, ffn: MoE, x, tokens):
         ops, nm = self.ops, self.ops.numerics
@@ -148,9 +165,9 @@ class StaticDecodeStep:
         cmp_rows = None
         if attn.indexer is not None:
             qi = attn.indexer.queries(qr, attn.cos, attn.sin, pos, ops)[:, 0]
-            w = attn.indexer.head_weights(x, ops)[:, 0]
+            w = ops.linear(x[:, 0], attn.indexer.weights_proj)  # Indexer.head_weights, its scale applied in the op
             cmp_rows = ops.indexer_select(qi, w, attn.ikv, slots, positions, a.index_topk,
-                                          all_reduce=self.attn_reduce)
+                                          all_reduce=self.attn_reduce, w_scale=a.index_scale)
         elif attn.ratio:
             cmp_rows = rows.compressed(attn.ratio, attn.ckv.shape[1])
         o = ops.attention_from_caches(q[:, 0], attn.win_kv, rows.window, attn.ckv if attn.ratio else None, cmp_rows,

@@ -440,11 +440,11 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.indexer_query(self, qi, cos, sin, positions)
         return nrq.indexer_query(qi, cos, sin, positions, self.numerics.indexer_fp4_sim)
 
-    def indexer_select(self, qi, w, keys, slots, positions, topk, all_reduce=None):
+    def indexer_select(self, qi, w, keys, slots, positions, topk, all_reduce=None, w_scale=1.0):
         why = "tensor-parallel partial sum" if all_reduce is not None else None
         if not self._glue("indexer_select", qi, keys, why=why):
-            return ReferenceOps.indexer_select(self, qi, w, keys, slots, positions, topk, all_reduce)
-        return idx_decode.indexer_select(qi, w, keys, slots, positions, topk)
+            return ReferenceOps.indexer_select(self, qi, w, keys, slots, positions, topk, all_reduce, w_scale)
+        return idx_decode.indexer_select(qi, w, keys, slots, positions, topk, w_scale=w_scale)
 
     def router_topk(self, logits, gate, ids):
         a = gate.args

@@ -305,10 +305,12 @@ class ReferenceOps:
         return quant.fp4_qdq(qi, 32) if self.numerics.indexer_fp4_sim else qi
 
     def indexer_select(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
-                       positions: torch.Tensor, topk: int, all_reduce=None) -> torch.Tensor:
-        """Decode: each row's top-``topk`` visible entries of its index-key cache. ``qi [b, h, d]``, ``w [b, h]``,
-        ``keys [slots, T, d]`` read at ``slots [b]``, ``positions [b]`` → ``[b, min(topk, T)]`` (−1 = none):
-        :meth:`indexer_scores`, then :meth:`indexer_topk`."""
+                       positions: torch.Tensor, topk: int, all_reduce=None, w_scale: float = 1.0) -> torch.Tensor:
+        """Decode: each row's top-``topk`` visible entries of its index-key cache. ``qi [b, h, d]``, the head
+        weights ``w [b, h] · w_scale`` (an act product, as ``Indexer.head_weights``), ``keys [slots, T, d]`` read at
+        ``slots [b]``, ``positions [b]`` → ``[b, min(topk, T)]`` (−1 = none): :meth:`indexer_scores`, then
+        :meth:`indexer_topk`."""
+        w = w * w_scale if w_scale != 1.0 else w
         scores = self.indexer_scores(qi[:, None], w[:, None], keys[slots], all_reduce=all_reduce)
         return self.indexer_topk(scores, positions[:, None], 4, topk)[:, 0]
 
