@@ -66,7 +66,7 @@ class ModelRunner:
         self.device = model.embed.weight.device
         self.positions = torch.zeros(self.max_batch, dtype=torch.long)
         self._all_reduce = plan.all_reduce() if plan is not None else None
-        self._decoder: FastDecoder | None = None
+        self._decoders: dict[str, FastDecoder] = {}  # per path, kept when the path is switched and back
         self.decode_note = ""
         self.decode_path = decode_path
 
@@ -92,12 +92,31 @@ class ModelRunner:
             raise ValueError("decode_path 'graph' pads batches in a spare cache slot: load the model with "
                              "dsv4lab.load")
         self._decode_path = path
-        self._decoder = None
+
+    @property
+    def decoder(self) -> FastDecoder | None:
+        """The static-step decoder of the current path (built on first use; None on the eager path). Assignable,
+        e.g. to alternate decoders captured under different all-reduce strategies."""
+        if self._decode_path == "eager":
+            return None
+        if self._decode_path not in self._decoders:
+            self._decoders[self._decode_path] = FastDecoder(self, graphs=self._decode_path == "graph")
+        return self._decoders[self._decode_path]
+
+    @decoder.setter
+    def decoder(self, decoder: FastDecoder) -> None:
+        self._decoders[self._decode_path] = decoder
+
+    def drop_decoders(self) -> None:
+        """Forget the decoders and their graphs (they hold the collectives they were captured with: call this
+        after changing ``_all_reduce``)."""
+        self._decoders.clear()
 
     def decode_info(self) -> dict:
         """The decode path and, for graphs, the tiers captured so far and what each capture cost (seconds)."""
         info = dict(path=self.decode_path)
-        graphs = self._decoder.graphs if self._decoder is not None else None
+        dec = self._decoders.get(self._decode_path)
+        graphs = dec.graphs if dec is not None else None
         if graphs is not None:
             info.update(tiers=list(graphs.tiers), captured={b: round(s, 3) for b, s in graphs.capture_s.items()})
         if self.decode_note:
@@ -106,21 +125,19 @@ class ModelRunner:
 
     def _fast_decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One step of the static decode path for rows already validated: ``[b, vocab]`` fp32 logits."""
-        if self._decoder is None:
-            self._decoder = FastDecoder(self, graphs=self.decode_path == "graph")
+        decoder = self.decoder
         try:
-            return self._decoder(tokens, positions, slots)
+            return decoder(tokens, positions, slots)
         except RuntimeError as err:
-            graphs = self._decoder.graphs
+            graphs = decoder.graphs
             if graphs is None or graphs.tier(tokens.shape[0]) in graphs.graphs:
                 raise
             # a backend op that syncs with the host cannot be captured (e.g. the reference's routed-expert loop
             # under expert parallelism): decode through the same step, eagerly
             self.decode_note = f"graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
             log.warning("decode: %s; decoding through the static step without graphs", self.decode_note)
-            self._decode_path = "static"
-            self._decoder = FastDecoder(self, graphs=False)
-            return self._decoder(tokens, positions, slots)
+            self.decode_path = "static"
+            return self.decoder(tokens, positions, slots)
 
     # ------------------------------------------------------------------ state
     def reset(self, slots: Sequence[int] | torch.Tensor | None = None) -> None:

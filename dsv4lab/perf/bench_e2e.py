@@ -490,16 +490,18 @@ def abba(runner, clock, o: dict, device) -> dict:
     try:
         for s in (a, b):
             runner._all_reduce = reducers[s]
-            runner.decode_path = runner.decode_path  # a fresh decoder (and graphs) under this strategy
+            runner.drop_decoders()  # a fresh decoder (and graphs) under this strategy
             decode_round(runner, 1, 2, prompt)  # builds and captures it
-            decoders[s] = runner._decoder
+            decoders[s] = runner.decoder
         for s in (a, b, b, a) * max(1, o["rounds"] // 2):
-            runner._all_reduce, runner._decoder = reducers[s], decoders[s]
+            runner._all_reduce = reducers[s]
+            if decoders[s] is not None:
+                runner.decoder = decoders[s]
             clock.sync()
             times[s].append(decode_round(runner, 1, o["decode_tokens"], prompt)[0])
     finally:
         runner._all_reduce = original
-        runner.decode_path = runner.decode_path
+        runner.drop_decoders()
         runner.reset()
     tok = {s: [o["decode_tokens"] / t for t in ts] for s, ts in times.items()}
     return dict(order=f"{a} {b} {b} {a}", tok_s={s: round(statistics.median(v), 2) for s, v in tok.items()},
@@ -590,7 +592,7 @@ def breakdown(runner, o: dict, device) -> dict:
     runner.reset()
     nxt = runner.forward(torch.tensor([prompt], device=device), 0)[:, -1].argmax(-1)
     runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
-    graphs = runner._decoder.graphs if runner._decoder is not None else None
+    graphs = runner.decoder.graphs if runner.decoder is not None else None
     if graphs is not None and 1 in graphs.graphs:
         graph = graphs.graphs[1][0]
         step = graph.replay  # replays the last step (same slot and position): a fixed cost, the state is rewritten
