@@ -11,8 +11,9 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   same steps through the eager static step, bit for bit.
 * **decode**: for each batch size, ``--decode-tokens`` greedy steps after a 16-token prompt, timed per round
   (device synchronised, ranks barriered); ``--rounds`` rounds after one dropped warm-up round (which captures the
-  tier's graph), median reported. **MBU** = tok/s × bytes one decode step moves per GPU per token (the cost model,
-  :mod:`dsv4lab.perf.costmodel`, at the round's mean context) ÷ the copy bandwidth measured in the same run.
+  tier's graph), median reported. **MBU** = tok/s × the weight bytes one decode step reads per GPU per token (the
+  cost model, :mod:`dsv4lab.perf.costmodel`) ÷ the copy bandwidth measured in the same run (``mbu_all_bytes``: every
+  byte the step moves at the round's mean context, KV reads included).
 * **contexts**: batch-1 decode after a prompt of each ``--contexts`` length (prefilled in ``--context-chunk``
   chunks, its time reported), ``--context-tokens`` steps — how decode cost grows with context — and, at each, the
   first step through the graph against the eager static step (bitwise, from a snapshot of the slot's caches) and
@@ -363,12 +364,17 @@ def decode_round(runner, batch: int, n: int, prompt: list[int]) -> tuple[float, 
     return time.perf_counter() - t0, ids
 
 
-def _mbu(runner, o: dict, batch: int, context: int, tok_s: float, copy_gbps: float | None) -> tuple:
+def _mbu(runner, o: dict, batch: int, context: int, tok_s: float, copy_gbps: float | None) -> dict:
+    """MBU = tok/s × the weight bytes one step reads per GPU per token (the cost model's count for this model and
+    split) ÷ the copy bandwidth of this run; ``mbu_all_bytes`` counts every byte the step moves (KV and index-key
+    reads included, which grow with the context)."""
     from .costmodel import decode_step
     step = decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=batch, context=context)
-    bytes_per_token = step.bytes_rank / batch
-    mbu = round(tok_s * bytes_per_token / (copy_gbps * 1e9), 4) if copy_gbps else None
-    return mbu, round(bytes_per_token)
+    weights, total = step.weight_bytes_rank / batch, step.bytes_rank / batch
+    bw = copy_gbps * 1e9 if copy_gbps else None
+    return dict(mbu=round(tok_s * weights / bw, 4) if bw else None,
+                mbu_all_bytes=round(tok_s * total / bw, 4) if bw else None,
+                weight_bytes_per_token_per_gpu=round(weights), bytes_per_token_per_gpu=round(total))
 
 
 def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> dict:
@@ -382,12 +388,10 @@ def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> d
     measured = seconds[1:]  # the first round compiles, captures the tier's graph and warms up
     tok_s = batch * o["decode_tokens"] / statistics.median(measured)
     context = len(prompt) + o["decode_tokens"] // 2
-    mbu, per_token = _mbu(runner, o, batch, context, tok_s, copy_gbps)
-    return dict(batch=batch, tok_s=round(tok_s, 2), mbu=mbu, path=runner.decode_path,
-                decode_tokens=o["decode_tokens"], rounds_tok_s=[round(batch * o["decode_tokens"] / s, 2)
-                                                                for s in measured],
-                dropped_round_tok_s=round(batch * o["decode_tokens"] / seconds[0], 2),
-                bytes_per_token_per_gpu=per_token, context=context)
+    return dict(batch=batch, tok_s=round(tok_s, 2), **_mbu(runner, o, batch, context, tok_s, copy_gbps),
+                path=runner.decode_path, decode_tokens=o["decode_tokens"],
+                rounds_tok_s=[round(batch * o["decode_tokens"] / s, 2) for s in measured],
+                dropped_round_tok_s=round(batch * o["decode_tokens"] / seconds[0], 2), context=context)
 
 
 def _slot_state(runner, slot: int) -> list:
@@ -448,9 +452,8 @@ def context_row(runner, clock, n: int, o: dict, copy_gbps: float | None) -> dict
     dt = time.perf_counter() - t0
     runner.reset()
     tok_s = o["context_tokens"] / dt
-    mbu, per_token = _mbu(runner, o, 1, n + o["context_tokens"] // 2, tok_s, copy_gbps)
-    row.update(tok_s=round(tok_s, 2), mbu=mbu, bytes_per_token_per_gpu=per_token, decode_tokens=o["context_tokens"],
-               decode_s=round(dt, 3))
+    row.update(tok_s=round(tok_s, 2), **_mbu(runner, o, 1, n + o["context_tokens"] // 2, tok_s, copy_gbps),
+               decode_tokens=o["context_tokens"], decode_s=round(dt, 3))
     return row
 
 
