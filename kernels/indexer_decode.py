@@ -4,8 +4,9 @@
 Grid ``(rows, key blocks of the cache)``. A program whose block starts at or after the row's visible count
 ``(p+1)//4`` does no work; the others score their ``BLOCK_T`` keys for all heads at once —
 ``Σ_h bf16(relu(bf16(q_h·k_t))·w_h)`` with the head sum in fp64, rounded to fp32 then bf16 as the reference — and
-store them. Each program then counts itself in (an atomic per row, after a barrier so the block's stores are
-released with it); the **last** program of the row selects: the ``k``-th largest score by a binary search over the
+store them. Each of these programs then counts itself in (an atomic per row, after a barrier so the block's stores
+are released with it; the programs past the visible keys return at once, so a short context in a long cache costs
+no atomics); the **last** of them selects: the ``k``-th largest score by a binary search over the
 scores' order-preserving bit patterns (16 bits for bf16 scores), the entries above it plus the first ties in index
 order, then one bitonic sort of the ≤ ``k`` picks by (score descending, index ascending) — the reference's stable
 descending sort, ``−1`` after the visible ones. It resets the row's counter for the next launch, so a captured
@@ -62,14 +63,18 @@ def _order_key(score, SHIFT: tl.constexpr):
 def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_ptr, buf_ptr, out_ptr,
                            H, DI, T, KOUT, TOPK, RATIO, w_scale, sq_b, sq_h, sw_b, sk_b, sk_t, s_sc, s_buf, s_out,
                            ROUND_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_SEL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tb = tl.program_id(1)
-    n_blocks = tl.num_programs(1)
     pos = tl.load(pos_ptr + b)
     n_vis = tl.minimum((pos + 1) // RATIO, T)
+    n_active = tl.cdiv(n_vis, BLOCK_T)  # the programs with visible keys; the others return at once
     sc_row = sc_ptr + b * s_sc
     t0 = tb * BLOCK_T
+    if (n_vis == 0) & (tb == 0):  # nothing visible yet: no picks
+        j = tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + b * s_out + j, tl.full((BLOCK_K,), -1, tl.int64), mask=j < KOUT)
     if t0 < n_vis:
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
@@ -97,43 +102,52 @@ def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_p
         if ROUND_BF16:
             score = round_to_bf16(score)
         tl.store(sc_row + t, score, mask=tm)
-    tl.debug_barrier()  # this program's scores are stored before it counts itself in
-    if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == n_blocks - 1:
-        SHIFT: tl.constexpr = 16 if ROUND_BF16 else 0
-        NBITS: tl.constexpr = 32 - SHIFT
-        k_sel = tl.minimum(TOPK, n_vis)
-        tau = n_vis * 0  # the k_sel-th largest key (0 = the smallest possible: everything qualifies)
-        if n_vis > TOPK:
-            step = (tau + 1) << (NBITS - 1)
-            for _ in range(NBITS):  # the highest key with at least k_sel scores at or above it, bit by bit
-                cand = tau + step
-                if _count_at_least(sc_row, n_vis, cand, SHIFT, BLOCK_T) >= k_sel:
-                    tau = cand
-                step = step >> 1
-        n_above = _count_at_least(sc_row, n_vis, tau + 1, SHIFT, BLOCK_T)
-        take_ties = k_sel - n_above
-        placed = k_sel * 0
-        ties = k_sel * 0
-        for c0 in range(0, n_vis, BLOCK_T):
-            t = c0 + tl.arange(0, BLOCK_T)
-            tm = t < n_vis
-            s = tl.load(sc_row + t, mask=tm, other=0.0, cache_modifier=".cg")
-            u = _order_key(s, SHIFT)
-            tie = (u == tau) & tm
-            tie_rank = ties + tl.cumsum(tie.to(tl.int64), axis=0) - 1
-            sel = ((u > tau) & tm) | (tie & (tie_rank < take_ties))
-            slot_i = placed + tl.cumsum(sel.to(tl.int64), axis=0) - 1
-            key = (_order_key(s, 0) - 2147483648 << 32) | (2147483647 - t).to(tl.int64)
-            tl.store(buf_ptr + b * s_buf + slot_i, key, mask=sel)
-            placed += tl.sum(sel.to(tl.int64), axis=0)
-            ties += tl.sum(tie.to(tl.int64), axis=0)
-        tl.debug_barrier()  # the picks, stored by all of this program's threads, are read back whole
-        j = tl.arange(0, BLOCK_K)
-        key = tl.load(buf_ptr + b * s_buf + j, mask=j < k_sel, other=-9223372036854775807 - 1)
-        key = tl.sort(key, descending=True)
-        picked = 2147483647 - (key & 0xFFFFFFFF)
-        tl.store(out_ptr + b * s_out + j, tl.where(j < k_sel, picked, -1), mask=j < KOUT)
-        tl.atomic_xchg(cnt_ptr + b, 0)  # ready for the next launch (graph replay)
+        tl.debug_barrier()  # this program's scores are stored before it counts itself in
+        if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == n_active - 1:
+            _select(sc_row, buf_ptr + b * s_buf, out_ptr + b * s_out, n_vis, TOPK, KOUT, ROUND_BF16, BLOCK_K,
+                    BLOCK_SEL)
+            tl.atomic_xchg(cnt_ptr + b, 0)  # ready for the next launch (graph replay)
+
+
+@triton.jit
+def _select(sc_row, buf, out, n_vis, TOPK, KOUT, ROUND_BF16: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_SEL: tl.constexpr):
+    """The top ``min(TOPK, n_vis)`` of the row's ``n_vis`` stored scores, sorted (score descending, index
+    ascending), −1 after them, into ``out[:KOUT]``; ``buf`` holds the unsorted picks."""
+    SHIFT: tl.constexpr = 16 if ROUND_BF16 else 0
+    NBITS: tl.constexpr = 32 - SHIFT
+    k_sel = tl.minimum(TOPK, n_vis)
+    tau = n_vis * 0  # the k_sel-th largest key (0 = the smallest possible: everything qualifies)
+    if n_vis > TOPK:
+        step = (tau + 1) << (NBITS - 1)
+        for _ in range(NBITS):  # the highest key with at least k_sel scores at or above it, bit by bit
+            cand = tau + step
+            if _count_at_least(sc_row, n_vis, cand, SHIFT, BLOCK_SEL) >= k_sel:
+                tau = cand
+            step = step >> 1
+    n_above = _count_at_least(sc_row, n_vis, tau + 1, SHIFT, BLOCK_SEL)
+    take_ties = k_sel - n_above
+    placed = k_sel * 0
+    ties = k_sel * 0
+    for c0 in range(0, n_vis, BLOCK_SEL):
+        t = c0 + tl.arange(0, BLOCK_SEL)
+        tm = t < n_vis
+        s = tl.load(sc_row + t, mask=tm, other=0.0, cache_modifier=".cg")
+        u = _order_key(s, SHIFT)
+        tie = (u == tau) & tm
+        tie_rank = ties + tl.cumsum(tie.to(tl.int64), axis=0) - 1
+        sel = ((u > tau) & tm) | (tie & (tie_rank < take_ties))
+        slot_i = placed + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+        key = (_order_key(s, 0) - 2147483648 << 32) | (2147483647 - t).to(tl.int64)
+        tl.store(buf + slot_i, key, mask=sel)
+        placed += tl.sum(sel.to(tl.int64), axis=0)
+        ties += tl.sum(tie.to(tl.int64), axis=0)
+    tl.debug_barrier()  # the picks, stored by all of this program's threads, are read back whole
+    j = tl.arange(0, BLOCK_K)
+    key = tl.load(buf + j, mask=j < k_sel, other=-9223372036854775807 - 1)
+    key = tl.sort(key, descending=True)
+    picked = 2147483647 - (key & 0xFFFFFFFF)
+    tl.store(out + j, tl.where(j < k_sel, picked, -1), mask=j < KOUT)
 
 
 def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
@@ -162,7 +176,7 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots:
                                  ROUND_BF16=qi.dtype == torch.bfloat16, UPCAST=interpreting(),
                                  BLOCK_H=max(16, triton.next_power_of_2(H)),
                                  BLOCK_D=max(16, triton.next_power_of_2(DI)), BLOCK_T=block_t, BLOCK_K=block_k,
-                                 num_warps=4)
+                                 BLOCK_SEL=max(block_t, min(2048, triton.next_power_of_2(T))), num_warps=4)
     return (out, scores) if return_scores else out
 
 
