@@ -87,10 +87,11 @@ def _store_output(out_ptr, o, r, h, h_ok, d, d_ok, stride_qr, stride_qh, cos_ptr
 @triton.jit
 def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, bat_b_ptr, sink_ptr,
                         out_ptr, pm_ptr, pl_ptr, pacc_ptr, cos_ptr, sin_ptr, pos_ptr,
-                        H, D, Ka, Kb, scale, R, s_cos,
+                        H, D, Ka, Kb, scale, R, s_cos, RATIO_B,
                         stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb, SPLITS,
                         ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, TWO_PASS: tl.constexpr,
-                        ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                        ROPE: tl.constexpr, PREFIX_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -102,7 +103,10 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
                 other=0.0).to(tl.float32)
     if not DOT_FP32:
         q = q.to(tl.bfloat16)
-    Ktot = Ka + Kb
+    if PREFIX_B:  # cache B's rows past the first (p+1)//RATIO_B are −1 for this query: never visit them
+        Ktot = Ka + tl.minimum(Kb, ((tl.load(pos_ptr + r) + 1) // RATIO_B).to(tl.int32))
+    else:
+        Ktot = Ka + Kb
     per = tl.cdiv(tl.cdiv(Ktot, SPLITS), BLOCK_R) * BLOCK_R
     j_lo = sp * per
     j_hi = tl.minimum(j_lo + per, Ktot)
@@ -184,13 +188,16 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
                             sink: torch.Tensor, scale: float, kv_b: torch.Tensor | None = None,
                             rows_b: torch.Tensor | None = None, batch_b: torch.Tensor | None = None,
                             geometry: AttentionGeometry | None = None, cos: torch.Tensor | None = None,
-                            sin: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                            sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                            prefix_ratio_b: int = 0) -> torch.Tensor:
     """Attention with a sink for query rows ``q [R, H, d]`` over rows gathered from one or two caches.
 
     ``kv_a [B_a, n_a, d]`` with ``rows_a [R, K_a]`` (row indices into ``kv_a[batch_a[r]]``, −1 = masked) and
     optionally ``kv_b``/``rows_b``/``batch_b`` likewise; ``sink [H]`` fp32. With the RoPE tables ``cos, sin
     [P, r/2]`` and ``positions [R]`` the (rounded) output gets the inverse rotation of its last ``r`` dims in the
-    kernel's epilogue. Returns ``[R, H, d]`` in ``q.dtype``.
+    kernel's epilogue. ``prefix_ratio_b > 0`` promises that only the first ``(positions[r] + 1) // prefix_ratio_b``
+    entries of ``rows_b[r]`` can be valid (CSA's top-k picks, HCA's completed entries): the rest are not visited.
+    Returns ``[R, H, d]`` in ``q.dtype``.
     """
     g = geometry or AttentionGeometry()
     q = q.contiguous()
@@ -214,18 +221,20 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
     sink = sink.to(torch.float32).contiguous()
     block_d = triton.next_power_of_2(D)
     rope = cos is not None
+    if rope or prefix_ratio_b:
+        assert positions is not None and positions.shape == (R,)
     if rope:
-        assert positions.shape == (R,) and cos.stride(-1) == 1 and 2 * cos.shape[-1] <= D
-    tables = (cos, sin, positions) if rope else (sink, sink, batch_a)
+        assert cos.stride(-1) == 1 and 2 * cos.shape[-1] <= D
+    tables = (cos if rope else sink, sin if rope else sink, positions if positions is not None else batch_a)
     rope_args = (2 * cos.shape[-1], cos.stride(0)) if rope else (0, 0)
     exact = LAUNCH_EXACT if rope else {}  # the rotation's products rounded as torch rounds them
     grid = (R, triton.cdiv(H, g.block_h), splits)
     _attn_decode_kernel[grid](q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, out, pm, pl, pacc, *tables,
-                              H, D, Ka, Kb, float(scale), *rope_args, q.stride(0), q.stride(1), kv_a.stride(0),
-                              kv_a.stride(1), kv_b.stride(0), kv_b.stride(1), rows_a.stride(0),
+                              H, D, Ka, Kb, float(scale), *rope_args, int(prefix_ratio_b), q.stride(0), q.stride(1),
+                              kv_a.stride(0), kv_a.stride(1), kv_b.stride(0), kv_b.stride(1), rows_a.stride(0),
                               max(rows_b.stride(0), 1), splits, ROUND_ACT=q.dtype == torch.bfloat16,
-                              DOT_FP32=interpreting(), TWO_PASS=g.two_pass, ROPE=rope, BLOCK_H=g.block_h,
-                              BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact)
+                              DOT_FP32=interpreting(), TWO_PASS=g.two_pass, ROPE=rope, PREFIX_B=prefix_ratio_b > 0,
+                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact)
     if splits > 1:
         _attn_combine_kernel[(R, triton.cdiv(H, g.block_h))](pm, pl, pacc, sink, out, *tables, H, D, *rope_args,
                                                               out.stride(0), out.stride(1), splits,

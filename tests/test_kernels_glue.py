@@ -368,6 +368,40 @@ def test_attention_epilogue_is_the_reference_inverse_rope(splits):
     assert torch.isfinite(rotated.float()).all()  # the NaN rows past each visible prefix were never read
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_skips_the_invisible_compressed_rows(splits):
+    """With ``prefix_ratio_b`` the kernel visits only each row's first ``(p+1)//r`` compressed entries (the rest are
+    −1: CSA's picks come sorted, HCA's completed entries are a prefix); NaN past them stays unread. One slice: the
+    same rows in the same order, so the same bits; split slices move only the rounding of P (the attention bound)."""
+    from dsv4lab.verify.compare import compare, tolerance
+    g = torch.Generator().manual_seed(10 + splits)
+    b, H, d, W, C, r = 3, 8, 96, 32, 40, 16
+    q = torch.randn(b, H, d, generator=g).to(torch.bfloat16)
+    win = torch.randn(4, W, d, generator=g).to(torch.bfloat16)
+    pos = torch.tensor([15, 100, 639])
+    vis = (pos + 1) // r
+    cmp = torch.full((4, C, d), float("nan")).to(torch.bfloat16)
+    slots = torch.tensor([2, 0, 3])
+    for i in range(b):
+        cmp[slots[i], :vis[i]] = torch.randn(int(vis[i]), d, generator=g).to(torch.bfloat16)
+    u = pos[:, None] - W + 1 + torch.arange(W)
+    win_rows = torch.where(u >= 0, u % W, -1)
+    cmp_rows = torch.where(torch.arange(C)[None, :] < vis[:, None], torch.arange(C)[None, :], -1)
+    sink = torch.randn(H, generator=g)
+    geo = attn.AttentionGeometry(block_h=8, block_r=16, splits=splits, two_pass=splits == 1)
+    args = (q.to(DEV), win.to(DEV), win_rows.to(DEV), slots.to(DEV), sink.to(DEV), d ** -0.5)
+    kw = dict(kv_b=cmp.to(DEV), rows_b=cmp_rows.to(DEV), batch_b=slots.to(DEV), geometry=geo,
+              positions=pos.to(DEV))
+    full = attn.sparse_attention_decode(*args, **kw)
+    skip = attn.sparse_attention_decode(*args, **kw, prefix_ratio_b=r)
+    assert torch.isfinite(skip.float()).all()
+    if splits == 1:
+        assert torch.equal(skip, full)
+    ref = _ref().attention_from_caches(q, win, win_rows, cmp, cmp_rows, slots, sink, d ** -0.5)
+    c = compare("attention, invisible rows skipped", skip.cpu(), ref, tolerance(torch.bfloat16, "attention"))
+    assert c.ok, c.line()
+
+
 # ------------------------------------------------------------------------------------------ Flash widths
 FLASH = get_preset("flash")
 

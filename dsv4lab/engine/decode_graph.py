@@ -170,8 +170,10 @@ class StaticDecodeStep:
                                           all_reduce=self.attn_reduce, w_scale=a.index_scale)
         elif attn.ratio:
             cmp_rows = rows.compressed(attn.ratio, attn.ckv.shape[1])
+        # the valid compressed rows are a prefix of cmp_rows (CSA's sorted picks, HCA's completed entries)
         o = ops.attention_from_caches(q[:, 0], attn.win_kv, rows.window, attn.ckv if attn.ratio else None, cmp_rows,
-                                      slots, attn.attn_sink, a.softmax_scale, attn.cos, attn.sin, positions)
+                                      slots, attn.attn_sink, a.softmax_scale, attn.cos, attn.sin, positions,
+                                      cmp_ratio=attn.ratio)
         o = ops.grouped_wo_a(o.reshape(b, 1, attn.n_local_groups, -1), attn.wo_a, attn.n_local_groups)
         return ops.linear(o.flatten(2), attn.wo_b, all_reduce=self.attn_reduce)  # wo_b: column-split under TP
 

@@ -342,7 +342,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         return o.view(b, s, h, d)
 
     def attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None, sin=None,
-                              positions=None):
+                              positions=None, cmp_ratio=0):
         """Decode attention straight from the caches: ``q [b, H, d]``, the window ring ``win_kv [slots, W, d]``
         with ``win_rows [b, W]`` and optionally ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]`` (−1 = masked),
         each row ``i`` reading cache slot ``slots[i]``; with ``cos, sin, positions`` the inverse RoPE of the output
@@ -351,12 +351,12 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         if why is not None:
             self._fallback("attention_from_caches", why)
             return ReferenceOps.attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale,
-                                                      cos, sin, positions)
+                                                      cos, sin, positions, cmp_ratio)
         self._decode("sparse_attention")
         return attn.sparse_attention_decode(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
                                             batch_b=slots if cmp_kv is not None else None,
                                             geometry=self.config.attention_geometry, cos=cos, sin=sin,
-                                            positions=positions)
+                                            positions=positions, prefix_ratio_b=cmp_ratio if cmp_kv is not None else 0)
 
     def indexer_scores(self, qi, w, keys, all_reduce=None):
         out = self._prefill("indexer_scores", self.prefill_indexer_scores(qi, w, keys, all_reduce))

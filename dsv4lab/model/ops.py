@@ -246,13 +246,15 @@ class ReferenceOps:
     def attention_from_caches(self, q: torch.Tensor, win_kv: torch.Tensor, win_rows: torch.Tensor,
                               cmp_kv: torch.Tensor | None, cmp_rows: torch.Tensor | None, slots: torch.Tensor,
                               sink: torch.Tensor, scale: float, cos: torch.Tensor | None = None,
-                              sin: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                              sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                              cmp_ratio: int = 0) -> torch.Tensor:
         """Decode attention over rows of two caches: ``q [b, h, d]``; the window ring ``win_kv [slots, W, d]`` with
         ``win_rows [b, W]`` and optionally the compressed cache ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]``
         (−1 = masked), row ``i`` reading cache slot ``slots[i]``. The selected rows of both caches, side by side,
         through :meth:`sparse_attention` (a fast backend reads them in place instead). With the layer's tables
         ``cos, sin`` and ``positions [b]`` the output then gets the inverse rotation (:meth:`rope`, ``inverse``).
-        Returns ``[b, h, d]``."""
+        ``cmp_ratio > 0`` tells a fast backend that only the first ``(p+1) // cmp_ratio`` entries of a row's
+        ``cmp_rows`` can be valid (the rest are −1), so it may skip them. Returns ``[b, h, d]``."""
         kv, rows = win_kv[slots], win_rows
         if cmp_kv is not None:
             kv = torch.cat((kv, cmp_kv[slots].to(kv.dtype)), 1)
