@@ -15,6 +15,10 @@ softmax: half the dependent gathers). With ``splits > 1`` (flash-decoding: more 
 each slice writes ``(max, denominator, numerator)`` and a combine kernel rescales them to the global max. Either
 deviation moves only the bf16 rounding of each probability (it is rounded relative to a slice's or a running
 max instead of the global one): a rounding-level difference, checked with the "attention" tolerance.
+
+Given the layer's RoPE tables and the rows' positions, the store (of the single slice, or of the combine) applies
+the inverse rotation of the last ``r`` dims to the rounded output — ``ReferenceOps.rope(o, ..., inverse=True)``
+term for term (launched without FMA contraction), so the decode step needs no separate launch for it.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ import triton.language as tl
 
 from .formats import round_to_bf16
 from .fp8_gemv import interpreting
+from .norm_rope_quant import _rope_tail
+from .rowops import LAUNCH_EXACT
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,26 @@ def _scores(q, kv, valid, scale, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _store_output(out_ptr, o, r, h, h_ok, d, d_ok, stride_qr, stride_qh, cos_ptr, sin_ptr, pos_ptr, s_cos, D, R,
+                  ROUND_ACT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Round ``o [BLOCK_H, BLOCK_D]`` to the activation dtype and, with ``ROPE``, apply the inverse rotation of its
+    last ``R`` dims at the row's position (``ReferenceOps.rope(..., inverse=True)`` of the rounded output)."""
+    if ROUND_ACT:
+        o = round_to_bf16(o)
+    if ROPE:
+        o = _rope_tail(o, cos_ptr, sin_ptr, tl.load(pos_ptr + r), s_cos, D, R, True, ROUND_ACT, BLOCK_H, BLOCK_D)
+    tl.store(out_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, bat_b_ptr, sink_ptr,
-                        out_ptr, pm_ptr, pl_ptr, pacc_ptr,
-                        H, D, Ka, Kb, scale,
+                        out_ptr, pm_ptr, pl_ptr, pacc_ptr, cos_ptr, sin_ptr, pos_ptr,
+                        H, D, Ka, Kb, scale, R, s_cos, RATIO_B,
                         stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb, SPLITS,
                         ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, TWO_PASS: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                        ROPE: tl.constexpr, PREFIX_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -83,7 +103,10 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
                 other=0.0).to(tl.float32)
     if not DOT_FP32:
         q = q.to(tl.bfloat16)
-    Ktot = Ka + Kb
+    if PREFIX_B:  # cache B's rows past the first (p+1)//RATIO_B are −1 for this query: never visit them
+        Ktot = Ka + tl.minimum(Kb, ((tl.load(pos_ptr + r) + 1) // RATIO_B).to(tl.int32))
+    else:
+        Ktot = Ka + Kb
     per = tl.cdiv(tl.cdiv(Ktot, SPLITS), BLOCK_R) * BLOCK_R
     j_lo = sp * per
     j_hi = tl.minimum(j_lo + per, Ktot)
@@ -124,10 +147,8 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
     if SPLITS == 1:
         sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
         o = acc / (den + tl.exp(sink - m_safe))[:, None]
-        if ROUND_ACT:
-            o = round_to_bf16(o)
-        tl.store(out_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=h_ok[:, None] & d_ok[None, :])
+        _store_output(out_ptr, o, r, h, h_ok, d, d_ok, stride_qr, stride_qh, cos_ptr, sin_ptr, pos_ptr, s_cos, D, R,
+                      ROUND_ACT, ROPE, BLOCK_H, BLOCK_D)
     else:
         part = (r * SPLITS + sp) * H + h
         tl.store(pm_ptr + part, m, mask=h_ok)
@@ -136,9 +157,9 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
 
 
 @triton.jit
-def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, D, stride_qr, stride_qh, SPLITS,
-                         ROUND_ACT: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R, s_cos,
+                         stride_qr, stride_qh, SPLITS, ROUND_ACT: tl.constexpr, ROPE: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -159,20 +180,24 @@ def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, H, D, stri
                                     other=0.0)
     sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
     o = acc / (den + tl.exp(sink - m_safe))[:, None]
-    if ROUND_ACT:
-        o = round_to_bf16(o)
-    tl.store(out_ptr + r * stride_qr + h[:, None] * stride_qh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & d_ok[None, :])
+    _store_output(out_ptr, o, r, h, h_ok, d, d_ok, stride_qr, stride_qh, cos_ptr, sin_ptr, pos_ptr, s_cos, D, R,
+                  ROUND_ACT, ROPE, BLOCK_H, BLOCK_D)
 
 
 def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Tensor, batch_a: torch.Tensor,
                             sink: torch.Tensor, scale: float, kv_b: torch.Tensor | None = None,
                             rows_b: torch.Tensor | None = None, batch_b: torch.Tensor | None = None,
-                            geometry: AttentionGeometry | None = None) -> torch.Tensor:
+                            geometry: AttentionGeometry | None = None, cos: torch.Tensor | None = None,
+                            sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                            prefix_ratio_b: int = 0) -> torch.Tensor:
     """Attention with a sink for query rows ``q [R, H, d]`` over rows gathered from one or two caches.
 
     ``kv_a [B_a, n_a, d]`` with ``rows_a [R, K_a]`` (row indices into ``kv_a[batch_a[r]]``, −1 = masked) and
-    optionally ``kv_b``/``rows_b``/``batch_b`` likewise; ``sink [H]`` fp32. Returns ``[R, H, d]`` in ``q.dtype``.
+    optionally ``kv_b``/``rows_b``/``batch_b`` likewise; ``sink [H]`` fp32. With the RoPE tables ``cos, sin
+    [P, r/2]`` and ``positions [R]`` the (rounded) output gets the inverse rotation of its last ``r`` dims in the
+    kernel's epilogue. ``prefix_ratio_b > 0`` promises that only the first ``(positions[r] + 1) // prefix_ratio_b``
+    entries of ``rows_b[r]`` can be valid (CSA's top-k picks, HCA's completed entries): the rest are not visited.
+    Returns ``[R, H, d]`` in ``q.dtype``.
     """
     g = geometry or AttentionGeometry()
     q = q.contiguous()
@@ -195,16 +220,25 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
         pm = pl = pacc = out
     sink = sink.to(torch.float32).contiguous()
     block_d = triton.next_power_of_2(D)
+    rope = cos is not None
+    if rope or prefix_ratio_b:
+        assert positions is not None and positions.shape == (R,)
+    if rope:
+        assert cos.stride(-1) == 1 and 2 * cos.shape[-1] <= D
+    tables = (cos if rope else sink, sin if rope else sink, positions if positions is not None else batch_a)
+    rope_args = (2 * cos.shape[-1], cos.stride(0)) if rope else (0, 0)
+    exact = LAUNCH_EXACT if rope else {}  # the rotation's products rounded as torch rounds them
     grid = (R, triton.cdiv(H, g.block_h), splits)
-    _attn_decode_kernel[grid](q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, out, pm, pl, pacc,
-                              H, D, Ka, Kb, float(scale), q.stride(0), q.stride(1), kv_a.stride(0), kv_a.stride(1),
-                              kv_b.stride(0), kv_b.stride(1), rows_a.stride(0), max(rows_b.stride(0), 1), splits,
-                              ROUND_ACT=q.dtype == torch.bfloat16, DOT_FP32=interpreting(), TWO_PASS=g.two_pass,
-                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps)
+    _attn_decode_kernel[grid](q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, out, pm, pl, pacc, *tables,
+                              H, D, Ka, Kb, float(scale), *rope_args, int(prefix_ratio_b), q.stride(0), q.stride(1),
+                              kv_a.stride(0), kv_a.stride(1), kv_b.stride(0), kv_b.stride(1), rows_a.stride(0),
+                              max(rows_b.stride(0), 1), splits, ROUND_ACT=q.dtype == torch.bfloat16,
+                              DOT_FP32=interpreting(), TWO_PASS=g.two_pass, ROPE=rope, PREFIX_B=prefix_ratio_b > 0,
+                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact)
     if splits > 1:
-        _attn_combine_kernel[(R, triton.cdiv(H, g.block_h))](pm, pl, pacc, sink, out, H, D, out.stride(0),
-                                                              out.stride(1), splits,
-                                                              ROUND_ACT=q.dtype == torch.bfloat16,
+        _attn_combine_kernel[(R, triton.cdiv(H, g.block_h))](pm, pl, pacc, sink, out, *tables, H, D, *rope_args,
+                                                              out.stride(0), out.stride(1), splits,
+                                                              ROUND_ACT=q.dtype == torch.bfloat16, ROPE=rope,
                                                               BLOCK_H=g.block_h, BLOCK_D=block_d,
-                                                              num_warps=g.num_warps)
+                                                              num_warps=g.num_warps, **exact)
     return out

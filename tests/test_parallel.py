@@ -228,7 +228,7 @@ def test_torchrun_generate_prints_the_single_process_json(single_process):
     ids = single_process["output_ids"]
     text = dsv4lab.load(TINY, max_batch=1).tokenizer.decode(ids)
     assert got == dict(prompt_ids=PROMPT, output_ids=ids, hash=single_process["hash"], text=text,
-                       backend="reference", dtype="bf16")
+                       backend="reference", dtype="bf16", decode=dict(path="eager"))
     assert "loaded" in tp.stderr and "all-reduces per decode token: 15" in tp.stderr
 
 

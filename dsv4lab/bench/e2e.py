@@ -1,23 +1,31 @@
 """``dsv4lab bench e2e`` — the whole model, end to end: a full-dims random DeepSeek-V4-Flash generated on the GPUs
-(:class:`~dsv4lab.random_checkpoint.RandomCheckpoint`: native FP4/FP8 formats, no 160 GB file), split over
-``--nproc`` ranks (``--tp``/``--ep``), measured as a user would see it.
+(:class:`~dsv4lab.random_checkpoint.RandomCheckpoint`: native FP4/FP8 formats, no 160 GB file), optionally cut to
+its first ``--layers`` main layers (every dimension and the real SWA/CSA/HCA pattern kept: the cut that fits one
+H200 at 30 layers), split over ``--nproc`` ranks (``--tp``/``--ep``), measured as a user would see it. Every
+decode goes through ``runner.forward`` — the engine's decode path (on a GPU with the Triton backend: CUDA-graph
+replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``generate`` and ``serve`` use.
 
-* **decode**: for each batch size, ``--decode-tokens`` greedy steps after a short prompt, timed per round
-  (device synchronised, ranks barriered); ``--rounds`` rounds after one dropped warm-up round, median reported.
-  On GPUs every rank replays CUDA graphs of the static decode step
-  (:class:`~dsv4lab.engine.decode_graph.GraphDecoder`, its all-reduces captured with it); on a CPU the step runs
-  eagerly through ``runner.forward``; the row says which.
-  **MBU** = tok/s × bytes one decode step moves per GPU per token (the cost model, :mod:`dsv4lab.perf.costmodel`,
-  at the round's mean context) ÷ the copy bandwidth measured in the same run.
-* **TTFT**: a ``--prompt-tokens`` prompt prefilled in chunks of each ``--chunks`` size until the first token;
-  the fastest chunk is reported with every chunk's time.
 * **oracle**: the trajectory hash of 32 greedy tokens from a fixed prompt (identical for every split of the same
   seed on the same device type: a correctness gate on the measured configuration).
+* **graph check** (GPU): teacher-forced steps through the graphs (batch 1, and batch 3 padded to tier 4) equal the
+  same steps through the eager static step, bit for bit.
+* **decode**: for each batch size, ``--decode-tokens`` greedy steps after a 16-token prompt, timed per round
+  (device synchronised, ranks barriered); ``--rounds`` rounds after one dropped warm-up round (which captures the
+  tier's graph), median reported. **MBU** = tok/s × the weight bytes one decode step reads per GPU per token (the
+  cost model, :mod:`dsv4lab.perf.costmodel`) ÷ the copy bandwidth measured in the same run (``mbu_all_bytes``: every
+  byte the step moves at the round's mean context, KV reads included).
+* **contexts**: batch-1 decode after a prompt of each ``--contexts`` length (prefilled in ``--context-chunk``
+  chunks, its time reported), ``--context-tokens`` steps — how decode cost grows with context — and, at each, the
+  first step through the graph against the eager static step (bitwise, from a snapshot of the slot's caches) and
+  against the eager per-op forward (relative error, greedy token).
+* **TTFT**: a ``--prompt-tokens`` prompt prefilled in chunks of each ``--chunks`` size until the first token.
 * **ABBA** (more than one rank): batch-1 decode rounds alternating two all-reduce strategies A B B A.
-* **breakdown** (CUDA): one eager decode step under the profiler, GPU time by kernel family, beside the
-  roofline model's prediction for the same step on the H200 catalogue entry.
+* **breakdown** (CUDA): one graph replay of the batch-1 step under the profiler — GPU time by kernel family and
+  the number of kernel launches per step and per layer — beside the roofline model's prediction on the H200
+  catalogue entry.
 
-``--smoke`` runs the same code on the tiny preset on a CPU (gloo between ranks) in seconds.
+Every part's wall time is recorded (``timing_s``); parts that would start after ``--budget-s`` are skipped and
+listed (``skipped``). ``--smoke`` runs the same code on the tiny preset on a CPU (gloo between ranks) in seconds.
 """
 from __future__ import annotations
 
@@ -25,14 +33,16 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..config import get_preset
-from ..engine.decode_graph import GraphDecoder
+from ..engine.decode_graph import FastDecoder
 from ..engine.loader import load
 from ..errors import UserError
 from ..options import add_backend, add_preset
@@ -43,27 +53,41 @@ from ..perf.roofline import time_step
 from ..provenance import short_commit
 from ..random_checkpoint import RandomCheckpoint
 from ..verify.model import fixed_sequence, trajectory_hash
-from .common import kernel_families, median_copy_us, write_json
+from .common import KERNEL_FAMILIES, median_copy_us, write_json
 from .engine import _ints
 
-HELP = "end-to-end: decode tok/s and MBU at batch 1/2/4/8, TTFT of a 4,604-token prompt, oracle hash, ABBA, breakdown"
+HELP = ("end-to-end: decode tok/s and MBU at batch 1/2/4/8 and after long prompts, TTFT, oracle hash, graph checks, "
+        "ABBA, kernel breakdown")
+
+# the glue kernels' families (kernels/*.py), ahead of the generic ones of bench_common
+GLUE_FAMILIES = (("_mhc", "mhc"), ("_rms_norm", "norm_rope"), ("_head_rms_rope", "norm_rope"),
+                 ("_kv_norm_rope", "norm_rope"), ("_indexer_query", "indexer"), ("_indexer_select", "indexer"),
+                 ("_compressor_step", "compressor"), ("_router", "router"))
 
 
 def add_arguments(p):
     add_preset(p, "flash", help="architecture of the generated model")
+    p.add_argument("--layers", type=int, default=0,
+                   help="keep the first N main layers (real layer-kind pattern, MTP kept); 0 = all")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (processes) on this host")
-    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=1, help="ranks (processes) on this host")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (default: nproc / ep)")
     p.add_argument("--ep", type=int, default=1)
     add_backend(p, "triton")
     p.add_argument("--collective", default="auto", help="all-reduce strategy: library, peer_read or auto")
     p.add_argument("--batches", default="1,2,4,8")
-    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="measured rounds (one more is run first and dropped)")
+    p.add_argument("--contexts", default="512,4096,16384,65536",
+                   help="prompt lengths before batch-1 decode rows ('' to skip)")
+    p.add_argument("--context-tokens", type=int, default=32, help="decode steps timed after each context prompt")
+    p.add_argument("--context-chunk", type=int, default=8192, help="prefill chunk of the context prompts")
     p.add_argument("--prompt-tokens", type=int, default=4604)
     p.add_argument("--chunks", default="2048,4096", help="prefill chunk sizes to measure (comma-separated)")
     p.add_argument("--abba", default="library,peer_read", help="two all-reduce strategies for the ABBA run "
                    "('' to skip)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="skip the parts that would start after this many seconds (recorded as skipped)")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, a few tokens: checks the script")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench/e2e.json)")
     p.add_argument("--commit", default=None, help="commit to record (default: git describe of this tree)")
@@ -71,27 +95,47 @@ def add_arguments(p):
 
 def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
-    o = dict(preset=args.preset, seed=args.seed, nproc=args.nproc, tp=args.tp, ep=args.ep, backend=args.backend,
-             collective=args.collective, batches=_ints(args.batches, "--batches"), decode_tokens=args.decode_tokens,
-             rounds=args.rounds, prompt_tokens=args.prompt_tokens, chunks=_ints(args.chunks, "--chunks"),
-             abba=[s for s in args.abba.split(",") if s], smoke=args.smoke, commit=args.commit)
+    tp = args.tp if args.tp is not None else max(1, args.nproc // max(args.ep, 1))
+    o = dict(preset=args.preset, layers=args.layers, seed=args.seed, nproc=args.nproc, tp=tp, ep=args.ep,
+             backend=args.backend, collective=args.collective, batches=_ints(args.batches, "--batches"),
+             decode_tokens=args.decode_tokens, rounds=args.rounds,
+             contexts=_ints(args.contexts, "--contexts") if args.contexts.strip() else [],
+             context_tokens=args.context_tokens, context_chunk=args.context_chunk,
+             prompt_tokens=args.prompt_tokens, chunks=_ints(args.chunks, "--chunks"),
+             abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
+             commit=args.commit)
     if args.smoke:
-        o.update(preset="tiny", decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
-                 chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1])
+        o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
+                 chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
+                 contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32)
         if not torch.cuda.is_available():
             o["backend"] = "reference"  # the Triton backend on a CPU is the interpreter: minutes per token
             if o["abba"]:
                 o["abba"] = ["library", "library"]  # peer-read needs GPUs; the ABBA code path still runs
     if o["nproc"] < 1 or o["nproc"] % o["tp"] or o["nproc"] % o["ep"]:
         raise UserError(f"--nproc {o['nproc']}: --tp {o['tp']} and --ep {o['ep']} must both divide it")
-    if o["decode_tokens"] < 2 or o["rounds"] < 1:
-        raise UserError("--decode-tokens must be >= 2 and --rounds >= 1")
+    if o["decode_tokens"] < 2 or o["rounds"] < 1 or o["context_tokens"] < 1:
+        raise UserError("--decode-tokens must be >= 2, --rounds and --context-tokens >= 1")
+    if o["layers"] < 0:
+        raise UserError(f"--layers {o['layers']}: expected 0 (all layers) or a positive count")
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
     return o
 
 
+def cut_layers(args, layers: int):
+    """``args`` with only its first ``layers`` main layers: their compression ratios (the real SWA/CSA/HCA pattern),
+    the MTP blocks' ratios, hash routing for the first ones; every width unchanged. ``0`` keeps all."""
+    if not layers or layers == args.n_layers:
+        return args
+    if layers > args.n_layers:
+        raise UserError(f"--layers {layers}: the {args.n_layers}-layer model has no more")
+    ratios = args.compress_ratios[:layers] + args.compress_ratios[args.n_layers:]
+    return args.replace(n_layers=layers, compress_ratios=ratios, n_hash_layers=min(args.n_hash_layers, layers))
+
+
 def run(args) -> int:
+
     o = options(args)
     if not o["smoke"] and not torch.cuda.is_available():
         raise UserError("bench e2e measures GPUs (use --smoke to check the script on a CPU)")
@@ -132,10 +176,37 @@ def log(rank: int, msg: str) -> None:
         print(f"[bench e2e] {msg}", file=sys.stderr, flush=True)
 
 
+class _Parts:
+    """Runs the benchmark's parts in order, timing each and skipping those that would start past the budget."""
+
+    def __init__(self, rank: int, t_start: float, budget_s: float, world: int):
+        self.rank, self.t_start, self.budget_s, self.world = rank, t_start, budget_s, world
+        self.timing: dict[str, float] = {}
+        self.skipped: list[str] = []
+
+    def run(self, name: str, fn):
+        over = time.perf_counter() - self.t_start > self.budget_s
+        if self.world > 1:  # every rank must take the same decision (the parts are collective)
+            flag = torch.tensor([int(over)])
+            dist.broadcast(flag, 0)
+            over = bool(flag.item())
+        if over:
+            self.skipped.append(name)
+            log(self.rank, f"{name}: skipped (past the {self.budget_s:.0f} s budget)")
+            return None
+        t0 = time.perf_counter()
+        out = fn()
+        self.timing[name] = round(time.perf_counter() - t0, 2)
+        log(self.rank, f"{name}: {self.timing[name]:.1f} s")
+        return out
+
+
 def worker(rank: int, world: int, o: dict) -> dict | None:
+
     t_start = time.perf_counter()
-    args = get_preset(o["preset"])
-    max_len = max(o["prompt_tokens"], 16 + o["decode_tokens"], 48) + 8
+    args = cut_layers(get_preset(o["preset"]), o["layers"])
+    max_len = max([o["prompt_tokens"], 16 + o["decode_tokens"], 48]
+                  + [c + o["context_tokens"] for c in o["contexts"]]) + 8
     if world > 1:
         _, _, device = init_distributed()
         ck = RandomCheckpoint(args, o["seed"], device, name=o["preset"])
@@ -150,34 +221,60 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     ck.close()
     clock = _Clock(device, world)
     load_s = time.perf_counter() - t_start
-    log(rank, f"model generated and loaded in {load_s:.1f} s")
-    copy_gbps = copy_bandwidth(device)
-    doc = dict(benchmark="e2e", model=o["preset"], seed=o["seed"], ranks=world, tp=o["tp"], ep=o["ep"],
-               backend=o["backend"], collective=o["collective"], load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
-               smoke=o["smoke"], **identity(device, o.get("commit")))
-    doc["oracle"] = oracle(runner)
+    log(rank, f"model generated and loaded in {load_s:.1f} s ({args.n_layers} layers, max_seq_len {max_len}, "
+              f"decode path {runner.decode_path})")
+    parts = _Parts(rank, t_start, o["budget_s"], world)
+    copy_gbps = parts.run("copy_bandwidth", lambda: copy_bandwidth(device))
+    doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
+               ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
+               decode_path=runner.decode_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
+               max_seq_len=max_len, smoke=o["smoke"], **identity(device, o.get("commit")))
+    doc["oracle"] = parts.run("oracle", lambda: oracle(runner))
     doc["oracle_hash"] = doc["oracle"]["hash"]
     log(rank, f"oracle hash {doc['oracle']['hash']}")
-    doc["decode"] = [decode_row(runner, clock, b, o, copy_gbps) for b in o["batches"]]
-    for r in doc["decode"]:
-        log(rank, f"decode b={r['batch']}: {r['tok_s']:.1f} tok/s ({r['path']}), MBU {r['mbu']}")
-    doc["prefill"] = prefill_rows(runner, clock, o)
-    best = min(doc["prefill"], key=lambda r: r["ttft_s"])
-    doc["ttft"] = dict(prompt_tokens=o["prompt_tokens"], ttft_s=best["ttft_s"], chunk=best["chunk"])
-    log(rank, f"TTFT {best['ttft_s']:.3f} s for {o['prompt_tokens']} tokens (chunk {best['chunk']})")
+    if runner.decode_path == "graph":
+        doc["graph_check"] = parts.run("graph_check", lambda: graph_check(runner))
+    doc["decode"] = []
+    for b in o["batches"]:
+        row = parts.run(f"decode_b{b}", lambda b=b: decode_row(runner, clock, b, o, copy_gbps))
+        if row is not None:
+            doc["decode"].append(row)
+            log(rank, f"decode b={b}: {row['tok_s']:.1f} tok/s ({row['path']}), MBU {row['mbu']}")
+    doc["contexts"] = []
+    for n in o["contexts"]:
+        row = parts.run(f"context_{n}", lambda n=n: context_row(runner, clock, n, o, copy_gbps))
+        if row is not None:
+            doc["contexts"].append(row)
+            log(rank, f"decode after {n} tokens: {row['tok_s']:.1f} tok/s, prefill {row['prefill_s']:.2f} s, "
+                      f"graph = eager step: {row.get('graph_equals_static')}")
+    doc["prefill"] = parts.run("ttft", lambda: prefill_rows(runner, clock, o)) or []
+    if doc["prefill"]:
+        best = min(doc["prefill"], key=lambda r: r["ttft_s"])
+        doc["ttft"] = dict(prompt_tokens=o["prompt_tokens"], ttft_s=best["ttft_s"], chunk=best["chunk"])
+        log(rank, f"TTFT {best['ttft_s']:.3f} s for {o['prompt_tokens']} tokens (chunk {best['chunk']})")
     if world > 1 and o["abba"]:
-        doc["abba"] = abba(runner, clock, o, device)
+        doc["abba"] = parts.run("abba", lambda: abba(runner, clock, o, device))
     if device.type == "cuda":
-        doc["breakdown"] = breakdown(runner, o, device)
+        doc["breakdown"] = parts.run("breakdown", lambda: breakdown(runner, o, device))
+    doc["decode_info"] = runner.decode_info()
     doc["targets"] = targets(doc)
-    b1 = next((r for r in doc["decode"] if r["batch"] == 1), doc["decode"][0])
-    doc["summary"] = dict(decode_tok_s=b1["tok_s"], decode_batch=b1["batch"], mbu=b1["mbu"], ttft_s=best["ttft_s"],
-                          prefill_input_tok_s=round(o["prompt_tokens"] / best["ttft_s"], 1))  # what figures read
+    b1 = next((r for r in doc["decode"] if r["batch"] == 1), doc["decode"][0] if doc["decode"] else None)
+    ttft = doc.get("ttft", {})
+    doc["summary"] = dict(decode_tok_s=b1["tok_s"] if b1 else None, decode_batch=b1["batch"] if b1 else None,
+                          mbu=b1["mbu"] if b1 else None, ttft_s=ttft.get("ttft_s"),
+                          prefill_input_tok_s=round(o["prompt_tokens"] / ttft["ttft_s"], 1) if ttft else None)
+    doc["timing_s"], doc["skipped"] = parts.timing, parts.skipped
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return doc if rank == 0 else None
 
 
+def _kinds(args) -> str:
+    return "".join({"swa": "S", "csa": "C", "hca": "H"}[args.layer_kind(i)] for i in range(args.n_layers))
+
+
 def identity(device, commit: str | None) -> dict:
+
+
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     try:
         import triton
@@ -190,6 +287,7 @@ def identity(device, commit: str | None) -> dict:
 
 def copy_bandwidth(device) -> float | None:
     """GB/s of a 1 GiB fp32 copy (bytes read + written), median of 10 after a warm-up; None on a CPU."""
+
     if device.type != "cuda":
         return None
     src = torch.empty(1 << 28, dtype=torch.float32, device=device).uniform_()
@@ -210,22 +308,40 @@ def oracle(runner) -> dict:
     return dict(prompt_ids=prompt, ids=ids, hash=trajectory_hash(ids))
 
 
-def _decoder(runner, batch: int):
-    """Graph replay on a GPU (every rank captures the same step, collectives included); eager ``runner.forward``
-    steps otherwise. Returns the step and the path's name."""
-    if runner.device.type == "cuda":
-        return GraphDecoder(runner, graphs=True, tiers=(batch,)), "graph"
-
-    def step(tokens, slots):
-        pos = runner.positions[torch.as_tensor(slots)].tolist()
-        assert len(set(pos)) == 1, "eager decode rows advance together"
-        return runner.forward(torch.as_tensor(tokens, device=runner.device)[:, None], pos[0],
-                              slots=list(slots))[:, -1]
-    return step, "eager"
+def _teacher_forced(runner, steps, batch: int, prompt, tokens) -> list:
+    """Prefill ``prompt`` into slots ``0..batch-1`` and run ``steps`` (a callable per step) on ``tokens``."""
+    slots = list(range(batch))
+    runner.reset()
+    runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots)
+    out = []
+    for i, t in enumerate(tokens):
+        out.append(steps(torch.full((batch,), t), torch.full((batch,), len(prompt) + i), torch.tensor(slots)))
+    runner.reset()
+    return out
 
 
-def decode_round(runner, decode, batch: int, n: int, prompt: list[int]) -> tuple[float, list[int]]:
-    """Prefill ``batch`` copies of ``prompt``, then ``n`` greedy steps; returns (decode seconds, row 0's ids)."""
+def graph_check(runner) -> dict:
+    """Teacher-forced steps through the graphs (batch 1, and batch 3 padded to tier 4) and through the eager static
+    step: bitwise equal?"""
+
+    prompt = _prompt(runner.args, 16, seed=3)
+    tokens = _prompt(runner.args, 4, seed=9)
+    graph = FastDecoder(runner, graphs=True)
+    eager = FastDecoder(runner, graphs=False)
+    out = {}
+    for b in (1, 3):
+        if b > runner.max_batch:
+            continue
+        g = _teacher_forced(runner, graph, b, prompt, tokens)
+        e = _teacher_forced(runner, eager, b, prompt, tokens)
+        out[f"b{b}_bitwise"] = all(torch.equal(x, y) for x, y in zip(g, e))
+    out["capture_s"] = {b: round(s, 3) for b, s in graph.graphs.capture_s.items()}
+    return out
+
+
+def decode_round(runner, batch: int, n: int, prompt: list[int]) -> tuple[float, list[int]]:
+    """Prefill ``batch`` copies of ``prompt``, then ``n`` greedy steps through ``runner.forward`` (the engine's decode
+    path); returns (decode seconds, row 0's ids)."""
     slots = list(range(batch))
     runner.reset()
     logits = runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots)[:, -1]
@@ -234,33 +350,102 @@ def decode_round(runner, decode, batch: int, n: int, prompt: list[int]) -> tuple
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     t0 = time.perf_counter()
-    for _ in range(n):
+    for i in range(n):
         ids.append(int(nxt[0]))  # one host read per step: what a server does to stream tokens
-        nxt = decode(nxt, slots).argmax(-1)
+        nxt = runner.forward(nxt[:, None], len(prompt) + i, slots=slots)[:, -1].argmax(-1)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return time.perf_counter() - t0, ids
 
 
+def _mbu(runner, o: dict, batch: int, context: int, tok_s: float, copy_gbps: float | None) -> dict:
+    """MBU = tok/s × the weight bytes one step reads per GPU per token (the cost model's count for this model and
+    split) ÷ the copy bandwidth of this run; ``mbu_all_bytes`` counts every byte the step moves (KV and index-key
+    reads included, which grow with the context)."""
+    step = decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=batch, context=context)
+    weights, total = step.weight_bytes_rank / batch, step.bytes_rank / batch
+    bw = copy_gbps * 1e9 if copy_gbps else None
+    return dict(mbu=round(tok_s * weights / bw, 4) if bw else None,
+                mbu_all_bytes=round(tok_s * total / bw, 4) if bw else None,
+                weight_bytes_per_token_per_gpu=round(weights), bytes_per_token_per_gpu=round(total))
+
+
 def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> dict:
     prompt = _prompt(runner.args, 16, seed=batch)
-    decode, path = _decoder(runner, batch)
     seconds = []
     for _ in range(o["rounds"] + 1):
         clock.sync()
-        s, _ = decode_round(runner, decode, batch, o["decode_tokens"], prompt)
+        s, _ = decode_round(runner, batch, o["decode_tokens"], prompt)
         seconds.append(s)
     runner.reset()
-    measured = seconds[1:]  # the first round compiles and warms up
+    measured = seconds[1:]  # the first round compiles, captures the tier's graph and warms up
     tok_s = batch * o["decode_tokens"] / statistics.median(measured)
     context = len(prompt) + o["decode_tokens"] // 2
-    step = decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=batch, context=context)
-    bytes_per_token = step.bytes_rank / batch
-    mbu = round(tok_s * bytes_per_token / (copy_gbps * 1e9), 4) if copy_gbps else None
-    return dict(batch=batch, tok_s=round(tok_s, 2), mbu=mbu, path=path, decode_tokens=o["decode_tokens"],
+    return dict(batch=batch, tok_s=round(tok_s, 2), **_mbu(runner, o, batch, context, tok_s, copy_gbps),
+                path=runner.decode_path, decode_tokens=o["decode_tokens"],
                 rounds_tok_s=[round(batch * o["decode_tokens"] / s, 2) for s in measured],
-                dropped_round_tok_s=round(batch * o["decode_tokens"] / seconds[0], 2),
-                bytes_per_token_per_gpu=round(bytes_per_token), context=context)
+                dropped_round_tok_s=round(batch * o["decode_tokens"] / seconds[0], 2), context=context)
+
+
+def _slot_state(runner, slot: int) -> list:
+    """Copies of every per-sequence buffer of ``slot`` (window ring, compressed caches, compressor rings)."""
+    bufs = []
+    for blk in runner.model.blocks():
+        attn = blk.attn
+        comps = [c for c in (attn.compressor, attn.indexer.compressor if attn.indexer else None) if c is not None]
+        for t in [attn.win_kv, attn.ckv, attn.ikv] + [r for c in comps for r in (c.kv_ring, c.score_ring)]:
+            if t is not None:
+                bufs.append((t, t[slot].clone()))
+    return bufs
+
+
+def context_row(runner, clock, n: int, o: dict, copy_gbps: float | None) -> dict:
+    """Batch-1 decode after an ``n``-token prompt: prefill time, decode tok/s over ``context_tokens`` steps, and the
+    first step through the engine's path against the eager static step (bitwise) and the per-op forward."""
+
+    ids = torch.tensor([_prompt(runner.args, n, seed=n)], device=runner.device)
+    chunk = o["context_chunk"]
+    runner.reset()
+
+    def prefill():
+        for p in range(0, n, chunk):
+            last.append(runner.forward(ids[:, p:p + chunk], p)[:, -1])
+    last: list = []
+    prefill_s = clock.time(prefill)
+    row = dict(context=n, prefill_s=round(prefill_s, 3), prefill_chunk=chunk, path=runner.decode_path)
+    # the first step three ways from one snapshot of the slot's state, the engine's last (the timed steps go on)
+    state = _slot_state(runner, 0)
+    tok = last[-1].argmax(-1).cpu()
+    ways = {}
+    for way in ("static", "forward", "engine"):
+        for t, saved in state:
+            t[0].copy_(saved)
+        runner.positions[0] = n
+        if way == "static":
+            ways[way] = FastDecoder(runner, graphs=False)(tok, torch.tensor([n]), torch.tensor([0]))
+        elif way == "forward":
+            path, runner.decode_path = runner.decode_path, "eager"
+            ways[way] = runner.forward(tok[:, None], n, slots=[0])[:, 0]
+            runner.decode_path = path
+        else:
+            ways[way] = runner.forward(tok[:, None], n, slots=[0])[:, 0]
+    e, s, f = ways["engine"], ways["static"], ways["forward"]
+    row.update(graph_equals_static=bool(torch.equal(e, s)),
+               forward_rel=float((e - f).norm() / f.norm()), forward_same_argmax=bool(torch.equal(
+                   e.argmax(-1), f.argmax(-1))))
+    nxt = e.argmax(-1)
+    clock.sync()
+    t0 = time.perf_counter()
+    for i in range(o["context_tokens"]):
+        nxt = runner.forward(nxt[:, None], n + 1 + i, slots=[0])[:, -1].argmax(-1)
+        int(nxt[0])
+    clock.sync()
+    dt = time.perf_counter() - t0
+    runner.reset()
+    tok_s = o["context_tokens"] / dt
+    row.update(tok_s=round(tok_s, 2), **_mbu(runner, o, 1, n + o["context_tokens"] // 2, tok_s, copy_gbps),
+               decode_tokens=o["context_tokens"], decode_s=round(dt, 3))
+    return row
 
 
 def prefill_rows(runner, clock, o: dict) -> list[dict]:
@@ -285,24 +470,30 @@ def prefill_rows(runner, clock, o: dict) -> list[dict]:
 
 def abba(runner, clock, o: dict, device) -> dict:
     """Batch-1 decode rounds in the order A B B A for two all-reduce strategies: the switch's effect with drift
-    cancelled. Every rank swaps its strategy together (the reducers are collective to create)."""
+    cancelled. Every rank swaps its strategy together (the reducers are collective to create); each strategy has its
+    own decode path (a captured graph holds the reducer it was captured with)."""
     plan = runner.plan
     reducers = {s: make_site_reducer(plan.layout, device, s) for s in o["abba"]}
     original = runner._all_reduce
     prompt = _prompt(runner.args, 16, seed=1)
     times: dict[str, list[float]] = {s: [] for s in o["abba"]}
     a, b = o["abba"]
+    decoders = {}
     try:
-        decoders = {}
-        for s in (a, b):  # a captured graph holds the reducer it was captured with: one decoder per strategy
+        for s in (a, b):
             runner._all_reduce = reducers[s]
-            decoders[s] = _decoder(runner, 1)[0]
+            runner.drop_decoders()  # a fresh decoder (and graphs) under this strategy
+            decode_round(runner, 1, 2, prompt)  # builds and captures it
+            decoders[s] = runner.decoder
         for s in (a, b, b, a) * max(1, o["rounds"] // 2):
             runner._all_reduce = reducers[s]
+            if decoders[s] is not None:
+                runner.decoder = decoders[s]
             clock.sync()
-            times[s].append(decode_round(runner, decoders[s], 1, o["decode_tokens"], prompt)[0])
+            times[s].append(decode_round(runner, 1, o["decode_tokens"], prompt)[0])
     finally:
         runner._all_reduce = original
+        runner.drop_decoders()
         runner.reset()
     tok = {s: [o["decode_tokens"] / t for t in ts] for s, ts in times.items()}
     return dict(order=f"{a} {b} {b} {a}", tok_s={s: round(statistics.median(v), 2) for s, v in tok.items()},
@@ -310,55 +501,153 @@ def abba(runner, clock, o: dict, device) -> dict:
                 speedup=round(statistics.median(tok[b]) / statistics.median(tok[a]), 4))
 
 
+# dispatched torch ops that launch no kernel (allocation, aliasing, host reads)
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+              "alias", "_local_scalar_dense", "set_", "resize_"}
+
+
+def count_launches(fn):
+    """Run ``fn()`` counting Triton kernel launches and dispatched torch ops that launch a kernel (views,
+    allocations and host reads excluded) — on a GPU, the kernels of what ``fn`` runs. Works on a CPU (the
+    interpreter's launches are counted the same way). Returns ``(counts, fn's result)`` with ``counts`` =
+    ``{triton, torch, triton_kernels: Counter, torch_ops: Counter}``."""
+
+    import triton.runtime.jit as jit
+    counts = dict(triton=0, torch=0, triton_kernels=Counter(), torch_ops=Counter())
+
+    class _TorchOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in _NO_KERNEL:
+                counts["torch"] += 1
+                counts["torch_ops"][name] += 1
+            return func(*args, **(kwargs or {}))
+
+    classes = [jit.JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    originals = {cls: cls.run for cls in classes}
+
+    def counted(original):
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup", False):
+                counts["triton"] += 1
+                counts["triton_kernels"][getattr(self, "__name__", "kernel")] += 1
+            with _disable_current_modes():  # the launch's own host-side tensor handling is not the step's
+                return original(self, *args, **kwargs)
+        return run
+
+    for cls, original in originals.items():
+        cls.run = counted(original)
+    try:
+        with _TorchOps():
+            out = fn()
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+    return counts, out
+
+
+def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU µs and kernel launches per call of a ``torch.profiler`` run of ``calls`` calls, by kernel family (the
+    glue's families, then :data:`~dsv4lab.perf.bench_common.KERNEL_FAMILIES`)."""
+    us: dict[str, float] = {}
+    launches: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if not t:
+            continue
+        fam = next((f for key, f in GLUE_FAMILIES + KERNEL_FAMILIES if key in ev.key), "other")
+        us[fam] = us.get(fam, 0.0) + t / calls
+        launches[fam] = launches.get(fam, 0.0) + ev.count / calls
+    order = sorted(us, key=lambda k: -us[k])
+    return {k: round(us[k], 1) for k in order}, {k: round(launches[k], 1) for k in order}
+
+
 def breakdown(runner, o: dict, device) -> dict:
-    """One eager batch-1 decode step under the profiler (GPU µs by kernel family) and the roofline model's
-    prediction of the same step (µs by op kind) on the H200 catalogue entry."""
+    """The batch-1 decode step as the engine runs it — one graph replay (or one eager step when the engine does not
+    use graphs) under the profiler: GPU µs and kernel launches by family, launches per layer; beside the roofline
+    model's prediction of the same step (µs by op kind) on the H200 catalogue entry."""
+
     prompt = _prompt(runner.args, 16, seed=2)
     runner.reset()
     nxt = runner.forward(torch.tensor([prompt], device=device), 0)[:, -1].argmax(-1)
-    step = lambda: runner.forward(nxt[:, None], len(prompt))  # noqa: E731
+    runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
+    graphs = runner.decoder.graphs if runner.decoder is not None else None
+    if graphs is not None and 1 in graphs.graphs:
+        graph = graphs.graphs[1][0]
+        step = graph.replay  # replays the last step (same slot and position): a fixed cost, the state is rewritten
+    else:
+        step = lambda: runner.forward(nxt[:, None], len(prompt) + 1)  # noqa: E731 — eager: one step only
+    reps = 3 if graphs is not None else 1
     step()
-    runner.reset()
-    runner.forward(torch.tensor([prompt], device=device), 0)
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(reps):
+            step()
         torch.cuda.synchronize(device)
     runner.reset()
-    measured = kernel_families(prof, 1)
+    measured, launches = kernel_profile(prof, reps)
+    total_launches = sum(launches.values())
     st = time_step(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=1, context=len(prompt)),
                    load_hardware("h200-sxm"))
     by_kind: dict[str, float] = {}
     for op in st.ops:
         by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.total_us
     by_kind["collective"] = sum(c.total_us for c in st.collectives)
-    return dict(measured_gpu_us=measured, measured_total_us=round(sum(measured.values()), 1),
+    return dict(source="graph replay" if graphs is not None else "eager step",
+                measured_gpu_us=measured, measured_total_us=round(sum(measured.values()), 1),
+                kernel_launches=launches, launches_per_step=round(total_launches, 1),
+                launches_per_layer=round(total_launches / runner.args.n_layers, 1),
                 predicted_us_by_kind={k: round(v, 1) for k, v in by_kind.items()},
                 predicted_step_us=round(st.step_us, 1), predicted_terms_us={k: round(v, 1) for k, v in
                                                                            st.terms_us().items()})
 
 
 def targets(doc: dict) -> dict:
-    """The issue's two targets, as measured (None where this run cannot say)."""
-    b1 = next((r for r in doc["decode"] if r["batch"] == 1), None)
-    mbu = b1["mbu"] if b1 else None
-    ttft = doc["ttft"]["ttft_s"] if doc["ttft"]["prompt_tokens"] == 4604 else None
+    """The issue's targets, as measured (None where this run cannot say)."""
+    rows = {r["batch"]: r for r in doc["decode"]}
+    mbu = rows[1]["mbu"] if 1 in rows else None
+    scale = round(rows[8]["tok_s"] / rows[1]["tok_s"], 2) if 1 in rows and 8 in rows else None
+    ttft = doc["ttft"]["ttft_s"] if doc.get("ttft", {}).get("prompt_tokens") == 4604 else None
+    launches = (doc.get("breakdown") or {}).get("launches_per_layer")
     return dict(batch1_mbu=dict(value=mbu, target=0.40, met=None if mbu is None else mbu >= 0.40),
+                batch8_over_batch1=dict(value=scale, target=5.0, met=None if scale is None else scale >= 5.0),
+                launches_per_layer=dict(value=launches, target=15, met=None if launches is None else launches <= 15),
                 ttft_4604=dict(value=ttft, target=0.4, met=None if ttft is None else ttft <= 0.4))
 
 
 def format_summary(doc: dict) -> str:
-    lines = [f"{doc['model']} seed {doc['seed']} on {doc['ranks']} × {doc['gpu']} (tp {doc['tp']}, ep {doc['ep']}, "
-             f"{doc['backend']}), oracle hash {doc['oracle']['hash']}",
+    lines = [f"{doc['model']} ({doc['layers']} layers {doc['layer_kinds']}) seed {doc['seed']} on {doc['ranks']} × "
+             f"{doc['gpu']} (tp {doc['tp']}, ep {doc['ep']}, {doc['backend']}, decode path {doc['decode_path']}), "
+             f"oracle hash {doc['oracle']['hash']}",
              f"{'batch':>6} {'tok/s':>10} {'MBU':>7}  path"]
     for r in doc["decode"]:
         mbu = "-" if r["mbu"] is None else f"{100 * r['mbu']:.1f}%"
         lines.append(f"{r['batch']:>6} {r['tok_s']:>10.2f} {mbu:>7}  {r['path']}")
-    t = doc["ttft"]
-    lines.append(f"TTFT {t['ttft_s']:.3f} s for {t['prompt_tokens']} tokens (chunk {t['chunk']}; "
-                 + ", ".join(f"{r['chunk']}: {r['ttft_s']:.3f} s" for r in doc["prefill"]) + ")")
-    if "abba" in doc:
+    for r in doc.get("contexts", []):
+        mbu = "-" if r["mbu"] is None else f"{100 * r['mbu']:.1f}%"
+        lines.append(f"b=1 after {r['context']:>6} tokens: {r['tok_s']:>8.2f} tok/s, MBU {mbu}, prefill "
+                     f"{r['prefill_s']:.2f} s; graph = eager step: {r['graph_equals_static']}, vs per-op forward "
+                     f"rel {r['forward_rel']:.2e}")
+    if doc.get("ttft"):
+        t = doc["ttft"]
+        lines.append(f"TTFT {t['ttft_s']:.3f} s for {t['prompt_tokens']} tokens (chunk {t['chunk']}; "
+                     + ", ".join(f"{r['chunk']}: {r['ttft_s']:.3f} s" for r in doc["prefill"]) + ")")
+    if doc.get("graph_check"):
+        lines.append(f"graph check: {doc['graph_check']}")
+    if doc.get("breakdown"):
+        bd = doc["breakdown"]
+        lines.append(f"breakdown ({bd['source']}): {bd['measured_total_us']} µs, {bd['launches_per_step']} launches "
+                     f"({bd['launches_per_layer']} per layer); " + ", ".join(f"{k} {v}" for k, v in
+                                                                            bd["measured_gpu_us"].items()))
+    if doc.get("abba"):
         a = doc["abba"]
         lines.append(f"ABBA ({a['order']}): " + ", ".join(f"{s} {v} tok/s" for s, v in a["tok_s"].items())
                      + f"; speedup {a['speedup']}")
+    lines.append("parts (s): " + ", ".join(f"{k} {v}" for k, v in doc.get("timing_s", {}).items())
+                 + (f"; skipped: {', '.join(doc['skipped'])}" if doc.get("skipped") else ""))
     return "\n".join(lines)

@@ -1,8 +1,10 @@
 """``dsv4lab generate`` — greedy or sampled generation from a checkpoint.
 
 With ``--json`` it prints one JSON object with ``output_ids`` and ``hash`` (the trajectory hash: first 16 hex
-digits of sha256 over the output ids as little-endian int32), plus the prompt ids, text, and timing. Under
-``torchrun`` with ``--tp``/``--ep`` only rank 0 prints.
+digits of sha256 over the output ids as little-endian int32), plus the prompt ids, text, timing and the decode path
+the engine took (``decode``: ``graph`` — CUDA-graph replay of the fused static step, the default on a GPU with the
+Triton backend, with the seconds each batch tier's capture took — ``static`` or ``eager``). Under ``torchrun`` with
+``--tp``/``--ep`` only rank 0 prints.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def add_arguments(p):
     add_dtype(p)
     add_device(p)
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the prompt in chunks of this many tokens")
+    p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "static", "eager"),
+                   help="auto (default): CUDA-graph replay of the static decode step on a GPU with the triton "
+                        "backend, the eager per-op forward otherwise")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (run under torchrun)")
     p.add_argument("--collective", default="auto", choices=("auto", "library", "peer_read"),
@@ -60,6 +65,10 @@ def run(args) -> int:
                                 collective=args.collective)
     else:
         m, rank = load(args.checkpoint, device=device, dtype=dtype, backend=args.backend, max_batch=1), 0
+    try:
+        m.decode_path = args.decode_path
+    except ValueError as err:
+        raise UserError(f"--decode-path {args.decode_path}: {err}") from None
     if args.prompt is not None:
         if m.tokenizer is None:
             raise UserError(f"{args.checkpoint} has no tokenizer.json: use --prompt-ids")
@@ -77,7 +86,7 @@ def run(args) -> int:
         return 0
     text = m.tokenizer.decode(out) if m.tokenizer is not None else None
     res = dict(prompt_ids=ids, output_ids=out, hash=trajectory_hash(out), text=text, backend=m.backend,
-               dtype=args.dtype, seconds=round(dt, 4))
+               dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info())
     if args.json:
         print(json.dumps(res))
     else:
@@ -86,4 +95,15 @@ def run(args) -> int:
             print(f"{prompt_text}\033[1m{text}\033[0m" if sys.stdout.isatty() else prompt_text + text)
         print(f"output_ids {out}")
         print(f"hash {res['hash']}  ({len(out)} tokens in {dt:.2f} s, backend {m.backend}, {args.dtype})")
+        print(f"decode path: {describe_decode(res['decode'])}")
     return 0
+
+
+def describe_decode(info: dict) -> str:
+    """One line for :meth:`ModelRunner.decode_info`: the path, and for graphs the tiers captured and their cost."""
+    text = info["path"]
+    if info.get("captured"):
+        text += " (captured batch " + ", ".join(f"{b} in {s:.2f} s" for b, s in info["captured"].items()) + ")"
+    if info.get("note"):
+        text += f"; {info['note']}"
+    return text

@@ -1,55 +1,97 @@
-"""A static decode step — one token per row, no host syncs, no data-dependent shapes — and its CUDA graphs.
+"""The engine's decode step: one token per row, no host syncs, no data-dependent shapes — and its CUDA graphs.
 
 The reference forward (:mod:`dsv4lab.model.attention`) serves prefill, chunked prefill and decode with per-row
 Python loops and ``int()`` / ``.tolist()`` reads of positions; a CUDA graph cannot capture that. This module is
-a second implementation of the *decode* step over the same modules, weights and caches, written with tensors
-only:
+the *decode* step over the same modules, weights and caches, written with tensors only and with the backend's fused
+ops (:class:`~dsv4lab.model.ops.ReferenceOps` defines each as the composition it replaces):
 
-* window: the new KV row is written into the ring first, then the query reads the ring rows of positions
-  ``p-W+1 .. p`` (−1 where negative) — the same rows the reference gathers from ``[history; kv]``;
-* compressors: the candidate block ``j = p // r`` is always pooled and its entry written only where the block
-  completes (``(p+1) % r == 0``), through ``torch.where``;
-* HCA reads every entry of the compressed cache masked by ``j < (p+1)//r``; CSA's indexer scores the whole
-  index-key cache (unwritten rows are NaN and masked out) and keeps ``min(index_topk, cache rows)`` picks, the
-  invisible ones as −1 — the same visible selection as the reference's;
-* attention reads the window ring and the compressed cache in place (:meth:`TritonOps.attention_from_caches`).
+* per layer: ``hc_pre_norm`` (fused with the previous layer's last ``hc_post``) → ``linear`` (wq_a, wkv) → ``rms_norm`` → ``linear`` (wq_b) → ``head_rms_rope``;
+  ``kv_norm_rope`` writes the new KV row into the window ring; each compressor: its two projections and
+  ``compressor_step`` (ring update, pooling, entry finish and write where the token completes a block — the
+  candidate block is pooled only then, and written only then, so the last partial block of ``max_seq_len``, which
+  has no cache row, is never touched); CSA: ``indexer_query`` and ``indexer_select_decode`` (scores and top-k over the
+  visible keys only); ``attention_from_caches`` reads the window ring and the compressed cache in place and
+  applies the inverse RoPE; ``grouped_wo_a``, ``wo_b``; ``hc_post_pre_norm``; the router (``linear_f32``,
+  ``router_topk``), ``routed_experts``, the shared expert; ``hc_post`` (with the next layer's ``hc_pre_norm``);
+* per step: the window rows ``p−W+1 … p`` (−1 where negative) and HCA's visible prefix ``j < (p+1)//r`` are
+  computed once and shared by every layer.
 
-Every op goes through the backend (``runner.ops``), so with :class:`~dsv4lab.engine.triton_backend.TritonOps`
-the step is sync-free and :class:`DecodeGraphs` captures it per batch tier (1, 2, 4, 8) with
-``torch.cuda.CUDAGraph`` (a HIP graph on ROCm). Kernels are deterministic (no atomics; split reductions summed in
-a fixed order), so a replay equals the eager step bit for bit. ``tests/test_kernels_decode.py`` checks the
-step against the reference decode on the tiny model.
+With :class:`~dsv4lab.engine.triton_backend.TritonOps` every op is a kernel and the step is sync-free:
+:class:`DecodeGraphs` captures it per batch tier (1, 2, 4, 8, …) with ``torch.cuda.CUDAGraph`` (a HIP graph on
+ROCm); a batch between tiers is padded to the next tier with rows that decode token 0 at position 0 in the
+**spare cache slot** the loader allocates beside the user's slots (no sequence owns it, so padding and capture never
+touch a live sequence's state, and a tier can be captured while sequences are running). Kernels are deterministic
+(no atomics in any sum; split reductions summed in a fixed order), and rows are independent, so a replay equals the
+eager step bit for bit. :class:`~dsv4lab.engine.runner.ModelRunner` decodes through this step on a GPU (see its
+``decode_path``); the tests check it against the reference decode on the tiny model at every context class.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Sequence
 
 import torch
 
-from .. import quant
 from ..model.attention import Attention
 from ..model.block import Block
 from ..model.compressor import Compressor
 from ..model.moe import MoE
 
 TIERS = (1, 2, 4, 8)
+log = logging.getLogger("dsv4lab.decode")
+
+
+def tiers_for(max_batch: int, tiers: Sequence[int] = TIERS) -> tuple[int, ...]:
+    """The captured batch tiers for ``max_batch`` slots: the given tiers up to the first one that holds them all."""
+    out = []
+    for t in sorted(tiers):
+        out.append(t)
+        if t >= max_batch:
+            break
+    return tuple(out)
+
+
+class _StepRows:
+    """Cache rows every layer of one step reads, computed once per step from the positions: the window ring rows
+    of positions ``p−W+1 … p`` (−1 before the sequence start) and, per compression ratio, the visible prefix of the
+    compressed cache (HCA reads every completed entry)."""
+
+    def __init__(self, positions: torch.Tensor, window: int):
+        self.positions = positions
+        u = torch.arange(window, device=positions.device)
+        window_pos = positions[:, None] - (window - 1) + u[None, :]
+        self.window = torch.where(window_pos >= 0, window_pos % window, -1)
+        self._compressed: dict[tuple[int, int], torch.Tensor] = {}
+
+    def compressed(self, ratio: int, rows: int) -> torch.Tensor:
+        key = (ratio, rows)
+        if key not in self._compressed:
+            ent = torch.arange(rows, device=self.positions.device)[None, :]
+            self._compressed[key] = torch.where(ent < ((self.positions + 1) // ratio)[:, None], ent, -1)
+        return self._compressed[key]
 
 
 class StaticDecodeStep:
     """``step(tokens [b], positions [b], slots [b]) → logits [b, vocab]`` (fp32) for a loaded model.
 
     It reads and advances the model's caches exactly as ``runner.forward(tokens[:, None], positions, slots)``
-    does, but does not touch ``runner.positions`` (see :class:`GraphDecoder` for the bookkeeping). Under
-    tensor/expert parallelism it issues the runner's all-reduces where ``Block.forward`` does (wo_b and the
-    indexer scores over the TP group, the routed-expert sum over the EP group); every rank runs the step.
+    does, but does not touch ``runner.positions`` (the runner keeps that bookkeeping). Under tensor/expert
+    parallelism it issues the runner's all-reduces where ``Block.forward`` does (wo_b and the indexer scores over
+    the TP group, the routed-expert sum over the EP group); every rank runs the step.
     """
 
     def __init__(self, runner):
-        self.model, self.ops, self.args = runner.model, runner.ops, runner.args
+        self.runner = runner
+        self.model, self.args = runner.model, runner.args
         # under tensor/expert parallelism: the same cross-rank sums, at the same sites, as Block.forward
         reduce = getattr(runner, "_all_reduce", None)
         self.attn_reduce = getattr(reduce, "attention", reduce)
         self.moe_reduce = getattr(reduce, "moe", reduce)
+
+    @property
+    def ops(self):
+        return self.runner.ops  # read at every step: a caller may swap the runner's backend
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -57,160 +99,197 @@ class StaticDecodeStep:
         nm = ops.numerics
         h = model.embed.weight[tokens].to(nm.act)  # [b, D]
         X = h[:, None, None, :].expand(-1, 1, a.hc_mult, -1).contiguous()  # [b, 1, hc, D]
-        for blk in model.layers:
-            X = self._block(blk, X, tokens, positions, slots)
+        rows = _StepRows(positions, a.window_size)
+        layers = list(model.layers)
+        first = layers[0]
+        x, post, comb = ops.hc_pre_norm(X, first.hc_attn_fn, first.hc_attn_base, first.hc_attn_scale,
+                                        first.attn_norm.weight, a)
+        for i, blk in enumerate(layers):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            X, x, post, comb = self._layer(blk, X, x, post, comb, tokens, positions, slots, rows, nxt)
         y = ops.hc_head(X, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a)
         return model.logits(y, ops)[:, 0].float()
 
     # ------------------------------------------------------------------ block
-    def _block(self, blk: Block, X, tokens, positions, slots):
+    def _block(self, blk: Block, X, tokens, positions, slots, rows: _StepRows | None = None):
+        """One block on its own: ``X [b, 1, hc, D]`` → ``X``."""
+        a = self.args
+        rows = rows or _StepRows(positions, a.window_size)
+        x, post, comb = self.ops.hc_pre_norm(X, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale,
+                                             blk.attn_norm.weight, a)
+        return self._layer(blk, X, x, post, comb, tokens, positions, slots, rows, None)[0]
+
+    def _layer(self, blk: Block, X, x, post, comb, tokens, positions, slots, rows: _StepRows, nxt: Block | None):
+        """A block from its mixed, normed input ``x`` (and ``post, comb`` of its attention site): attention,
+        ``hc_post_pre_norm`` into the MoE, the MoE, then the MoE's ``hc_post`` — fused with the next block's
+        ``hc_pre_norm`` when there is one (``Block.forward`` composes the same ops block by block). Returns
+        ``(X, x, post, comb)`` for the next block (the last three None after the last)."""
         ops, a = self.ops, self.args
         b = X.shape[0]
-        u, post, comb = ops.hc_pre(X, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, a)
-        h = self._attention(blk.attn, ops.rms_norm(u, blk.attn_norm.weight, a.norm_eps), positions, slots)
-        X = ops.hc_post(h, X, post, comb)
-        u, post, comb = ops.hc_pre(X, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, a)
-        f = self._moe(blk.ffn, ops.rms_norm(u, blk.ffn_norm.weight, a.norm_eps).reshape(b, -1), tokens)
-        return ops.hc_post(f.view(b, 1, -1), X, post, comb)
+        h = self._attention(blk.attn, x, positions, slots, rows)
+        X, x, post, comb = ops.hc_post_pre_norm(h, X, post, comb, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale,
+                                                blk.ffn_norm.weight, a)
+        f = self._moe(blk.ffn, x.reshape(b, -1), tokens).view(b, 1, -1)
+        if nxt is None:
+            return ops.hc_post(f, X, post, comb), None, None, None
+        return ops.hc_post_pre_norm(f, X, post, comb, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale,
+                                    nxt.attn_norm.weight, a)
 
     def _moe(self, ffn: MoE, x, tokens):
         ops, nm = self.ops, self.ops.numerics
         idx, weights = ffn.gate(x, tokens, ops)
         y = ops.routed_experts(x, idx, weights, ffn.experts, self.args.swiglu_limit, all_reduce=self.moe_reduce)
         shared = ffn.shared_experts if isinstance(ffn.shared_experts, torch.nn.ModuleList) else [ffn.shared_experts]
-        z = torch.zeros_like(y)
         for se in shared:
-            z = z + ops.expert_mlp(x, se.w1, se.w2, se.w3, self.args.swiglu_limit, shared=True).to(nm.acc)
-        return (y + z).to(nm.act)
+            y = y + ops.expert_mlp(x, se.w1, se.w2, se.w3, self.args.swiglu_limit, shared=True).to(nm.acc)
+        return y.to(nm.act)
 
     # ------------------------------------------------------------------ attention
-    def _attention(self, attn: Attention, x, positions, slots):
+    def _attention(self, attn: Attention, x, positions, slots, rows: _StepRows):
         """``x [b, 1, D]`` → ``[b, 1, D]``, the reference's :meth:`Attention.forward` for one token per row."""
         ops, a = self.ops, self.args
-        nm = ops.numerics
         b = x.shape[0]
-        d, W, H = a.head_dim, a.window_size, attn.n_local_heads
-        cos_q, sin_q = attn.cos[positions][:, None], attn.sin[positions][:, None]  # [b, 1, r/2]
+        d, H, eps = a.head_dim, attn.n_local_heads, a.norm_eps
+        pos = positions[:, None]  # [b, 1]: the query positions, as the reference's [b, n]
 
-        qr = ops.rms_norm(ops.linear(x, attn.wq_a), attn.q_norm.weight, a.norm_eps)
-        q = ops.linear(qr, attn.wq_b).view(b, 1, H, d)
-        q = ops.head_rms(q, a.norm_eps)
-        q = ops.rope(q, cos_q[:, :, None], sin_q[:, :, None])
-        kv = ops.rms_norm(ops.linear(x, attn.wkv), attn.kv_norm.weight, a.norm_eps)
-        kv = ops.rope(kv, cos_q, sin_q)
-        if nm.kv_fp8_sim:
-            kv = torch.cat((quant.fp8_qdq(kv[..., :a.nope_head_dim], 64), kv[..., a.nope_head_dim:]), -1)
-
+        qr = ops.rms_norm(ops.linear(x, attn.wq_a), attn.q_norm.weight, eps)
+        q = ops.head_rms_rope(ops.linear(qr, attn.wq_b).view(b, 1, H, d), attn.cos, attn.sin, pos, eps)
+        # the new KV row goes into the window ring before the query reads it
+        ops.kv_norm_rope(ops.linear(x, attn.wkv), attn.kv_norm.weight, eps, attn.cos, attn.sin, pos,
+                         ring=attn.win_kv, slots=slots)
         if attn.indexer is not None:
             self._compress(attn.indexer.compressor, x[:, 0], positions, slots, attn.ikv, attn.cos, attn.sin)
         if attn.compressor is not None:
             self._compress(attn.compressor, x[:, 0], positions, slots, attn.ckv, attn.cos, attn.sin)
 
-        attn.win_kv[slots, positions % W] = kv[:, 0].to(attn.win_kv.dtype)
-        window_pos = positions[:, None] - (W - 1) + torch.arange(W, device=x.device)[None, :]
-        win_rows = torch.where(window_pos >= 0, window_pos % W, -1)
-
         cmp_rows = None
-        if attn.ratio and attn.indexer is not None:
-            qi = attn.indexer.queries(qr, cos_q, sin_q, ops)
-            w = attn.indexer.head_weights(x, ops)
-            scores = ops.indexer_scores(qi, w, attn.ikv[slots], all_reduce=self.attn_reduce)
-            cmp_rows = ops.indexer_topk(scores, positions[:, None], 4, a.index_topk)[:, 0]
+        if attn.indexer is not None:
+            qi = attn.indexer.queries(qr, attn.cos, attn.sin, pos, ops)[:, 0]
+            w = ops.linear(x[:, 0], attn.indexer.weights_proj)  # Indexer.head_weights, its scale applied in the op
+            cmp_rows = ops.indexer_select_decode(qi, w, attn.ikv, slots, positions, a.index_topk,
+                                          all_reduce=self.attn_reduce, w_scale=a.index_scale)
         elif attn.ratio:
-            ent = torch.arange(attn.ckv.shape[1], device=x.device)
-            cmp_rows = torch.where(ent[None, :] < ((positions + 1) // attn.ratio)[:, None], ent[None, :], -1)
-        o = ops.attention_from_caches(q[:, 0], attn.win_kv, win_rows, attn.ckv if attn.ratio else None, cmp_rows,
-                                      slots, attn.attn_sink, a.softmax_scale)[:, None]
-        o = ops.rope(o, cos_q[:, :, None], sin_q[:, :, None], inverse=True)
+            cmp_rows = rows.compressed(attn.ratio, attn.ckv.shape[1])
+        # the valid compressed rows are a prefix of cmp_rows (CSA's sorted picks, HCA's completed entries)
+        o = ops.attention_from_caches(q[:, 0], attn.win_kv, rows.window, attn.ckv if attn.ratio else None, cmp_rows,
+                                      slots, attn.attn_sink, a.softmax_scale, attn.cos, attn.sin, positions,
+                                      cmp_ratio=attn.ratio)
         o = ops.grouped_wo_a(o.reshape(b, 1, attn.n_local_groups, -1), attn.wo_a, attn.n_local_groups)
         return ops.linear(o.flatten(2), attn.wo_b, all_reduce=self.attn_reduce)  # wo_b: column-split under TP
 
     def _compress(self, comp: Compressor, x, positions, slots, cache, cos, sin) -> None:
         """Feed one token per row into ``comp`` and write the entry of every block it completes."""
         ops = self.ops
-        r, c = comp.ratio, comp.channels
-        kv_new, sc_new = comp.project(x, positions, ops)
-        comp.kv_ring[slots, positions % (2 * r)] = kv_new.to(comp.kv_ring.dtype)
-        comp.score_ring[slots, positions % (2 * r)] = sc_new.to(comp.score_ring.dtype)
-        block = positions // r
-        offs = torch.arange(r, device=x.device)[None, :]
-        ring_b = (block[:, None] * r + offs) % (2 * r)  # the candidate block's positions in the ring
-        kv_ring, sc_ring = comp.kv_ring[slots], comp.score_ring[slots]
-        gather = lambda t, rows: torch.gather(t, 1, rows[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
-        if comp.overlap:  # half A of the previous block (empty for block 0: reset ring rows), half B of this one
-            ring_a = (block[:, None] * r - r + offs) % (2 * r)
-            kv_slots = torch.cat((gather(kv_ring, ring_a)[..., :c], gather(kv_ring, ring_b)[..., c:]), 1)
-            sc_slots = torch.cat((gather(sc_ring, ring_a)[..., :c], gather(sc_ring, ring_b)[..., c:]), 1)
-        else:
-            kv_slots, sc_slots = gather(kv_ring, ring_b), gather(sc_ring, ring_b)
-        entry = comp.finish(ops.compressor_pool(kv_slots, sc_slots), block, ops, cos, sin)
-        done = ((positions + 1) % r == 0)[:, None]
-        cache[slots, block] = torch.where(done, entry.to(cache.dtype), cache[slots, block])
+        ops.compressor_step(comp, ops.linear_f32(x, comp.wkv), ops.linear_f32(x, comp.wgate), positions, slots, cache,
+                            cos, sin)
 
 
 class DecodeGraphs:
     """CUDA graphs of :class:`StaticDecodeStep`, one per batch tier, sharing one memory pool.
 
-    Capturing runs the step eagerly a few times (warm-up) on the model's caches, so :meth:`capture` resets every
-    cache slot afterwards: capture before serving sequences.
+    Each tier is captured on first use (:meth:`replay`) or up front (:meth:`capture`): the warm-up runs and the
+    capture decode in the runner's spare cache slot only, so no sequence's state is touched. ``capture_s`` holds
+    the seconds each capture took (Triton compilation on the first one included).
     """
 
-    def __init__(self, runner, tiers: Sequence[int] = TIERS):
-        self.runner = runner
-        self.step = StaticDecodeStep(runner)
-        self.tiers = tuple(t for t in tiers if t <= runner.max_batch)
-        self.graphs: dict[int, tuple] = {}
-
-    def capture(self, warmup: int = 2) -> "DecodeGraphs":
-        dev = self.runner.device
-        if dev.type != "cuda":
+    def __init__(self, runner, tiers: Sequence[int] = TIERS, step: StaticDecodeStep | None = None):
+        if runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a GPU")
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            for b in self.tiers:
-                tokens = torch.zeros(b, dtype=torch.long, device=dev)
-                positions = torch.zeros(b, dtype=torch.long, device=dev)
-                slots = torch.arange(b, device=dev)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(warmup):
-                        self.step(tokens, positions, slots)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.step(tokens, positions, slots)
-                self.graphs[b] = (graph, tokens, positions, slots, logits)
-        torch.cuda.synchronize()
-        self.runner.reset()
+        if getattr(runner, "spare_slot", None) is None:
+            raise RuntimeError("decode graphs pad batches in a spare cache slot: load the model with dsv4lab.load")
+        self.runner = runner
+        self.step = step or StaticDecodeStep(runner)
+        self.tiers = tiers_for(runner.max_batch, tiers)
+        self.graphs: dict[int, tuple] = {}
+        self.capture_s: dict[int, float] = {}
+        self._pool = None
+
+    def tier(self, b: int) -> int | None:
+        """The smallest captured-or-capturable tier holding ``b`` rows (None above the largest)."""
+        return next((t for t in self.tiers if t >= b), None)
+
+    def capture(self, tiers: Sequence[int] | None = None, warmup: int = 2) -> "DecodeGraphs":
+        for b in tiers or self.tiers:
+            if b not in self.graphs:
+                self._capture(b, warmup)
         return self
+
+    def _capture(self, b: int, warmup: int) -> None:
+        r = self.runner
+        t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            io = torch.zeros(3, b, dtype=torch.long, device=r.device)  # tokens, positions, slots
+            io[2] = r.spare_slot
+            tokens, positions, slots = io[0], io[1], io[2]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    self.step(tokens, positions, slots)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.step(tokens, positions, slots)
+        torch.cuda.synchronize()
+        r.model.reset(torch.tensor([r.spare_slot], device=r.device), r.ops)
+        self.graphs[b] = (graph, io, logits)
+        self.capture_s[b] = time.perf_counter() - t0
+        log.info("captured the decode step for batch %d in %.2f s", b, self.capture_s[b])
 
     @torch.inference_mode()  # the static inputs were made in inference mode: copying into them must be too
     def replay(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Run the captured step for ``b = len(tokens)`` (a captured tier); returns a copy of the logits."""
+        """Decode ``b = len(tokens)`` rows with the graph of the smallest tier ``≥ b`` (captured now if it is not
+        yet), the rows past ``b`` padded into the spare slot; returns a copy of the ``[b, vocab]`` logits."""
         b = tokens.shape[0]
-        if b not in self.graphs:
-            raise ValueError(f"no graph captured for batch {b}; tiers: {sorted(self.graphs)}")
-        graph, t, p, s, logits = self.graphs[b]
-        t.copy_(tokens)
-        p.copy_(positions)
-        s.copy_(slots)
+        tier = self.tier(b)
+        if tier is None:
+            raise ValueError(f"no graph tier holds batch {b}; tiers: {self.tiers}")
+        if tier not in self.graphs:
+            self._capture(tier, 2)
+        graph, io, logits = self.graphs[tier]
+        rows = torch.zeros(3, tier, dtype=torch.long)
+        rows[2] = self.runner.spare_slot
+        rows[0, :b], rows[1, :b], rows[2, :b] = tokens.cpu(), positions.cpu(), slots.cpu()
+        io.copy_(rows)  # one host-to-device copy of the step's inputs
         graph.replay()
-        return logits.clone()
+        return logits[:b].clone()
+
+
+class FastDecoder:
+    """The engine's decode path: :class:`StaticDecodeStep`, replayed from :class:`DecodeGraphs` where ``graphs``.
+
+    ``decoder(tokens, positions, slots)`` (1-D, any device) → ``[b, vocab]`` fp32 logits; the caller validates
+    the rows and keeps ``runner.positions``. Batches above the largest tier run the step eagerly.
+    """
+
+    def __init__(self, runner, graphs: bool, tiers: Sequence[int] = TIERS):
+        self.runner = runner
+        self.step = StaticDecodeStep(runner)
+        self.graphs = DecodeGraphs(runner, tiers, self.step) if graphs else None
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.tier(tokens.shape[0]) is not None:
+            return self.graphs.replay(tokens, positions, slots)
+        dev = self.runner.device
+        return self.step(tokens.to(dev), positions.to(dev), slots.to(dev))
 
 
 class GraphDecoder:
-    """Decode steps for a loaded model: graph replay where a tier is captured, the eager static step otherwise.
-
-    ``decoder(tokens, slots)`` continues each slot's sequence by one token, checks and advances
-    ``runner.positions`` like :meth:`ModelRunner.forward`, and returns ``[b, vocab]`` fp32 logits.
-    """
+    """Decode steps through the engine's decode path outside ``runner.forward``: ``decoder(tokens, slots)``
+    continues each slot's sequence by one token, checks and advances ``runner.positions`` like
+    :meth:`ModelRunner.forward`, and returns ``[b, vocab]`` fp32 logits. ``graphs``: replay CUDA graphs (default:
+    on a GPU), else the eager static step."""
 
     def __init__(self, runner, graphs: bool | None = None, tiers: Sequence[int] = TIERS):
         self.runner = runner
-        self.step = StaticDecodeStep(runner)
         use = runner.device.type == "cuda" if graphs is None else graphs
-        self.graphs = DecodeGraphs(runner, tiers).capture() if use else None
+        self.decoder = FastDecoder(runner, use, tiers)
+        self.step = self.decoder.step
+        self.graphs = self.decoder.graphs
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def __call__(self, tokens: Sequence[int] | torch.Tensor, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
         r = self.runner
@@ -225,11 +304,6 @@ class GraphDecoder:
         positions_cpu = r.positions[slots_cpu]
         if int(positions_cpu.max()) >= r.args.max_seq_len:
             raise ValueError(f"sequence would exceed max_seq_len={r.args.max_seq_len}")
-        dev = r.device
-        args = (tokens_t.to(dev), positions_cpu.to(dev), slots_cpu.to(dev))
-        if self.graphs is not None and len(tokens_t) in self.graphs.graphs:
-            logits = self.graphs.replay(*args)
-        else:
-            logits = self.step(*args)
+        logits = self.decoder(tokens_t, positions_cpu, slots_cpu)
         r.positions[slots_cpu] += 1
         return logits

@@ -122,7 +122,7 @@ def build_model(args: ModelArgs, plan: ShardPlan | None = None) -> Transformer:
 def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
          act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: Backend = "reference",
          max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
-         validate: bool = True, progress: bool = False):
+         validate: bool = True, progress: bool = False, decode_path: str = "auto"):
     """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
 
     Args:
@@ -142,6 +142,9 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         repairs: a layout repair spec (path or :class:`dsv4lab.layouts.RepairSpec`) applied while loading.
         plan: a tensor/expert-parallel shard plan (see :mod:`dsv4lab.parallel`).
         validate: check the whole checkpoint (names, dtypes, shapes, truncation, NaN scales) first.
+        decode_path: how decode steps run — ``"auto"`` (CUDA-graph replay of the static step on a GPU with the
+            Triton backend, the eager per-op forward otherwise), ``"graph"``, ``"static"`` or ``"eager"`` (see
+            :data:`dsv4lab.engine.runner.DECODE_PATHS`).
     """
     ck = open_checkpoint(checkpoint)
     if validate:
@@ -159,6 +162,6 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         if hasattr(m, "cache_dequant"):
             m.cache_dequant = native < CACHE_DEQUANT_LIMIT
     model.allocate(max_batch, numerics.act, numerics.acc, device)
-    runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes)
+    runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes, decode_path=decode_path)
     runner.reset()
     return runner

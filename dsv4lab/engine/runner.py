@@ -1,6 +1,14 @@
-"""The model object users hold: ``forward`` over cache slots, ``reset``, ``generate``."""
+"""The model object users hold: ``forward`` over cache slots, ``reset``, ``generate``.
+
+Decoding (one token per row, no trace) goes through the engine's decode path (:attr:`ModelRunner.decode_path`):
+on a GPU with the Triton backend, the captured static step (:mod:`dsv4lab.engine.decode_graph`, graph replay per
+batch tier, batches padded to the tier); elsewhere the eager per-op forward (the reference's structure, and the
+path a trace needs). ``generate``, the server's scheduler, the notebooks and the benchmarks all decode through
+``forward``, so they all take the same path.
+"""
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Sequence
@@ -9,7 +17,17 @@ import torch
 
 from ..model.transformer import Transformer
 from ..tokenizer import load_tokenizer
+from .decode_graph import FastDecoder
 from .sampling import sample, trajectory_hash
+
+log = logging.getLogger("dsv4lab.runner")
+
+DECODE_PATHS = {
+    "auto": "graph on a GPU with the Triton backend, eager otherwise",
+    "graph": "the static decode step, CUDA-graph replayed per batch tier (GPU, sync-free backend)",
+    "static": "the static decode step run eagerly (any device: what the graphs capture, step by step)",
+    "eager": "the per-op forward, as prefill (CPU, tracing)",
+}
 
 
 def _as_rows(v, b: int, name: str, device) -> torch.Tensor:
@@ -36,20 +54,90 @@ class ModelRunner:
         positions: per slot, the number of tokens its caches hold.
     """
 
-    def __init__(self, model: Transformer, ops, checkpoint: Path | None = None, plan=None, read_bytes=None):
+    def __init__(self, model: Transformer, ops, checkpoint: Path | None = None, plan=None, read_bytes=None,
+                 decode_path: str = "auto"):
         self.model, self.ops, self.plan = model, ops, plan
         self.args = model.args
         self.checkpoint = checkpoint
         self.read_bytes = read_bytes or {}
         self.tokenizer = load_tokenizer(checkpoint) if checkpoint is not None else None
         self.max_batch = model.max_batch
+        self.spare_slot = getattr(model, "spare_slot", None)
         self.device = model.embed.weight.device
         self.positions = torch.zeros(self.max_batch, dtype=torch.long)
         self._all_reduce = plan.all_reduce() if plan is not None else None
+        self._decoders: dict[str, FastDecoder] = {}  # per path, kept when the path is switched and back
+        self.decode_note = ""
+        self.decode_path = decode_path
 
     @property
     def backend(self) -> str:
         return self.ops.name
+
+    # ------------------------------------------------------------------ decode path
+    @property
+    def decode_path(self) -> str:
+        """How one-token-per-row steps run: ``graph``, ``static`` or ``eager`` (see :data:`DECODE_PATHS`)."""
+        return self._decode_path
+
+    @decode_path.setter
+    def decode_path(self, path: str) -> None:
+        if path not in DECODE_PATHS:
+            raise ValueError(f"decode_path {path!r}: expected one of {', '.join(DECODE_PATHS)}")
+        if path == "auto":
+            path = "graph" if self.device.type == "cuda" and self.ops.name == "triton" else "eager"
+        if path == "graph" and self.device.type != "cuda":
+            raise ValueError(f"decode_path 'graph' needs the model on a GPU (it is on {self.device})")
+        if path == "graph" and self.spare_slot is None:
+            raise ValueError("decode_path 'graph' pads batches in a spare cache slot: load the model with "
+                             "dsv4lab.load")
+        self._decode_path = path
+
+    @property
+    def decoder(self) -> FastDecoder | None:
+        """The static-step decoder of the current path (built on first use; None on the eager path). Assignable,
+        e.g. to alternate decoders captured under different all-reduce strategies."""
+        if self._decode_path == "eager":
+            return None
+        if self._decode_path not in self._decoders:
+            self._decoders[self._decode_path] = FastDecoder(self, graphs=self._decode_path == "graph")
+        return self._decoders[self._decode_path]
+
+    @decoder.setter
+    def decoder(self, decoder: FastDecoder) -> None:
+        self._decoders[self._decode_path] = decoder
+
+    def drop_decoders(self) -> None:
+        """Forget the decoders and their graphs (they hold the collectives they were captured with: call this
+        after changing ``_all_reduce``)."""
+        self._decoders.clear()
+
+    def decode_info(self) -> dict:
+        """The decode path and, for graphs, the tiers captured so far and what each capture cost (seconds)."""
+        info = dict(path=self.decode_path)
+        dec = self._decoders.get(self._decode_path)
+        graphs = dec.graphs if dec is not None else None
+        if graphs is not None:
+            info.update(tiers=list(graphs.tiers), captured={b: round(s, 3) for b, s in graphs.capture_s.items()})
+        if self.decode_note:
+            info["note"] = self.decode_note
+        return info
+
+    def _fast_decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One step of the static decode path for rows already validated: ``[b, vocab]`` fp32 logits."""
+        decoder = self.decoder
+        try:
+            return decoder(tokens, positions, slots)
+        except RuntimeError as err:
+            graphs = decoder.graphs
+            if graphs is None or graphs.tier(tokens.shape[0]) in graphs.graphs:
+                raise
+            # a backend op that syncs with the host cannot be captured (e.g. the reference's routed-expert loop
+            # under expert parallelism): decode through the same step, eagerly
+            self.decode_note = f"graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
+            log.warning("decode: %s; decoding through the static step without graphs", self.decode_note)
+            self.decode_path = "static"
+            return self.decoder(tokens, positions, slots)
 
     # ------------------------------------------------------------------ state
     def reset(self, slots: Sequence[int] | torch.Tensor | None = None) -> None:
@@ -71,14 +159,16 @@ class ModelRunner:
         ``lengths``: ``[b]`` valid tokens per row (right padding); padded positions get NaN logits and never
         touch the caches. Each used slot's caches advance by its length.
         """
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, n], got shape {list(tokens.shape)}")
         b, n = tokens.shape
-        slots_t = torch.arange(b, device=self.device) if slots is None else _as_rows(slots, b, "slots", self.device)
-        start = _as_rows(start_pos, b, "start_pos", self.device)
-        lengths_t = torch.full((b,), n, dtype=torch.long, device=self.device) if lengths is None \
-            else _as_rows(lengths, b, "lengths", self.device)
+        # validated on host copies (one transfer each), then moved to the device
+        cpu = torch.device("cpu")
+        tokens_cpu = tokens.cpu()
+        slots_t = torch.arange(b) if slots is None else _as_rows(slots, b, "slots", cpu)
+        start = _as_rows(start_pos, b, "start_pos", cpu)
+        lengths_t = torch.full((b,), n, dtype=torch.long) if lengths is None else _as_rows(lengths, b, "lengths", cpu)
         if int(slots_t.max()) >= self.max_batch or int(slots_t.min()) < 0:
             raise ValueError(f"slots must be in [0, {self.max_batch}), got {slots_t.tolist()}")
         if len(set(slots_t.tolist())) != b:
@@ -87,12 +177,19 @@ class ModelRunner:
             raise ValueError(f"sequence would exceed max_seq_len={self.args.max_seq_len}")
         if int(lengths_t.max()) > n or int(lengths_t.min()) < 0:
             raise ValueError("lengths must be within [0, n]")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.args.vocab_size:
+        if int(tokens_cpu.min()) < 0 or int(tokens_cpu.max()) >= self.args.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.args.vocab_size})")
-        pos_cpu = self.positions[slots_t.cpu()]
-        if not torch.equal(pos_cpu, start.cpu()):
+        pos_cpu = self.positions[slots_t]
+        if not torch.equal(pos_cpu, start):
             raise ValueError(f"start_pos {start.tolist()} does not continue the slots' sequences "
                              f"(their lengths are {pos_cpu.tolist()}); reset a slot to start a new sequence")
+        if n == 1 and trace is None and bool((lengths_t == 1).all()) and self.decode_path != "eager":
+            logits = self._fast_decode(tokens_cpu[:, 0], start, slots_t)[:, None]
+            self.positions[slots_t] += 1
+            return logits
+        dev = self.device
+        slots_t, start, lengths_t = slots_t.to(dev), start.to(dev), lengths_t.to(dev)
+        tokens = tokens.to(dev)
         logits = self.model(tokens, start, lengths_t, slots_t, self.ops, self._all_reduce, trace)
         pad = torch.arange(n, device=self.device)[None, :] >= lengths_t[:, None]
         if pad.any():

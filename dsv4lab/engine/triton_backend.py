@@ -8,7 +8,16 @@ token rows), then the decode kernels (few rows), then the reference. Decode kern
   directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`;
 * ``routed_experts``, ``moe_stage1``, ``moe_stage2`` — packed FP4 experts, :mod:`dsv4lab_kernels.fp4_moe_decode`;
 * ``sparse_attention`` — :mod:`dsv4lab_kernels.attention_decode` (plus :meth:`TritonOps.attention_from_caches`,
-  the two-cache form the static decode step uses).
+  the two-cache form the static decode step uses, with the inverse RoPE of the output in its epilogue).
+
+The glue between them — row-parallel kernels for any number of rows, prefill chunks included (see
+``docs/kernels_decode.md``, "The fused decode step"):
+
+* ``hc_pre_norm``, ``hc_post_pre_norm``, ``hc_post``, ``hc_head`` — :mod:`dsv4lab_kernels.mhc`;
+* ``rms_norm``, ``head_rms_rope``, ``kv_norm_rope``, ``indexer_query`` — :mod:`dsv4lab_kernels.norm_rope_quant`;
+* ``compressor_step`` — :mod:`dsv4lab_kernels.compressor_decode`; ``router_topk`` — :mod:`dsv4lab_kernels.router`;
+  ``indexer_select`` — :mod:`dsv4lab_kernels.indexer_decode`; ``expert_mlp`` (the shared expert) — its projections
+  on the GEMV above around :mod:`dsv4lab_kernels.swiglu`.
 
 Every other op, and every call no kernel covers (a float64 oracle dtype, tensor-parallel partial sums, a trace
 request, too many rows for the decode kernels but too few for the prefill ones), runs the reference; each such
@@ -42,11 +51,20 @@ if not torch.cuda.is_available():
 gemv = kernel_module("fp8_gemv")
 moe = kernel_module("fp4_moe_decode")
 attn = kernel_module("attention_decode")
+mhc = kernel_module("mhc")
+nrq = kernel_module("norm_rope_quant")
+cmp_decode = kernel_module("compressor_decode")
+router = kernel_module("router")
+idx_decode = kernel_module("indexer_decode")
+act_kernels = kernel_module("swiglu")
 
-# Ops of ReferenceOps that may run on a kernel (decode and/or prefill); the others always run the reference.
+# The fused glue ops (row-parallel kernels for any row count).
+GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
+            "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp")
+# Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
-              "expert_mlp", "indexer_select")
+              "indexer_select") + GLUE_OPS
 # Helpers other ops call (counting them would count one op twice) and state hygiene, not compute.
 _NOT_COUNTED = ("elementwise", "compressed_rope_position", "reset_compressor_state")
 REFERENCE_ONLY_OPS = tuple(n for n, v in vars(ReferenceOps).items()
@@ -107,6 +125,7 @@ class DecodeConfig:
 class _Calls:
     decode: Counter = field(default_factory=Counter)
     prefill: Counter = field(default_factory=Counter)
+    glue: Counter = field(default_factory=Counter)
     reference: Counter = field(default_factory=Counter)  # keyed (op, reason)
 
 
@@ -158,18 +177,19 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         return None
 
     def report(self) -> str:
-        """Which ops ran on decode kernels, prefill kernels or the reference (and why), with call counts."""
+        """Which ops ran on decode, prefill or glue kernels or the reference (and why), with call counts."""
         c = self.calls
-        ops = sorted(set(c.decode) | set(c.prefill) | {op for op, _ in c.reference})
-        lines = [f"{'op':<18}{'decode':>8}{'prefill':>9}  reference (reason)"]
+        ops = sorted(set(c.decode) | set(c.prefill) | set(c.glue) | {op for op, _ in c.reference})
+        lines = [f"{'op':<18}{'decode':>8}{'prefill':>9}{'glue':>7}  reference (reason)"]
         for op in ops:
             ref = ", ".join(f"{n} ({why})" for (o, why), n in sorted(c.reference.items()) if o == op)
-            lines.append(f"{op:<18}{c.decode.get(op, 0):>8}{c.prefill.get(op, 0):>9}  {ref or '-'}")
+            lines.append(f"{op:<18}{c.decode.get(op, 0):>8}{c.prefill.get(op, 0):>9}{c.glue.get(op, 0):>7}  "
+                         f"{ref or '-'}")
         return "\n".join(lines)
 
     def summary(self) -> dict:
         c = self.calls
-        return dict(decode=dict(c.decode), prefill=dict(c.prefill),
+        return dict(decode=dict(c.decode), prefill=dict(c.prefill), glue=dict(c.glue),
                     reference={f"{op} ({why})": n for (op, why), n in c.reference.items()})
 
     # ------------------------------------------------------------------ projections
@@ -229,13 +249,6 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         y = gemv.fp8_gemv(o.flatten(-2), lin.weight, lin.scale, act_quant=False, out_dtype=self.numerics.act,
                           groups=groups, route=route or self.config.gemv_route, geometry=geo)
         return y.view(*o.shape[:-1], lin.out_features // groups)
-
-    def expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
-        out = self._prefill("expert_mlp", self.prefill_expert_mlp(x, w1, w2, w3, limit, weight, shared))
-        if out is not None:
-            return out
-        self._fallback("expert_mlp", "no kernel")  # as before: its projections still run on the decode GEMVs
-        return ReferenceOps.expert_mlp(self, x, w1, w2, w3, limit, weight, shared)
 
     # ------------------------------------------------------------------ routed experts
     def _moe_unsupported(self, x: torch.Tensor, bank: ExpertBank) -> str | None:
@@ -314,14 +327,22 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
                                          geometry=geometry or self.config.attention_geometry)
         return o.view(b, s, h, d)
 
-    def attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale):
+    def attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None, sin=None,
+                              positions=None, cmp_ratio=0):
         """Decode attention straight from the caches: ``q [b, H, d]``, the window ring ``win_kv [slots, W, d]``
         with ``win_rows [b, W]`` and optionally ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]`` (−1 = masked),
-        each row ``i`` reading cache slot ``slots[i]``. Returns ``[b, H, d]``."""
+        each row ``i`` reading cache slot ``slots[i]``; with ``cos, sin, positions`` the inverse RoPE of the output
+        in the kernel's epilogue. Returns ``[b, H, d]``."""
+        why = self._unsupported(q.shape[0], q, win_kv)
+        if why is not None:
+            self._fallback("attention_from_caches", why)
+            return ReferenceOps.attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale,
+                                                      cos, sin, positions, cmp_ratio)
         self._decode("sparse_attention")
         return attn.sparse_attention_decode(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
                                             batch_b=slots if cmp_kv is not None else None,
-                                            geometry=self.config.attention_geometry)
+                                            geometry=self.config.attention_geometry, cos=cos, sin=sin,
+                                            positions=positions, prefix_ratio_b=cmp_ratio if cmp_kv is not None else 0)
 
     def indexer_scores(self, qi, w, keys, all_reduce=None):
         out = self._prefill("indexer_scores", self.prefill_indexer_scores(qi, w, keys, all_reduce))
@@ -350,6 +371,100 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return out
         self._fallback("compressor_pool", "no decode kernel")
         return ReferenceOps.compressor_pool(self, kv_slots, sc_slots)
+
+    # ------------------------------------------------------------------ fused glue (any row count)
+    def _glue_unsupported(self, *tensors: torch.Tensor) -> str | None:
+        """Why the glue kernels cannot take this call (None if they can): they round as the reference does for
+        bf16 or fp32 activations with fp32 accumulation, on a GPU or in the interpreter."""
+        if self.numerics.dtype not in (torch.bfloat16, torch.float32):
+            return f"{str(self.numerics.dtype).replace('torch.', '')} numerics"
+        if not interpreting() and any(t.device.type != "cuda" for t in tensors):
+            return "tensor not on a GPU"
+        return None
+
+    def _glue(self, op: str, *tensors: torch.Tensor, why: str | None = None) -> bool:
+        """Count the call on its glue kernel (True) or as a reference fallback (False)."""
+        why = why or self._glue_unsupported(*tensors)
+        if why is not None:
+            self._fallback(op, why)
+            return False
+        self.calls.glue[op] += 1
+        return True
+
+    def rms_norm(self, x, weight, eps):
+        if not self._glue("rms_norm", x):
+            return ReferenceOps.rms_norm(self, x, weight, eps)
+        return nrq.rms_norm(x, weight, eps)
+
+    def hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        if not self._glue("hc_pre_norm", X):
+            return ReferenceOps.hc_pre_norm(self, X, fn, base, scale, norm_weight, args)
+        return mhc.hc_pre_norm(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps)
+
+    def hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        if not self._glue("hc_post_pre_norm", X):
+            return ReferenceOps.hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args)
+        return mhc.hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
+                                    args.norm_eps, args.hc_eps)
+
+    def hc_post(self, out, X, post, comb):
+        if not self._glue("hc_post", X):
+            return ReferenceOps.hc_post(self, out, X, post, comb)
+        return mhc.hc_post(out, X, post, comb)
+
+    def hc_head(self, X, fn, base, scale, args):
+        if not self._glue("hc_head", X):
+            return ReferenceOps.hc_head(self, X, fn, base, scale, args)
+        return mhc.hc_head(X, fn, base, scale, args.norm_eps, args.hc_eps)
+
+    def head_rms_rope(self, q, cos, sin, positions, eps):
+        if not self._glue("head_rms_rope", q):
+            return ReferenceOps.head_rms_rope(self, q, cos, sin, positions, eps)
+        return nrq.head_rms_rope(q, cos, sin, positions, eps)
+
+    def kv_norm_rope(self, kv, weight, eps, cos, sin, positions, ring=None, slots=None):
+        if not self._glue("kv_norm_rope", kv):
+            return ReferenceOps.kv_norm_rope(self, kv, weight, eps, cos, sin, positions, ring, slots)
+        return nrq.kv_norm_rope(kv, weight, eps, cos, sin, positions, kv.shape[-1] - 2 * cos.shape[-1],
+                                self.numerics.kv_fp8_sim, ring, slots)
+
+    def indexer_query(self, qi, cos, sin, positions):
+        if not self._glue("indexer_query", qi):
+            return ReferenceOps.indexer_query(self, qi, cos, sin, positions)
+        return nrq.indexer_query(qi, cos, sin, positions, self.numerics.indexer_fp4_sim)
+
+    def indexer_select_decode(self, qi, w, keys, slots, positions, topk, all_reduce=None, w_scale=1.0):
+        why = "tensor-parallel partial sum" if all_reduce is not None else None
+        if not self._glue("indexer_select_decode", qi, keys, why=why):
+            return ReferenceOps.indexer_select_decode(self, qi, w, keys, slots, positions, topk, all_reduce,
+                                                      w_scale)
+        return idx_decode.indexer_select(qi, w, keys, slots, positions, topk, w_scale=w_scale)
+
+    def router_topk(self, logits, gate, ids):
+        a = gate.args
+        why = None if a.score_func in router.SCORE_FUNCS else f"{a.score_func} scores"
+        if not self._glue("router_topk", logits, why=why):
+            return ReferenceOps.router_topk(self, logits, gate, ids)
+        return router.router_topk(logits, a.n_activated_experts, a.route_scale, a.score_func,
+                                  bias=None if gate.hash_routed else gate.bias,
+                                  tid2eid=gate.tid2eid if gate.hash_routed else None, ids=ids)
+
+    def compressor_step(self, comp, kv, score, positions, slots, cache, cos, sin):
+        if not self._glue("compressor_step", kv, cache):
+            return ReferenceOps.compressor_step(self, comp, kv, score, positions, slots, cache, cos, sin)
+        nm = self.numerics
+        cmp_decode.compressor_step(kv, score, comp.ape, positions, slots, comp.kv_ring, comp.score_ring, cache,
+                                   comp.norm.weight, cos, sin, comp.ratio, comp.overlap, comp.args.norm_eps,
+                                   comp.is_indexer, nm.indexer_fp4_sim if comp.is_indexer else nm.kv_fp8_sim)
+
+    def expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
+        out = self._prefill("expert_mlp", self.prefill_expert_mlp(x, w1, w2, w3, limit, weight, shared))
+        if out is not None:  # many rows: the fused shared-expert GEMMs
+            return out
+        if not self._glue("expert_mlp", x):
+            return ReferenceOps.expert_mlp(self, x, w1, w2, w3, limit, weight, shared)
+        h = act_kernels.swiglu(self.linear(x, w1), self.linear(x, w3), limit, weight)
+        return self.linear(h, w2)
 
     # ------------------------------------------------------------------ variants for `verify kernels`
     def variants(self, method: str) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import quant
 from ..config import ModelArgs
 from .compressor import Compressor
 from .indexer import Indexer
@@ -78,7 +77,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, ops,
                 all_reduce=None, trace=None) -> torch.Tensor:
         """``x [b, n, D]`` (normed, act) at positions ``start[i] + t``; returns ``[b, n, D]`` in act."""
-        a, nm = self.args, ops.numerics
+        a = self.args
         b, n, _ = x.shape
         if trace is not None:
             trace("input", x)
@@ -89,12 +88,9 @@ class Attention(nn.Module):
 
         qr = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm.weight, a.norm_eps)
         q = ops.linear(qr, self.wq_b).view(b, n, H, d)
-        q = ops.head_rms(q, a.norm_eps)  # per-head RMS in act, no weight
-        q = ops.rope(q, cos_q[:, :, None], sin_q[:, :, None])
-        kv = ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm.weight, a.norm_eps)
-        kv = ops.rope(kv, cos_q, sin_q)
-        if nm.kv_fp8_sim:
-            kv = torch.cat((quant.fp8_qdq(kv[..., :a.nope_head_dim], 64), kv[..., a.nope_head_dim:]), -1)
+        q = ops.head_rms_rope(q, self.cos, self.sin, pos_c, a.norm_eps)  # per-head RMS in act (no weight), RoPE
+        # kv_norm, RoPE and the KV FP8 simulation of the non-rope dims
+        kv = ops.kv_norm_rope(ops.linear(x, self.wkv), self.kv_norm.weight, a.norm_eps, self.cos, self.sin, pos_c)
 
         # compressed entries completed by these tokens (written before attention: an entry completed by the
         # current token is visible to it)
@@ -129,7 +125,7 @@ class Attention(nn.Module):
             parts.append(self.ckv[slots, :n_entries])
             visible_n = (positions + 1) // self.ratio  # [b, n]
             if self.indexer is not None:
-                qi = self.indexer.queries(qr, cos_q, sin_q, ops)
+                qi = self.indexer.queries(qr, self.cos, self.sin, pos_c, ops)
                 w = self.indexer.head_weights(x, ops)
                 n_keys = int(((start + lengths) // 4).max())
                 sel = ops.indexer_select(qi, w, self.ikv[slots, :n_keys], positions, 4, a.index_topk,

@@ -41,19 +41,19 @@ class Block(nn.Module):
         b, n = X.shape[:2]
         t_attn = (lambda k, v: trace(f"attn.{k}", v)) if trace else None
         t_ffn = (lambda k, v: trace(f"ffn.{k}", v)) if trace else None
-        u, post, comb = ops.hc_pre(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, a)
+        x, post, comb = ops.hc_pre_norm(X, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale,
+                                        self.attn_norm.weight, a)
         if trace:
             trace("mhc.attn_post", post)
             trace("mhc.attn_comb", comb)
-        h = self.attn(ops.rms_norm(u, self.attn_norm.weight, a.norm_eps), start, lengths, slots, ops,
-                      attn_reduce, t_attn)
-        X = ops.hc_post(h, X, post, comb)
-        u, post, comb = ops.hc_pre(X, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, a)
+        h = self.attn(x, start, lengths, slots, ops, attn_reduce, t_attn)
+        # the attention's hc_post and the MoE's hc_pre (+ its norm) as one fused op
+        X, x, post, comb = ops.hc_post_pre_norm(h, X, post, comb, self.hc_ffn_fn, self.hc_ffn_base,
+                                                self.hc_ffn_scale, self.ffn_norm.weight, a)
         if trace:
             trace("mhc.ffn_post", post)
             trace("mhc.ffn_comb", comb)
-        f = self.ffn(ops.rms_norm(u, self.ffn_norm.weight, a.norm_eps).reshape(b * n, -1), ids.reshape(-1), ops,
-                     moe_reduce, t_ffn)
+        f = self.ffn(x.reshape(b * n, -1), ids.reshape(-1), ops, moe_reduce, t_ffn)
         X = ops.hc_post(f.view(b, n, -1), X, post, comb)
         if trace:
             trace("out", X)

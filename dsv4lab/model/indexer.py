@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import quant
 from ..config import ModelArgs
 from .compressor import Compressor
 from .linear import Linear
@@ -27,16 +26,13 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(args.dim, n_local_heads, "bf16")
         self.compressor = Compressor(args, 4, args.index_head_dim, is_indexer=True)
 
-    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops) -> torch.Tensor:
-        """``qr [b, s, q_lora]`` → ``qi [b, s, h, d]`` (rotated at each query position via ``cos/sin [b, s, ·]``)."""
-        nm = ops.numerics
+    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                ops) -> torch.Tensor:
+        """``qr [b, s, q_lora]`` → ``qi [b, s, h, d]``: rotated at ``positions [b, s]`` of the layer's tables
+        ``cos, sin``, Hadamard-transformed, FP4-simulated (``ops.indexer_query``)."""
         b, s, _ = qr.shape
         qi = ops.linear(qr, self.wq_b).view(b, s, self.n_local_heads, self.head_dim)
-        qi = ops.rope(qi, cos[:, :, None], sin[:, :, None])
-        qi = quant.hadamard_transform(qi)
-        if nm.indexer_fp4_sim:
-            qi = quant.fp4_qdq(qi, 32)
-        return qi
+        return ops.indexer_query(qi, cos, sin, positions)
 
     def head_weights(self, x: torch.Tensor, ops) -> torch.Tensor:
         """``w [b, s, h] = weights_proj(x) · index_head_dim^-0.5 · index_n_heads^-0.5`` (in act)."""

@@ -29,20 +29,8 @@ class Gate(Linear):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, D]``, ``ids [T]`` → ``(idx [T, k] expert ids, weights [T, k] in acc)``."""
-        a = self.args
-        logits = ops.linear_f32(x, self)
-        scores = ops.router_scores(logits, a.score_func)
-        if self.hash_routed:
-            idx = self.tid2eid[ids.clamp(0, a.vocab_size - 1)]
-        else:
-            biased = scores + self.bias.to(scores.dtype)
-            # stable descending sort: exact ties go to the lower expert id on every backend
-            idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : a.n_activated_experts]
-        weights = scores.gather(1, idx)
-        if a.score_func != "softmax":
-            total = weights.to(torch.float64).sum(-1, keepdim=True).to(weights.dtype)  # exact-order independent
-            weights = weights / total
-        return idx, weights * a.route_scale
+        # scores, selection (stable: exact ties go to the lower expert id on every backend) and weights
+        return ops.router_topk(ops.linear_f32(x, self), self, ids)
 
 
 class SharedExpert(nn.Module):

@@ -250,16 +250,124 @@ class ReferenceOps:
 
     def attention_from_caches(self, q: torch.Tensor, win_kv: torch.Tensor, win_rows: torch.Tensor,
                               cmp_kv: torch.Tensor | None, cmp_rows: torch.Tensor | None, slots: torch.Tensor,
-                              sink: torch.Tensor, scale: float) -> torch.Tensor:
+                              sink: torch.Tensor, scale: float, cos: torch.Tensor | None = None,
+                              sin: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                              cmp_ratio: int = 0) -> torch.Tensor:
         """Decode attention over rows of two caches: ``q [b, h, d]``; the window ring ``win_kv [slots, W, d]`` with
         ``win_rows [b, W]`` and optionally the compressed cache ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]``
         (−1 = masked), row ``i`` reading cache slot ``slots[i]``. The selected rows of both caches, side by side,
-        through :meth:`sparse_attention` (a fast backend reads them in place instead). Returns ``[b, h, d]``."""
+        through :meth:`sparse_attention` (a fast backend reads them in place instead). With the layer's tables
+        ``cos, sin`` and ``positions [b]`` the output then gets the inverse rotation (:meth:`rope`, ``inverse``).
+        ``cmp_ratio > 0`` tells a fast backend that only the first ``(p+1) // cmp_ratio`` entries of a row's
+        ``cmp_rows`` can be valid (the rest are −1), so it may skip them. Returns ``[b, h, d]``."""
         kv, rows = win_kv[slots], win_rows
         if cmp_kv is not None:
             kv = torch.cat((kv, cmp_kv[slots].to(kv.dtype)), 1)
             rows = torch.cat((win_rows, torch.where(cmp_rows >= 0, cmp_rows + win_kv.shape[1], -1)), 1)
-        return self.sparse_attention(q[:, None], kv, rows[:, None], sink, scale)[:, 0]
+        o = self.sparse_attention(q[:, None], kv, rows[:, None], sink, scale)[:, 0]
+        if cos is not None:
+            o = self.rope(o, cos[positions][:, None], sin[positions][:, None], inverse=True)
+        return o
+
+    # ---------------------------------------------------------------- fused ops: compositions of the ops above
+    # A fast backend runs each on one or two kernels (kernels/mhc.py, norm_rope_quant.py, compressor_decode.py,
+    # router.py, indexer_decode.py); here each is literally the composition of the ops it fuses, so the reference
+    # forward stays one readable path and verification sees a fused op as one stage.
+    def hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        """:meth:`hc_pre` then the sub-layer's RMSNorm: ``X [b,s,n,D]`` → ``(x [b,s,D] act, post, comb)``."""
+        u, post, comb = self.hc_pre(X, fn, base, scale, args)
+        return self.rms_norm(u, norm_weight, args.norm_eps), post, comb
+
+    def hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        """:meth:`hc_post` of one sub-layer, then :meth:`hc_pre_norm` of the next: ``(X', x, post', comb')``."""
+        X = self.hc_post(out, X, post, comb)
+        return (X, *self.hc_pre_norm(X, fn, base, scale, norm_weight, args))
+
+    def head_rms_rope(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """Query heads ``q [..., H, d]``: :meth:`head_rms`, then :meth:`rope` at ``positions`` (shape
+        ``q.shape[:-2]``) of the layer's tables ``cos, sin [P, r/2]``."""
+        q = self.head_rms(q, eps)
+        return self.rope(q, cos[positions][..., None, :], sin[positions][..., None, :])
+
+    def kv_norm_rope(self, kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor, ring: torch.Tensor | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The window KV row ``kv [..., d]``: RMSNorm, RoPE of the last ``r`` dims at ``positions``, the KV FP8
+        simulation of the others. With ``ring [slots, W, d]`` (one token per row) the row is also written to
+        ``ring[slots[i], positions[i] mod W]``."""
+        kv = self.rope(self.rms_norm(kv, weight, eps), cos[positions], sin[positions])
+        if self.numerics.kv_fp8_sim:
+            nope = kv.shape[-1] - 2 * cos.shape[-1]
+            kv = torch.cat((quant.fp8_qdq(kv[..., :nope], 64), kv[..., nope:]), -1)
+        if ring is not None:
+            ring[slots, positions.reshape(-1) % ring.shape[1]] = kv.reshape(slots.shape[0], -1).to(ring.dtype)
+        return kv
+
+    def indexer_query(self, qi: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+        """The indexer's query heads ``qi [..., h, d]``: RoPE at ``positions``, Hadamard, FP4 simulation."""
+        qi = self.rope(qi, cos[positions][..., None, :], sin[positions][..., None, :])
+        qi = quant.hadamard_transform(qi)
+        return quant.fp4_qdq(qi, 32) if self.numerics.indexer_fp4_sim else qi
+
+    def indexer_select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
+                              positions: torch.Tensor, topk: int, all_reduce=None,
+                              w_scale: float = 1.0) -> torch.Tensor:
+        """Decode: each row's top-``topk`` visible entries of its index-key cache. ``qi [b, h, d]``, the head
+        weights ``w [b, h] · w_scale`` (an act product, as ``Indexer.head_weights``), ``keys [slots, T, d]`` read at
+        ``slots [b]``, ``positions [b]`` → ``[b, min(topk, T)]`` (−1 = none): :meth:`indexer_scores`, then
+        :meth:`indexer_topk` (the decode form of :meth:`indexer_select`: keys read in place from the cache)."""
+        w = w * w_scale if w_scale != 1.0 else w
+        scores = self.indexer_scores(qi[:, None], w[:, None], keys[slots], all_reduce=all_reduce)
+        return self.indexer_topk(scores, positions[:, None], 4, topk)[:, 0]
+
+    def router_topk(self, logits: torch.Tensor, gate, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router after its projection: fp32 ``logits [T, E]`` → ``(idx [T, k], weights [T, k] acc)`` —
+        :meth:`router_scores`; the hash table (``gate.tid2eid[ids]``) or the stable top-k of ``scores + bias``
+        (ties to the lower expert id); the picked scores renormalised to sum 1, times ``route_scale``."""
+        a = gate.args
+        scores = self.router_scores(logits, a.score_func)
+        if gate.hash_routed:
+            idx = gate.tid2eid[ids.clamp(0, a.vocab_size - 1)]
+        else:
+            biased = scores + gate.bias.to(scores.dtype)
+            idx = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, : a.n_activated_experts]
+        weights = scores.gather(1, idx)
+        if a.score_func != "softmax":
+            total = weights.to(torch.float64).sum(-1, keepdim=True).to(weights.dtype)  # exact-order independent
+            weights = weights / total
+        return idx, weights * a.route_scale
+
+    def compressor_step(self, comp, kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor,
+                        slots: torch.Tensor, cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Decode: feed one token per row into the compressor ``comp`` and write the entry of every block the token
+        completes. ``kv, score [b, width]`` are its fp32 projections (``ape`` not yet added); the token at
+        ``positions[i]`` goes into the ring of ``slots[i]``; the candidate block ``p // r`` is pooled
+        (:meth:`compressor_pool`), finished (norm, RoPE, quantization simulation) and written to
+        ``cache[slots[i], p // r]`` where ``(p + 1) % r == 0``."""
+        r, c = comp.ratio, comp.channels
+        score = score + comp.ape.to(score.dtype)[positions % r]
+        ring_row = positions % (2 * r)
+        comp.kv_ring[slots, ring_row] = kv.to(comp.kv_ring.dtype)
+        comp.score_ring[slots, ring_row] = score.to(comp.score_ring.dtype)
+        block = positions // r
+        offs = torch.arange(r, device=kv.device)[None, :]
+        ring_b = (block[:, None] * r + offs) % (2 * r)  # the candidate block's positions in the ring
+        kv_ring, sc_ring = comp.kv_ring[slots], comp.score_ring[slots]
+        gather = lambda t, rows: torch.gather(t, 1, rows[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
+        if comp.overlap:  # half A of the previous block (empty for block 0: reset ring rows), half B of this one
+            ring_a = (block[:, None] * r - r + offs) % (2 * r)
+            kv_slots = torch.cat((gather(kv_ring, ring_a)[..., :c], gather(kv_ring, ring_b)[..., c:]), 1)
+            sc_slots = torch.cat((gather(sc_ring, ring_a)[..., :c], gather(sc_ring, ring_b)[..., c:]), 1)
+        else:
+            kv_slots, sc_slots = gather(kv_ring, ring_b), gather(sc_ring, ring_b)
+        entry = comp.finish(self.compressor_pool(kv_slots, sc_slots), block, self, cos, sin)
+        # an unfinished block's entry is never written; its row may not even exist (the last partial block of
+        # max_seq_len has no cache row), so the read-modify-write goes through a clamped row
+        done = ((positions + 1) % r == 0)[:, None]
+        row = block.clamp(max=cache.shape[1] - 1)
+        cache[slots, row] = torch.where(done, entry.to(cache.dtype), cache[slots, row])
 
     # ---------------------------------------------------------------- state hygiene
     def reset_compressor_state(self, compressor, slots: torch.Tensor | None) -> None:

@@ -44,15 +44,19 @@ class Transformer(nn.Module):
         self.register_buffer("hc_head_base", torch.empty(args.hc_mult, dtype=torch.float32, device="meta"))
         self.register_buffer("hc_head_scale", torch.empty(1, dtype=torch.float32, device="meta"))
         self.max_batch = 0
+        self.spare_slot: int | None = None
 
     # ------------------------------------------------------------------ caches
     def blocks(self):
         return list(self.layers) + list(self.mtp)
 
-    def allocate(self, max_batch: int, act: torch.dtype, acc: torch.dtype, device) -> None:
+    def allocate(self, max_batch: int, act: torch.dtype, acc: torch.dtype, device, spare_slot: bool = True) -> None:
+        """Caches for ``max_batch`` sequences, plus (``spare_slot``) one more slot, ``spare_slot = max_batch``, that
+        no sequence owns: the decode graphs pad a batch up to its tier there (:mod:`dsv4lab.engine.decode_graph`)."""
         self.max_batch = max_batch
+        self.spare_slot = max_batch if spare_slot else None
         for blk in self.blocks():
-            blk.attn.allocate(max_batch, self.args.max_seq_len, act, acc, device)
+            blk.attn.allocate(max_batch + int(spare_slot), self.args.max_seq_len, act, acc, device)
 
     def reset(self, slots: torch.Tensor | None, ops) -> None:
         for blk in self.blocks():

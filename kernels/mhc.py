@@ -1,0 +1,263 @@
+"""mHC (manifold-constrained hyper-connections) around every sub-layer, in two launches per site.
+
+The residual is ``n`` streams ``X [rows, n, D]``. Before a sub-layer, :func:`hc_pre_norm` mixes them into the
+sub-layer's normed input: the ``(2+n)·n`` mixing logits are a projection of the flattened ``n·D`` values onto
+``fn``, scaled by their RMS; ``pre``/``post`` are sigmoids of the first ``2n``, ``comb`` is the Sinkhorn
+normalisation of the last ``n·n``; ``u = Σ_j pre_j X_j`` and the sub-layer gets ``RMSNorm(u)``. After it,
+:func:`hc_post` writes ``X'_k = post_k·out + Σ_j comb_jk X_j`` back. The launches:
+
+* **mix** — grid ``(row blocks, splits of D)``: each program takes ``D/splits`` columns of all ``n`` streams and
+  writes their partial projections onto ``fn`` and partial sum of squares (the projection reads ``fn``, 1.6 MB at
+  Flash width, so it is spread over many programs). With ``post`` it first forms ``X'`` of its columns from the
+  previous sub-layer's output and stores it — :func:`hc_post_pre_norm` is the end of one sub-layer and the start
+  of the next in the same two launches.
+* **finish** — one program per row: the partial sums in a fixed order, the logits, the sigmoids, Sinkhorn's
+  ``iters`` iterations on the ``n×n`` matrix, ``u`` and its RMSNorm (``u`` is recomputed in the second pass over
+  the columns rather than stored and re-read: no barrier, the same bits).
+
+:func:`hc_post` alone (the end of a block) is the mix launch without the projection, and :func:`hc_head` (the final
+collapse of the streams) the two launches with only the ``pre`` row group and no norm.
+
+**Numerics and bound.** Every reduction the reference evaluates in float64 (the projection, the sums of squares,
+the stream sums, Sinkhorn's normalisations) is evaluated in float64 here, and every value the reference rounds to
+fp32 or to bf16 is rounded there (the products ``pre_j·X_j`` and ``post_k·out`` in fp32, as the reference
+multiplies in fp32). The products entering the fp64 sums are exact (bf16 × fp32 or fp32 × fp32), so kernel and
+reference are two fp64 evaluations of one formula: their sums differ by at most ``γ_n(fp64)·Σ|terms|`` (n = the
+terms: ``n·D`` for the projection), ~1e-16 relative; the sigmoids, the softmax and the divisions of Sinkhorn add
+a few fp64 ulps each (its normalisations are diagonal scalings of the matrix: they do not amplify a relative
+perturbation, which only the 40 roundings of the iteration add to, ≤ 40 ulps). All of it is ~1e-14 relative,
+far below half an fp32 ulp (6e-8): ``post``, ``comb`` and ``pre`` equal the reference's fp32 values except where
+the exact value lies within that distance of an fp32 rounding boundary — then **one fp32 ulp**. ``u``, ``X'`` and
+the normed input are rounded once more to bf16, so the same argument gives **one bf16 ulp** of the output, plus in
+the rare case above the propagation of one fp32 ulp of ``pre``/``comb``: ``4·u_fp32·Σ_j|pre_j X_j|`` (then times
+``|w|·rsqrt(ms)`` through the norm), which the tests add to the bound as ``γ_4(fp32)·Σ|terms|``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .norm_rope_quant import f64_bits
+from .rowops import LAUNCH_EXACT, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
+
+
+@dataclass(frozen=True)
+class MhcGeometry:
+    """Rows per mix program, columns per step, programs across ``D`` (splits), warps."""
+
+    block_m: int = 1
+    block_d: int = 32
+    splits: int = 64
+    num_warps: int = 4
+
+    @classmethod
+    def for_rows(cls, rows: int, D: int) -> "MhcGeometry":
+        if interpreting():  # few, large programs: the interpreter pays per program
+            return cls(block_m=min(8, triton.next_power_of_2(max(rows, 1))), block_d=64, splits=1)
+        block_m = 1 if rows <= 8 else 4
+        splits = max(1, min(64, triton.cdiv(D, 32), triton.cdiv(512, triton.cdiv(rows, block_m))))
+        return cls(block_m=block_m, block_d=32 if block_m == 1 else 16, splits=splits)
+
+
+# ============================================================================================ mix
+@triton.jit
+def _mhc_mix_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr, M, D, NMIX, SPLITS,
+                    sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, APPLY_POST: tl.constexpr, MIX: tl.constexpr,
+                    ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_J: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    per = tl.cdiv(tl.cdiv(D, SPLITS), BLOCK_D) * BLOCK_D
+    d_lo = split * per
+    d_hi = tl.minimum(d_lo + per, D)
+    s = tl.arange(0, HC)
+    j = tl.arange(0, BLOCK_J)
+    if APPLY_POST:
+        post = tl.load(post_ptr + rows64[:, None] * HC + s[None, :], mask=row_ok[:, None], other=0.0)
+        cidx = rows64[:, None, None] * (HC * HC) + s[None, :, None] * HC + s[None, None, :]  # comb[row, j, k]
+        comb = tl.load(comb_ptr + cidx, mask=row_ok[:, None, None], other=0.0).to(tl.float64)
+    acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float64)
+    sq = tl.zeros((BLOCK_M,), tl.float64)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < d_hi
+        m3 = row_ok[:, None, None] & dm[None, None, :]
+        x = tl.load(x_ptr + rows64[:, None, None] * sx_m + s[None, :, None] * sx_s + d[None, None, :], mask=m3,
+                    other=0.0).to(tl.float32)
+        if APPLY_POST:
+            o = tl.load(out_ptr + rows64[:, None] * so_m + d[None, :], mask=row_ok[:, None] & dm[None, :],
+                        other=0.0).to(tl.float32)
+            # Σ_j comb[j, k]·X[j, d]: exact products, summed in fp64 and rounded once (the reference's einsum)
+            mixed = tl.sum(comb[:, :, :, None] * x.to(tl.float64)[:, :, None, :], axis=1).to(tl.float32)
+            x = to_act(post[:, :, None] * o[:, None, :] + mixed, ROUND_BF16)
+            tl.store(xn_ptr + rows64[:, None, None] * sxn_m + s[None, :, None] * sxn_s + d[None, None, :],
+                     x.to(xn_ptr.dtype.element_ty), mask=m3)
+        if MIX:
+            x64 = x.to(tl.float64)
+            sq += tl.sum(tl.sum(x64 * x64, axis=2), axis=1)
+            f = tl.load(fn_ptr + j[:, None, None] * sfn + s[None, :, None] * D + d[None, None, :],
+                        mask=(j < NMIX)[:, None, None] & dm[None, None, :], other=0.0).to(tl.float64)
+            acc += tl.sum(tl.sum(x64[:, None, :, :] * f[None, :, :, :], axis=3), axis=2)
+    if MIX:
+        base = (rows64 * SPLITS + split) * (NMIX + 1)
+        tl.store(part_ptr + base[:, None] + j[None, :], acc, mask=row_ok[:, None] & (j < NMIX)[None, :])
+        tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
+
+
+# ============================================================================================ finish
+@triton.jit
+def _partial_sum(part_ptr, row, SPLITS, NPART, offs, mask):
+    """Σ over the splits, in split order, of ``part[row, :, offs]`` (fp64)."""
+    total = tl.load(part_ptr + row * SPLITS * NPART + offs, mask=mask, other=0.0)
+    for sp in range(1, SPLITS):
+        total += tl.load(part_ptr + (row * SPLITS + sp) * NPART + offs, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, dm, s, ROUND_BF16: tl.constexpr):
+    """``u = Σ_j pre_j·X_j`` on columns ``d``: fp32 products, an fp64 sum, rounded to fp32 then to act."""
+    x = tl.load(x_ptr + row * sx_m + s[:, None] * sx_s + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    return f64_to_act(tl.sum((pre[:, None] * x).to(tl.float64), axis=0), ROUND_BF16)
+
+
+@triton.jit
+def _mhc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, NMIX, SPLITS,
+                       ITERS, norm_eps, hc_eps_bits, sx_m, sx_s, sy_m, HEAD: tl.constexpr, NORM: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    NPART = NMIX + 1
+    s = tl.arange(0, HC)
+    eps64 = hc_eps_bits.to(tl.float64, bitcast=True)
+    eps32 = eps64.to(tl.float32)
+    ms = (_partial_sum(part_ptr, row, SPLITS, NPART, NMIX, True) / (HC * D)).to(tl.float32)
+    r = rsqrt_f32(ms, norm_eps)  # mixing logits = projection · rsqrt(mean of the n·D squares + eps)
+    s0 = tl.load(scale_ptr)
+    m_pre = _partial_sum(part_ptr, row, SPLITS, NPART, s, s < HC).to(tl.float32) * r
+    pre = sigmoid_f64((m_pre * s0 + tl.load(base_ptr + s)).to(tl.float64)).to(tl.float32) + eps32
+    if not HEAD:
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        m_post = _partial_sum(part_ptr, row, SPLITS, NPART, HC + s, s < HC).to(tl.float32) * r
+        post = 2.0 * sigmoid_f64((m_post * s1 + tl.load(base_ptr + HC + s)).to(tl.float64)).to(tl.float32)
+        cc = 2 * HC + s[:, None] * HC + s[None, :]
+        m_comb = _partial_sum(part_ptr, row, SPLITS, NPART, cc, cc < NMIX).to(tl.float32) * r
+        c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
+        # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
+        e = tl.exp(c - tl.max(c, axis=1)[:, None])
+        c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
+        c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+        for _ in range(ITERS - 1):
+            c = c / (tl.sum(c, axis=1)[:, None] + eps64)
+            c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+        tl.store(post_ptr + row * HC + s, post)
+        tl.store(comb_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
+    if NORM:
+        sq = tl.zeros((BLOCK_D,), tl.float64)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            u = _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, d < D, s, ROUND_BF16).to(tl.float64)
+            sq += u * u
+        rn = rsqrt_f32((tl.sum(sq, axis=0) / D).to(tl.float32), norm_eps)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        u = _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, d < D, s, ROUND_BF16)
+        if NORM:
+            u = to_act(tl.load(w_ptr + d, mask=d < D, other=0.0) * (u * rn), ROUND_BF16)
+        tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
+# ============================================================================================ launchers
+def _check(X: torch.Tensor) -> tuple[int, int, int]:
+    if X.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"mHC kernels take bf16 or fp32 streams, got {X.dtype}")
+    HC, D = X.shape[-2:]
+    assert HC & (HC - 1) == 0, f"mHC: {HC} streams (a power of two is required)"
+    assert X.stride(-1) == 1, "mHC: streams contiguous along D"
+    return X.numel() // (HC * D), HC, D
+
+
+def _mix(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcGeometry):
+    """One mix launch; returns ``(X' or None, partials or None)``."""
+    M, HC, D = _check(X)
+    Xr = X.reshape(M, HC, D)
+    xn = torch.empty_like(Xr) if apply_post else Xr
+    mix = fn is not None
+    part = torch.empty(M, geo.splits, nmix + 1, dtype=torch.float64, device=X.device) if mix else xn
+    if M:
+        outr = out.reshape(M, D) if apply_post else Xr
+        _mhc_mix_kernel[(triton.cdiv(M, geo.block_m), geo.splits)](
+            Xr, outr, post.reshape(M, HC).contiguous() if apply_post else Xr,
+            comb.reshape(M, HC, HC).contiguous() if apply_post else Xr, xn,
+            fn if mix else Xr, part, M, D, nmix, geo.splits, Xr.stride(0), Xr.stride(1), outr.stride(0),
+            xn.stride(0), xn.stride(1), fn.stride(0) if mix else 0, APPLY_POST=apply_post, MIX=mix,
+            ROUND_BF16=X.dtype == torch.bfloat16, HC=HC, BLOCK_M=geo.block_m, BLOCK_D=geo.block_d,
+            BLOCK_J=max(2, triton.next_power_of_2(nmix)), num_warps=geo.num_warps, **LAUNCH_EXACT)
+    return (xn if apply_post else None), (part if mix else None)
+
+
+def _finish(Xr, part, base, scale, norm_weight, head: bool, iters: int, norm_eps: float, hc_eps: float,
+            lead: tuple, splits: int):
+    M, HC, D = Xr.shape
+    nmix = HC if head else (2 + HC) * HC
+    y = torch.empty(M, D, dtype=Xr.dtype, device=Xr.device)
+    post = torch.empty(M, HC, dtype=torch.float32, device=Xr.device)
+    comb = torch.empty(M, HC, HC, dtype=torch.float32, device=Xr.device)
+    if M:
+        norm = norm_weight is not None
+        _mhc_finish_kernel[(M,)](Xr, part, base.float().contiguous(), scale.float().contiguous(),
+                                 norm_weight if norm else base, y, post, comb, D, nmix, splits, iters,
+                                 float(norm_eps), f64_bits(hc_eps), Xr.stride(0), Xr.stride(1), y.stride(0),
+                                 HEAD=head, NORM=norm, ROUND_BF16=Xr.dtype == torch.bfloat16, HC=HC,
+                                 BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT)
+    return y.view(*lead, D), post.view(*lead, HC), comb.view(*lead, HC, HC)
+
+
+def hc_pre_norm(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                norm_weight: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
+                geometry: MhcGeometry | None = None):
+    """``X [..., n, D]`` → ``(RMSNorm(Σ_j pre_j X_j) [..., D], post [..., n], comb [..., n, n])`` for one site's
+    ``fn [(2+n)·n, n·D]``, ``base``, ``scale [3]`` and the sub-layer's norm weight."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    _, part = _mix(X, None, None, None, fn, False, (2 + HC) * HC, geo)
+    return _finish(X.reshape(M, HC, D), part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                   X.shape[:-2], geo.splits)
+
+
+def hc_post_pre_norm(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                     base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, iters: int,
+                     norm_eps: float, hc_eps: float, geometry: MhcGeometry | None = None):
+    """:func:`hc_post` of one sub-layer and :func:`hc_pre_norm` of the next: ``(X', x, post', comb')``."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    xn, part = _mix(X, out, post, comb, fn, True, (2 + HC) * HC, geo)
+    return (xn.view(X.shape), *_finish(xn, part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                                        X.shape[:-2], geo.splits))
+
+
+def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            geometry: MhcGeometry | None = None) -> torch.Tensor:
+    """``X'_k = post_k·out + Σ_j comb_jk·X_j``: ``out [..., D]``, ``X [..., n, D]`` → ``X.dtype``."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    xn, _ = _mix(X, out, post.float(), comb.float(), None, True, 0, geo)
+    return xn.view(X.shape)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+            hc_eps: float, geometry: MhcGeometry | None = None) -> torch.Tensor:
+    """The final collapse ``Σ_j (sigmoid(m_j·scale + base_j) + eps)·X_j`` with ``fn [n, n·D]`` → ``X.dtype``."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    _, part = _mix(X, None, None, None, fn, False, HC, geo)
+    return _finish(X.reshape(M, HC, D), part, base, scale, None, True, 1, norm_eps, hc_eps, X.shape[:-2],
+                   geo.splits)[0]
+
+
+__all__ = ["MhcGeometry", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head"]

@@ -1,0 +1,234 @@
+"""Row-parallel RMSNorm, RoPE and quantization-simulation kernels of the attention's glue: one launch per fused op,
+one program per token row (and head block), so the same kernels serve ``b`` decode rows and thousands of prefill
+rows.
+
+========================= ========================================================== ===============================
+launcher                  reference (:class:`dsv4lab.model.ops.ReferenceOps`)        where
+========================= ========================================================== ===============================
+:func:`rms_norm`          ``rms_norm``                                               q_norm, final norm, MTP norms
+:func:`head_rms_rope`     ``head_rms_rope`` = ``rope(head_rms(q))``                  the query heads
+:func:`kv_norm_rope`      ``kv_norm_rope`` = RMSNorm → RoPE → FP8 sim (→ ring)       the window KV row
+:func:`indexer_query`     ``indexer_query`` = RoPE → Hadamard → FP4 sim              the indexer's query heads
+========================= ========================================================== ===============================
+
+**Numerics and bound.** Each kernel evaluates the reference's formula with its rounding points (see
+:mod:`.rowops`): the sums of squares of bf16/fp32 values in fp64 (every square exact, the sum exact unless its
+terms span more than ~2^20 — never for activations of one row — or, for fp32 activations, within
+γ_D(fp64)·Σx² ≈ D·1e-16·Σx²), the mean divided as torch divides, ``rsqrt`` in fp64, the rotation in separately
+rounded fp32 products (no FMA contraction), the Hadamard transform as exact fp64 butterflies times the same fp64
+constant ``D^-0.5``, the FP8 (E4M3, per 64) and FP4 (E2M1, per 32) round trips with the reference's power-of-two
+scales computed from exponent bits. The result equals the reference bit for bit unless an intermediate's exact
+value lies within that fp64 error of an fp32 rounding boundary. **Bound** (per element, what the tests check):
+``|out − ref| ≤ ulps_out · ulp_act(ref)`` with one ulp of the activation dtype for the norms and the rotation
+(one straddled rounding of the last step, the earlier ones propagating by at most a factor ``|w|·r ≤`` the
+output's own magnitude), and for the quantization simulations one quantization step of the block
+(``scale · 2^-3`` for E4M3, ``scale · 0.5`` for E2M1) where the pre-quantization value straddles a grid midpoint.
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import quantize_fp8_block
+from .rowops import LAUNCH_EXACT, f64_to_act, fp4_qdq_blocks, fwht_rows, rotate_pair, rsqrt_f32, to_act
+
+
+def f64_bits(x: float) -> int:
+    """The bits of the fp64 ``x`` as an int64 kernel argument (a float argument would be narrowed to fp32)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _rows(x: torch.Tensor, last: int) -> torch.Tensor:
+    """``x`` as ``[rows, ...last dims]`` with a contiguous innermost dim."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, *x.shape[x.ndim - last:])
+
+
+def _round_bf16(t: torch.Tensor) -> bool:
+    if t.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"glue kernels take bf16 or fp32 activations, got {t.dtype}")
+    return t.dtype == torch.bfloat16
+
+
+# ============================================================================================ RMSNorm
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, D, eps, sx, so, ROUND_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    sq = tl.zeros((BLOCK_D,), tl.float64)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + row * sx + d, mask=d < D, other=0.0).to(tl.float32).to(tl.float64)
+        sq += x * x
+    r = rsqrt_f32((tl.sum(sq, axis=0) / D).to(tl.float32), eps)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + row * sx + d, mask=d < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(o_ptr + row * so + d, to_act(w * (x * r), ROUND_BF16).to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x [..., D]`` (bf16/fp32) with an fp32 ``weight [D]``; returns ``x.dtype``."""
+    D = x.shape[-1]
+    assert weight.shape == (D,), f"rms_norm: weight {list(weight.shape)} for width {D}"
+    xr = _rows(x, 1)
+    out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    if xr.shape[0]:
+        _rms_norm_kernel[(xr.shape[0],)](xr, weight.contiguous(), out, D, float(eps), xr.stride(0), out.stride(0),
+                                         ROUND_BF16=_round_bf16(x), BLOCK_D=min(4096, triton.next_power_of_2(D)),
+                                         num_warps=4, **LAUNCH_EXACT)
+    return out.view(x.shape)
+
+
+# ============================================================================================ rotation helper
+@triton.jit
+def _rope_tail(y, cos_ptr, sin_ptr, pos, s_cos, D, R, INVERSE: tl.constexpr, ROUND_BF16: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate the last ``R`` of the ``D`` dims of each row of ``y [ROWS, BLOCK_D]`` (fp32, act-valued) as
+    interleaved pairs at position ``pos``; the other dims pass through. Returns act-rounded fp32."""
+    y0, y1 = tl.split(tl.reshape(y, (ROWS, BLOCK_D // 2, 2)))
+    i = tl.arange(0, BLOCK_D // 2)
+    first = (D - R) // 2
+    is_rope = (i >= first) & (i < D // 2)
+    c = tl.load(cos_ptr + pos * s_cos + (i - first), mask=is_rope, other=1.0)
+    s = tl.load(sin_ptr + pos * s_cos + (i - first), mask=is_rope, other=0.0)
+    r0, r1 = rotate_pair(y0, y1, c[None, :], s[None, :], INVERSE)
+    r0 = tl.where(is_rope[None, :], to_act(r0, ROUND_BF16), y0)
+    r1 = tl.where(is_rope[None, :], to_act(r1, ROUND_BF16), y1)
+    return tl.reshape(tl.join(r0, r1), (ROWS, BLOCK_D))
+
+
+# ============================================================================================ query heads
+@triton.jit
+def _head_rms_rope_kernel(q_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, H, D, R, eps, sq_r, sq_h, so_r, so_h, s_cos,
+                          ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (h < H)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + row * sq_r + h[:, None] * sq_h + d[None, :], mask=m, other=0.0).to(tl.float32)
+    # head_rms in act tensors: bf16 squares, their mean (fp64 → fp32 → act), + eps in act, rsqrt → act, product
+    sq = to_act(q * q, ROUND_BF16).to(tl.float64)
+    ms = f64_to_act(tl.sum(sq, axis=1) / D, ROUND_BF16)
+    r = to_act(rsqrt_f32(to_act(ms + eps, ROUND_BF16), 0.0), ROUND_BF16)
+    y = to_act(q * r[:, None], ROUND_BF16)
+    pos = tl.load(pos_ptr + row)
+    y = _rope_tail(y, cos_ptr, sin_ptr, pos, s_cos, D, R, False, ROUND_BF16, BLOCK_H, BLOCK_D)
+    tl.store(o_ptr + row * so_r + h[:, None] * so_h + d[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """Per-head RMS (no weight) then RoPE of the last ``2·cos.shape[-1]`` dims: ``q [..., H, D]``, ``positions``
+    of shape ``q.shape[:-2]`` indexing the fp32 tables ``cos, sin [P, R/2]``."""
+    H, D = q.shape[-2:]
+    R = 2 * cos.shape[-1]
+    qr = _rows(q, 2)
+    pos = positions.reshape(-1)
+    assert pos.numel() == qr.shape[0], f"head_rms_rope: {pos.numel()} positions for {qr.shape[0]} rows"
+    out = torch.empty(qr.shape, dtype=q.dtype, device=q.device)
+    block_h = min(16, triton.next_power_of_2(H))
+    if qr.shape[0]:
+        _head_rms_rope_kernel[(qr.shape[0], triton.cdiv(H, block_h))](
+            qr, cos, sin, pos, out, H, D, R, float(eps), qr.stride(0), qr.stride(1), out.stride(0), out.stride(1),
+            cos.stride(0), ROUND_BF16=_round_bf16(q), BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4, **LAUNCH_EXACT)
+    return out.view(q.shape)
+
+
+# ============================================================================================ window KV row
+@triton.jit
+def _kv_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, ring_ptr, slot_ptr, D, R, NOPE, W, eps,
+                         sx, so, s_cos, s_ring_b, s_ring_w, FP8: tl.constexpr, WRITE_RING: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + row * sx + d, mask=d < D, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0)
+    xd = x.to(tl.float64)
+    r = rsqrt_f32((tl.sum(xd * xd, axis=0) / D).to(tl.float32), eps)
+    y = to_act(w * (x * r), ROUND_BF16)
+    pos = tl.load(pos_ptr + row)
+    y = tl.reshape(_rope_tail(y[None, :], cos_ptr, sin_ptr, pos, s_cos, D, R, False, ROUND_BF16, 1, BLOCK_D),
+                   (BLOCK_D,))
+    if FP8:  # E4M3 round trip of the non-rope dims, one power-of-two scale per 64
+        yb = tl.reshape(y, (BLOCK_D // 64, 64))
+        amax = tl.max(tl.abs(yb), axis=1)
+        qb = quantize_fp8_block(yb, amax[:, None], True)
+        blk = tl.arange(0, BLOCK_D // 64)
+        y = tl.reshape(tl.where((blk < NOPE // 64)[:, None], to_act(qb, ROUND_BF16), yb), (BLOCK_D,))
+    out = y.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + row * so + d, out, mask=d < D)
+    if WRITE_RING:  # the window ring: token p of a sequence lives in row p mod W of its slot
+        slot = tl.load(slot_ptr + row)
+        tl.store(ring_ptr + slot * s_ring_b + (pos % W) * s_ring_w + d, y.to(ring_ptr.dtype.element_ty), mask=d < D)
+
+
+def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 positions: torch.Tensor, nope: int, fp8: bool, ring: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``kv [..., D]`` → RMSNorm (``weight``) → RoPE of the last ``D − nope`` dims at ``positions`` → (``fp8``) the
+    E4M3 round trip of the first ``nope`` dims per 64. With ``ring [slots, W, D]``, row ``i`` (one token per row)
+    is also written to ``ring[slots[i], positions[i] mod W]``."""
+    D = kv.shape[-1]
+    assert nope % 64 == 0 and 2 * cos.shape[-1] == D - nope, f"kv_norm_rope: nope {nope}, rope {2 * cos.shape[-1]}"
+    xr = _rows(kv, 1)
+    pos = positions.reshape(-1)
+    assert pos.numel() == xr.shape[0]
+    out = torch.empty(xr.shape, dtype=kv.dtype, device=kv.device)
+    write = ring is not None
+    if write:
+        assert ring.stride(-1) == 1 and ring.shape[-1] == D and slots.numel() == xr.shape[0]
+    rg = ring if write else out
+    if xr.shape[0]:
+        _kv_norm_rope_kernel[(xr.shape[0],)](
+            xr, weight, cos, sin, pos, out, rg, slots if write else pos, D, D - nope, nope,
+            ring.shape[1] if write else 1, float(eps), xr.stride(0), out.stride(0), cos.stride(0),
+            rg.stride(0), rg.stride(1) if write else 0, FP8=fp8, WRITE_RING=write, ROUND_BF16=_round_bf16(kv),
+            BLOCK_D=max(64, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT)
+    return out.view(kv.shape)
+
+
+# ============================================================================================ indexer queries
+@triton.jit
+def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, H, R, hscale_bits, sq_r, sq_h, so_r, so_h,
+                          s_cos, FP4: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr,
+                          D: tl.constexpr, LOG2D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    m = (h < H)[:, None]
+    q = tl.load(q_ptr + row * sq_r + h[:, None] * sq_h + d[None, :], mask=m, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + row)
+    q = _rope_tail(q, cos_ptr, sin_ptr, pos, s_cos, D, R, False, ROUND_BF16, BLOCK_H, D)
+    hscale = hscale_bits.to(tl.float64, bitcast=True)
+    y = f64_to_act(fwht_rows(q.to(tl.float64), BLOCK_H, D, LOG2D) * hscale, ROUND_BF16)
+    if FP4:
+        y = to_act(tl.reshape(fp4_qdq_blocks(tl.reshape(y, (BLOCK_H, D // 32, 32))), (BLOCK_H, D)), ROUND_BF16)
+    tl.store(o_ptr + row * so_r + h[:, None] * so_h + d[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def indexer_query(qi: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  fp4: bool) -> torch.Tensor:
+    """The indexer's query heads ``qi [..., H, D]``: RoPE of the last ``2·cos.shape[-1]`` dims at ``positions``,
+    the Hadamard transform ``· D^-0.5``, and (``fp4``) the E2M1 round trip per 32."""
+    H, D = qi.shape[-2:]
+    assert D & (D - 1) == 0 and D % 32 == 0, f"indexer_query: head dim {D} must be a power of two, ≥ 32"
+    qr = _rows(qi, 2)
+    pos = positions.reshape(-1)
+    assert pos.numel() == qr.shape[0]
+    out = torch.empty(qr.shape, dtype=qi.dtype, device=qi.device)
+    block_h = min(16, triton.next_power_of_2(H))
+    if qr.shape[0]:
+        _indexer_query_kernel[(qr.shape[0], triton.cdiv(H, block_h))](
+            qr, cos, sin, pos, out, H, 2 * cos.shape[-1], f64_bits(D ** -0.5), qr.stride(0), qr.stride(1),
+            out.stride(0), out.stride(1), cos.stride(0), FP4=fp4, ROUND_BF16=_round_bf16(qi), BLOCK_H=block_h,
+            D=D, LOG2D=D.bit_length() - 1, num_warps=4, **LAUNCH_EXACT)
+    return out.view(qi.shape)
+
+
+__all__ = ["rms_norm", "head_rms_rope", "kv_norm_rope", "indexer_query", "f64_bits"]

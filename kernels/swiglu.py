@@ -1,0 +1,52 @@
+"""The shared expert's activation in one launch: ``act(silu(min(g, L)) · clamp(u, ±L) · weight)`` from the two
+projections' act outputs (reference: ``ReferenceOps.swiglu`` inside ``ReferenceOps.expert_mlp``, then the
+``.to(act)`` of the down projection's input). The routed experts fuse the same activation into their gate/up kernel
+(:mod:`.fp4_moe_decode`); this is the shared expert's, between two FP8 GEMVs.
+
+**Numerics and bound.** ``silu`` in fp64 (``x / (1 + exp(−x))``) rounded to fp32, the clamps exact, the products in
+fp32 as the reference: bit-identical except where the fp64 ``silu`` lies within ~1e-15 (relative) of an fp32 rounding
+boundary — then one fp32 ulp before the final rounding, i.e. **one ulp of the activation dtype**.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rowops import LAUNCH_EXACT, to_act
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, N, limit, HAS_WEIGHT: tl.constexpr, CLAMP: tl.constexpr,
+                   ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if CLAMP:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    g64 = g.to(tl.float64)
+    h = (g64 / (1.0 + tl.exp(-g64))).to(tl.float32) * u
+    if HAS_WEIGHT:
+        h = tl.load(w_ptr + i, mask=m, other=0.0) * h
+    tl.store(o_ptr + i, to_act(h, ROUND_BF16).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """``g, u [..., I]`` (act) → ``[..., I]`` in ``g.dtype``; ``weight`` (fp32, broadcast to ``g``) multiplies after."""
+    assert g.shape == u.shape and g.dtype == u.dtype and g.dtype in (torch.bfloat16, torch.float32)
+    g, u = g.contiguous(), u.contiguous()
+    out = torch.empty_like(g)
+    w = None if weight is None else torch.broadcast_to(weight.float(), g.shape).contiguous()
+    n = g.numel()
+    if n:
+        block = 1024
+        _swiglu_kernel[(triton.cdiv(n, block),)](g, u, w if w is not None else g, out, n, float(limit),
+                                                 HAS_WEIGHT=w is not None, CLAMP=limit > 0,
+                                                 ROUND_BF16=g.dtype == torch.bfloat16, BLOCK=block, num_warps=4,
+                                                 **LAUNCH_EXACT)
+    return out
+
+
+__all__ = ["swiglu"]

@@ -1,0 +1,201 @@
+"""Compile every glue kernel of the decode step for a GPU target on a machine without one.
+
+Each launcher of ``kernels/{mhc,norm_rope_quant,compressor_decode,router,indexer_decode,attention_decode}.py`` is
+called at DeepSeek-V4-Flash widths on small CPU tensors; its Triton launch is intercepted and the kernel compiled
+(``triton.compile``, the wheel's own ptxas) for ``--target`` instead of run — so a kernel that the interpreter
+accepts but the GPU compiler rejects (a type mismatch, an op the backend lacks) fails here, in CI, not in a scarce
+GPU session. Must run without ``TRITON_INTERPRET`` (the kernels are imported compiled).
+
+    python scripts/compile_glue_kernels.py [--target cuda:90] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64",
+           torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.float16: "fp16"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas")
+
+
+def _signature(fn: JITFunction, args, kwargs):
+    names = fn.arg_names
+    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+    sig, consts = {}, {}
+    for p in fn.params:
+        v = values[p.name]
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _DTYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__}")
+    return sig, consts
+
+
+def _describe(err: BaseException) -> str:
+    """The error and its causes, innermost last (a Triton compilation error wraps the real one)."""
+    parts = []
+    while err is not None and len(parts) < 4:
+        text = str(err).strip().splitlines()
+        parts.append(f"{type(err).__name__}: " + " | ".join(text[-6:]))
+        err = err.__cause__ or err.__context__
+    return " <- ".join(parts)[:3000]
+
+
+def _ptxas_usage(kernel, target: GPUTarget) -> dict:
+    """Registers and spilled bytes per thread from ptxas's report (CUDA targets; empty otherwise)."""
+    ptx = kernel.asm.get("ptx")
+    if target.backend != "cuda" or not ptx:
+        return {}
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(target.arch).path  # the assembler Triton itself uses for this target
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([str(ptxas), f"-arch=sm_{target.arch}a" if target.arch >= 90 else f"-arch=sm_{target.arch}",
+                              "-v", str(src), "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    text = out.stderr + out.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return dict(registers=int(regs.group(1)) if regs else None, spill_bytes=int(spill.group(1)) if spill else None)
+
+
+def compile_launches(target: GPUTarget, calls) -> list[dict]:
+    """Run ``calls`` (name, thunk) with every Triton launch compiled for ``target`` instead of executed."""
+    rows = []
+    original = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
+        sig, consts = _signature(self, args, kwargs)
+        t0 = time.perf_counter()
+        try:
+            k = triton.compile(ASTSource(self, signature=sig, constexprs=consts), target=target, options=options)
+            rows.append(dict(kernel=self.__name__, ok=True, seconds=round(time.perf_counter() - t0, 2),
+                             shared=k.metadata.shared, **_ptxas_usage(k, target)))
+        except Exception as err:  # noqa: BLE001 — report every kernel, not only the first failure
+            rows.append(dict(kernel=self.__name__, ok=False, error=_describe(err)))
+        return None
+
+    JITFunction.run = compile_only
+    try:
+        for name, thunk in calls:
+            before = len(rows)
+            try:
+                thunk()
+            except Exception as err:  # noqa: BLE001 — a launcher failing after a compiled launch is not a kernel error
+                if len(rows) == before:
+                    rows.append(dict(kernel=name, ok=False, error=f"launcher: {type(err).__name__}: {err}"[:2000]))
+    finally:
+        JITFunction.run = original
+    return rows
+
+
+def flash_calls():
+    """(name, thunk) per launcher at DeepSeek-V4-Flash widths (bf16 activations; fp32 where the op allows it)."""
+    from dsv4lab.config import get_preset
+    from dsv4lab_kernels import attention_decode, compressor_decode, indexer_decode, mhc, norm_rope_quant, router, swiglu
+    a = get_preset("flash")
+    b, D, hc, d, R = 2, a.dim, a.hc_mult, a.head_dim, a.rope_head_dim
+    bf, f32 = torch.bfloat16, torch.float32
+    cos = torch.zeros(64, R // 2)
+    pos, slots = torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+    X = torch.zeros(b, 1, hc, D, dtype=bf)
+    fn, base, scale, w = torch.zeros(a.mix_hc, a.hc_dim), torch.zeros(a.mix_hc), torch.ones(3), torch.ones(D)
+    post, comb = torch.zeros(b, 1, hc), torch.zeros(b, 1, hc, hc)
+    calls = []
+    for dtype in (bf, f32):
+        calls += [
+            (f"hc_pre_norm[{dtype}]", lambda dt=dtype: mhc.hc_pre_norm(X.to(dt), fn, base, scale, w, 20, 1e-6, 1e-6)),
+            (f"hc_post_pre_norm[{dtype}]", lambda dt=dtype: mhc.hc_post_pre_norm(
+                torch.zeros(b, 1, D, dtype=dt), X.to(dt), post, comb, fn, base, scale, w, 20, 1e-6, 1e-6)),
+            (f"rms_norm[{dtype}]", lambda dt=dtype: norm_rope_quant.rms_norm(torch.zeros(b, a.q_lora_rank, dtype=dt),
+                                                                              torch.ones(a.q_lora_rank), 1e-6)),
+            (f"head_rms_rope[{dtype}]", lambda dt=dtype: norm_rope_quant.head_rms_rope(
+                torch.zeros(b, 1, a.n_heads, d, dtype=dt), cos, cos, pos[:, None], 1e-6)),
+        ]
+    calls += [
+        ("hc_post", lambda: mhc.hc_post(torch.zeros(b, 1, D, dtype=bf), X, post, comb)),
+        ("swiglu", lambda: swiglu.swiglu(torch.zeros(b, a.moe_inter_dim, dtype=bf),
+                                         torch.zeros(b, a.moe_inter_dim, dtype=bf), 10.0)),
+        ("hc_head", lambda: mhc.hc_head(X, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6)),
+        ("hc_pre_norm prefill rows", lambda: mhc.hc_pre_norm(torch.zeros(64, 1, hc, D, dtype=bf), fn, base, scale,
+                                                             w, 20, 1e-6, 1e-6)),
+        ("kv_norm_rope+ring", lambda: norm_rope_quant.kv_norm_rope(
+            torch.zeros(b, 1, d, dtype=bf), torch.ones(d), 1e-6, cos, cos, pos[:, None], d - R, True,
+            torch.zeros(3, a.window_size, d, dtype=bf), slots)),
+        ("indexer_query", lambda: norm_rope_quant.indexer_query(
+            torch.zeros(b, 1, a.index_n_heads, a.index_head_dim, dtype=bf), cos, cos, pos[:, None], True)),
+        ("router sqrtsoftplus", lambda: router.router_topk(torch.zeros(b, a.n_routed_experts), 6, 1.5,
+                                                           "sqrtsoftplus", bias=torch.zeros(a.n_routed_experts))),
+        ("router hash", lambda: router.router_topk(torch.zeros(b, a.n_routed_experts), 6, 1.5, "sqrtsoftplus",
+                                                   tid2eid=torch.zeros(16, 6, dtype=torch.long), ids=pos)),
+        ("indexer_select", lambda: indexer_decode.indexer_select(
+            torch.zeros(b, a.index_n_heads, a.index_head_dim, dtype=bf), torch.zeros(b, a.index_n_heads, dtype=bf),
+            torch.zeros(3, 4096, a.index_head_dim, dtype=bf), slots, pos, a.index_topk)),
+        ("indexer_select fp32", lambda: indexer_decode.indexer_select(
+            torch.zeros(b, a.index_n_heads, a.index_head_dim), torch.zeros(b, a.index_n_heads),
+            torch.zeros(3, 4096, a.index_head_dim), slots, pos, a.index_topk)),
+        ("attention+rope split", lambda: attention_decode.sparse_attention_decode(
+            torch.zeros(b, a.n_heads, d, dtype=bf), torch.zeros(3, a.window_size, d, dtype=bf),
+            torch.zeros(b, a.window_size, dtype=torch.long), slots, torch.zeros(a.n_heads), d ** -0.5,
+            kv_b=torch.zeros(3, 1024, d, dtype=bf), rows_b=torch.zeros(b, 512, dtype=torch.long), batch_b=slots,
+            geometry=attention_decode.AttentionGeometry(16, 32, 16, 8, False), cos=cos, sin=cos, positions=pos)),
+        ("attention+rope one slice", lambda: attention_decode.sparse_attention_decode(
+            torch.zeros(b, a.n_heads, d, dtype=bf), torch.zeros(3, a.window_size, d, dtype=bf),
+            torch.zeros(b, a.window_size, dtype=torch.long), slots, torch.zeros(a.n_heads), d ** -0.5,
+            geometry=attention_decode.AttentionGeometry(16, 16, 1, 8, True), cos=cos, sin=cos, positions=pos)),
+    ]
+    for ratio, ch, idx in ((4, d, False), (4, a.index_head_dim, True), (128, d, False)):
+        width = (2 if ratio == 4 else 1) * ch
+        calls.append((f"compressor_step r{ratio} c{ch}", lambda ratio=ratio, ch=ch, idx=idx, width=width:
+                      compressor_decode.compressor_step(
+                          torch.zeros(b, width), torch.zeros(b, width), torch.zeros(ratio, width), pos, slots,
+                          torch.zeros(3, 2 * ratio, width), torch.zeros(3, 2 * ratio, width),
+                          torch.zeros(3, 16, ch, dtype=bf), torch.ones(ch), cos, cos, ratio, ratio == 4, 1e-6, idx,
+                          True)))
+    return calls
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="cuda:90", help="backend:arch, e.g. cuda:90 (H200) or hip:gfx90a")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    backend, arch = args.target.split(":")
+    target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, 32 if backend == "cuda" else 64)
+    rows = compile_launches(target, flash_calls())
+    if args.json:
+        print(json.dumps(dict(target=args.target, triton=triton.__version__, kernels=rows), indent=1))
+    else:
+        for r in rows:
+            usage = f"  registers {r.get('registers')}  spilled {r.get('spill_bytes')} B" if "registers" in r else ""
+            print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['kernel']:<28} "
+                  + (f"{r['seconds']:>6.2f} s  smem {r['shared']} B{usage}" if r["ok"] else r["error"]))
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
