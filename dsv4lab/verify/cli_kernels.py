@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import sys
 
-HELP = "run every registered op of each backend against the reference on random inputs; print the metrics"
+HELP = ("run every registered op of each backend against the reference on random inputs, judged by its error "
+        "bound (docs/verification.md); print the metrics")
 
 
 def add_arguments(p):
@@ -46,7 +47,7 @@ def run(args) -> int:
 
     if args.list:
         for c in OPS:
-            print(f"{c.name:<18} {c.method:<18} {c.kind:<12} {len(c.shapes)} shapes  {c.description}")
+            print(f"{c.name:<24} {c.method:<18} {c.kind:<22} {len(c.shapes)} shapes  {c.description}")
         return 0
     if args.op:
         unknown = sorted(set(args.op) - set(op_names()))
@@ -57,7 +58,7 @@ def run(args) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run in the interpreter on a CPU
     backends = _backends(args.backend, device)
     rows = run_kernel_checks(backends, args.op, device, args.seed)
-    cols = ["op", "impl", "shape", "output", "ok", "max_abs", "rel_l2", "cosine", "nmse", "message"]
+    cols = ["op", "impl", "shape", "output", "ok", "bound_ratio", "max_abs", "rel_l2", "cosine", "rule", "message"]
     for r in rows:
         print(r.get("line") or f"FAIL {r['op']}[{r['impl']}]({r['shape']}): {r.get('message')}")
     n_bad = sum(not r["ok"] for r in rows)
