@@ -1,12 +1,13 @@
 """Calibrate the model tier's KL bound → data/results/host/kl_calibration.json.
 
-    OMP_NUM_THREADS=1 python scripts/measure_kl_calibration.py      # ≈ 6 min on one core
+    OMP_NUM_THREADS=1 python scripts/measure_kl_calibration.py      # ≈ 10–16 min on one core
 
 How far apart do *correct* evaluations of one checkpoint drift, in teacher-forced KL, relative to the checkpoint's
 rounding floor (the reference against itself with fp32 instead of exact reductions, ``verify.model.
 rounding_noise_floor``)? For data/tiny and data/tiny-py, on the golden teacher-forced ids and three more fixed
 sequences, the exact reference is compared with each legitimate rounding variant (``verify.variants``: fp32
-reductions, split-K fp32 projections, kernel-like online-softmax attention), with a chunked prefill (chunks of
+reductions, split-K fp32 projections, kernel-like online-softmax attention, FP8-MMA-like projections as the H200's
+prefill GEMM accumulates), with a chunked prefill (chunks of
 window+5) and a batch of two in fp32, and a variant's own decode path with its prefill (what ``cached_vs_recompute``
 compares for a fast backend). Each mean KL is divided by the floor of the same sequence; the largest ratio seen sets
 ``k`` (``verify.model.KL_FLOOR_FACTOR``), with a margin of 2 for sequences not measured. The faults of the catalogue

@@ -57,10 +57,8 @@ def run(args) -> int:
     if device == "cpu" and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"  # Triton kernels run in the interpreter on a CPU
     backends = _backends(args.backend, device)
-    rows = run_kernel_checks(backends, args.op, device, args.seed)
+    rows = run_kernel_checks(backends, args.op, device, args.seed, progress=lambda line: print(line, flush=True))
     cols = ["op", "impl", "shape", "output", "ok", "bound_ratio", "max_abs", "rel_l2", "cosine", "rule", "message"]
-    for r in rows:
-        print(r.get("line") or f"FAIL {r['op']}[{r['impl']}]({r['shape']}): {r.get('message')}")
     n_bad = sum(not r["ok"] for r in rows)
     md = [f"# verify kernels ({device})", "", f"{len(rows)} checks, {n_bad} failed.", "", md_table(rows, cols)]
     folder = write_report(args.out, "kernels", dict(device=device, backends=[b.name for b in backends], rows=rows,

@@ -39,8 +39,9 @@ def _fmt_shape(s: dict) -> str:
 
 
 def run_kernel_checks(backends: list, ops_filter: list[str] | None = None, device: str = "cpu",
-                      seed: int = 0) -> list[dict]:
-    """Rows of ``{op, impl, shape, ok, bound_ratio, rule, worst, max_abs, rel_l2, cosine, ...}`` per output."""
+                      seed: int = 0, progress=None) -> list[dict]:
+    """Rows of ``{op, impl, shape, ok, bound_ratio, rule, worst, max_abs, rel_l2, cosine, ...}`` per output;
+    ``progress`` (a callable taking a line) hears each row as it is judged."""
     rows = []
     for case in OPS:
         if ops_filter and case.name not in ops_filter:
@@ -79,4 +80,6 @@ def run_kernel_checks(backends: list, ops_filter: list[str] | None = None, devic
                                        rule=b.rule, message="" if b.ok else (b.bound_defect or "beyond its bound"),
                                        line=b.line())
                         rows.append(row)
+                        if progress is not None:
+                            progress(row.get("line") or f"FAIL {name}: {row.get('message')}")
     return rows

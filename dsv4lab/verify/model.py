@@ -283,9 +283,9 @@ KL_TIERS = ("cached_vs_recompute", "chunked_vs_recompute", "vs_reference")
 # The calibrated KL rule for backends that are not bit-exact: mean KL ≤ KL_FLOOR_FACTOR_MEAN × the checkpoint's
 # rounding floor and every position ≤ KL_FLOOR_FACTOR_MAX × the floor's max, both measured in the same run. Each is
 # ceil(2 × the largest ratio seen among legitimate rounding variants on data/tiny and data/tiny-py, four sequences
-# each: 4.13 for the mean, 1.79 for the max — data/results/host/kl_calibration.json, written by
+# each: 4.93 for the mean, 1.91 for the max — data/results/host/kl_calibration.json, written by
 # scripts/measure_kl_calibration.py; tests/test_stages.py keeps these equal to the file's).
-KL_FLOOR_FACTOR_MEAN = 9
+KL_FLOOR_FACTOR_MEAN = 10
 KL_FLOOR_FACTOR_MAX = 4
 
 

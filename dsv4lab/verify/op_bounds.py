@@ -74,8 +74,9 @@ def act_qdq_interval(iv: Interval, block: int = quant.ACT_BLOCK) -> Interval:
     lo = lo.reshape(*lo.shape[:-1], -1, block)
     hi = hi.reshape(*hi.shape[:-1], -1, block)
     straddles = (lo <= 0) & (hi >= 0)
-    mag_lo = torch.where(straddles, torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs()))
-    mag_hi = torch.maximum(lo.abs(), hi.abs())
+    # NaN rows (slots another rank holds) stay NaN below; they must not pick a scale
+    mag_lo = torch.where(straddles, torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs())).nan_to_num(0.0)
+    mag_hi = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0)
     # the scale as the reference computes it (fp32 division, exact power of two): monotone in amax
     s_lo = quant.pow2_scale(mag_lo.amax(-1).to(torch.float32).clamp_min(1e-4), quant.FP8_E4M3_MAX).to(F64)
     s_hi = quant.pow2_scale(mag_hi.amax(-1).to(torch.float32).clamp_min(1e-4), quant.FP8_E4M3_MAX).to(F64)
@@ -104,8 +105,8 @@ def act_int8_interval(iv: Interval, block: int = quant.FP4_BLOCK) -> Interval:
     lo = iv.lo.reshape(*iv.lo.shape[:-1], -1, block)
     hi = iv.hi.reshape(*iv.hi.shape[:-1], -1, block)
     straddles = (lo <= 0) & (hi >= 0)
-    mag_lo = torch.where(straddles, torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs()))
-    mag_hi = torch.maximum(lo.abs(), hi.abs())
+    mag_lo = torch.where(straddles, torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs())).nan_to_num(0.0)
+    mag_hi = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0)
     s_lo = (mag_lo.amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-8) / 127.0).to(F64)
     s_hi = (mag_hi.amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-8) / 127.0).to(F64)
 
@@ -165,7 +166,7 @@ def grouped_wo_a(nm, acc, o, lin, groups):
     return iv.round(nm.acc).round(nm.act)
 
 
-def _per_expert(nm, shape, idx, bank, rows_fn):
+def _per_expert(shape, idx, bank, rows_fn):
     """An interval ``[T, k, N]`` filled expert by expert (NaN: slots of experts another rank holds)."""
     lo = torch.full(shape, float("nan"), dtype=F64, device=idx.device)
     hi = lo.clone()
@@ -187,7 +188,7 @@ def _stage1(nm, acc, x_iv: Interval, idx, bank, quantizer=None, terms=None):
         def rows(e, tok, slot):
             sub = Interval(xq.lo[tok], xq.hi[tok], xq.rule)
             return sub.matmul(bank.dequantized(which, e, F64), acc, terms=terms).round(nm.acc).round(nm.act)
-        return _per_expert(nm, (T, k, bank.inter), idx, bank, rows)
+        return _per_expert((T, k, bank.inter), idx, bank, rows)
     return proj("w1"), proj("w3")
 
 
@@ -205,7 +206,7 @@ def _stage2(nm, acc, h_iv: Interval, idx, bank, quantizer=None, terms=None):
     def rows(e, tok, slot):
         sub = Interval(hq.lo[tok, slot], hq.hi[tok, slot], hq.rule)
         return sub.matmul(bank.dequantized("w2", e, F64), acc, terms=terms).round(nm.acc).round(nm.act)
-    return _per_expert(nm, (T, k, bank.dim), idx, bank, rows)
+    return _per_expert((T, k, bank.dim), idx, bank, rows)
 
 
 def moe_stage2(nm, acc, h, idx, bank):
@@ -310,7 +311,7 @@ def head_rms(nm, acc, q, eps):
 
 def rope(nm, acc, x, cos, sin, inverse=False):
     """Interleaved rotation of the last ``2·cos.shape[-1]`` dims in ``cos.dtype``: each output is two products and
-    one sum (γ₂·(|x₀cos| + |x₁sin|)); the other dims are copied exactly."""
+    one sum, evaluated by either side (γ₃·(|x₀cos| + |x₁sin|) covers both); the other dims are copied exactly."""
     r = 2 * cos.shape[-1]
     xf = _f64(x)
     c, s = _f64(cos), _f64(sin)

@@ -274,8 +274,9 @@ def accumulation_of(ops, op: str, args: tuple = (), device="cpu") -> str:
 
     A backend states it with a method ``accumulation_for(op, *args) -> str | None`` or an attribute
     ``accumulation`` (a name, or a dict op → name); otherwise: on a GPU the Triton backend's prefill FP8 GEMM
-    (``linear`` with an FP8 weight and at least ``prefill_min_tokens`` rows) runs on FP8 tensor cores (``fp8_mma``:
-    ~14 bits kept inside each 128-term block), everything else accumulates in fp32 (:func:`default_accumulation`).
+    (``linear`` with an FP8 weight and at least ``prefill_min_tokens`` rows, and the shared expert, whose projections
+    go through it) runs on FP8 tensor cores (``fp8_mma``: ~14 bits kept inside each 128-term block), everything else
+    accumulates in fp32 (:func:`default_accumulation`). A composite op is judged under the accumulation of its parts.
     """
     fn = getattr(ops, "accumulation_for", None)
     stated = fn(op, *args) if callable(fn) else None
@@ -286,8 +287,8 @@ def accumulation_of(ops, op: str, args: tuple = (), device="cpu") -> str:
         stated = acc
     if stated is not None:
         return stated
-    if torch.device(device).type == "cuda" and getattr(ops, "name", "").startswith("triton") and op == "linear" \
-            and args and getattr(args[1], "fmt", None) == "fp8":
+    if torch.device(device).type == "cuda" and getattr(ops, "name", "").startswith("triton") \
+            and op in ("linear", "expert_mlp") and len(args) > 1 and getattr(args[1], "fmt", None) == "fp8":
         rows = args[0].numel() // max(args[0].shape[-1], 1)
         if rows >= getattr(ops, "prefill_min_tokens", 1 << 30):
             return "fp8_mma"
@@ -447,15 +448,29 @@ def replay(calls: list[OpCall], backend_runner, reference_runner, progress: Call
     device = backend_runner.device
     stages: dict[tuple[str, str, str], StageVerdict] = {}
     checks: list[CallCheck] = []
+    part: list[CallCheck] = []  # the calls of the current (forward, block), reported when it is done
+
+    def report_part():
+        if progress is not None and part:
+            c = part[0].call
+            bad = sum(not x.ok for x in part)
+            progress(f"  replayed {c.block} ({'prefill' if c.forward == 0 else f'decode step {c.forward}'}): "
+                     f"{len(part)} calls, {bad} failing")
+        part.clear()
+
     for call in calls:
         if ops_filter is not None and not ops_filter(call):
             continue
+        if part and (part[0].call.forward, part[0].call.block) != (call.forward, call.block):
+            report_part()
         chk = replay_call(call, backend_runner.ops, nm, names, backend_objects, device)
+        part.append(chk)
         checks.append(chk)
         key = (call.block, call.stage, call.op)
         if key not in stages:
             stages[key] = StageVerdict(call.block, call.stage, call.op)
         stages[key].calls.append(chk)
+    report_part()
     for st in check_state_resets(backend_runner, reference_runner):
         stages[(st.block, st.stage, st.op)] = st
         checks.extend(st.calls)

@@ -8,7 +8,10 @@ bounds (a correct evaluation must pass every stage). Each is a :class:`~dsv4lab.
 * :class:`SplitKFp32` — as above, with every projection's K-sum split in two halves added in fp32 (a split-K
   kernel's order);
 * :class:`KernelLike` — as above, plus attention by online softmax over blocks of 16 rows (each probability rounded
-  to bf16 against a running maximum, the partial sums rescaled), as the decode and prefill kernels do.
+  to bf16 against a running maximum, the partial sums rescaled), as the decode and prefill kernels do;
+* :class:`Fp8MmaLike` — as above, with every FP8 projection accumulated as Hopper's FP8 tensor cores do (the
+  prefill FP8 GEMM on an H200): inside each 128-wide K block the running sum keeps 14 significant bits (truncated
+  after each 32-product step), then is promoted to fp32.
 """
 from __future__ import annotations
 
@@ -97,7 +100,44 @@ class KernelLike(SplitKFp32):
         return (num / den).to(nm.act)
 
 
-VARIANTS = {"fp32-reductions": Fp32Reductions, "split-k-fp32": SplitKFp32, "kernel-like": KernelLike}
+def truncate_bits(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """``v`` truncated (towards zero) to ``bits`` significant bits."""
+    m, e = torch.frexp(v)  # v = m·2^e, |m| in [0.5, 1)
+    return torch.ldexp(torch.trunc(m * 2.0 ** bits) / 2.0 ** bits, e)
+
+
+def fp8_mma_matmul(x: torch.Tensor, w: torch.Tensor, block: int = 128, step: int = 32, bits: int = 14):
+    """``x @ wᵀ`` (fp32) accumulated as an FP8 MMA: per ``block`` of K, ``step`` products at a time added to a
+    running sum truncated to ``bits`` significant bits; the blocks' sums added in fp32."""
+    k = x.shape[-1]
+    total = torch.zeros(*x.shape[:-1], w.shape[0], dtype=torch.float32, device=x.device)
+    for b0 in range(0, k, block):
+        acc = torch.zeros_like(total)
+        for s0 in range(b0, min(b0 + block, k), step):
+            s1 = min(s0 + step, b0 + block, k)
+            acc = truncate_bits(acc + x[..., s0:s1] @ w[:, s0:s1].T, bits)
+        total = total + acc
+    return total
+
+
+class Fp8MmaLike(KernelLike):
+    """Kernel-like, with the FP8 projections accumulated as on Hopper's FP8 tensor cores."""
+
+    name = "variant:fp8-mma-like"
+    accumulation = {"linear": "fp8_mma", "expert_mlp": "fp8_mma"}  # its FP8 projections, alone or in the expert
+
+    def linear(self, x, lin, all_reduce=None):
+        nm = self.numerics
+        if not (lin.fmt == "fp8" and nm.act_quant and lin.act_quant):
+            return super().linear(x, lin, all_reduce)
+        y = fp8_mma_matmul(quant.act_qdq_fp8(x).to(torch.float32), lin.dequantized(torch.float32))
+        if all_reduce is not None:
+            y = all_reduce(y)
+        return y.to(nm.acc).to(nm.act)
+
+
+VARIANTS = {"fp32-reductions": Fp32Reductions, "split-k-fp32": SplitKFp32, "kernel-like": KernelLike,
+            "fp8-mma-like": Fp8MmaLike}
 """name → ops class (constructed from the reference's :class:`Numerics`)."""
 
-__all__ = ["VARIANTS", "Fp32Reductions", "SplitKFp32", "KernelLike"]
+__all__ = ["VARIANTS", "Fp32Reductions", "SplitKFp32", "KernelLike", "Fp8MmaLike", "fp8_mma_matmul"]
