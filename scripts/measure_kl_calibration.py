@@ -118,7 +118,8 @@ largest_mean = max(s["mean_over_floor"] for r in rows for s in r["variants"].val
 largest_max = max(s["max_over_floor_max"] for r in rows for s in r["variants"].values())
 k_mean = math.ceil(MARGIN * largest_mean)
 k_max = math.ceil(MARGIN * largest_max)
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root).stdout.strip()
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                        cwd=root).stdout.strip()
 out = dict(
     what="teacher-forced KL of legitimate rounding variants against the exact reference, over the checkpoint's "
          "rounding floor (fp32 vs exact reductions) of the same sequence; bf16, every simulation on",

@@ -246,7 +246,8 @@ def test_docs_cover_the_backend_faults_and_link_the_verification_page():
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_triton_backend_is_clean_stage_by_stage_under_the_interpreter(name):
     """A 5-token prefill (prefill kernels from 4 rows) and one decode step (decode kernels): every op of the
-    Triton backend within its bound on the reference's inputs (100–230 s per checkpoint in the interpreter on a shared 2-core machine)."""
+    Triton backend within its bound on the reference's inputs (100–230 s per checkpoint in the interpreter on a
+    shared 2-core machine)."""
     ref, calls = _recorded(name, 6)
     tri = dsv4lab.load(CHECKPOINTS[name], max_batch=1, backend="triton")
     tri.ops.prefill_min_tokens = 4

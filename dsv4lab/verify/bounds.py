@@ -134,7 +134,8 @@ def _bitwise(out: torch.Tensor, ref: torch.Tensor) -> bool:
         return False
     a, b = out.detach().cpu(), ref.detach().cpu()
     if a.is_floating_point():  # NaN == NaN at the same position counts as equal bits here
-        return bool(torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
+        return bool(torch.equal(torch.isnan(a), torch.isnan(b))
+                    and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
     return bool(torch.equal(a, b))
 
 
@@ -329,7 +330,8 @@ def check_interval(out: torch.Tensor, ref: torch.Tensor, iv: Interval, name: str
         i = int(outside_ref.flatten().nonzero()[0])
         idx = [int(v) for v in torch.unravel_index(torch.tensor(i), r.shape)] if r.ndim else []
         defect = (f"{int(outside_ref.sum())} reference value(s) outside their own bound, first {idx}: "
-                  f"ref={float(r.flatten()[i]):.9g} not in [{float(lo.flatten()[i]):.9g}, {float(hi.flatten()[i]):.9g}]")
+                  f"ref={float(r.flatten()[i]):.9g} not in "
+                  f"[{float(lo.flatten()[i]):.9g}, {float(hi.flatten()[i]):.9g}]")
     err = torch.where(special, torch.zeros_like(o), (o - r).abs())
     room = torch.where(o >= r, hi - r, r - lo)
     return _summarise(name, out, ref, o, r, err, room, special, mismatch, rule if rule is not None else iv.rule,
