@@ -178,6 +178,16 @@ def test_verify_model_passes_a_legitimate_backend_and_only_the_stages_catch_a_bf
     assert bad["first_divergence"] == dict(where="stages", block="layers.1", stage="attention output (wo_b)")
 
 
+def test_the_reference_with_a_backend_fault_keeps_exact_tiers_and_is_caught_by_the_stages():
+    # its oracles pass (the bf16 accumulation moves no greedy choice) and its own caches agree with themselves
+    golden = _golden("tiny-py")
+    ref = dsv4lab.load(CHECKPOINTS["tiny-py"], max_batch=1)
+    res = model_tier.verify_model(_backend("tiny-py", fault="bf16_accumulation"), golden, CHECKPOINTS["tiny-py"], ref,
+                                  tiers=("oracles", "checkpoint", "stages"), layer_check="never", stage_tokens=SHORT)
+    assert res["exact_semantics"] and res["tiers"]["oracles"]["ok"] and not res["ok"]
+    assert res["first_divergence"] == dict(where="stages", block="layers.1", stage="attention output (wo_b)")
+
+
 # ------------------------------------------------------------------------------------------ rules
 def test_an_op_without_a_bound_is_a_failure_not_a_pass(monkeypatch):
     ref, calls = _recorded("tiny")

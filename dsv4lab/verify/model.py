@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..engine.sampling import trajectory_hash
+from ..model.ops import ReferenceOps
 from .layers import first_divergence, trace_model
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "data" / "golden"
@@ -155,7 +156,6 @@ def rounding_noise_floor(reference_runner, ids: list[int], exact: torch.Tensor |
     ``exact``: the reference's logits of ``ids`` when the caller already has them."""
     import dataclasses
 
-    from ..model.ops import ReferenceOps
     t = torch.tensor([ids])
     exact_ops = reference_runner.ops
     if exact is None:
@@ -344,8 +344,10 @@ def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, 
                  tiers: tuple[str, ...] = TIERS, progress=None, stage_tokens: int | None = None) -> dict:
     """Run the model-level ``tiers`` against ``golden``; returns a result dict with ``ok`` and the per-tier rows.
 
-    The reference backend (and the reference with a model fault) is held to exact bounds: bit-identical oracles
-    and trajectory, KL ≤ 1e-9. Any other backend is held to what a correct but not bit-exact backend can do:
+    The reference backend (and the reference with a model or backend fault) is held to exact bounds: bit-identical
+    oracles and trajectory, KL ≤ 1e-9; any ops object other than the plain reference also gets the two layer checks
+    below when ``reference_runner`` is given. Any other backend is held to what a correct but not bit-exact backend
+    can do:
 
     * ``checkpoint`` — the *reference* run of this checkpoint reproduces the golden layer digests (a faulted
       checkpoint makes reference and backend agree with each other; this tier catches it, naming layer and stage);
@@ -368,6 +370,9 @@ def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, 
     res["checkpoint_matches_golden"] = same
     tf = golden.get("teacher_forced") or dict(ids=fixed_sequence(runner.args, teacher_forced_length(runner.args)))
     compare_ref = reference_runner is not None and not exact
+    # the layer checks run for every ops object that is not the plain reference (a reference with a model or backend
+    # fault keeps the exact KL tiers, but its ops are replayed too)
+    staged = reference_runner is not None and type(runner.ops) is not ReferenceOps
     # 0. the rounding floor of this checkpoint, the unit of the calibrated KL tiers
     floor, ref_logits = None, None
     if compare_ref and any(t in tiers for t in KL_TIERS):
@@ -426,11 +431,11 @@ def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, 
         _say(progress, "vs_reference", res["tiers"]["vs_reference"])
         _say(progress, "noise_floor", res["tiers"]["noise_floor"])
     # 5. the checkpoint: the reference run reproduces the golden layer digests (exact)
-    if compare_ref and "checkpoint" in tiers:
+    if staged and "checkpoint" in tiers:
         res["tiers"]["checkpoint"] = checkpoint_tier(reference_runner, golden)
         _say(progress, "checkpoint", res["tiers"]["checkpoint"])
     # 6. the backend, stage by stage on the reference's inputs
-    if compare_ref and "stages" in tiers:
+    if staged and "stages" in tiers:
         from .stages import verify_stages
         ids = golden["layers"]["input_ids"] if "layers" in golden else tf["ids"][:96]
         if stage_tokens:
