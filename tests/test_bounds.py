@@ -62,3 +62,100 @@ def test_ulp_matches_the_dtype_spacing():
     v = torch.tensor([1.0, 1.5, 3.0, 1e-40])
     assert ulp(v, torch.bfloat16).tolist()[:3] == [2 ** -7, 2 ** -7, 2 ** -6]
     assert float(ulp(v, torch.float32)[0]) == 2 ** -23
+
+
+# ------------------------------------------------------------------------------------------ intervals and chains
+def test_binade_edge_uses_the_ulp_of_the_larger_value():
+    # exact 2 − 2⁻¹⁰ rounds to 2.0 in bf16 on one side and to 1.9921875 on the other: one ulp at 2.0, not at 1.99
+    ref = torch.tensor([1.9921875], dtype=torch.bfloat16)
+    out = torch.tensor([2.0], dtype=torch.bfloat16)
+    assert check_within_bound(out, ref, 0.0, terms=1, acc_dtype=torch.float32, out_dtype=torch.bfloat16).ok
+    far = torch.tensor([2.015625], dtype=torch.bfloat16)  # two ulps above: a real error
+    assert not check_within_bound(far, ref, 0.0, terms=1, acc_dtype=torch.float32, out_dtype=torch.bfloat16).ok
+
+
+def test_blocked_fp8_mma_accumulation():
+    from dsv4lab.verify.bounds import gamma
+    g = gamma(4096, "fp8_mma")  # γ₁₂₈(2⁻¹³) inside each block + γ₃₂(2⁻²³) across the 32 blocks
+    assert abs(g - (128 * 2 ** -13 / (1 - 128 * 2 ** -13) + 32 * 2 ** -23 / (1 - 32 * 2 ** -23))) < 1e-15
+    assert gamma(100, "fp8_mma") == 100 * 2 ** -13 / (1 - 100 * 2 ** -13)
+
+
+def test_interval_rounding_allows_a_flip_only_where_the_interval_straddles():
+    from dsv4lab.verify.bounds import Interval, check_interval
+    mid = torch.tensor([1.0 + 2 ** -8, 1.0 + 2 ** -9], dtype=torch.float64)  # a bf16 tie point, and a quarter ulp
+    iv = Interval.around(mid, torch.full_like(mid, 2 ** -20)).round(torch.bfloat16)
+    assert iv.lo[0] < iv.hi[0] and iv.lo[1] == iv.hi[1] == 1.0
+    ref = mid.to(torch.bfloat16)
+    up = torch.tensor([1.0078125, 1.0078125], dtype=torch.bfloat16)  # the upper neighbour of 1.0 in both places
+    res = check_interval(up, ref, iv)
+    assert not res.ok and res.n_violations == 1 and res.worst["index"] == [1]
+
+
+def test_fp8_activation_quantizer_interval_flips_at_a_boundary_only():
+    from dsv4lab import quant
+    from dsv4lab.verify.bounds import Interval
+    from dsv4lab.verify.op_bounds import act_qdq_interval
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    x[0, 7] = 2.125  # exactly between two E4M3 values at scale 2⁻⁶ (step 0.25 at 2..4 after scaling)
+    x = x.to(torch.bfloat16).to(torch.float64)
+    q = quant.act_qdq_fp8(x.to(torch.bfloat16)).to(torch.float64)
+    point = act_qdq_interval(Interval.point(x))
+    assert torch.equal(point.lo, q) and torch.equal(point.hi, q)  # a point maps to the reference's value exactly
+    wide = act_qdq_interval(Interval.around(x, 1e-6 * x.abs()))
+    flips = (wide.hi > wide.lo).sum()
+    assert 0 < flips < 40 and wide.contains(q).all()
+
+
+def _composite_case(seed=0):
+    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.model.ops import ReferenceOps
+    from dsv4lab.verify.registry import make_bank, routing
+    g = torch.Generator().manual_seed(seed)
+    bank = make_bank(8, 256, 128, g)
+    idx, w = routing(g, 5, 8, 3)
+    x = (torch.randn(5, 256, generator=g) * 2).to(torch.bfloat16)
+    nm = Numerics()
+    return nm, ReferenceOps(nm), x, idx, w.float(), bank
+
+
+def test_routed_experts_bound_passes_other_fp32_orders_and_fails_a_permuted_w2():
+    """Correct evaluations in another fp32 order (where a last-bit difference in g may flip a bf16 and an FP8
+    rounding of h downstream: the GPU failure mode of the old output-relative tests) stay inside the chain bound; a
+    W2 read through the paper's permutation for one expert is far outside."""
+    from dsv4lab.verify.backend_faults import permuted_w2_bank
+    from dsv4lab.verify.bounds import check_interval
+    from dsv4lab.verify.op_bounds import routed_experts
+    from dsv4lab.verify.variants import Fp32Reductions, SplitKFp32
+    nm, ref_ops, x, idx, w, bank = _composite_case()
+    ref = ref_ops.routed_experts(x, idx, w, bank, 10.0)
+    bound = routed_experts(nm, "fp32", x, idx, w, bank, 10.0)
+    assert check_interval(ref, ref, bound).ok
+    for variant in (Fp32Reductions(nm), SplitKFp32(nm)):
+        res = check_interval(variant.routed_experts(x, idx, w, bank, 10.0), ref, bound)
+        assert res.ok, res.line()
+    faulted = ref_ops.routed_experts(x, idx, w, permuted_w2_bank(bank, int(idx[0, 0])), 10.0)
+    res = check_interval(faulted, ref, bound)
+    assert not res.ok and res.max_ratio > 100, res.line()
+
+
+def test_sparse_attention_bound_passes_online_softmax_and_fails_a_wrong_row():
+    from dsv4lab.verify.bounds import check_interval
+    from dsv4lab.verify.op_bounds import sparse_attention
+    from dsv4lab.verify.registry import _make_attention
+    from dsv4lab.verify.variants import KernelLike
+    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.model.ops import ReferenceOps
+    nm = Numerics()
+    q, kv, idx, sink, scale = _make_attention(dict(b=2, s=3, h=4, d=64, n_kv=50, k=40, masked=0.3),
+                                              torch.Generator().manual_seed(1), "cpu", nm)
+    q = q * 4  # sharp: the running max moves
+    ref = ReferenceOps(nm).sparse_attention(q, kv, idx, sink, scale)
+    bound = sparse_attention(nm, "fp32", q, kv, idx, sink, scale)
+    online = KernelLike(nm).sparse_attention(q, kv, idx, sink, scale)
+    assert not torch.equal(online, ref) and check_interval(online, ref, bound).ok
+    shifted = idx.clone()
+    shifted[0, 0, 1] = (shifted[0, 0, 1] + 1) % 50 if shifted[0, 0, 1] >= 0 else 3  # one gathered row off by one
+    kv2 = torch.nan_to_num(kv, nan=0.0)
+    wrong = ReferenceOps(nm).sparse_attention(q, kv2, shifted, sink, scale)
+    assert not check_interval(wrong, ref, bound).ok

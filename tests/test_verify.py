@@ -74,6 +74,7 @@ LAYOUT_EXPECT = {  # fault → (block, stage substring) the layer oracle must na
     "writer_preshuffle": ("layers.0", "stage 1 (w1"),
     "swapped_nibbles": ("layers.1", "stage 1"),
     "scales_not_permuted": ("layers.0", "stage 2"),
+    "paper_w2_one_expert": ("layers.1", "stage 2"),
     "gate_up_interleave_w2": ("layers.0", "stage 2"),
 }
 MODEL_EXPECT = {
@@ -130,8 +131,8 @@ def test_w2_fault_cli_exits_nonzero_and_names_stage_2(tmp_path):
 
 
 def test_noise_floor_tier_reads_a_backend_against_the_checkpoints_rounding_floor(tmp_path):
-    # a "backend" that is the reference with fp32 reductions sits exactly on the floor (ratio 1); the same backend
-    # on a W2-faulted copy is far above it. Both fail the strict per-position bound; only the floor tells them apart
+    # a "backend" that is the reference with fp32 reductions sits exactly on the floor (ratio 1) and passes the
+    # calibrated KL rule; the same backend on a W2-faulted copy is far above it and fails
     import dataclasses
 
     from dsv4lab.model.ops import ReferenceOps
@@ -152,5 +153,7 @@ def test_noise_floor_tier_reads_a_backend_against_the_checkpoints_rounding_floor
         floor = res["tiers"]["noise_floor"]
         assert floor["binding"] is False and 0 < floor["mean_kl"] < 0.01
         ratios[name] = floor["backend_mean_over_floor"]
+        assert res["tiers"]["vs_reference"]["ok"] is (name == "good"), res["tiers"]["vs_reference"]
+        assert res["kl_rule"]["kind"] == "calibrated"
     assert ratios["good"] == pytest.approx(1.0, rel=1e-9)
     assert ratios["faulted"] > 100, ratios

@@ -82,6 +82,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "W2's rows were permuted (the paper's block permutation) but its E8M0 scales were left in place, so each "
           "row is decoded with another row's scales.",
           "*.ffn.experts.*.w2", paper_w2_permutation(scales="keep")),
+    Fault("paper_w2_one_expert",
+          "The paper's W2 block permutation confined to one expert of one layer (layers.1, expert 5): only the "
+          "tokens routed to that expert see a wrong stage 2, so a model-level KL barely moves.",
+          "layers.*.ffn.experts.*.w2", paper_w2_permutation(), layers=(1,), experts=(5,)),
     Fault("gate_up_interleave_w2",
           "The gate/up row interleave meant for the fused w1‖w3 was also applied to W2: its two row halves "
           "alternate row by row.",

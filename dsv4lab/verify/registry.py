@@ -26,7 +26,8 @@ from ..model.rope import rope_table
 
 @dataclass
 class OpCase:
-    """One registered op: the ops method, input maker, shape grid and tolerance kind."""
+    """One registered op: the ops method, input maker, shape grid and the family of its error bound (a label for
+    listings: the verdict always comes from :data:`dsv4lab.verify.op_bounds.OP_BOUNDS` of ``method``)."""
 
     name: str
     method: str
@@ -185,6 +186,42 @@ def _make_norm(s, gen, device, nm):
     return (_x(gen, (s["M"], s["D"]), nm, device, 5.0), (1 + 0.1 * torch.randn(s["D"], generator=gen)).to(device), 1e-6)
 
 
+def _make_head_rms(s, gen, device, nm):
+    return (_x(gen, (s["M"], s["h"], s["d"]), nm, device, 3.0), 1e-6)
+
+
+def _make_router_scores(s, gen, device, nm):
+    return (randn(gen, s["T"], s["E"], scale=3.0, device=device, dtype=nm.acc), "sqrtsoftplus")
+
+
+def _make_swiglu(s, gen, device, nm):
+    g = randn(gen, s["T"], s["I"], scale=6.0, device=device, dtype=nm.acc)
+    u = randn(gen, s["T"], s["I"], scale=6.0, device=device, dtype=nm.acc)
+    return (g, u, 10.0, True)
+
+
+def _make_expert_mlp(s, gen, device, nm):
+    w1 = make_linear("fp8", s["I"], s["D"], gen, device)
+    w2 = make_linear("fp8", s["D"], s["I"], gen, device)
+    w3 = make_linear("fp8", s["I"], s["D"], gen, device)
+    return (_x(gen, (s["T"], s["D"]), nm, device, 2.0), w1, w2, w3, 10.0, None, True)
+
+
+def _make_hc_head(s, gen, device, nm):
+    a = get_preset("tiny").replace(dim=s["D"])
+    X = _x(gen, (s["b"], s["n"], a.hc_mult, s["D"]), nm, device)
+    fn = randn(gen, a.hc_mult, a.hc_dim, scale=a.hc_dim ** -0.5, device=device)
+    base = randn(gen, a.hc_mult, scale=0.5, device=device)
+    return (X, fn, base, (torch.rand(1, generator=gen) + 0.5).to(device), a)
+
+
+def _make_combine(s, gen, device, nm):
+    idx, _ = routing(gen, s["T"], s["E"], s["k"], device)
+    out = randn(gen, s["T"], s["k"], s["D"], scale=2.0, device=device).to(nm.act).to(nm.acc)
+    out[:, -1][idx[:, -1] % 3 == 0] = float("nan")  # slots of experts another rank holds
+    return (out, idx)
+
+
 def _make_rope(s, gen, device, nm):
     a = get_preset("tiny")
     cos, sin = rope_table(a, 1, 512, nm.acc, device)
@@ -221,49 +258,61 @@ MOE_SHAPES = [dict(T=1, E=16, k=4, D=256, I=128), dict(T=3, E=12, k=3, D=96, I=6
 OPS: list[OpCase] = [
     OpCase("linear_fp8", "linear", _linear_case("fp8"),
            [dict(M=1, N=96, K=256), dict(M=3, N=200, K=192), dict(M=17, N=256, K=384), dict(M=1, N=1000, K=640)],
-           "quantized", "FP8 E4M3 weight, 128×128 E8M0 block scales, per-token FP8 activations"),
+           "dot", "FP8 E4M3 weight, 128×128 E8M0 block scales, per-token FP8 activations"),
     OpCase("linear_fp4", "linear", _linear_case("fp4"),
            [dict(M=1, N=128, K=256), dict(M=5, N=72, K=96), dict(M=33, N=256, K=128)],
-           "quantized", "FP4 E2M1 weight, 1×32 E8M0 scales, per-token FP8 activations"),
+           "dot", "FP4 E2M1 weight, 1×32 E8M0 scales, per-token FP8 activations"),
     OpCase("linear_bf16", "linear", _linear_case("bf16"), [dict(M=2, N=8, K=256), dict(M=9, N=64, K=96)],
-           "reduction", "BF16 weight (indexer weights_proj)"),
+           "dot", "BF16 weight (indexer weights_proj)"),
     OpCase("linear_f32", "linear_f32", _make_f32, [dict(M=1, N=16, K=256), dict(M=7, N=129, K=96)],
-           "reduction", "fp32 projection of a BF16 weight (router, compressor, head)"),
+           "dot", "fp32 projection of a BF16 weight (router, compressor, head)"),
     OpCase("grouped_wo_a", "grouped_wo_a", _make_wo_a, [dict(b=1, s=1, G=4, R=64, in_g=192),
                                                        dict(b=2, s=5, G=2, R=32, in_g=96)],
-           "reduction", "grouped output projection (bf16 einsum over groups)"),
-    OpCase("moe_stage1", "moe_stage1", _make_stage1, MOE_SHAPES, "quantized", "routed experts w1/w3 (FP4)"),
+           "dot", "grouped output projection (bf16 einsum over groups)"),
+    OpCase("moe_stage1", "moe_stage1", _make_stage1, MOE_SHAPES, "dot", "routed experts w1/w3 (FP4)"),
     OpCase("moe_activation", "moe_activation", _make_activation, [dict(T=3, k=4, I=128), dict(T=1, k=6, I=96)],
            "elementwise", "clamped SwiGLU × routing weight"),
-    OpCase("moe_stage2", "moe_stage2", _make_stage2, MOE_SHAPES, "quantized", "routed experts w2 (FP4)"),
-    OpCase("routed_experts", "routed_experts", _make_routed, MOE_SHAPES, "quantized",
+    OpCase("moe_stage2", "moe_stage2", _make_stage2, MOE_SHAPES, "quantizer chain", "routed experts w2 (FP4)"),
+    OpCase("routed_experts", "routed_experts", _make_routed, MOE_SHAPES, "quantizer chain",
            "whole routed MoE: stage 1, activation, stage 2, combine"),
     OpCase("sparse_attention", "sparse_attention", _make_attention,
            [dict(b=1, s=1, h=8, d=96, n_kv=80, k=48), dict(b=2, s=5, h=4, d=64, n_kv=37, k=20, masked=0.5),
-            dict(b=1, s=3, h=2, d=512, n_kv=200, k=160)], "attention", "gathered KV with attention sink"),
+            dict(b=1, s=3, h=2, d=512, n_kv=200, k=160)], "softmax-weighted", "gathered KV with attention sink"),
     OpCase("compressor_pool", "compressor_pool", _make_pool,
-           [dict(nb=3, slots=8, c=96, empty_half=True), dict(nb=2, slots=16, c=64)], "reduction",
+           [dict(nb=3, slots=8, c=96, empty_half=True), dict(nb=2, slots=16, c=64)], "softmax-weighted",
            "softmax pooling of compressor slots"),
     OpCase("indexer_scores", "indexer_scores", _make_indexer_scores,
-           [dict(b=1, s=1, h=4, d=64, T=75), dict(b=2, s=6, h=8, d=128, T=33)], "attention",
+           [dict(b=1, s=1, h=4, d=64, T=75), dict(b=2, s=6, h=8, d=128, T=33)], "quantizer chain",
            "ReLU-weighted index scores"),
     OpCase("indexer_topk", "indexer_topk", _make_topk,
-           [dict(b=1, s=4, T=75, k=16, p0=290), dict(b=2, s=9, T=10, k=16, p0=0)], "exact",
+           [dict(b=1, s=4, T=75, k=16, p0=290), dict(b=2, s=9, T=10, k=16, p0=0)], "top-k set",
            "causal top-k of compressed entries (ties → lower index)"),
-    OpCase("hc_pre", "hc_pre", _make_hc_pre, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "reduction",
+    OpCase("hc_pre", "hc_pre", _make_hc_pre, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "Sinkhorn (first order)",
            "mHC pre-mix and Sinkhorn"),
-    OpCase("hc_post", "hc_post", _make_hc_post, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "elementwise",
+    OpCase("hc_post", "hc_post", _make_hc_post, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "dot",
            "mHC post-mix"),
     OpCase("rms_norm", "rms_norm", _make_norm, [dict(M=1, D=256), dict(M=7, D=96)], "elementwise", "RMSNorm"),
     OpCase("rope", "rope", _make_rope, [dict(M=3, h=8), dict(M=1, h=1)], "elementwise", "interleaved RoPE"),
+    OpCase("head_rms", "head_rms", _make_head_rms, [dict(M=3, h=8, d=96), dict(M=1, h=2, d=64)], "quantizer chain",
+           "per-head RMS of q in bf16 steps"),
+    OpCase("router_scores", "router_scores", _make_router_scores, [dict(T=5, E=16), dict(T=1, E=256)],
+           "elementwise", "sqrt(softplus) router scores"),
+    OpCase("swiglu", "swiglu", _make_swiglu, [dict(T=3, I=128), dict(T=1, I=96)], "elementwise",
+           "clamped SwiGLU (shared expert)"),
+    OpCase("expert_mlp", "expert_mlp", _make_expert_mlp, [dict(T=1, D=256, I=128), dict(T=5, D=160, I=96)],
+           "quantizer chain", "the shared expert: w1/w3, SwiGLU, w2 (FP8)"),
+    OpCase("hc_head", "hc_head", _make_hc_head, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "dot",
+           "mHC head (collapse the streams)"),
+    OpCase("moe_combine", "moe_combine", _make_combine, [dict(T=3, E=12, k=4, D=160), dict(T=1, E=16, k=6, D=96)],
+           "dot", "sum of the routed slots (NaN slots skipped)"),
 ]
 
 # Prefill-sized cases (issue 8): several sorter blocks per expert, many queries per call.
 OPS += [
     OpCase("routed_experts_prefill", "routed_experts", _make_routed, [dict(T=70, E=16, k=4, D=256, I=128)],
-           "quantized", "whole routed MoE at a prefill token count (experts with more rows than one sorter block)"),
+           "quantizer chain", "whole routed MoE at a prefill token count (experts with more rows than one sorter block)"),
     OpCase("sparse_attention_prefill", "sparse_attention", _make_attention,
-           [dict(b=1, s=40, h=8, d=96, n_kv=120, k=48, masked=0.3)], "attention",
+           [dict(b=1, s=40, h=8, d=96, n_kv=120, k=48, masked=0.3)], "softmax-weighted",
            "gathered KV with attention sink, many queries per call"),
     # issue 18: the shared expert as one op, the indexer's selection as one op
     OpCase("expert_mlp", "expert_mlp", _make_expert_mlp, [dict(M=3, D=256, I=128), dict(M=70, D=256, I=200)],
