@@ -81,6 +81,21 @@ class Attention(nn.Module):
         if self.indexer is not None:
             ops.reset_compressor_state(self.indexer.compressor, slots)
 
+    def ring_caches(self) -> list[tuple[torch.Tensor, int]]:
+        """Per-slot caches that hold position ``p`` in row ``p mod period``, as ``(tensor, period)``: the window
+        ring and each compressor's kv and score state. Writing ``p`` overwrites ``p − period``."""
+        out = [(self.win_kv, self.args.window_size)]
+        for comp in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
+            if comp is not None:
+                out += [(comp.kv_ring, 2 * comp.ratio), (comp.score_ring, 2 * comp.ratio)]
+        return out
+
+    def entry_caches(self) -> list[tuple[torch.Tensor, int]]:
+        """Per-slot append-only caches, as ``(tensor, ratio)``: entry ``j`` is written with position
+        ``(j+1)·ratio − 1`` and is NaN before (the compressed KV; the indexer keys)."""
+        out = [(self.ckv, self.ratio)] if self.ratio else []
+        return out + ([(self.ikv, 4)] if self.indexer is not None else [])
+
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, ops,
                 all_reduce=None, trace=None) -> torch.Tensor:

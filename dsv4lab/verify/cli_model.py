@@ -21,6 +21,10 @@ def add_arguments(p):
     p.add_argument("--inject-fault", default=None, metavar="NAME",
                    help="run the reference backend with a deliberate model fault (see dsv4lab.model.ops.MODEL_FAULTS) "
                         "to see how the harness reports it")
+    p.add_argument("--speculative", default=None, choices=("mtp",),
+                   help="also decode the oracles and the trajectory self-speculatively (must equal the golden ids) "
+                        "and check teacher-forced logits across rollbacks at every boundary")
+    p.add_argument("--draft-tokens", type=int, default=1, help="MTP draft tokens per forward for --speculative")
     p.add_argument("--out", default=None)
 
 
@@ -58,6 +62,9 @@ def render(res: dict, golden_path) -> str:
                   + (f"; the backend's mean KL is {ratio:.3g}x this floor" if ratio is not None else "") + ". "
                   "A correct backend that is not bit-exact drifts by about this much on this checkpoint; a layout "
                   "fault is orders of magnitude above it (docs/troubleshooting.md).", ""]
+    if any(name.startswith(("speculative_", "rollback_")) for name in t):
+        from .speculative import render_speculative
+        lines += render_speculative(t)
     if "layers" in res and res["layers"].get("note"):
         lines += ["## Layer oracle", "", res["layers"]["note"], ""]
     elif "layers" in res:
@@ -93,6 +100,10 @@ def run(args) -> int:
         ref = dsv4lab.load(args.checkpoint, device=device, dtype=torch.bfloat16, backend="reference", max_batch=1,
                            repairs=args.repairs)
     res = verify_model(runner, golden, Path(args.checkpoint), ref, args.kl_bound, args.skip_trajectory, args.layers)
+    if args.speculative:
+        from .speculative import verify_speculative
+        res["tiers"].update(verify_speculative(runner, golden, res["kl_bound"], args.draft_tokens, args.skip_trajectory))
+        res["ok"] = all(t["ok"] for t in res["tiers"].values() if t.get("binding", True))
     if hasattr(runner.ops, "report"):
         res["backend_report"] = runner.ops.report()
     md = render(res, gpath)
@@ -104,6 +115,8 @@ def run(args) -> int:
             extra = ", ".join(f"{r['name']}: {r['hash']}" for r in tier["rows"])
         elif name == "trajectory":
             extra = f"hash {tier['hash']} (golden {tier['expected_hash']})"
+        elif "summary" in tier:
+            extra = tier["summary"]
         elif name == "noise_floor":
             ratio = tier["backend_mean_over_floor"]
             extra = (f"rounding-only change of the reference: mean KL {tier['mean_kl']:.3g}, max {tier['max_kl']:.3g}"
