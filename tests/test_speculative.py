@@ -75,6 +75,25 @@ def test_rollbacks_across_window_ratio4_ratio16_and_topk_are_bit_exact():
         assert torch.equal(full, cycled)
 
 
+def test_verify_tiers_pass_and_catch_a_rollback_that_misses_the_ring_caches(monkeypatch):
+    from dsv4lab.engine import speculative
+    from dsv4lab.verify.speculative import render_speculative, verify_speculative
+    m = _model("tiny", 1)
+    g = dict(_golden["tiny"], oracles=_golden["tiny"]["oracles"][:1],
+             teacher_forced=dict(_golden["tiny"]["teacher_forced"], ids=_golden["tiny"]["teacher_forced"]["ids"][:70]))
+    tiers = verify_speculative(m, g, kl_bound=1e-9, draft_tokens=2, skip_trajectory=True)
+    assert set(tiers) == {"speculative_oracles", "rollback_vs_recompute"} and all(t["ok"] for t in tiers.values())
+    assert "rollback_vs_recompute" in "\n".join(render_speculative(tiers))
+    restore = speculative.CacheSnapshot.restore
+
+    def forgetful(self, keep_main, keep_mtp):  # a rollback that leaves the window / compressor rings as written
+        self.rings = []
+        restore(self, keep_main, keep_mtp)
+    monkeypatch.setattr(speculative.CacheSnapshot, "restore", forgetful)
+    bad = verify_speculative(m, g, kl_bound=1e-9, draft_tokens=2, skip_trajectory=True)["rollback_vs_recompute"]
+    assert not bad["ok"] and bad["first_divergence"] is not None
+
+
 def _slot_caches(model, slot):
     out = {}
     for i, blk in enumerate(model.blocks()):
