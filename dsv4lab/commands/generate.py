@@ -4,7 +4,8 @@ With ``--json`` it prints one JSON object with ``output_ids`` and ``hash`` (the 
 digits of sha256 over the output ids as little-endian int32), plus the prompt ids, text, timing and the decode path
 the engine took (``decode``: ``graph`` — CUDA-graph replay of the fused static step, the default on a GPU with the
 Triton backend, with the seconds each batch tier's capture took — ``static`` or ``eager``). Under ``torchrun`` with
-``--tp``/``--ep`` only rank 0 prints.
+``--tp``/``--ep`` only rank 0 prints. ``--speculative mtp`` decodes greedily with the MTP block
+drafting ``--draft-tokens`` tokens per forward (the same ids and hash; the JSON adds the acceptance counters).
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def add_arguments(p):
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "static", "eager"),
                    help="auto (default): CUDA-graph replay of the static decode step on a GPU with the triton "
                         "backend, the eager per-op forward otherwise")
+    p.add_argument("--speculative", default=None, choices=("mtp",),
+                   help="self-speculative greedy decoding: the MTP block drafts, the model verifies (lossless)")
+    p.add_argument("--draft-tokens", type=int, default=1, help="tokens the MTP block drafts per forward (default 1)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (run under torchrun)")
     p.add_argument("--collective", default="auto", choices=("auto", "library", "peer_read"),
@@ -56,9 +60,15 @@ def parse_ids(text: str) -> list[int]:
 def run(args) -> int:
     from ..engine.loader import load  # torch and the model: imported when the command runs, not to parse it
     from ..engine.sampling import trajectory_hash
+    from ..engine.speculative import check_speculative, max_draft_tokens
 
     dtype = torch_dtype(args.dtype)
     device = resolve_device(args.device)
+    if args.speculative is not None:
+        try:
+            check_speculative(args.speculative, args.temperature)
+        except ValueError as err:
+            raise UserError(f"--speculative: {err}") from None
     if args.tp > 1 or args.ep > 1:
         from ..parallel import load_parallel
         m, rank = load_parallel(args.checkpoint, tp=args.tp, ep=args.ep, dtype=dtype, backend=args.backend,
@@ -78,15 +88,24 @@ def run(args) -> int:
         bad = [i for i in ids if not 0 <= i < m.args.vocab_size]
         if bad:
             raise UserError(f"--prompt-ids: ids {bad} outside the vocabulary [0, {m.args.vocab_size})")
+    if args.speculative is not None:
+        limit = max_draft_tokens(m.model) if len(m.model.mtp) else 0
+        if not limit:
+            raise UserError(f"--speculative: {args.checkpoint} has no MTP block")
+        if not 1 <= args.draft_tokens <= limit:
+            raise UserError(f"--draft-tokens must be in [1, {limit}] for this model, got {args.draft_tokens}")
     t0 = time.perf_counter()
     out = m.generate(ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                     prefill_chunk=args.prefill_chunk)
+                     prefill_chunk=args.prefill_chunk, speculative=args.speculative, draft_tokens=args.draft_tokens)
     dt = time.perf_counter() - t0
     if rank != 0:
         return 0
     text = m.tokenizer.decode(out) if m.tokenizer is not None else None
     res = dict(prompt_ids=ids, output_ids=out, hash=trajectory_hash(out), text=text, backend=m.backend,
                dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info())
+    if args.speculative is not None:
+        res["speculative"] = dict(method=args.speculative, draft_tokens=args.draft_tokens,
+                                  **m.last_speculative_stats.to_dict())
     if args.json:
         print(json.dumps(res))
     else:
@@ -96,6 +115,10 @@ def run(args) -> int:
         print(f"output_ids {out}")
         print(f"hash {res['hash']}  ({len(out)} tokens in {dt:.2f} s, backend {m.backend}, {args.dtype})")
         print(f"decode path: {describe_decode(res['decode'])}")
+        if args.speculative is not None:
+            st = m.last_speculative_stats
+            print(f"speculative {args.speculative}, {args.draft_tokens} draft token(s): acceptance "
+                  f"{st.acceptance_rate:.3f}, {st.tokens_per_cycle:.2f} tokens per model forward")
     return 0
 
 

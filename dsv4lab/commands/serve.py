@@ -36,6 +36,10 @@ def add_arguments(p):
                    help="chat prompt format (auto: dsv4 when the tokenizer has DeepSeek-V4's extra tokens)")
     p.add_argument("--no-batch-prefill", action="store_true",
                    help="prefill prompts that arrive together one at a time")
+    p.add_argument("--speculative", default=None, choices=("mtp",),
+                   help="greedy requests decode self-speculatively: the MTP block drafts, the model verifies "
+                        "(lossless; sampled requests decode one token per step)")
+    p.add_argument("--draft-tokens", type=int, default=1, help="tokens the MTP block drafts per step (default 1)")
     p.add_argument("--log-level", default="info")
 
 
@@ -46,6 +50,8 @@ def run(args) -> int:
         raise UserError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.draft_tokens < 1:
+        raise UserError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
     try:
         import uvicorn
         from ..serve.server import ServerOptions, build_app
@@ -56,9 +62,13 @@ def run(args) -> int:
                          max_model_len=args.max_model_len, max_concurrency=args.max_concurrency,
                          max_queue=args.max_queue, served_model_name=args.served_model_name,
                          api_key=args.api_key, chat_format=args.chat_format,
-                         batch_prefill=not args.no_batch_prefill)
+                         batch_prefill=not args.no_batch_prefill, speculative=args.speculative,
+                         draft_tokens=args.draft_tokens)
     print(f"loading {args.checkpoint} (backend {args.backend}, {args.device}, {args.dtype})", file=sys.stderr)
-    app, scheduler = build_app(opts)
+    try:
+        app, scheduler = build_app(opts)
+    except ValueError as err:  # e.g. --speculative on a checkpoint without an MTP block
+        raise UserError(str(err)) from None
     cfg = app.state.config
     print(f"serving model '{cfg.served_model_name}' on http://{args.host}:{args.port}/v1 "
           f"(max_model_len {cfg.max_model_len}, {scheduler.max_running} slots, chat format "

@@ -19,6 +19,7 @@ from ..model.transformer import Transformer
 from ..tokenizer import load_tokenizer
 from .decode_graph import FastDecoder
 from .sampling import sample, trajectory_hash
+from .speculative import check_speculative, generate_speculative
 
 log = logging.getLogger("dsv4lab.runner")
 
@@ -52,6 +53,7 @@ class ModelRunner:
         tokenizer: the checkpoint's tokenizer, or None.
         max_batch: cache slots; each concurrent sequence owns one.
         positions: per slot, the number of tokens its caches hold.
+        mtp_positions: per slot, the number of positions the MTP block's caches hold (see ``forward(mtp=True)``).
     """
 
     def __init__(self, model: Transformer, ops, checkpoint: Path | None = None, plan=None, read_bytes=None,
@@ -65,6 +67,8 @@ class ModelRunner:
         self.spare_slot = getattr(model, "spare_slot", None)
         self.device = model.embed.weight.device
         self.positions = torch.zeros(self.max_batch, dtype=torch.long)
+        self.mtp_positions = torch.zeros(self.max_batch, dtype=torch.long)
+        self.last_speculative_stats = None  # SpeculativeStats of the last generate(speculative=...)
         self._all_reduce = plan.all_reduce() if plan is not None else None
         self._decoders: dict[str, FastDecoder] = {}  # per path, kept when the path is switched and back
         self.decode_note = ""
@@ -146,18 +150,29 @@ class ModelRunner:
         self.model.reset(s, self.ops)
         if s is None:
             self.positions.zero_()
+            self.mtp_positions.zero_()
         else:
             self.positions[s.cpu()] = 0
+            self.mtp_positions[s.cpu()] = 0
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, tokens, start_pos=0, slots=None, lengths=None, trace=None) -> torch.Tensor:
+    def forward(self, tokens, start_pos=0, slots=None, lengths=None, trace=None, mtp: bool = False,
+                next_tokens=None, return_hidden: bool = False):
         """Run ``tokens [b, n]`` and return fp32 logits for **every** position ``[b, n, vocab]``.
 
         ``start_pos``: int or ``[b]`` — absolute position of ``tokens[:, 0]`` per row (0 for a prefill, the
         slot's current length for a continuation/decode). ``slots``: ``[b]`` cache slots (default ``0..b-1``).
         ``lengths``: ``[b]`` valid tokens per row (right padding); padded positions get NaN logits and never
         touch the caches. Each used slot's caches advance by its length.
+
+        ``mtp=True`` also runs the MTP block at the same positions and returns ``(logits, mtp_logits)``: position
+        ``i`` of a row is fed ``tokens[:, i+1]`` — at the row's last valid token ``next_tokens[row]``, or where
+        that is None or −1 the main model's greedy choice there (what greedy speculative decoding feeds) — so
+        ``mtp_logits[:, i]`` predicts the token two after ``tokens[:, i]``. The MTP block has its own caches, which
+        advance with the main ones: run every forward of a sequence with ``mtp=True`` (or reset the slot).
+        ``return_hidden`` appends the main model's final streams ``[b, n, hc, D]`` (and with ``mtp`` the MTP
+        block's output streams) — the inputs of :meth:`forward_mtp`.
         """
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         if tokens.ndim != 2:
@@ -183,19 +198,82 @@ class ModelRunner:
         if not torch.equal(pos_cpu, start):
             raise ValueError(f"start_pos {start.tolist()} does not continue the slots' sequences "
                              f"(their lengths are {pos_cpu.tolist()}); reset a slot to start a new sequence")
-        if n == 1 and trace is None and bool((lengths_t == 1).all()) and self.decode_path != "eager":
+        plain = not (mtp or return_hidden)
+        if plain and n == 1 and trace is None and bool((lengths_t == 1).all()) and self.decode_path != "eager":
             logits = self._fast_decode(tokens_cpu[:, 0], start, slots_t)[:, None]
             self.positions[slots_t] += 1
             return logits
+        if mtp:
+            self._check_mtp(slots_t, start)
         dev = self.device
         slots_t, start, lengths_t = slots_t.to(dev), start.to(dev), lengths_t.to(dev)
         tokens = tokens.to(dev)
-        logits = self.model(tokens, start, lengths_t, slots_t, self.ops, self._all_reduce, trace)
+        if mtp and next_tokens is not None:
+            next_tokens = self._token_rows(next_tokens, b, "next_tokens", greedy_marker=True)
+        logits, X = self.model(tokens, start, lengths_t, slots_t, self.ops, self._all_reduce, trace,
+                               return_hidden=True)
         pad = torch.arange(n, device=self.device)[None, :] >= lengths_t[:, None]
         if pad.any():
             logits = logits.masked_fill(pad[..., None], float("nan"))
         self.positions[slots_t.cpu()] += lengths_t.cpu()
-        return logits.float()
+        if not mtp:
+            return (logits.float(), X) if return_hidden else logits.float()
+        # the MTP block's input at position i is the token of position i+1: the next tokens of the row
+        last = (lengths_t - 1).clamp(min=0)
+        rows = torch.arange(b, device=self.device)
+        greedy = logits.float()[rows, last].argmax(-1)
+        next_tokens = greedy if next_tokens is None else torch.where(next_tokens >= 0, next_tokens, greedy)
+        next_ids = torch.cat((tokens[:, 1:], tokens[:, -1:]), 1)
+        next_ids[rows, last] = next_tokens
+        mtp_logits, Xm = self.model.forward_mtp(X, next_ids, start, lengths_t, slots_t, self.ops, self._all_reduce)
+        if pad.any():
+            mtp_logits = mtp_logits.masked_fill(pad[..., None], float("nan"))
+        self.mtp_positions[slots_t.cpu()] += lengths_t.cpu()
+        return (logits.float(), mtp_logits.float()) + ((X, Xm) if return_hidden else ())
+
+    @torch.inference_mode()
+    def forward_mtp(self, hidden: torch.Tensor, next_tokens, start_pos, slots=None, lengths=None):
+        """Run the MTP block alone: the streams ``hidden [b, n, hc, D]`` of positions ``start_pos..`` — the main
+        model's (``forward(..., return_hidden=True)``) or, for a chained draft, the MTP block's own output
+        streams of the position before — with the tokens that follow them, ``next_tokens [b, n]``.
+
+        Returns ``(mtp_logits [b, n, vocab] fp32, streams [b, n, hc, D])`` and advances the MTP caches only (a
+        drafting MTP block runs ahead of the main caches; :mod:`dsv4lab.engine.speculative` rolls it back).
+        """
+        next_ids = torch.as_tensor(next_tokens, dtype=torch.long, device=self.device)
+        if next_ids.ndim != 2 or hidden.ndim != 4 or tuple(hidden.shape[:2]) != tuple(next_ids.shape):
+            raise ValueError(f"forward_mtp: hidden must be [b, n, hc, dim] and next_tokens [b, n] of the same b, n; "
+                             f"got {list(hidden.shape)} and {list(next_ids.shape)}")
+        b, n = next_ids.shape
+        slots_t = torch.arange(b, device=self.device) if slots is None else _as_rows(slots, b, "slots", self.device)
+        start = _as_rows(start_pos, b, "start_pos", self.device)
+        lengths_t = torch.full((b,), n, dtype=torch.long, device=self.device) if lengths is None \
+            else _as_rows(lengths, b, "lengths", self.device)
+        if int((start + lengths_t).max()) > self.args.max_seq_len:
+            raise ValueError(f"sequence would exceed max_seq_len={self.args.max_seq_len}")
+        self._token_rows(next_ids.flatten(), b * n, "next_tokens")
+        self._check_mtp(slots_t, start)
+        logits, Xm = self.model.forward_mtp(hidden, next_ids, start, lengths_t, slots_t, self.ops, self._all_reduce)
+        self.mtp_positions[slots_t.cpu()] += lengths_t.cpu()
+        return logits.float(), Xm
+
+    def _check_mtp(self, slots: torch.Tensor, start: torch.Tensor) -> None:
+        if not len(self.model.mtp):
+            raise ValueError(f"{self.checkpoint or 'this model'} has no MTP block (n_mtp_layers = 0)")
+        held = self.mtp_positions[slots.cpu()]
+        if not torch.equal(held, start.cpu()):
+            raise ValueError(f"start_pos {start.tolist()} does not continue the MTP caches of slots "
+                             f"{slots.tolist()} (they hold {held.tolist()} positions): run every forward of a sequence "
+                             "with mtp=True, or reset the slot")
+
+    def _token_rows(self, ids, b: int, name: str, greedy_marker: bool = False) -> torch.Tensor:
+        t = _as_rows(ids, b, name, self.device)
+        lo = -1 if greedy_marker else 0
+        if int(t.min()) < lo or int(t.max()) >= self.args.vocab_size:
+            raise ValueError(f"{name}: token ids must be in [{lo}, {self.args.vocab_size})"
+                             + (" (−1: the greedy choice)" if greedy_marker else ""))
+        return t
+
 
     __call__ = forward
 
@@ -203,11 +281,20 @@ class ModelRunner:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, slot: int = 0,
-                 prefill_chunk: int | None = None) -> list[int]:
-        """Prefill ``prompt_ids`` (optionally in chunks) into ``slot`` and decode up to ``max_new_tokens``."""
+                 prefill_chunk: int | None = None, speculative: str | None = None, draft_tokens: int = 1) -> list[int]:
+        """Prefill ``prompt_ids`` (optionally in chunks) into ``slot`` and decode up to ``max_new_tokens``.
+
+        ``speculative="mtp"``: greedy self-speculative decoding, the MTP block drafting ``draft_tokens`` tokens per
+        main-model forward (:mod:`dsv4lab.engine.speculative`); the ids equal plain greedy decoding's."""
         ids = list(map(int, prompt_ids))
         if not ids:
             raise ValueError("prompt_ids is empty")
+        if speculative is not None:
+            check_speculative(speculative, temperature)
+            out, self.last_speculative_stats = generate_speculative(
+                self, [ids], max_new_tokens, draft_tokens, stop_at_eos=stop_at_eos, slots=[slot],
+                prefill_chunk=prefill_chunk)
+            return out[0]
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         self.reset([slot])
         chunk = prefill_chunk or len(ids)

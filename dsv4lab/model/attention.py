@@ -7,6 +7,13 @@ compressed entries ``[max_seq_len/r, d]``, and for CSA the indexer keys ``[max_s
 Unwritten cache rows hold NaN, so a read of a row that should not be visible poisons the output instead of
 passing silently.
 
+The index list of a query is DeepSeek's: the window positions oldest first (unfilled slots of a young sequence
+last, as −1), then the compressed entries (HCA: all visible, oldest first; CSA: the indexer's picks by descending
+score). Sparse attention rounds per 64-index block of that list (see ``ReferenceOps.sparse_attention``). The list
+of a query depends only on its position and the sequence — never on how the sequence was chunked — so prefill,
+chunked prefill and decode round alike. (DeepSeek's own prefill of a prompt shorter than the window lists fewer
+window slots, moving its compressed entries to other blocks; the reference keeps the decode layout there.)
+
 One call handles prefill, chunked prefill (``start_pos > 0`` with many tokens) and decode alike, per sequence:
 every row of the batch has its own start position and length (right padding is never written to any cache
 and never pooled by a compressor).
@@ -73,6 +80,21 @@ class Attention(nn.Module):
         if self.indexer is not None:
             ops.reset_compressor_state(self.indexer.compressor, slots)
 
+    def ring_caches(self) -> list[tuple[torch.Tensor, int]]:
+        """Per-slot caches that hold position ``p`` in row ``p mod period``, as ``(tensor, period)``: the window
+        ring and each compressor's kv and score state. Writing ``p`` overwrites ``p − period``."""
+        out = [(self.win_kv, self.args.window_size)]
+        for comp in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
+            if comp is not None:
+                out += [(comp.kv_ring, 2 * comp.ratio), (comp.score_ring, 2 * comp.ratio)]
+        return out
+
+    def entry_caches(self) -> list[tuple[torch.Tensor, int]]:
+        """Per-slot append-only caches, as ``(tensor, ratio)``: entry ``j`` is written with position
+        ``(j+1)·ratio − 1`` and is NaN before (the compressed KV; the indexer keys)."""
+        out = [(self.ckv, self.ratio)] if self.ratio else []
+        return out + ([(self.ikv, 4)] if self.indexer is not None else [])
+
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor, ops,
                 all_reduce=None, trace=None) -> torch.Tensor:
@@ -113,12 +135,13 @@ class Attention(nn.Module):
         hist_pos = start[:, None] - W + torch.arange(W, device=x.device)[None, :]  # [b, W]
         hist = self.win_kv[slots[:, None], hist_pos % W]
         parts = [hist, kv.to(hist.dtype)]
-        t = torch.arange(n, device=x.device)
+        # The window of the query at position p lists positions max(0, p-W+1)..p oldest first, then −1 for the
+        # slots a young sequence has not filled (DeepSeek's get_window_topk_idxs): the order decides which
+        # 64-index block of the online softmax each row falls in. Row of position q in [hist; kv]: q - (start-W).
         u = torch.arange(W, device=x.device)
-        # window of the query at chunk index t: positions p-W+1..p, i.e. rows W+t-W+1+u .. in [hist; kv]
-        win_rows = (t[:, None] + 1 + u[None, :])[None].expand(b, -1, -1)  # [b, n, W]
-        win_pos = positions[:, :, None] - (W - 1) + u[None, None, :]
-        idx = [torch.where(win_pos >= 0, win_rows, -1)]
+        win_pos = (positions - (W - 1)).clamp(min=0)[:, :, None] + u[None, None, :]  # [b, n, W]
+        win_rows = win_pos - (start[:, None, None] - W)
+        idx = [torch.where(win_pos <= positions[:, :, None], win_rows, -1)]
         if self.ratio:
             n_entries = int(((start + lengths) // self.ratio).max())
             base = W + n

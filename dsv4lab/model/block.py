@@ -61,8 +61,9 @@ class Block(nn.Module):
 
 
 class MTPBlock(Block):
-    """Multi-token prediction block: embeds the *next* token, mixes it with the main model's final streams,
-    runs one SWA block and its own ``hc_head`` (the embedding and LM head are the main model's)."""
+    """Multi-token prediction block (spec §3.9): at position ``p`` it mixes the main model's final streams of ``p``
+    with the embedding of the *next* token ``p+1``, runs one SWA block over its own caches and its own
+    ``hc_head``, and predicts token ``p+2`` through the main model's LM head (it has no embedding or head)."""
 
     def __init__(self, args: ModelArgs, layer: int, tp_size: int = 1, n_local_experts: int | None = None,
                  expert_offset: int = 0):
@@ -76,12 +77,17 @@ class MTPBlock(Block):
         self.register_buffer("hc_head_base", _f32(args.hc_mult))
         self.register_buffer("hc_head_scale", _f32(1))
 
-    def forward_mtp(self, X_main, next_embed, start, lengths, slots, next_ids, ops, all_reduce=None):
-        """Returns the MTP block's normed hidden state ``[b, n, D]`` (the caller applies the LM head)."""
+    def forward_mtp(self, X_main, next_embed, start, lengths, slots, next_ids, ops, all_reduce=None,
+                    trace=None, return_streams=False):
+        """``X_main [b, n, hc, D]`` (the streams of positions ``start..``), ``next_embed [b, n, D]`` (act) of the
+        tokens one position later → the block's normed hidden state ``[b, n, D]`` (the caller applies the LM
+        head), and with ``return_streams`` also the block's output streams ``[b, n, hc, D]`` (before
+        ``hc_head``: what a chained draft step feeds back in place of ``X_main``)."""
         a = self.args
         e = ops.rms_norm(next_embed, self.enorm.weight, a.norm_eps)
         xh = ops.rms_norm(X_main, self.hnorm.weight, a.norm_eps)
         Xm = ops.linear(e, self.e_proj)[:, :, None, :] + ops.linear(xh, self.h_proj)
-        Xm = self.forward(Xm, start, lengths, slots, next_ids, ops, all_reduce)
+        Xm = self.forward(Xm, start, lengths, slots, next_ids, ops, all_reduce, trace)
         y = ops.hc_head(Xm, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, a)
-        return ops.rms_norm(y, self.norm.weight, a.norm_eps)
+        y = ops.rms_norm(y, self.norm.weight, a.norm_eps)
+        return (y, Xm) if return_streams else y

@@ -3,8 +3,16 @@
 ``qi = wq_b(qr)`` per index head, rotated (last rope dims), Hadamard-transformed and FP4-simulated; keys come from
 the indexer's own ratio-4 compressor. ``score[t] = Σ_h relu(qi_h·K[t])·w_h`` with ``w = weights_proj(x)·scale``;
 a query at position ``p`` may pick only completed entries ``t < (p+1)//4``; it attends to the top
-``min(index_topk, (p+1)//4)`` of them. Ties are broken towards the lower entry index (a stable sort), so the
-selection is deterministic on every backend.
+``min(index_topk, (p+1)//4)`` of them, listed by descending score (the order sparse attention's online softmax
+sees them in).
+
+Tie rule (a spec note): DeepSeek's code leaves the order of equal scores to ``torch.topk``, which does not
+specify it — on CUDA the lowest index came first (torch 2.11, observed), torch on the CPU does not promise that.
+Ties are frequent: ReLU'd scores are exactly 0 for a key no head responds to, and bf16 scores collide. dsv4lab
+fixes the rule on every backend and device: equal scores go to the lower entry index (a stable descending sort;
+the Triton top-k kernel sorts the same keys). Near the top-k cut a tie decides which entry is attended, so an
+implementation with another tie order is correct but not bit-comparable there; the MoE router
+(:mod:`dsv4lab.model.moe`) follows the same rule for its expert choice.
 """
 from __future__ import annotations
 

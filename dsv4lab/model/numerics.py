@@ -11,6 +11,11 @@ the reference has an fp32 result. Any fp32 accumulation order is a valid reading
 the (almost always) correctly rounded one makes the reference's output independent of batch size, kernel
 choice and CPU instruction set — a row computed alone equals the same row in a batch, bit for bit, and a hash
 recorded on one machine holds on another. ``exact_reductions=False`` uses plain ``acc`` arithmetic instead.
+
+Sparse attention rounds its probabilities to ``act`` the way DeepSeek's kernel does: relative to the running
+maximum of each block of ``attention_block`` (64) selected indices, an online softmax (see
+:meth:`~dsv4lab.model.ops.ReferenceOps.sparse_attention`). ``attention_block=0`` rounds them relative to the one
+final maximum instead — the reference's rounding before issue 23, kept so that older results stay reproducible.
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ class Numerics:
             power-of-two scale (the real kernels' activation path).
         kv_fp8_sim: FP8 round trip of the non-rope dims of window and compressed KV (block 64).
         indexer_fp4_sim: FP4 round trip of the indexer's queries and keys after the Hadamard rotation (block 32).
+        exact_reductions: evaluate every reduction in float64 and round once (see the module doc).
+        attention_block: selected indices per online-softmax block of sparse attention (DeepSeek's kernel: 64);
+            0 takes every probability relative to the final maximum.
     """
 
     dtype: torch.dtype = torch.bfloat16
@@ -36,10 +44,13 @@ class Numerics:
     kv_fp8_sim: bool = True
     indexer_fp4_sim: bool = True
     exact_reductions: bool = True
+    attention_block: int = 64
 
     def __post_init__(self):
         if self.dtype not in (torch.bfloat16, torch.float32, torch.float64):
             raise ValueError(f"compute dtype must be bfloat16, float32 or float64, got {self.dtype}")
+        if not isinstance(self.attention_block, int) or self.attention_block < 0:
+            raise ValueError(f"attention_block must be a non-negative integer, got {self.attention_block!r}")
 
     @property
     def act(self) -> torch.dtype:

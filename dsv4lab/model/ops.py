@@ -227,25 +227,43 @@ class ReferenceOps:
     # ---------------------------------------------------------------- attention
     def sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        """Attention with a sink over gathered KV rows (K = V).
+        """Attention with a sink over gathered KV rows (K = V), rounded as DeepSeek's ``sparse_attn`` kernel.
 
         ``q [b, s, h, d]``, ``kv [b, n, d]``, ``idx [b, s, k]`` row indices into ``kv`` (−1 = masked),
-        ``sink [h]`` (acc). Scores ``q·kv·scale`` in acc; ``M`` = max over selected scores; numerator
-        ``Σ act(exp(z−M))·kv`` in acc; denominator ``Σ exp(z−M) + exp(sink−M)``. Returns ``[b, s, h, d]`` in act.
+        ``sink [h]`` (acc). Returns ``[b, s, h, d]`` in act.
+
+        Scores ``z = q·kv·scale`` in acc. The kernel is an online softmax over blocks of ``B =
+        numerics.attention_block`` (64) indices in the order of ``idx``: block ``t`` takes its probabilities
+        ``e = exp(z − m_t)`` (acc) against the running max ``m_t`` of blocks ``0..t`` and rounds them to act for
+        P·V, and rescales what it accumulated by ``exp(m_{t−1} − m_t)`` whenever the max grows. Here each block's
+        total rescaling is one factor ``c_t = exp(m_t − M)`` (acc, ``M`` the final max) and the sums are exact:
+        numerator ``Σ_t c_t·Σ act(e)·kv``, denominator ``Σ_t c_t·Σ e + exp(sink − M)``, each rounded to acc, then
+        ``num / den`` in act. So the order of ``idx`` matters (the caller lists the window oldest first, then the
+        compressed entries, as DeepSeek does); masked slots anywhere contribute nothing, even when the row they
+        alias is NaN-poisoned; a query with no visible row gets 0.
         """
         nm = self.numerics
         b, s, h, d = q.shape
+        k = idx.shape[-1]
         valid = idx >= 0
         g = torch.gather(kv, 1, idx.clamp_min(0).reshape(b, -1, 1).expand(-1, -1, d)).reshape(b, s, -1, d)
-        # masked slots must contribute nothing even when the row they alias is NaN-poisoned
         g = torch.where(valid[..., None], g.to(nm.calc), 0.0)
         z = (torch.einsum("bshd,bskd->bshk", q.to(nm.calc), g).to(nm.acc) * scale)
         z = z.masked_fill(~valid[:, :, None, :], float("-inf"))
-        m = z.amax(-1, keepdim=True)
-        e = self.elementwise(torch.exp, z - m)
-        denom = e.to(nm.calc).sum(-1, keepdim=True).to(nm.acc) + self.elementwise(
-            torch.exp, sink.to(nm.acc)[None, None, :, None] - m)
-        num = torch.einsum("bshk,bskd->bshd", e.to(nm.act).to(nm.calc), g).to(nm.acc)
+        blk = nm.attention_block or max(k, 1)
+        nb = max(1, -(-k // blk))
+        pad = nb * blk - k
+        zb = F.pad(z, (0, pad), value=float("-inf")).unflatten(-1, (nb, blk))  # [b, s, h, nb, B]
+        m_run = zb.amax(-1).cummax(-1).values  # running max after each block, −inf before the first visible row
+        seen = torch.isfinite(m_run)
+        m_run = torch.where(seen, m_run, 0.0)
+        e = self.elementwise(torch.exp, zb - m_run[..., None])
+        m_final = m_run[..., -1:]
+        c = torch.where(seen, self.elementwise(torch.exp, m_run - m_final), 0.0).to(nm.calc)[..., None]
+        denom = (c * e.to(nm.calc)).sum((-2, -1)).to(nm.acc)[..., None] + self.elementwise(
+            torch.exp, sink.to(nm.acc)[None, None, :, None] - m_final)
+        gb = F.pad(g, (0, 0, 0, pad)).unflatten(2, (nb, blk))  # [b, s, nb, B, d]
+        num = torch.einsum("bshtk,bstkd->bshd", c * e.to(nm.act).to(nm.calc), gb).to(nm.acc)
         return (num / denom).to(nm.act)
 
     def attention_from_caches(self, q: torch.Tensor, win_kv: torch.Tensor, win_rows: torch.Tensor,

@@ -1,7 +1,8 @@
 """Rotary embeddings of DeepSeek-V4 (spec §3.3).
 
 Per layer: SWA layers use ``rope_theta`` without YaRN; CSA/HCA layers use ``compress_rope_theta`` with DeepSeek's
-YaRN (frequency interpolation only — no magnitude scaling). The same table serves the main query, the window
+YaRN (frequency interpolation only — no magnitude scaling), evaluated with DeepSeek's own expression
+(``smooth = 1 − ramp; f/factor·(1 − smooth) + f·smooth``). The same table serves the main query, the window
 KV, the compressed KV (at each block's first position), and the indexer's queries and keys. Pairs are
 **interleaved** (``x[2i], x[2i+1]``) on the **last** ``rope_head_dim`` dims; the attention output gets the
 inverse rotation at the query position.
@@ -29,7 +30,10 @@ def rope_frequencies(args: ModelArgs, layer: int, dtype: torch.dtype = torch.flo
         if low == high:
             high += 0.001
         ramp = ((torch.arange(dim // 2, dtype=dtype) - low) / (high - low)).clamp(0, 1)
-        freqs = freqs / args.rope_factor * ramp + freqs * (1 - ramp)
+        # DeepSeek's expression, rounding for rounding: ``1 − (1 − ramp)`` is not ``ramp`` in fp32, and the
+        # algebraically equal ``f/factor·ramp + f·(1−ramp)`` moves 1 in 8 frequencies by an ulp
+        smooth = 1 - ramp
+        freqs = freqs / args.rope_factor * (1 - smooth) + freqs * smooth
     return freqs
 
 

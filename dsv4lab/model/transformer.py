@@ -89,6 +89,23 @@ class Transformer(nn.Module):
             trace("final_hidden", y)
         return (logits, X) if return_hidden else logits
 
+    def forward_mtp(self, X, next_ids, start, lengths, slots, ops, all_reduce=None, trace=None):
+        """The MTP block (``mtp.0``) at the positions of ``X``: position ``start+i`` takes the streams ``X[:, i]``
+        and the token ``next_ids[:, i]`` that follows it, and predicts the token after that.
+
+        Returns ``(logits [b, n, vocab] in acc, streams [b, n, hc, D])``; the block's caches advance like the main
+        layers'. ``X`` is the main model's :meth:`hidden` output, or — for a chained draft — this block's own
+        output streams of the previous position.
+        """
+        if not len(self.mtp):
+            raise ValueError("this model has no MTP block (n_mtp_layers = 0)")
+        blk = self.mtp[0]
+        tr = (lambda k, v: trace(f"mtp.0.{k}", v)) if trace else None
+        next_embed = self.embed.weight[next_ids].to(ops.numerics.act)
+        y, Xm = blk.forward_mtp(X, next_embed, start, lengths, slots, next_ids, ops, all_reduce, tr,
+                                return_streams=True)
+        return ops.linear_f32(y, self.head), Xm
+
 
 def expert_bank_names(args: ModelArgs, layer_prefix: str) -> dict[str, list[str]]:
     """Checkpoint names stacked into one bank buffer: ``{"w1": [... e.w1.weight ...], "w1_scale": [...]}``."""

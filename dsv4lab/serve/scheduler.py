@@ -10,6 +10,10 @@ One iteration of the engine thread:
 3. one batched decode step for every running sequence (per-row positions), sample, deliver, retire the
    finished ones.
 
+With ``speculative="mtp"`` step 3 is one speculative cycle (:class:`~dsv4lab.engine.speculative.
+SpeculativeDecoder`): each greedy sequence gets its MTP block's drafts verified in the same forward and may emit
+several tokens per step — the same tokens, one event each; sampled sequences take one token per step.
+
 Tokens go back to the asyncio side through each request's ``asyncio.Queue`` (``call_soon_threadsafe``),
 so the HTTP layer never touches the model. Greedy decoding is ``argmax`` of the same logits ``m.generate``
 uses, and sampled decoding calls :func:`dsv4lab.engine.sampling.sample` with a per-request generator.
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from ..engine.sampling import sample
+from ..engine.speculative import SpeculativeDecoder, check_speculative
 
 log = logging.getLogger("dsv4lab.serve")
 
@@ -93,10 +98,13 @@ class Scheduler:
         prefill_token_budget: padded prompt tokens prefilled in one forward (prompts beyond it wait for the
             next iteration; a single longer prompt is prefilled alone).
         batch_prefill: prefill several admitted prompts in one forward (False: one forward per prompt).
+        speculative: ``"mtp"``: self-speculative decoding of greedy sequences (lossless); None: plain decoding.
+        draft_tokens: tokens the MTP block drafts per step.
     """
 
     def __init__(self, model, max_running: int | None = None, max_waiting: int = 1024,
-                 prefill_token_budget: int = 8192, batch_prefill: bool = True):
+                 prefill_token_budget: int = 8192, batch_prefill: bool = True, speculative: str | None = None,
+                 draft_tokens: int = 1):
         self.model = model
         slots = int(getattr(model, "max_batch", 1))
         self.max_running = min(max_running or slots, slots)
@@ -115,6 +123,10 @@ class Scheduler:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.counters = collections.Counter()
+        self.speculative = None
+        if speculative is not None:
+            check_speculative(speculative)
+            self.speculative = SpeculativeDecoder(model, draft_tokens)
 
     # ---- asyncio side ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -256,9 +268,12 @@ class Scheduler:
             for row, seq in enumerate(group):
                 tokens[row, :lengths[row]] = torch.tensor(seq.prompt_ids, dtype=torch.long)
             ragged = len(set(lengths)) > 1
-            logits = self.model.forward(
-                tokens.to(device), 0, slots=torch.tensor([s.slot for s in group], dtype=torch.long, device=device),
-                lengths=torch.tensor(lengths, dtype=torch.long, device=device) if ragged else None)
+            slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=device)
+            lengths_t = torch.tensor(lengths, dtype=torch.long, device=device) if ragged else None
+            if self.speculative is not None:
+                logits, _ = self.speculative.prefill(tokens.to(device), slots.tolist(), lengths=lengths_t)
+            else:
+                logits = self.model.forward(tokens.to(device), 0, slots=slots, lengths=lengths_t)
             self.counters["prefill_forwards"] += 1
             self.counters["prefill_tokens"] += sum(lengths)
             last = torch.stack([logits[row, lengths[row] - 1] for row in range(len(group))])
@@ -276,6 +291,9 @@ class Scheduler:
         batch = [s for s in self._running if not s.finished]
         if not batch:
             return
+        if self.speculative is not None:
+            self._decode_speculative(batch)
+            return
         tokens = torch.tensor([[s.output_ids[-1]] for s in batch], dtype=torch.long, device=device)
         positions = torch.tensor([s.length - 1 for s in batch], dtype=torch.long, device=device)
         slots = torch.tensor([s.slot for s in batch], dtype=torch.long, device=device)
@@ -283,27 +301,48 @@ class Scheduler:
         self.counters["decode_steps"] += 1
         self._emit(batch, logits[:, -1], [None] * len(batch))
 
+    def _decode_speculative(self, batch: list[Sequence]) -> None:
+        """One speculative cycle: greedy sequences verify up to ``draft_tokens`` drafts (never more than their
+        budget needs), sampled ones run a plain step and sample from its logits."""
+        greedy = [s.params.temperature <= 0 for s in batch]
+        counts = [min(self.speculative.draft_tokens, s.params.max_tokens - len(s.output_ids) - 1) if g else 0
+                  for s, g in zip(batch, greedy)]
+        results = self.speculative.step([s.slot for s in batch], tokens=[s.output_ids[-1] for s in batch],
+                                        draft_counts=counts)
+        self.counters["decode_steps"] += 1
+        self.counters["drafted_tokens"] += sum(r.drafted for r in results)
+        self.counters["accepted_tokens"] += sum(r.accepted for r in results)
+        for seq, g, res in zip(batch, greedy, results):
+            tokens = res.tokens if g else self._sample([seq], res.logits[:1])
+            for j, token in enumerate(tokens):
+                if self._emit_token(seq, int(token), res.logits[j], None):
+                    break
+
     def _emit(self, batch: list[Sequence], logits, prompt_logprobs: list) -> None:
         """Sample one token per row of ``logits`` [b, vocab], deliver it, retire finished sequences."""
         chosen = self._sample(batch, logits)
         for row, seq in enumerate(batch):
-            token = int(chosen[row])
-            seq.output_ids.append(token)
-            self.counters["generated_tokens"] += 1
-            logprob = top = None
-            if seq.params.logprobs is not None:
-                logprob, top = _logprobs_of(logits[row], token, seq.params.logprobs)
-            finish = None
-            if token in seq.params.stop_token_ids:
-                finish = "stop"
-            elif len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.max_seq_len:
-                finish = "length"
-            event = TokenEvent(token, logprob, top, finish_reason=finish, prompt_logprobs=prompt_logprobs[row])
-            if finish:
-                self.counters["finished"] += 1
-                self._retire(seq, event)
-            else:
-                seq.deliver(event)
+            self._emit_token(seq, int(chosen[row]), logits[row], prompt_logprobs[row])
+
+    def _emit_token(self, seq: Sequence, token: int, logits_row, prompt_logprobs) -> bool:
+        """Deliver one chosen token of ``seq``; retire it when it is finished (returns True then)."""
+        seq.output_ids.append(token)
+        self.counters["generated_tokens"] += 1
+        logprob = top = None
+        if seq.params.logprobs is not None:
+            logprob, top = _logprobs_of(logits_row, token, seq.params.logprobs)
+        finish = None
+        if token in seq.params.stop_token_ids:
+            finish = "stop"
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.max_seq_len:
+            finish = "length"
+        event = TokenEvent(token, logprob, top, finish_reason=finish, prompt_logprobs=prompt_logprobs)
+        if finish:
+            self.counters["finished"] += 1
+            self._retire(seq, event)
+        else:
+            seq.deliver(event)
+        return finish is not None
 
     @staticmethod
     def _sample(batch: list[Sequence], logits) -> list[int]:

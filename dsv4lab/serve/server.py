@@ -35,6 +35,8 @@ class ServerOptions:
     api_key: str | None = None
     chat_format: str = "auto"
     batch_prefill: bool = True
+    speculative: str | None = None
+    draft_tokens: int = 1
 
 
 def load_model(opts: ServerOptions):
@@ -60,7 +62,8 @@ def build_app(opts: ServerOptions, model=None):
     cache_len = int(model.args.max_seq_len)
     max_model_len = min(opts.max_model_len or cache_len, cache_len)
     scheduler = Scheduler(model, max_running=opts.max_concurrency, max_waiting=opts.max_queue,
-                          batch_prefill=opts.batch_prefill)
+                          batch_prefill=opts.batch_prefill, speculative=opts.speculative,
+                          draft_tokens=opts.draft_tokens)
     tokenizer = getattr(model, "tokenizer", None)
     config = ServeConfig(served_model_name=opts.served_model_name or Path(opts.checkpoint).name,
                          max_model_len=max_model_len, api_key=opts.api_key,

@@ -20,6 +20,7 @@ from .backend_faults import BACKEND_FAULTS, inject_backend_fault
 from .faults import MODEL_FAULTS, faulty_backend
 from .model import golden_path_for, load_golden, verify_model
 from .report import md_table, write_report
+from .speculative import render_speculative, verify_speculative
 
 HELP = ("fixed-id oracles, 256-token hash, teacher-forced KL around every boundary, the checkpoint and the backend "
         "stage by stage; localises failures")
@@ -44,6 +45,10 @@ def add_arguments(p):
                         "w2_one_expert, bf16_accumulation) to see the stage tier name it")
     p.add_argument("--stage-tokens", type=int, default=None, metavar="N",
                    help="shorten the stage tier's input to N tokens (default: the golden layer input)")
+    p.add_argument("--speculative", default=None, choices=("mtp",),
+                   help="also decode the oracles and the trajectory self-speculatively (must equal the golden ids) "
+                        "and check teacher-forced logits across rollbacks at every boundary")
+    p.add_argument("--draft-tokens", type=int, default=1, help="MTP draft tokens per forward for --speculative")
     p.add_argument("--out", default=None)
 
 
@@ -99,6 +104,8 @@ def render(res: dict, golden_path) -> str:
         if rows:
             lines += [md_table([dict(r, worst=r.get("line", "")) for r in rows[:40]],
                                ["block", "stage", "verdict", "max_ratio", "worst"]), ""]
+    if any(name.startswith(("speculative_", "rollback_")) for name in t):
+        lines += render_speculative(t)
     if "layers" in res and res["layers"].get("note"):
         lines += ["## Layer oracle", "", res["layers"]["note"], ""]
     elif "layers" in res:
@@ -134,10 +141,31 @@ def run(args) -> int:
     print(f"verify model: backend {runner.backend} on {args.checkpoint} ({device}), golden {gpath}", flush=True)
     res = verify_model(runner, golden, Path(args.checkpoint), ref, args.kl_bound, args.skip_trajectory, args.layers,
                        progress=lambda line: print(line, flush=True), stage_tokens=args.stage_tokens)
+    if args.speculative:
+        res["tiers"].update(verify_speculative(runner, golden, res["kl_bound"], args.draft_tokens, args.skip_trajectory))
+        res["ok"] = all(t["ok"] for t in res["tiers"].values() if t.get("binding", True))
     if hasattr(runner.ops, "report"):
         res["backend_report"] = runner.ops.report()
     md = render(res, gpath)
     folder = write_report(args.out, "model", dict(res, checkpoint=str(args.checkpoint), golden=str(gpath)), md)
+    for name, tier in res["tiers"].items():  # the speculative tiers (the others printed as they finished)
+        if not name.startswith(("speculative_", "rollback_")):
+            continue
+        flag = "ok  " if tier["ok"] else ("FAIL" if tier.get("binding", True) else "diff")
+        extra = ""
+        if name == "oracles":
+            extra = ", ".join(f"{r['name']}: {r['hash']}" for r in tier["rows"])
+        elif name == "trajectory":
+            extra = f"hash {tier['hash']} (golden {tier['expected_hash']})"
+        elif "summary" in tier:
+            extra = tier["summary"]
+        elif name == "noise_floor":
+            ratio = tier["backend_mean_over_floor"]
+            extra = (f"rounding-only change of the reference: mean KL {tier['mean_kl']:.3g}, max {tier['max_kl']:.3g}"
+                     + (f"; the backend's mean KL is {ratio:.3g}x this floor" if ratio is not None else ""))
+        else:
+            extra = f"max KL {tier['max_kl']:.3g}, first divergence {tier['first_divergence']}"
+        print(f"{flag} {name}: {extra}")
     if "layers" in res and res["layers"].get("note"):
         print(f"layer oracle: {res['layers']['note']}")
     elif "layers" in res:

@@ -65,8 +65,10 @@ def digest(name: str, t: torch.Tensor) -> dict:
     nan = torch.isnan(v)
     v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
     sk = _sketch_matrix(name, v.numel()) @ v
-    return dict(shape=list(t.shape), kind="float", nan=int(nan.sum()), l2=float(v.norm()),
-                sketch=[float(x) for x in sk])
+    # stored rounded to fp32: the float64 sums' last bits depend on the BLAS path (thread count, CPU), and a
+    # re-recorded golden must reproduce byte for byte on any machine
+    return dict(shape=list(t.shape), kind="float", nan=int(nan.sum()), l2=float(v.norm().float()),
+                sketch=[float(x) for x in sk.float()])
 
 
 @dataclass

@@ -214,7 +214,8 @@ def record_golden(checkpoint: str | Path, out: str | Path | None = None, dump_la
     golden = dict(
         version=GOLDEN_VERSION, checkpoint=checkpoint_identity(checkpoint),
         recorded_with=dict(backend="reference", dtype="bfloat16", act_quant=True, kv_fp8_sim=True,
-                           indexer_fp4_sim=True, exact_reductions=True, dsv4lab=__version__),
+                           indexer_fp4_sim=True, exact_reductions=True,
+                           attention_block=runner.ops.numerics.attention_block, dsv4lab=__version__),
         oracles=oracles,
         trajectory=dict(prompt_ids=traj_prompt, n_tokens=len(traj_ids), hash=trajectory_hash(traj_ids),
                         ids=traj_ids, min_margin=min(traj_margins)),
