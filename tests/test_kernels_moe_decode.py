@@ -249,6 +249,17 @@ def test_expert_parallel_slice():
     assert torch.isnan(g[~local]).all() and torch.isfinite(g[local]).all()
 
 
+def test_the_bound_catches_a_wrong_expert():
+    """Negative control: slot outputs of another expert (the routing shifted by one) fail the stage-2 check."""
+    x, idx, w, bank = moe_case(2, seed=4, share=False)
+    ex = moe.ExpertTensors.of(bank)
+    geo = G(block_n_up=16, block_n_down=32, block_k=128)
+    h = moe.moe_gate_up(x, idx, w, ex, LIMIT, "dot", geo)
+    wrong = moe.moe_down(h, (idx + 1) % 8, ex, "dot", geo, per_slot=True)
+    c = _bound(wrong, moe.reference_stage2(h, idx, ex), "dot", "wrong expert")
+    assert not c.ok and c.n_violations > 0
+
+
 def test_oracles_are_the_reference_backends_stages():
     """For the FP8-activation routes the per-stage oracles are :class:`ReferenceOps`' ``moe_stage1`` and
     ``moe_stage2`` themselves, bit for bit (both exact sums rounded at the same points)."""
