@@ -20,7 +20,6 @@ import torch
 from dsv4lab import quant
 from dsv4lab.model.numerics import Numerics
 from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.bounds import check_within_bound
 from dsv4lab.verify.registry import make_linear
 
 triton = pytest.importorskip("triton")
@@ -45,15 +44,9 @@ def _poisoned_x(x: torch.Tensor) -> torch.Tensor:
 
 
 def within_bound(out, x, weight, scale, route, act_quant=True, groups=1, out_dtype=torch.bfloat16, name=""):
-    """``out`` against the exact reference of ``x @ Wᵀ`` within the route's bound (K per group terms)."""
-    ref = gemv.reference_fp8_gemv(x.cpu(), weight.cpu(), None if scale is None else scale.cpu(), act_quant,
-                                  torch.float64, groups)
-    mag = gemv.reference_magnitude(x.cpu(), weight.cpu(), None if scale is None else scale.cpu(), act_quant, groups)
-    K = weight.shape[1]
-    c = gemv.ACCUMULATION[route][1]
-    ref_out = ref.to(torch.float32).to(out_dtype)  # the reference's rounding: exact → fp32 → output dtype
-    return check_within_bound(out.cpu(), ref_out, mag, terms=K, c=c * K, acc_dtype=torch.float32,
-                              out_dtype=out_dtype, name=name or f"gemv[{route}]")
+    """``out`` against the exact reference of ``x @ Wᵀ`` within the route's bound (the benchmark's own check)."""
+    from dsv4lab.perf.bench_decode import gemv_bound
+    return gemv_bound(out, x, weight, scale, route, act_quant, groups, out_dtype, name)
 
 
 CASES = [dict(M=1, N=96, K=256, split=1), dict(M=3, N=200, K=192, split=2), dict(M=5, N=72, K=320, split=3),
@@ -201,6 +194,56 @@ def test_backend_follows_the_dispatch():
     x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
     res = within_bound(ops.linear(x, lin), x, lin.weight, lin.scale, "fma")
     assert res.ok, res.line()
+
+
+def test_accumulation_probe_separates_fp32_from_a_narrow_accumulator():
+    """The probe the benchmark runs on cuBLAS: an fp32 sum passes the bound, a 13-bit-mantissa accumulator (what
+    Hopper's FP8 tensor cores keep) fails it, and the kernels pass it."""
+    from dsv4lab.perf.bench_decode import accumulation_probe
+    x, w, s = accumulation_probe(64, 1024, 1, "cpu")
+    exact = gemv.reference_fp8_gemv(x, w, s, True, torch.float64)
+    assert torch.allclose(exact, torch.full_like(exact, 8 * 127 * 2.0 ** -9))
+    assert within_bound(exact.float().bfloat16(), x, w, s, "fma").ok
+    wd = quant.fp8_block_dequant(w, s, torch.float64)
+
+    def narrow(v):  # round to 13 significant bits toward zero, as a reduced-precision accumulator
+        m, e = torch.frexp(v)
+        return torch.ldexp(torch.trunc(m * 2 ** 13) / 2 ** 13, e)
+    acc = torch.zeros(64, dtype=torch.float64)
+    for k in range(1024):
+        acc = narrow(acc + wd[:, k])
+    res = within_bound(acc[None].float().bfloat16(), x, w, s, "dot")
+    assert not res.ok
+    for route in gemv.ROUTES:
+        res = within_bound(gemv.fp8_gemv(x, w, s, route=route), x, w, s, route)
+        assert res.ok, res.line()
+
+
+def test_bench_writes_the_dispatch_it_measured():
+    """The dispatch the benchmark writes picks, per shape and batch, the fastest row that passed (rows exist only
+    for variants that passed), and the backend's loader reads it back."""
+    from dsv4lab.config import get_preset
+    from dsv4lab.engine.decode_dispatch import DecodeDispatch
+    from dsv4lab.perf.bench_decode import build_dispatch
+    a = get_preset("flash")
+    rows = [dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
+                 choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
+                             num_stages=3)),
+            dict(kernel="fp8_gemv_wq_a", variant="cublas_scaled_mm_blockwise", batch=1, time_us=6.0, pct_copy_bw=25,
+                 impl="cublas", choice=dict(impl="cublas")),
+            dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, impl="triton",
+                 choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
+                             num_stages=3)),
+            dict(kernel="moe_decode", variant="dot:n32", batch=1, time_us=40.0, pct_copy_bw=45, route="dot",
+                 geometry_fields=dict(block_n_up=32, block_n_down=32, block_k=256, slot_split=0, num_warps=2,
+                                      num_stages=3, decode="auto")),
+            dict(kernel="moe_decode", variant="torch_sum_read", batch=1, time_us=20.0, pct_copy_bw=90,
+                 route="baseline")]
+    doc = dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc", rows=rows)
+    d = DecodeDispatch(build_dispatch(doc, a), "test")
+    assert d.gemv(1024, 4096, 1, "fp8", True, 1).impl == "cublas"  # faster and passed
+    assert d.gemv(1024, 4096, 1, "fp8", True, 4).route == "dot"  # batch 8's choice
+    assert d.moe(1).route == "dot" and d.moe(1).block_n_up == 32  # never the baseline
 
 
 # ------------------------------------------------------------------------------------------ GPU, real widths

@@ -23,7 +23,7 @@ import torch
 from dsv4lab import quant
 from dsv4lab.model.numerics import Numerics
 from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.bounds import check_within_bound, gamma, ulp
+from dsv4lab.verify.bounds import check_within_bound
 from dsv4lab.verify.registry import make_bank, routing
 
 triton = pytest.importorskip("triton")
@@ -81,41 +81,12 @@ def _bound(out, oracle, route, name):
                               c=c * oracle.terms, acc_dtype=torch.float32, out_dtype=torch.bfloat16, name=name)
 
 
-def _sum_of_slot_bounds(y, oracle, route, name):
-    """The combined output (an exact fp64 sum of act-rounded slot outputs, rounded to fp32) against the sum of
-    the slot oracles: within the sum of the slots' bounds plus one fp32 ulp."""
-    slot = gamma(int(moe.ACCUMULATION[route][1] * oracle.terms), torch.float32) * oracle.magnitude \
-        + ulp(oracle.ref, torch.bfloat16)
-    ref = oracle.ref.nan_to_num(0.0).sum(1)
-    bound = slot.nan_to_num(0.0).sum(1) + ulp(ref, torch.float32)
-    err = (y.double().cpu() - ref.cpu()).abs()
-    ratio = err / bound.cpu()
-    i = int(ratio.flatten().argmax())
-    assert bool(torch.isfinite(y).all()), f"{name}: non-finite output"
-    assert float(ratio.max()) <= 1, (f"{name}: error/bound {float(ratio.max()):.3g} at {i}: "
-                                     f"out={float(y.flatten()[i]):.6g} ref={float(ref.flatten()[i]):.6g}")
-
-
 def check_moe(x, idx, w, bank, route, geo, act_quant=True):
-    """Every stage of ``route`` with ``geo`` within its bound (asserts; the stages in isolation)."""
-    ex = moe.ExpertTensors.of(bank)
-    g, u = moe.moe_gate_up(x, idx, None, ex, LIMIT, route, geo, act_quant, write_gu=True)
-    og, ou = moe.reference_stage1(x, idx, ex, route, act_quant)
-    for c in (_bound(g, og, route, f"{route} stage1 g"), _bound(u, ou, route, f"{route} stage1 u")):
+    """Every stage of ``route`` with ``geo`` within its bound, in isolation (the benchmark's own checks)."""
+    from dsv4lab.perf.bench_decode import moe_stage_checks
+    for c in moe_stage_checks(x, idx, w, moe.ExpertTensors.of(bank), route, geo, LIMIT, act_quant,
+                              name=f"{route} ({'expert' if geo.slot_split == 0 else 'token'}-major)"):
         assert c.ok, c.line()
-    h = moe.moe_gate_up(x, idx, w, ex, LIMIT, route, geo, act_quant)
-    # the fused SwiGLU·weight is the reference's activation of the kernel's own (g, u): fp64 silu rounded to
-    # fp32 (a different fp64 formula may land one fp32 ulp away, hence at most one bf16 ulp here)
-    want = REF.moe_activation(g, u, w, LIMIT)
-    owned = torch.isfinite(g[..., 0])
-    d = (h[owned].double() - want[owned].to(torch.bfloat16).double()).abs()
-    assert bool((d <= ulp(want[owned], torch.bfloat16)).all()), f"{route}: fused SwiGLU·weight differs"
-    o2 = moe.reference_stage2(h, idx, ex, route, act_quant)
-    out = moe.moe_down(h, idx, ex, route, geo, act_quant, per_slot=True)
-    c = _bound(out, o2, route, f"{route} stage2")
-    assert c.ok, c.line()
-    y = moe.routed_moe_decode(x, idx, w, ex, LIMIT, route, geo, act_quant)
-    _sum_of_slot_bounds(y, o2, route, f"{route} combined ({'expert' if geo.slot_split == 0 else 'token'}-major)")
 
 
 # ------------------------------------------------------------------------------------------ the E2M1 decode
