@@ -277,6 +277,26 @@ def test_int8_route_is_the_papers_arithmetic():
     check_moe(x, idx, w, bank, "int8", G(block_n_up=16, block_n_down=32, block_k=128))
 
 
+def test_one_slot_rounding_flip_is_within_bound_not_within_the_old_tolerance():
+    """Why ``moe:int8`` failed on the H200: two correct evaluations of the same act-rounded slot output may land
+    on either side of a bf16 rounding boundary (fp32 order, FMA contraction), one ulp of *that slot* apart
+    (2^-5 for |slot| in [4, 8): the logged max_abs was exactly 0.03125). Where the slots of a token cancel, that
+    ulp is far beyond ``0.005 + 0.5·|sum|``, the elementwise tolerance the benchmark applied to the sum; it is
+    within the sum of the slots' bounds, the check used now."""
+    from dsv4lab.verify.bounds import gamma, ulp
+    from dsv4lab.verify.compare import compare, tolerance
+    slots = torch.tensor([[[5.25], [-5.25], [0.00390625]]], dtype=torch.float64)  # [T=1, k=3, D=1]: cancelling
+    exact = slots.sum(1)
+    flipped = slots.clone()
+    flipped[0, 0, 0] += float(ulp(torch.tensor(5.25), torch.bfloat16))  # one bf16 ulp of one slot: 2^-5
+    got = flipped.sum(1).float()
+    old = compare("old elementwise tolerance", got, exact.float(), tolerance(torch.bfloat16, "reduction"))
+    assert not old.ok
+    magnitude = torch.full_like(slots, 4.0)  # Σ|terms| of each slot's projection (any positive value)
+    bound = (gamma(2048, torch.float32) * magnitude + ulp(slots, torch.bfloat16)).sum(1) + ulp(exact, torch.float32)
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
 # ------------------------------------------------------------------------------------------ GPU, real widths
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", moe.ROUTES)
