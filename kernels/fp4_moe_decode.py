@@ -77,6 +77,9 @@ class MoeGeometry:
             split over that many programs.
         num_warps, num_stages: Triton launch options (``num_stages > 1`` software-pipelines the weight loads).
         decode: ``"auto"`` (asm on NVIDIA GPUs when every E8M0 scale is ≤ 2), ``"asm"`` or ``"plain"``.
+        prequant: quantize ``x`` and ``h`` once per step in a small kernel each (exact bf16 values) instead of
+            in every program's loop — two more launches, a third fewer instructions per byte at batch 8 (the
+            FP8-activation routes only).
     """
 
     block_n_up: int = 16
@@ -86,6 +89,7 @@ class MoeGeometry:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "auto"
+    prequant: bool = False
 
 
 def interpreting() -> bool:
@@ -486,6 +490,29 @@ def _moe_combine_kernel(out_ptr, part_ptr, idx_ptr, y_ptr, T, D, expert_offset, 
     tl.store(y_ptr + t * D + n, acc.to(tl.float32), mask=ok)
 
 
+@triton.jit
+def _act_qdq_kernel(x_ptr, y_ptr, R, K, BLOCK_R: tl.constexpr):
+    """``y = act_qdq_fp8(x)`` for ``x [R, K]`` (bf16 in, the exact quantized values in bf16 out): the reference's
+    per-row, per-128 activation quantization done once for all programs (``MoeGeometry.prequant``)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = (r < R)[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * K + k[None, :], mask=ok, other=0.0).to(tl.float32)
+    q = quantize_fp8_block(x, tl.max(tl.abs(x), axis=1)[:, None], True)
+    tl.store(y_ptr + r[:, None].to(tl.int64) * K + k[None, :], q.to(tl.bfloat16), mask=ok)  # exact in bf16
+
+
+def act_qdq(x: torch.Tensor) -> torch.Tensor:
+    """:func:`dsv4lab.quant.act_qdq_fp8` of a bf16 activation ``[..., K]`` on the device, as exact bf16 values."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    y = torch.empty_like(x2, dtype=torch.bfloat16)
+    R = x2.shape[0]
+    block_r = min(16, triton.next_power_of_2(max(R, 1)))
+    _act_qdq_kernel[(triton.cdiv(R, block_r), triton.cdiv(K, 128))](x2, y, R, K, BLOCK_R=block_r)
+    return y.view(x.shape)
+
+
 # ------------------------------------------------------------------------------------------------ launchers
 @dataclass
 class ExpertTensors:
@@ -676,8 +703,14 @@ def routed_moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                       route: str = "dot", geometry: MoeGeometry | None = None, act_quant: bool = True,
                       act_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The whole routed MoE of a decode step: ``Σ_slots w2(act(w1·x, w3·x)·weight)`` → ``[T, D]`` fp32."""
-    h = moe_gate_up(x, idx, weights, ex, limit, route, geometry, act_quant, act_dtype)
-    return moe_down(h, idx, ex, route, geometry, act_quant, act_dtype)
+    geo = geometry or MoeGeometry()
+    if geo.prequant and act_quant and act_dtype == torch.bfloat16:
+        if route == "int8":
+            raise ValueError("MoeGeometry.prequant applies to the FP8-activation routes, not to 'int8'")
+        h = moe_gate_up(act_qdq(x), idx, weights, ex, limit, route, geo, False, act_dtype)
+        return moe_down(act_qdq(h), idx, ex, route, geo, False, act_dtype)
+    h = moe_gate_up(x, idx, weights, ex, limit, route, geo, act_quant, act_dtype)
+    return moe_down(h, idx, ex, route, geo, act_quant, act_dtype)
 
 
 # ------------------------------------------------------------------------------------------------ oracles

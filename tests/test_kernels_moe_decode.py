@@ -210,6 +210,20 @@ def test_batch_of_eight_tokens_sharing_experts():
     assert torch.equal(y1, y2)
 
 
+def test_prequantized_activations_give_the_same_bits():
+    """``MoeGeometry.prequant`` (x and h quantized once per step by a small kernel) computes on the same exact
+    values as the in-loop quantization: the same bits."""
+    x, idx, w, bank = moe_case(3, seed=9)
+    ex = moe.ExpertTensors.of(bank)
+    geo = G(block_n_up=16, block_n_down=32, block_k=128)
+    pre = G(block_n_up=16, block_n_down=32, block_k=128, prequant=True)
+    assert torch.equal(moe.act_qdq(x).float(), quant.act_qdq_fp8(x))
+    assert torch.equal(moe.routed_moe_decode(x, idx, w, ex, LIMIT, "dot", pre),  # so within the same bound
+                       moe.routed_moe_decode(x, idx, w, ex, LIMIT, "dot", geo))
+    with pytest.raises(ValueError, match="prequant"):
+        moe.routed_moe_decode(x, idx, w, ex, LIMIT, "int8", pre)
+
+
 def test_expert_parallel_slice():
     """Experts 4..7 of 10 live here: other ranks' slots are NaN in the stage outputs and absent from the sum."""
     x, idx, w, bank = moe_case(3, seed=5, offset=4, n_local=4)

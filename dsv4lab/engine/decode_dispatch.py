@@ -62,6 +62,7 @@ class MoeChoice:
     num_warps: int = 4
     num_stages: int = 3
     decode: str = "auto"
+    prequant: bool = False
 
     def geometry(self, moe_module):
         return moe_module.MoeGeometry(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "route"})

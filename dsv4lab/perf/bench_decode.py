@@ -105,7 +105,7 @@ class DecodeBench(BenchRun):
 def moe_variants(smoke: bool, quick: bool) -> list[tuple[str, str, object]]:
     """``(route, name, MoeGeometry)``: every route's launch geometries (the first of each route is its quick one).
     Names: ``n<rows>k<K step>w<warps>s<stages>``, ``:token`` token-major down projection, ``:plain`` the
-    portable E2M1 decode instead of the asm one."""
+    portable E2M1 decode instead of the asm one, ``:prequant`` activations quantized once per step."""
     from dsv4lab_kernels import fp4_moe_decode as moe
     G = moe.MoeGeometry
 
@@ -119,6 +119,8 @@ def moe_variants(smoke: bool, quick: bool) -> list[tuple[str, str, object]]:
         ("dot", "n64k256w4s2", geo(64, 256, 4, 2)), ("dot", "n16k512w1s2", geo(16, 512, 1, 2)),
         ("dot", "n32k512w2s2", geo(32, 512, 2, 2)), ("dot", "n32k256w2s3:token", geo(32, 256, 2, 3, slot_split=1)),
         ("dot", "n32k256w2s3:plain", geo(32, 256, 2, 3, decode="plain")),
+        ("dot", "n64k256w4s2:prequant", geo(64, 256, 4, 2, prequant=True)),
+        ("dot", "n32k256w2s3:prequant", geo(32, 256, 2, 3, prequant=True)),
         ("fma", "n16k256w1s2", geo(16, 256, 1, 2)), ("fma", "n32k256w2s2", geo(32, 256, 2, 2)),
         ("int8", "n16k256w1s2", geo(16, 256, 1, 2)), ("int8", "n32k256w2s2", geo(32, 256, 2, 2)),
         ("dot_scaled", "n16k256w1s2", geo(16, 256, 1, 2)), ("dot_scaled", "n32k256w2s3", geo(32, 256, 2, 3)),
@@ -251,7 +253,7 @@ def moe_stage_checks(x, idx, w, ex, route: str, geo, limit: float, act_quant: bo
 
 # ============================================================================================ checks in the run
 def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
-    """Each route's structures (expert-major, token-major, portable decode) at real widths (8 experts), one
+    """Each route's structures (expert-major, token-major, portable decode, prequant) at real widths (8 experts), one
     token and eight tokens sharing experts, stage by stage within bound. Geometries of one structure differ only
     in the order of fp32 sums, which the bound does not depend on: a variant is timed if its structure passed."""
     import torch
@@ -262,7 +264,7 @@ def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
     ex = moe.ExpertTensors.of(bank)
     structures = {}
     for route, name, geo in variants:
-        key = (route, geo.slot_split > 0, geo.decode)
+        key = (route, geo.slot_split > 0, geo.decode, geo.prequant)
         structures.setdefault(key, (name, geo))
     passed_structures = set()
     for T in (1, 8):  # one token, and eight sharing the eight experts (the batches timed: no extra compiles)
@@ -277,7 +279,8 @@ def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
             elif not ok:
                 passed_structures.discard(key)
     del bank
-    return {name for route, name, geo in variants if (route, geo.slot_split > 0, geo.decode) in passed_structures}
+    return {name for route, name, geo in variants
+            if (route, geo.slot_split > 0, geo.decode, geo.prequant) in passed_structures}
 
 
 def check_gemv(b: DecodeBench, a, gen, variants) -> dict[str, bool]:
@@ -479,7 +482,7 @@ def bench_moe(b: DecodeBench, a, gen, passed: set[str], batches, variants) -> No
                 b.add("moe_decode", f"{route}:{name}", T, t, nbytes, route=route, geometry=name,
                       geometry_fields=dict(block_n_up=geo.block_n_up, block_n_down=geo.block_n_down,
                                            block_k=geo.block_k, slot_split=geo.slot_split, num_warps=geo.num_warps,
-                                           num_stages=geo.num_stages, decode=geo.decode))
+                                           num_stages=geo.num_stages, decode=geo.decode, prequant=geo.prequant))
         if T == batches[0]:
             for route in moe.ROUTES:
                 mine = [r for r in b.rows if r["kernel"] == "moe_decode" and r.get("route") == route
