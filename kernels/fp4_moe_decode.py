@@ -6,8 +6,8 @@ Three launches per MoE layer (two with the token-major down projection):
 1. **gate/up** — grid ``(T·k pairs, ⌈I/block_n_up⌉)``. The program of the *first* pair routed to an expert
    works for every token routed to it (each weight byte is read once per step however many tokens share the
    expert); the others exit at once. It streams ``block_n_up`` rows of ``w1`` **and** ``w3`` over the whole of
-   ``D`` (no K split: 6 experts × 2048/16 = 768 programs at batch 1 fill 132 SMs several times over, and the
-   SwiGLU needs whole sums), rounds ``g`` and ``u`` to the activation dtype as the reference's Linear does and
+   ``D`` (no K split: 6 experts × 2048/32 = 384 programs of 2 warps at batch 1 keep 132 SMs busy, and the SwiGLU
+   needs whole sums), rounds ``g`` and ``u`` to the activation dtype as the reference's Linear does and
    writes ``h = act(silu(min(g, L)) · clamp(u, ±L) · routing weight)``, the down projection's input.
 2. **down** — expert-major (``slot_split=0``, the default): grid ``(T·k pairs, ⌈D/block_n_down⌉)``, again the
    first pair of an expert works for all its tokens and writes each slot's act-rounded output; then
@@ -82,11 +82,11 @@ class MoeGeometry:
             FP8-activation routes only).
     """
 
-    block_n_up: int = 16
-    block_n_down: int = 16
-    block_k: int = 512
+    block_n_up: int = 32
+    block_n_down: int = 32
+    block_k: int = 256
     slot_split: int = 0
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 3
     decode: str = "auto"
     prequant: bool = False
@@ -132,22 +132,31 @@ mul.rn.bf16x2 $3, $3, $6;
 
 
 @triton.jit
-def decode_e2m1_bf16(wb, sb, ASM: tl.constexpr):
-    """Packed bytes ``wb`` (uint8) and their E8M0 scale bytes ``sb`` (int32, broadcast to ``wb``'s shape) →
-    ``(lo, hi)`` bf16: the weights of the low and the high nibble (elements ``2c`` and ``2c+1``), exactly
-    ``E2M1 × 2^(s-127)``. ``ASM`` needs an NVIDIA GPU and every ``s ≤ 128``; the portable form holds for
-    ``2 ≤ s ≤ 240`` (normal results; Triton's interpreter flushes subnormal bf16 to zero)."""
+def e2m1_scale_operand(sb, ASM: tl.constexpr):
+    """E8M0 scale bytes (int32) → the operand :func:`decode_e2m1_bf16` multiplies by: bf16 ``2^(s-1)`` for the
+    asm decode, fp32 ``2^(s-113)`` for the portable one; NaN for E8M0's NaN byte 255 (a poisoned scale poisons
+    every weight it scales). Computed once per 32-group, before it is broadcast over the group's bytes."""
     if ASM:
-        mult = ((sb + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s-1)
-        lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [wb, mult],
+        return tl.where(sb == 255, 0x7FC0, (sb + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return tl.where(sb == 255, 0x7FC00000, (sb + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def decode_e2m1_bf16(wb, scale, ASM: tl.constexpr):
+    """Packed bytes ``wb`` (uint8) and their :func:`e2m1_scale_operand` (broadcast to ``wb``'s shape) →
+    ``(lo, hi)`` bf16: the weights of the low and the high nibble (elements ``2c`` and ``2c+1``), exactly
+    ``E2M1 × 2^(s-127)``. ``ASM`` needs an NVIDIA GPU and every scale byte ``s ≤ 128`` (or 255); the portable
+    form holds for ``2 ≤ s ≤ 240`` (normal results; Triton's interpreter flushes subnormal bf16 to zero)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [wb, scale],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
         b = wb.to(tl.int32)
-        f = ((sb + 14) << 23).to(tl.float32, bitcast=True)  # 2^14 · 2^(s-127): undoes the fp16 offset
         lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        lo = (lo * f).to(tl.bfloat16)  # exact: ≤ 2 significant bits, in range
-        hi = (hi * f).to(tl.bfloat16)
+        lo = (lo * scale).to(tl.bfloat16)  # value·2^-14 · 2^14·2^(s-127): exact, ≤ 2 significant bits, in range
+        hi = (hi * scale).to(tl.bfloat16)
     return lo, hi
 
 
@@ -220,7 +229,7 @@ def _act_chunk_int8(a_ptr, rows, row_ok, k0, K, TQ: tl.constexpr, TP: tl.constex
 def _chunk_dot(acc, wb, sb, xe, xo, ASM: tl.constexpr, DOT_FP32: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr):
     """``acc [BN, TP] += W·xᵀ`` on tensor cores: weights decoded to exact bf16, even and odd elements apart."""
-    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(sb[:, :, None], wb.shape), ASM)
+    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
     lo = tl.reshape(lo, (BN, BK // 2))
     hi = tl.reshape(hi, (BN, BK // 2))
     if DOT_FP32:  # the interpreter's bf16 arithmetic is unreliable: the same exact values in fp32
@@ -235,7 +244,7 @@ def _chunk_dot(acc, wb, sb, xe, xo, ASM: tl.constexpr, DOT_FP32: tl.constexpr, B
 @triton.jit
 def _chunk_fma(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
     """``acc [BN, G] +=`` per-group partial dots of one token (``xe, xo [1, BK/2]``) on CUDA cores."""
-    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(sb[:, :, None], wb.shape), ASM)
+    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
     xe3 = tl.reshape(xe, (1, G, 16))
     xo3 = tl.reshape(xo, (1, G, 16))
     return acc + tl.sum(lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3, axis=2)
@@ -530,8 +539,8 @@ class ExpertTensors:
     scales_le_2: bool | None = None
 
     def __post_init__(self):
-        if self.scales_le_2 is None:
-            self.scales_le_2 = bool(max(int(s.max()) if s.numel() else 0
+        if self.scales_le_2 is None:  # 0xFF is E8M0's NaN: both decodes map it to NaN, so it does not count
+            self.scales_le_2 = bool(max(int(s.masked_fill(s == 255, 0).max()) if s.numel() else 0
                                         for s in (self.w1_scale, self.w3_scale, self.w2_scale)) <= 128)
 
     @classmethod

@@ -122,7 +122,7 @@ def _bf16x2_mul(a: int, b: int) -> tuple[float, float]:
 def emulate_e2m1_bf16_asm(word: int, s: int) -> list[float]:
     """The PTX sequence of ``_E2M1_BF16_ASM`` on one packed word (bytes 0..3), instruction by instruction;
     returns the 8 decoded values in the order lo(b0), lo(b1), lo(b2), lo(b3), hi(b0) … hi(b3)."""
-    mult = ((s + 126) << 7) & 0xFFFF
+    mult = 0x7FC0 if s == 255 else ((s + 126) << 7) & 0xFFFF
     mult2 = mult | (mult << 16)
     m32 = 0xFFFFFFFF
     res = {}
@@ -143,13 +143,16 @@ def test_asm_e2m1_decode_sequence_is_exact():
     """Every byte (both nibbles, every position in the packed word) and every scale the asm path takes
     (E8M0 ≤ 2: bytes 0..128), emulated instruction by instruction, equals the E2M1 × E8M0 value."""
     table = [float(v) for v in quant.E2M1_VALUES]
-    for s in (0, 1, 2, 60, 100, 117, 127, 128):
-        scale = 2.0 ** (s - 127)
+    for s in (0, 1, 2, 60, 100, 117, 127, 128, 255):
+        scale = 2.0 ** (s - 127) if s != 255 else float("nan")
         for start in range(0, 256, 4):
             word = int.from_bytes(bytes(range(start, start + 4)), "little")
             got = emulate_e2m1_bf16_asm(word, s)
             want = [table[b & 15] * scale for b in range(start, start + 4)] + \
                    [table[b >> 4] * scale for b in range(start, start + 4)]
+            if s == 255:  # E8M0's NaN: every weight it scales is NaN (0·NaN included)
+                assert all(v != v for v in got), (start, got)
+                continue
             assert got == want, (s, start, got, want)
             # the sign of zero codes survives too (code 8 is -0.0)
             assert [str(v)[0] == "-" for v in got] == [str(v)[0] == "-" for v in want]
@@ -158,7 +161,8 @@ def test_asm_e2m1_decode_sequence_is_exact():
 @triton.jit
 def _decode_probe(b_ptr, s_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
-    lo, hi = moe.decode_e2m1_bf16(tl.load(b_ptr + i), tl.load(s_ptr + i).to(tl.int32), False)
+    lo, hi = moe.decode_e2m1_bf16(tl.load(b_ptr + i), moe.e2m1_scale_operand(tl.load(s_ptr + i).to(tl.int32), False),
+                                  False)
     tl.store(lo_ptr + i, lo)
     tl.store(hi_ptr + i, hi)
 
@@ -166,8 +170,8 @@ def _decode_probe(b_ptr, s_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
 def test_portable_e2m1_decode_is_exact():
     """The portable decode (interpreter, ROCm, scales above 2) on every byte × scales from 2^-125 to 2^113 (its
     range: E8M0 bytes 2..240, where every decoded value is a normal number)."""
-    scales = torch.tensor([2, 5, 20, 100, 117, 127, 128, 129, 200, 240, 3, 126, 125, 110, 64, 239],
-                          dtype=torch.uint8)
+    scales = torch.tensor([2, 5, 20, 100, 117, 127, 128, 129, 200, 240, 3, 126, 125, 110, 64, 255],
+                          dtype=torch.uint8)  # 255: E8M0's NaN
     b = torch.arange(256, dtype=torch.uint8).repeat(len(scales))
     s = scales.repeat_interleave(256)
     lo = torch.empty(len(b), dtype=torch.bfloat16)
@@ -175,8 +179,9 @@ def test_portable_e2m1_decode_is_exact():
     _decode_probe[(1,)](b, s, lo, hi, N=len(b))
     vals = quant.e2m1_decode(torch.arange(16), torch.float64)
     sc = quant.e8m0_decode(s, torch.float64)
-    assert torch.equal(lo.double(), vals[b.long() & 15] * sc)
-    assert torch.equal(hi.double(), vals[b.long() >> 4] * sc)
+    assert torch.equal(lo.double().nan_to_num(7.0), (vals[b.long() & 15] * sc).nan_to_num(7.0))
+    assert torch.equal(hi.double().nan_to_num(7.0), (vals[b.long() >> 4] * sc).nan_to_num(7.0))
+    assert torch.isnan(lo[s == 255]).all()  # a poisoned scale poisons every weight it scales
 
 
 # ------------------------------------------------------------------------------------------ the stages
@@ -274,10 +279,10 @@ def test_bank_view_is_cached_and_checks_the_asm_scale_range():
     _, _, _, bank = moe_case(1)
     ex = moe.ExpertTensors.of(bank)
     assert moe.ExpertTensors.of(bank) is ex  # no second device read (graph capture reuses it)
-    assert ex.scales_le_2 is False  # the unused experts' NaN (0xFF) scales are above 2
-    ex2 = moe.ExpertTensors(ex.w1, ex.w1_scale.clamp(max=128), ex.w3, ex.w3_scale.clamp(max=128), ex.w2,
-                            ex.w2_scale.clamp(max=128))
-    assert ex2.scales_le_2 is True
+    assert ex.scales_le_2 is True  # the unused experts' NaN (0xFF) scales do not count: they decode to NaN
+    big = ex.w2_scale.clone()
+    big[0, 0, 0] = 129
+    assert moe.ExpertTensors(ex.w1, ex.w1_scale, ex.w3, ex.w3_scale, ex.w2, big).scales_le_2 is False
 
 
 # ------------------------------------------------------------------------------------------ the int8 route
@@ -330,6 +335,16 @@ def test_gpu_asm_and_plain_decode_agree_bit_for_bit(decode):
     y = moe.routed_moe_decode(x, idx, w, ex, LIMIT, "dot", moe.MoeGeometry(decode=decode))
     y_ref = moe.routed_moe_decode(x, idx, w, ex, LIMIT, "dot", moe.MoeGeometry(decode="plain"))
     assert torch.equal(y, y_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_prequant_gives_the_same_bits():
+    x, idx, w, bank = moe_case(8, E=16, k=6, D=4096, I=2048, seed=4, device="cuda")
+    ex = moe.ExpertTensors.of(bank)
+    geo = moe.MoeGeometry(block_n_up=64, block_n_down=64, num_warps=4, num_stages=2)
+    assert torch.equal(moe.routed_moe_decode(x, idx, w, ex, LIMIT, geometry=geo),
+                       moe.routed_moe_decode(x, idx, w, ex, LIMIT, geometry=moe.MoeGeometry(
+                           block_n_up=64, block_n_down=64, num_warps=4, num_stages=2, prequant=True)))
 
 
 @pytest.mark.gpu

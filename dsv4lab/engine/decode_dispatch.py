@@ -55,11 +55,11 @@ class MoeChoice:
     """The routed MoE at one batch: route and launch geometry (the fields of ``MoeGeometry``)."""
 
     route: str = "dot"
-    block_n_up: int = 16
-    block_n_down: int = 16
-    block_k: int = 512
+    block_n_up: int = 32
+    block_n_down: int = 32
+    block_k: int = 256
     slot_split: int = 0
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 3
     decode: str = "auto"
     prequant: bool = False
