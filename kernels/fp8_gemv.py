@@ -300,12 +300,14 @@ def act_quant_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tenso
 
 
 def cublas_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
-                  out_dtype: torch.dtype = torch.bfloat16, weight_scale_f32: torch.Tensor | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype = torch.bfloat16, weight_scale_f32: torch.Tensor | None = None,
+                  mm_out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The cuBLAS form of :func:`fp8_gemv` (one group): an FP8 weight with ``act_quant`` → the activation
     quantized on the device (:func:`act_quant_fp8`, rows padded to 16) and ``torch._scaled_mm`` with 1×128
     activation and 128×128 weight block scales (fp32, as cuBLAS takes them; pass ``weight_scale_f32`` to reuse
     a converted copy); a BF16 weight → ``torch.mm(..., out_dtype=torch.float32)``. The fp32 result is rounded to
-    ``out_dtype`` once, as the kernel's. Raises where cuBLAS cannot express the projection (e.g. an FP8 weight
+    ``out_dtype`` once, as the kernel's (``mm_out_dtype=torch.bfloat16``: cuBLAS rounds it itself — for a torch
+    whose block-scaled ``_scaled_mm`` has no fp32 output; the benchmark records which it accepts). Raises where cuBLAS cannot express the projection (e.g. an FP8 weight
     with a bf16 activation, or dims that are not multiples of 16)."""
     N, K = weight.shape
     lead = x.shape[:-1]
@@ -321,7 +323,7 @@ def cublas_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     rows = max(16, -(-M // 16) * 16)
     q, sx = act_quant_fp8(x2, rows)
     sw = weight_scale_f32 if weight_scale_f32 is not None else e8m0_scales_f32(scale)
-    y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.float32)
+    y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=sw.t(), out_dtype=mm_out_dtype)
     return y[:M].to(out_dtype).reshape(*lead, N)
 
 

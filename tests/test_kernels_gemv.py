@@ -288,7 +288,8 @@ def test_gpu_dispatch_choices_hold_their_bound():
             lin._buffers["scale"] = None
         x = (torch.randn(e["batch"], k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
         out_dtype = torch.float32 if weight == "bf16" else torch.bfloat16
-        out = gemv.cublas_linear(x, lin.weight, lin.scale, aq, out_dtype)
+        mm_out = torch.bfloat16 if e["choice"].get("cublas_out") == "bfloat16" else torch.float32
+        out = gemv.cublas_linear(x, lin.weight, lin.scale, aq, out_dtype, mm_out_dtype=mm_out)
         res = within_bound(out, x, lin.weight, lin.scale, "dot", aq, out_dtype=out_dtype, name=f"cublas {e['shape']}")
         assert res.ok, res.line()
 

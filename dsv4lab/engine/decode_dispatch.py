@@ -39,7 +39,8 @@ class DispatchError(ValueError):
 
 @dataclass(frozen=True)
 class GemvChoice:
-    """One projection at one batch: ``impl`` ``"triton"`` (with its route and geometry) or ``"cublas"``."""
+    """One projection at one batch: ``impl`` ``"triton"`` (with its route and geometry) or ``"cublas"`` (with
+    the output dtype its block-scaled ``_scaled_mm`` takes here: ``cublas_out``)."""
 
     impl: str = "triton"
     route: str = "dot"
@@ -48,6 +49,7 @@ class GemvChoice:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    cublas_out: str = "float32"
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,9 @@ class DecodeConfig:
         (deterministic: the partials are summed in a fixed order)."""
         c = self.dispatch.gemv(n * groups, k, groups, weight, act_quant, rows)
         if c is not None:
-            return c.impl, c.route, gemv.GemvGeometry(block_n=c.block_n, block_k=c.block_k, split_k=c.split_k,
-                                                      num_warps=c.num_warps, num_stages=c.num_stages)
+            impl = c.impl if c.impl != "cublas" or c.cublas_out == "float32" else f"cublas:{c.cublas_out}"
+            return impl, c.route, gemv.GemvGeometry(block_n=c.block_n, block_k=c.block_k, split_k=c.split_k,
+                                                    num_warps=c.num_warps, num_stages=c.num_stages)
         bn = min(self.gemv_block_n, 1 << max(n - 1, 1).bit_length())
         bk = min(self.gemv_block_k, 128 * -(-k // 128))
         row_blocks = -(-n // bn)
@@ -241,9 +242,10 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         aq = nm.act_quant and lin.act_quant
         impl, r, geo = self.config.gemv_geometry(lin.out_features, lin.in_features, rows,
                                                  weight="fp8" if lin.fmt == "fp8" else "bf16", act_quant=aq)
-        if route is None and geometry is None and impl == "cublas":
+        if route is None and geometry is None and impl.startswith("cublas"):
+            mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
             return gemv.cublas_linear(x, lin.weight, lin.scale if lin.fmt == "fp8" else None, aq, nm.act,
-                                      weight_scale_f32=_cublas_scale(lin))
+                                      weight_scale_f32=_cublas_scale(lin), mm_out_dtype=mm_out)
         return gemv.fp8_gemv(x, lin.weight, lin.scale if lin.fmt == "fp8" else None, act_quant=aq, out_dtype=nm.act,
                              route=route or r, geometry=geometry or geo)
 
@@ -258,7 +260,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         self._decode("linear_f32")
         impl, r, geo = self.config.gemv_geometry(lin.out_features, lin.in_features, rows, weight="bf16",
                                                  act_quant=False)
-        if route is None and impl == "cublas" and lin.weight.dtype == torch.bfloat16:
+        if route is None and impl.startswith("cublas") and lin.weight.dtype == torch.bfloat16:
             return gemv.cublas_linear(x, lin.weight, None, False, self.numerics.acc)
         return gemv.fp8_gemv(x, lin.weight, None, act_quant=False, out_dtype=self.numerics.acc, route=route or r,
                              geometry=geo)

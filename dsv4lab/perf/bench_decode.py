@@ -309,7 +309,8 @@ def check_gemv(b: DecodeBench, a, gen, variants) -> dict[str, bool]:
         for route, bn, bk, warps, stages in variants:  # each route's first timed geometry: its compile is reused
             first.setdefault(route, gemv.GemvGeometry(block_n=min(bn, N // G), block_k=bk, split_k=4,
                                                       num_warps=warps, num_stages=stages))
-        impls = list(first) + (["cublas"] if b.cuda and G == 1 and (aq or not f8) else [])
+        cublas_ok = b.cuda and G == 1 and (not f8 or (aq and b.cublas.get("used")))
+        impls = list(first) + (["cublas"] if cublas_ok else [])
         for impl in impls:
             key = f"{name}:{impl}"
             results = []
@@ -326,7 +327,7 @@ def check_gemv(b: DecodeBench, a, gen, variants) -> dict[str, bool]:
 
                 def run(x=x, w_=w_, s_=s_):
                     if impl == "cublas":
-                        return gemv.cublas_linear(x, w_, s_, aq, out_dtype)
+                        return gemv.cublas_linear(x, w_, s_, aq, out_dtype, mm_out_dtype=cublas_mm_out(b))
                     return gemv.fp8_gemv(x, w_, s_, aq, out_dtype, G, impl, first[impl])
                 res = b.guard(label, lambda: gemv_bound(run(), x, w_, s_, impl, aq, G, out_dtype, label))
                 good &= res is not None and b.record_bound(res, shape=[N, Kg, G], impl=impl)
@@ -355,7 +356,16 @@ def probe_scaled_mm(b: DecodeBench) -> None:
             b.cublas[key] = "accepted"
         except Exception as err:  # noqa: BLE001 — recorded: what this torch/cuBLAS accepts is the finding
             b.cublas[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    accepted = [d for d in ("float32", "bfloat16") if b.cublas.get(f"blockwise_1x128_128x128_out_{d}") == "accepted"]
+    b.cublas["used"] = accepted[0] if accepted else None
     b.log(f"torch._scaled_mm block scaling: {b.cublas}")
+
+
+def cublas_mm_out(b: DecodeBench):
+    """The output dtype of the block-scaled ``_scaled_mm`` this torch accepts (fp32 preferred: one rounding,
+    ours); probed by :func:`probe_scaled_mm`."""
+    import torch
+    return torch.bfloat16 if b.cublas.get("used") == "bfloat16" else torch.float32
 
 
 def check_attention(b: DecodeBench, a) -> set[str]:
@@ -588,7 +598,8 @@ def bench_gemv(b: DecodeBench, a, gen, checks: dict[str, bool], batches, variant
             if checks.get(f"{name}:cublas"):
                 if f8:
                     calls = [lambda r=r: gemv.cublas_linear(xs[r], ws[r][0], ws[r][1], aq, out_dtype,
-                                                            weight_scale_f32=sw32[r]) for r in range(n_rot)]
+                                                            weight_scale_f32=sw32[r], mm_out_dtype=cublas_mm_out(b))
+                             for r in range(n_rot)]
                     variant = "cublas_scaled_mm_blockwise"
                 else:
                     calls = [lambda r=r: gemv.cublas_linear(xs[r], ws[r][0], None, False, out_dtype)
@@ -596,7 +607,9 @@ def bench_gemv(b: DecodeBench, a, gen, checks: dict[str, bool], batches, variant
                     variant = "cublas_mm_f32out"
                 t = b.guard(f"gemv {name} cublas b{T}", lambda: b.time_graph_us(calls))
                 if t is not None:
-                    b.add(kernel, variant, T, t, nbytes, route="cublas", impl="cublas", choice=dict(impl="cublas"))
+                    b.add(kernel, variant, T, t, nbytes, route="cublas", impl="cublas",
+                          choice=dict(impl="cublas", cublas_out=str(cublas_mm_out(b)).replace("torch.", "")
+                                      if f8 else "float32"))
             elif b.cuda and G == 1 and T == batches[0]:
                 b.skipped.append(f"{kernel}: cuBLAS not timed ({'failed its bound' if f'{name}:cublas' in checks else 'not applicable'})")
         del ws
