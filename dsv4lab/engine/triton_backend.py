@@ -244,8 +244,9 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
                                                  weight="fp8" if lin.fmt == "fp8" else "bf16", act_quant=aq)
         if route is None and geometry is None and impl.startswith("cublas"):
             mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
-            return gemv.cublas_linear(x, lin.weight, lin.scale if lin.fmt == "fp8" else None, aq, nm.act,
-                                      weight_scale_f32=_cublas_scale(lin), mm_out_dtype=mm_out)
+            fp8 = lin.fmt == "fp8"
+            return gemv.cublas_linear(x, lin.weight, lin.scale if fp8 else None, aq, nm.act,
+                                      weight_scale_f32=_cublas_scale(lin) if fp8 else None, mm_out_dtype=mm_out)
         return gemv.fp8_gemv(x, lin.weight, lin.scale if lin.fmt == "fp8" else None, act_quant=aq, out_dtype=nm.act,
                              route=route or r, geometry=geometry or geo)
 
