@@ -26,7 +26,8 @@ Routes (how a chunk of weights meets the activations, ``route``):
   expert re-reads the program's tile, normally from L2). The reference's semantics.
 * ``"int8"`` — the paper's MI250 route: activations per 32 to INT8 (scale ``amax/127``), E2M1 → ``2·value``
   int8 (exact), an exact int8 tensor-core dot per 32-group, then ``E8M0 × activation scale / 2`` in fp32.
-  Another activation quantization: judged against its own oracle (:func:`reference_int8_moe`).
+  Another activation quantization: judged against its own arithmetic (:func:`reference_stage1`,
+  :func:`reference_stage2` with ``route="int8"``).
 * ``"dot_scaled"`` — Triton's ``tl.dot_scaled`` (E2M1 weights with their E8M0 scales as given, bf16
   activations holding the FP8-quantized values): the reference's semantics; native on hardware with microscaled
   MMA, an upcast emulation elsewhere (sm_90).
@@ -50,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .formats import RNE_MAGIC, e2m1_pair_times2_int, e8m0_to_f32, quantize_fp8_block, round_to_bf16
+from .fp8_gemv import interpreting
 
 ROUTES = ("dot", "fma", "int8", "dot_scaled")
 DECODES = ("auto", "asm", "plain")
@@ -90,11 +92,6 @@ class MoeGeometry:
     num_stages: int = 3
     decode: str = "auto"
     prequant: bool = False
-
-
-def interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ------------------------------------------------------------------------------------------------ E2M1 decode
