@@ -1,20 +1,28 @@
 """Block-scaled FP8 GEMV / small-M GEMM for the decode step (wq_a, wq_b, wkv, wo_a, wo_b, shared expert,
-indexer wq_b), plus the same kernel over BF16 weights (router, compressor, LM head in fp32).
+indexer wq_b), the same kernel over BF16 weights (router, compressor, indexer weights, LM head in fp32), and the
+cuBLAS alternative the backend's dispatch may pick instead (:func:`cublas_linear`).
 
 ``y[m, n] = Σ_k xq[m, k] · W[n, k]`` with ``W`` E4M3 ``[N, K]`` and one E8M0 scale per 128×128 block (partial
-edge blocks allowed), and — when ``act_quant`` is on — ``xq`` the reference's activation quantization
-(per token, per 128-wide K block, E4M3 values × power-of-two scale) computed inside the kernel. Every product
-is exact in fp32; only the fp32 accumulation order differs from the reference's correctly rounded sum.
+edge blocks allowed), and — when ``act_quant`` is on — ``xq`` the reference's activation quantization (per token,
+per 128-wide K block, E4M3 values × a power-of-two scale, :func:`dsv4lab.quant.act_qdq_fp8` bit for bit)
+computed in the kernel's prologue. Every product is exact in fp32; only the sums round.
 
 Routes (``route``):
 
-* ``"fma"`` — CUDA-core GEMV: dequantize the weight tile in registers, one FMA per weight per token.
-* ``"dot"`` — tensor cores: E4M3 × E4M3 ``tl.dot`` per 128-wide K block (BF16 × BF16 when the activation is
-  not quantized, e.g. ``wo_a``), then both block scales applied to the fp32 block product. M is padded to 16.
+* ``"fma"`` — CUDA cores: each 16-byte row chunk of E4M3 weights converted in registers, fp32 FMAs, both block
+  scales applied once per 128-block; one token row per program (a second row re-reads the weights, from L2).
+* ``"dot"`` — tensor cores: one ``[block_n, 128] × [128, 16]`` fp16 MMA per 128-block (E4M3 weights and the
+  activation's E4M3 values are exact in fp16; a bf16 activation — ``wo_a`` — meets the weights in bf16), the
+  two power-of-two scales applied to the fp32 block product.
+  The batch is free up to 16 rows. (Triton's own FP8 MMA is not offered: Hopper accumulates FP8 products in a
+  ~13-bit accumulator, outside the fp32 bound below.)
 
-Grouped projections (``wo_a``: ``x [M, G, K_g]``, ``W [G·R, K_g]`` → ``[M, G, R]``) are the same kernel with
-``groups=G``. Split-K writes fp32 partials that a second kernel sums in a fixed order (deterministic: graph
-replay equals eager, bit for bit).
+Split-K (``GemvGeometry.split_k``) writes fp32 partials that a second kernel sums in a fixed order:
+deterministic, so graph replay equals eager bit for bit. Grouped projections (``wo_a``: ``x [M, G, K_g]``,
+``W [G·R, K_g]`` → ``[M, G, R]``) are the same kernel with ``groups=G``.
+
+Numerics (``ACCUMULATION``): ``fma`` sums in IEEE fp32 (``γ(n)`` over the ``n = K`` terms); ``dot`` accumulates each
+128-block inside tensor cores (aligned, truncated) and the blocks in fp32: ``γ(4n)``.
 """
 from __future__ import annotations
 
@@ -25,9 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import e8m0_to_f32, quantize_fp8_block, round_to_bf16
+from .formats import RNE_MAGIC, e8m0_to_f32, round_to_bf16
+from dsv4lab import quant
 
 ROUTES = ("fma", "dot")
+ACCUMULATION = {"fma": ("fp32 FMA on CUDA cores, round to nearest", 1.0),
+                "dot": ("fp16 tensor-core products per 128-block (aligned, truncated), blocks summed in fp32", 4.0),
+                "cublas": ("cuBLAS: FP8 block-scaled GEMM or bf16 GEMM with fp32 output", 4.0)}
 
 
 @dataclass(frozen=True)
@@ -38,75 +50,131 @@ class GemvGeometry:
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
+    num_stages: int = 3
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# ------------------------------------------------------------------------------------------------ device helpers
+@triton.jit
+def quantize_e4m3_split(x, amax):
+    """The reference's activation quantization of blocks whose ``amax`` is given (broadcastable): the E4M3 grid
+    values ``q`` (fp32, |q| ≤ 448) and the power-of-two scale ``s = 2^ceil(log2(max(amax, 1e-4)/448))``, with
+    ``q·s`` = :func:`dsv4lab.quant.act_qdq_fp8` exactly. Both are exact in fp16 (``s`` is not: it stays fp32)."""
+    abits = tl.maximum(amax, 1e-4).to(tl.int32, bitcast=True)
+    ex = ((abits >> 23) & 0xFF) - 135 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)  # ceil(log2(amax/448))
+    xs = x * ((127 - ex) << 23).to(tl.float32, bitcast=True)
+    xs = tl.minimum(tl.maximum(xs, -448.0), 448.0)
+    bits = tl.abs(xs).to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # E4M3 subnormals share the quantum of exponent -6
+    q = ((xs * ((130 - e) << 23).to(tl.float32, bitcast=True) + RNE_MAGIC) - RNE_MAGIC) \
+        * ((e + 124) << 23).to(tl.float32, bitcast=True)
+    return q, ((ex + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_block(x_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT: tl.constexpr, NB: tl.constexpr):
+    """Activation rows ``m`` at K ``k0..k0+128·NB`` as ``[TQ, NB, 128]`` fp32 and per-128 scales ``[TQ, NB]``:
+    E4M3 grid values and their power-of-two scales when ``ACT_QUANT``, else the values and ones."""
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 128)
+    k = k0 + b[None, :, None] * 128 + i[None, None, :]
+    k_end = tl.where(m_ok, K, 0)  # (a vector mask & a scalar mask loses its bool dtype in the interpreter)
+    x = tl.load(x_ptr + m[:, None, None] * stride_xm + k, mask=k < k_end[:, None, None], other=0.0)
+    x = x.to(tl.float32)
+    if ACT_QUANT:
+        q, s = quantize_e4m3_split(x, tl.max(tl.abs(x), axis=2)[:, :, None])
+        return q, tl.reshape(s, (s.shape[0], NB))
+    else:
+        return x, tl.full((x.shape[0], NB), 1.0, tl.float32)
+
+
+@triton.jit
+def _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8: tl.constexpr, NB: tl.constexpr):
+    """Weight rows ``n`` at K ``k0..k0+128·NB`` as ``[BN, NB, 128]`` (E4M3 or bf16, as stored) and the block
+    scales ``[BN, NB]`` fp32 (ones for BF16 weights)."""
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 128)
+    k = k0 + b[None, :, None] * 128 + i[None, None, :]
+    w = tl.load(w_ptr + n[:, None, None] * stride_wn + k, mask=n_ok[:, None, None] & (k < K), other=0.0)
+    if W_FP8:
+        kb = k0 // 128 + b
+        sb = tl.load(s_ptr + (n // 128)[:, None] * stride_sn + kb[None, :], mask=n_ok[:, None] & (kb * 128 < K),
+                     other=127).to(tl.int32)
+        return w, e8m0_to_f32(sb)
+    else:
+        return w, tl.full((n.shape[0], NB), 1.0, tl.float32)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                      M, N, K, n_per_group, stride_xm, stride_xg, stride_wn, stride_sn, SPLIT_K,
-                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, ROUTE: tl.constexpr,
-                     OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, ROUTE: tl.constexpr, OUT_BF16: tl.constexpr,
+                     DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    NB: tl.constexpr = BK // 128
+    n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
-    group = (pid_n * BLOCK_N) // n_per_group  # the launcher makes BLOCK_N divide n_per_group when grouped
+    group = (pid_n * BN) // n_per_group  # the launcher makes BN divide n_per_group when grouped
     xg_ptr = x_ptr + group * stride_xg
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    kk = tl.arange(0, 128)
+    m = pid_m * TQ + tl.arange(0, TQ)
+    m_ok = m < M
 
-    n_chunks = tl.cdiv(K, BLOCK_K)
+    n_chunks = tl.cdiv(K, BK)
     per_split = tl.cdiv(n_chunks, SPLIT_K)
     c_lo = pid_k * per_split
     c_hi = tl.minimum(c_lo + per_split, n_chunks)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for c in range(c_lo, c_hi):
-        for b in tl.static_range(BLOCK_K // 128):
-            k0 = c * BLOCK_K + b * 128
-            k = k0 + kk
-            k_ok = k < K
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            if W_FP8:
-                w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
-                sw = e8m0_to_f32(tl.load(s_ptr + (n // 128) * stride_sn + k0 // 128, mask=n_ok & (n * 0 + k0 < K),
-                                         other=127).to(tl.int32))
-            else:
-                w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
-                sw = tl.full((BLOCK_N,), 1.0, tl.float32)
-            if ROUTE == 0:
-                wf = w.to(tl.float32)
-                for mi in tl.static_range(BLOCK_M):
-                    m = pid_m * BLOCK_M + mi
-                    xr = tl.load(xg_ptr + m * stride_xm + k, mask=k < tl.where(m < M, K, 0), other=0.0).to(tl.float32)
-                    xq = quantize_fp8_block(xr, tl.max(tl.abs(xr), axis=0), ACT_QUANT)
-                    part = tl.sum(wf * xq[None, :], axis=1) * sw
-                    acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == mi, part[None, :], 0.0)
-            else:
-                xm = (rows[:, None] < M) & k_ok[None, :]
-                xr = tl.load(xg_ptr + rows[:, None] * stride_xm + k[None, :], mask=xm, other=0.0).to(tl.float32)
-                xq = quantize_fp8_block(xr, tl.max(tl.abs(xr), axis=1)[:, None], ACT_QUANT)
-                if DOT_FP32:  # the interpreter's bf16/fp8 arithmetic is unreliable: exact values in fp32 there
-                    blk = tl.dot(xq, tl.trans(w.to(tl.float32)), input_precision="ieee")
-                elif ACT_QUANT and W_FP8:
-                    blk = tl.dot(xq.to(tl.float8e4nv), tl.trans(w))
-                else:
-                    blk = tl.dot(xq.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-                acc += blk * sw[None, :]
+    if ROUTE == 0:
+        # one token row (TQ == 1): 16 contiguous weights of a row per thread step, scales once per 128-block
+        acc = tl.zeros((BN, NB, 8), tl.float32)
+        for c in range(c_lo, c_hi):
+            k0 = c * BK
+            w, sw = _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8, NB)
+            x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT, NB)
+            part = tl.sum(tl.reshape(w.to(tl.float32), (BN, NB, 8, 16)) * tl.reshape(x, (1, NB, 8, 16)), axis=3)
+            acc += part * (sw * tl.reshape(sx, (1, NB)))[:, :, None]  # both scales: powers of two, exact
+        y = tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BN, 1))
+    else:
+        acc = tl.zeros((BN, TP), tl.float32)
+        for c in range(c_lo, c_hi):
+            for b in tl.static_range(NB):
+                k0 = c * BK + b * 128
+                w, sw = _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8, 1)
+                x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT, 1)
+                w2 = tl.reshape(w, (BN, 128))
+                x2 = tl.reshape(x, (TQ, 128))
+                sx1 = tl.reshape(sx, (TQ,))
+                if TP > TQ:  # a tensor-core operand needs 16 rows: padding rows are zero
+                    tp = tl.arange(0, TP)
+                    x2 = tl.where((tp < TQ)[:, None],
+                                  tl.reshape(tl.broadcast_to(x2[None], (TP // TQ, TQ, 128)), (TP, 128)), 0.0)
+                    sx1 = tl.where(tp < TQ, tl.reshape(tl.broadcast_to(sx1[None], (TP // TQ, TQ)), (TP,)), 0.0)
+                if DOT_FP32:  # the interpreter's fp16/bf16 arithmetic is unreliable: the same exact values in fp32
+                    blk = tl.dot(w2.to(tl.float32), tl.trans(x2), input_precision="ieee")
+                elif W_FP8 and ACT_QUANT:
+                    blk = tl.dot(w2.to(tl.float16), tl.trans(x2.to(tl.float16)))  # E4M3 values: exact in fp16
+                else:  # a bf16 activation (wo_a, BF16 weights): bf16 operands, E4M3 weights exact in bf16
+                    blk = tl.dot(w2.to(tl.bfloat16), tl.trans(x2.to(tl.bfloat16)))
+                acc += blk * (tl.reshape(sw, (BN,))[:, None] * sx1[None, :])
+        y = acc
 
-    out_mask = (rows[:, None] < M) & n_ok[None, :]
+    tt = tl.arange(0, y.shape[1])
+    rows = pid_m * TQ + tt
+    out_mask = n_ok[:, None] & (rows < M)[None, :] & (tt < TQ)[None, :]
     if SPLIT_K == 1:
         if OUT_BF16:
-            tl.store(out_ptr + rows[:, None] * N + n[None, :], round_to_bf16(acc).to(tl.bfloat16), mask=out_mask)
+            tl.store(out_ptr + rows[None, :] * N + n[:, None], round_to_bf16(y).to(tl.bfloat16), mask=out_mask)
         else:
-            tl.store(out_ptr + rows[:, None] * N + n[None, :], acc, mask=out_mask)
+            tl.store(out_ptr + rows[None, :] * N + n[:, None], y, mask=out_mask)
     else:
-        tl.store(part_ptr + (pid_k * M + rows[:, None]) * N + n[None, :], acc, mask=out_mask)
+        tl.store(part_ptr + (pid_k * M + rows[None, :]) * N + n[:, None], y, mask=out_mask)
 
 
 @triton.jit
@@ -123,6 +191,22 @@ def _sum_partials_kernel(part_ptr, out_ptr, numel, S: tl.constexpr, OUT_BF16: tl
         tl.store(out_ptr + i, acc.to(tl.float32), mask=ok)
 
 
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, MP, BLOCK_M: tl.constexpr):
+    """``x [M, K]`` → E4M3 ``q [MP, K]`` and fp32 scales ``s [K/128, MP]`` (rows ``M..MP``: zeros, scale 1) —
+    the reference's per-token, per-128 activation quantization in the layouts ``torch._scaled_mm`` takes for
+    1×128 block scaling (scales outer-dim-major)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    m_ok = m < M
+    x, s = _x_block(x_ptr, m, m_ok, K, kb * 128, K, True, 1)
+    k = kb * 128 + tl.arange(0, 128)
+    keep = (m < MP)[:, None] & (k < K)[None, :]
+    tl.store(q_ptr + m[:, None] * K + k[None, :], tl.reshape(x, (BLOCK_M, 128)).to(tl.float8e4nv), mask=keep)
+    tl.store(s_ptr + kb * MP + m, tl.where(m_ok, tl.reshape(s, (BLOCK_M,)), 1.0), mask=m < MP)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
 def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Sum ``part [S, ...]`` over its first dim into ``out`` (same trailing numel), in a fixed order."""
     numel = out.numel()
@@ -133,11 +217,13 @@ def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _block_m(M: int, route: str) -> int:
-    bm = triton.next_power_of_2(max(M, 1))
-    if route == "dot":
-        return max(16, min(bm, 64))
-    return min(bm, 8)
+def token_blocks(M: int, route: str) -> tuple[int, int]:
+    """``(TQ, TP)``: token rows a program quantizes and the rows of its tensor-core operand (≥ 16). The fma
+    route takes one row per program (more rows multiply its per-weight work: the dot route's job)."""
+    if route == "fma":
+        return 1, 1
+    tq = min(triton.next_power_of_2(max(M, 1)), 16)
+    return tq, max(tq, 16)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
@@ -151,40 +237,121 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     if route not in ROUTES:
         raise ValueError(f"fp8_gemv: unknown route {route!r}; known: {', '.join(ROUTES)}")
     g = geometry or GemvGeometry()
-    assert g.block_k % 128 == 0, "block_k must be a multiple of 128 (the activation quantization block)"
+    if g.block_k % 128:
+        raise ValueError(f"GemvGeometry.block_k={g.block_k} must be a multiple of 128 (the activation block)")
     N, Kg = weight.shape
     lead = x.shape[:-1]
-    assert x.shape[-1] == groups * Kg, f"x has {x.shape[-1]} features, weight expects {groups}×{Kg}"
-    assert N % groups == 0, f"{N} output rows do not split into {groups} groups"
+    if x.shape[-1] != groups * Kg:
+        raise ValueError(f"fp8_gemv: x has {x.shape[-1]} features, the weight expects {groups}×{Kg}")
+    if N % groups:
+        raise ValueError(f"fp8_gemv: {N} output rows do not split into {groups} groups")
     x2 = x.reshape(-1, groups * Kg)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
-    assert weight.is_contiguous()
+    if not weight.is_contiguous():
+        raise ValueError("fp8_gemv: the weight must be contiguous")
     w_fp8 = scale is not None
     if w_fp8:
-        assert weight.dtype == torch.float8_e4m3fn, f"FP8 weight expected, got {weight.dtype}"
-        assert tuple(scale.shape) == (triton.cdiv(N, 128), triton.cdiv(Kg, 128)), \
-            f"scale {tuple(scale.shape)} does not match weight {tuple(weight.shape)} (128×128 blocks)"
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8_gemv: FP8 weight expected, got {weight.dtype}")
+        if tuple(scale.shape) != (triton.cdiv(N, 128), triton.cdiv(Kg, 128)):
+            raise ValueError(f"fp8_gemv: scale {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
+                             f"(one per 128×128 block)")
         s = scale.view(torch.uint8).contiguous()
         stride_sn = s.shape[1]
     else:
-        assert weight.dtype in (torch.bfloat16, torch.float32), f"unsupported weight dtype {weight.dtype}"
+        if weight.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"fp8_gemv: unsupported weight dtype {weight.dtype}")
         s, stride_sn = weight, 0  # unused
     n_per_group = N // groups
     block_n = min(g.block_n, triton.next_power_of_2(N))
     if groups > 1:
         while n_per_group % block_n:
             block_n //= 2
-    bm = _block_m(M, route)
+    if route == "dot":
+        block_n = max(block_n, 16)
+    tq, tp = token_blocks(M, route)
     out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     split = max(1, min(g.split_k, triton.cdiv(Kg, g.block_k)))
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, bm))
+    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, tq))
     _fp8_gemv_kernel[grid](x2, weight, s, out, part, M, N, Kg, n_per_group, x2.stride(0), Kg, weight.stride(0),
                            stride_sn, split, W_FP8=w_fp8, ACT_QUANT=act_quant, ROUTE=ROUTES.index(route),
-                           OUT_BF16=out_dtype == torch.bfloat16, DOT_FP32=interpreting(), BLOCK_M=bm,
-                           BLOCK_N=block_n, BLOCK_K=g.block_k, num_warps=g.num_warps)
+                           OUT_BF16=out_dtype == torch.bfloat16, DOT_FP32=interpreting(), TQ=tq, TP=tp,
+                           BN=block_n, BK=g.block_k, num_warps=g.num_warps, num_stages=g.num_stages)
     if split > 1:
         sum_partials(part, out)
     return out.reshape(*lead, N)
+
+
+def act_quant_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's activation quantization on the device: ``x [M, K]`` → ``(q [rows, K] E4M3,
+    scale [rows, ⌈K/128⌉] fp32)`` with ``q·scale`` = :func:`dsv4lab.quant.act_qdq_fp8` exactly; rows past ``M``
+    (padding to ``rows``) are zero with scale 1. ``scale`` is a transposed view (outer-dim-major), the layout
+    ``torch._scaled_mm`` wants for 1×128 block scales."""
+    M, K = x.shape
+    rows = rows or M
+    x = x.contiguous()
+    q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(triton.cdiv(K, 128), rows, dtype=torch.float32, device=x.device)
+    block_m = min(16, triton.next_power_of_2(rows))
+    _act_quant_kernel[(triton.cdiv(rows, block_m), triton.cdiv(K, 128))](x, q, s, M, K, rows, BLOCK_M=block_m)
+    return q, s.t()
+
+
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
+                  out_dtype: torch.dtype = torch.bfloat16, weight_scale_f32: torch.Tensor | None = None,
+                  mm_out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The cuBLAS form of :func:`fp8_gemv` (one group): an FP8 weight with ``act_quant`` → the activation
+    quantized on the device (:func:`act_quant_fp8`, rows padded to 16) and ``torch._scaled_mm`` with 1×128
+    activation and 128×128 weight block scales (fp32, as cuBLAS takes them; pass ``weight_scale_f32`` to reuse
+    a converted copy); a BF16 weight → ``torch.mm(..., out_dtype=torch.float32)``. The fp32 result is rounded to
+    ``out_dtype`` once, as the kernel's (``mm_out_dtype=torch.bfloat16``: cuBLAS rounds it itself — for a torch
+    whose block-scaled ``_scaled_mm`` has no fp32 output; the benchmark records which it accepts). Raises where cuBLAS cannot express the projection (e.g. an FP8 weight
+    with a bf16 activation, or dims that are not multiples of 16)."""
+    N, K = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if scale is None:
+        y = torch.mm(x2.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+        return y.to(out_dtype).reshape(*lead, N)
+    if not act_quant:
+        raise ValueError("cuBLAS FP8 GEMM needs an FP8 activation (this projection keeps it in bf16)")
+    if K % 16 or N % 16:
+        raise ValueError(f"cuBLAS FP8 GEMM needs K and N multiples of 16 (got {K}, {N})")
+    rows = max(16, -(-M // 16) * 16)
+    q, sx = act_quant_fp8(x2, rows)
+    sw = weight_scale_f32 if weight_scale_f32 is not None else e8m0_scales_f32(scale)
+    y = torch._scaled_mm(q, weight.t(), scale_a=sx, scale_b=sw.t(), out_dtype=mm_out_dtype)
+    return y[:M].to(out_dtype).reshape(*lead, N)
+
+
+def e8m0_scales_f32(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 block scales ``[⌈N/128⌉, ⌈K/128⌉]`` as contiguous fp32 (the form cuBLAS block scaling takes)."""
+    b = scale.view(torch.uint8).to(torch.int32)
+    return torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23).view(torch.float32).contiguous()
+
+
+def reference_fp8_gemv(x, weight, scale, act_quant=True, out_dtype=torch.bfloat16, groups=1):
+    """Plain-torch twin (fp64 exact sum rounded to fp32, then ``out_dtype``) used by the tests and the bench."""
+    N, Kg = weight.shape
+    w = quant.fp8_block_dequant(weight, scale, torch.float64) if scale is not None else weight.double()
+    xs = x.reshape(*x.shape[:-1], groups, Kg)
+    if act_quant:
+        xs = quant.act_qdq_fp8(xs.float())
+    y = torch.einsum("...gk,grk->...gr", xs.double(), w.view(groups, N // groups, Kg))
+    return y.reshape(*x.shape[:-1], N).float().to(out_dtype)
+
+
+def reference_magnitude(x, weight, scale, act_quant=True, groups=1) -> torch.Tensor:
+    """``Σ_k |xq[m,k]·W[n,k]|`` per output (fp64): the magnitude of the terms of :func:`reference_fp8_gemv`, for
+    the analytic bound of :mod:`dsv4lab.verify.bounds`."""
+    N, Kg = weight.shape
+    w = quant.fp8_block_dequant(weight, scale, torch.float64) if scale is not None else weight.double()
+    xs = x.reshape(*x.shape[:-1], groups, Kg)
+    if act_quant:
+        xs = quant.act_qdq_fp8(xs.float())
+    y = torch.einsum("...gk,grk->...gr", xs.double().abs(), w.abs().view(groups, N // groups, Kg))
+    return y.reshape(*x.shape[:-1], N)

@@ -115,7 +115,7 @@ def test_fused_static_step_on_the_triton_kernels(capsys):
     (partial last HCA block) and inside a CSA block: every op runs a kernel (none falls back to the reference),
     the logits match the reference decode to fp32 summation order with the same greedy tokens; the
     kernel launches of the step are counted (printed: what a GPU graph of the tiny model holds, split-K sums aside)."""
-    from dsv4lab.perf.bench_e2e import count_launches
+    from dsv4lab.bench.e2e import count_launches
     ids = _ids(70, rows=2, seed=11)
     lens = [64, 47]
     ref = dsv4lab.load(TINY, max_batch=2, max_seq_len=72)

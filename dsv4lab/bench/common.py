@@ -344,6 +344,8 @@ def output_path(args, suite: str) -> Path:
 
 # Substrings of GPU kernel names → the op family a profile is summarised by (first match wins).
 KERNEL_FAMILIES = (("_gate_up_kernel", "moe_gate_up"), ("_down_kernel", "moe_down"), ("_fp8_gemv", "gemv"),
+                   ("_moe_up_kernel", "moe_gate_up"), ("_moe_down", "moe_down"), ("_moe_combine", "moe_down"),
+                   ("_act_quant_kernel", "gemv"),
                    ("_sum_partials", "split_sums"), ("_attn", "attention"), ("sort", "sort/topk"),
                    ("nccl", "collectives"), ("all_reduce", "collectives"), ("gemm", "cublas"),
                    ("reduce", "torch_reduce"), ("elementwise", "torch_elementwise"))

@@ -59,7 +59,7 @@ from .engine import _ints
 HELP = ("end-to-end: decode tok/s and MBU at batch 1/2/4/8 and after long prompts, TTFT, oracle hash, graph checks, "
         "ABBA, kernel breakdown")
 
-# the glue kernels' families (kernels/*.py), ahead of the generic ones of bench_common
+# the glue kernels' families (kernels/*.py), ahead of the generic ones of bench.common
 GLUE_FAMILIES = (("_mhc", "mhc"), ("_rms_norm", "norm_rope"), ("_head_rms_rope", "norm_rope"),
                  ("_kv_norm_rope", "norm_rope"), ("_indexer_query", "indexer"), ("_indexer_select", "indexer"),
                  ("_compressor_step", "compressor"), ("_router", "router"))
@@ -553,7 +553,7 @@ def count_launches(fn):
 
 def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]]:
     """GPU µs and kernel launches per call of a ``torch.profiler`` run of ``calls`` calls, by kernel family (the
-    glue's families, then :data:`~dsv4lab.perf.bench_common.KERNEL_FAMILIES`)."""
+    glue's families, then :data:`~dsv4lab.bench.common.KERNEL_FAMILIES`)."""
     us: dict[str, float] = {}
     launches: dict[str, float] = {}
     for ev in prof.key_averages():

@@ -5,7 +5,8 @@ token rows), then the decode kernels (few rows), then the reference. Decode kern
 ``dsv4lab_kernels``):
 
 * ``linear`` (FP8 and BF16 weights), ``linear_f32`` (BF16/fp32 weights), ``grouped_wo_a`` (FP8 weight read
-  directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`;
+  directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`, or cuBLAS where the measured dispatch
+  (:mod:`dsv4lab.engine.decode_dispatch`) says it is faster within the same error bound;
 * ``routed_experts``, ``moe_stage1``, ``moe_stage2`` — packed FP4 experts, :mod:`dsv4lab_kernels.fp4_moe_decode`;
 * ``sparse_attention`` — :mod:`dsv4lab_kernels.attention_decode` (plus :meth:`TritonOps.attention_from_caches`,
   the two-cache form the static decode step uses, with the inverse RoPE of the output in its epilogue).
@@ -39,6 +40,7 @@ import torch
 from ..model.linear import ExpertBank, Linear
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
+from .decode_dispatch import DecodeDispatch
 from .kernel_loader import kernel_module
 from .triton_prefill import TritonPrefillOps
 
@@ -75,50 +77,80 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _cublas_scale(lin: Linear) -> torch.Tensor:
+    """The weight's E8M0 block scales as the fp32 tensor cuBLAS takes, converted once per Linear (before any
+    graph capture: the decode step runs eagerly first)."""
+    key = lin.scale.data_ptr()
+    hit = getattr(lin, "_cublas_scale_f32", None)
+    if hit is None or hit[0] != key:
+        hit = (key, gemv.e8m0_scales_f32(lin.scale))
+        lin._cublas_scale_f32 = hit
+    return hit[1]
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Which route and launch geometry each decode kernel uses.
 
-    The GPU defaults are the choices of ``dsv4lab bench kernels --suite decode`` on an H200 (see
-    ``docs/kernels_decode.md``); the interpreter gets large blocks so that it runs few programs.
+    On a GPU the measured dispatch (``dispatch``, :mod:`dsv4lab.engine.decode_dispatch`) picks per projection
+    shape and batch between the own GEMV and cuBLAS, and the routed MoE's route and geometry per batch; what it
+    does not cover uses the fields below. The interpreter gets large blocks so that it runs few programs.
 
     Attributes:
-        moe_route: ``"fma"`` (reference semantics), ``"int8"`` (the paper's route) or ``"dot_scaled"``.
+        moe_route: ``"dot"`` (tensor cores), ``"fma"``, ``"int8"`` (the paper's route) or ``"dot_scaled"``.
         moe_geometry: :class:`~dsv4lab_kernels.fp4_moe_decode.MoeGeometry`.
-        gemv_route: ``"fma"`` or ``"dot"`` for the FP8/BF16 projections.
+        gemv_route: ``"dot"`` or ``"fma"`` for the FP8/BF16 projections.
         gemv_block_n, gemv_block_k: output rows and K elements per program step of a projection.
         gemv_target_programs: split K until a projection's grid has about this many programs.
         attention_geometry: :class:`~dsv4lab_kernels.attention_decode.AttentionGeometry`.
         max_rows: token rows up to which the decode kernels run.
+        dispatch: measured per-shape choices (empty: the defaults above).
     """
 
-    moe_route: str = "fma"
+    moe_route: str = "dot"
     moe_geometry: "moe.MoeGeometry | None" = None
-    gemv_route: str = "fma"
+    gemv_route: str = "dot"
     gemv_block_n: int = 32
     gemv_block_k: int = 512
     gemv_target_programs: int = 264
     attention_geometry: "attn.AttentionGeometry | None" = None
     max_rows: int = 63
+    dispatch: DecodeDispatch = field(default_factory=DecodeDispatch)
 
     @classmethod
     def for_device(cls) -> "DecodeConfig":
-        if interpreting():
-            return cls(moe_geometry=moe.MoeGeometry(block_n_up=128, block_n_down=256, block_k=256),
+        if interpreting():  # the CUDA-core routes: their fp32 sums are closest to the reference's exact ones
+            return cls(moe_route="fma", gemv_route="fma",
+                       moe_geometry=moe.MoeGeometry(block_n_up=128, block_n_down=256, block_k=256),
                        gemv_block_n=256, gemv_block_k=256, gemv_target_programs=1,
                        attention_geometry=attn.AttentionGeometry(block_h=16, block_r=64))
         # one-pass split attention: the exact two-pass single-slice form is latency-bound at decode sizes
         return cls(moe_geometry=moe.MoeGeometry(),
-                   attention_geometry=attn.AttentionGeometry(block_h=16, block_r=32, splits=16, two_pass=False))
+                   attention_geometry=attn.AttentionGeometry(block_h=16, block_r=32, splits=16, two_pass=False),
+                   dispatch=DecodeDispatch.load(device_name=torch.cuda.get_device_name()))
 
-    def gemv_geometry(self, n: int, k: int):
-        """Block sizes and the K split for an ``[n, k]`` projection: split K until the grid has about
-        ``gemv_target_programs`` programs (deterministic: the partials are summed in a fixed order)."""
+    def gemv_geometry(self, n: int, k: int, rows: int = 1, groups: int = 1, weight: str = "fp8",
+                      act_quant: bool = True):
+        """``(impl, route, geometry)`` for an ``[n, k]`` projection at ``rows`` rows: the measured dispatch's
+        choice, else the own kernel with K split until the grid has about ``gemv_target_programs`` programs
+        (deterministic: the partials are summed in a fixed order)."""
+        c = self.dispatch.gemv(n * groups, k, groups, weight, act_quant, rows)
+        if c is not None:
+            impl = c.impl if c.impl != "cublas" or c.cublas_out == "float32" else f"cublas:{c.cublas_out}"
+            return impl, c.route, gemv.GemvGeometry(block_n=c.block_n, block_k=c.block_k, split_k=c.split_k,
+                                                    num_warps=c.num_warps, num_stages=c.num_stages)
         bn = min(self.gemv_block_n, 1 << max(n - 1, 1).bit_length())
         bk = min(self.gemv_block_k, 128 * -(-k // 128))
         row_blocks = -(-n // bn)
         split = max(1, min(-(-self.gemv_target_programs // row_blocks), -(-k // bk)))
-        return gemv.GemvGeometry(block_n=bn, block_k=bk, split_k=split)
+        return "triton", self.gemv_route, gemv.GemvGeometry(block_n=bn, block_k=bk, split_k=split)
+
+    def moe_choice(self, rows: int):
+        """``(route, geometry)`` of the routed MoE at ``rows`` rows (measured, else the fields above)."""
+        c = self.dispatch.moe(rows)
+        if c is not None:
+            return c.route, c.geometry(moe)
+        return self.moe_route, self.moe_geometry
 
 
 @dataclass
@@ -210,10 +242,16 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.linear(self, x, lin, all_reduce)
         self._decode("linear")
         nm = self.numerics
-        geo = geometry or self.config.gemv_geometry(lin.out_features, lin.in_features)
-        return gemv.fp8_gemv(x, lin.weight, lin.scale if lin.fmt == "fp8" else None,
-                             act_quant=nm.act_quant and lin.act_quant, out_dtype=nm.act,
-                             route=route or self.config.gemv_route, geometry=geo)
+        aq = nm.act_quant and lin.act_quant
+        impl, r, geo = self.config.gemv_geometry(lin.out_features, lin.in_features, rows,
+                                                 weight="fp8" if lin.fmt == "fp8" else "bf16", act_quant=aq)
+        if route is None and geometry is None and impl.startswith("cublas"):
+            mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
+            fp8 = lin.fmt == "fp8"
+            return gemv.cublas_linear(x, lin.weight, lin.scale if fp8 else None, aq, nm.act,
+                                      weight_scale_f32=_cublas_scale(lin) if fp8 else None, mm_out_dtype=mm_out)
+        return gemv.fp8_gemv(x, lin.weight, lin.scale if lin.fmt == "fp8" else None, act_quant=aq, out_dtype=nm.act,
+                             route=route or r, geometry=geometry or geo)
 
     def linear_f32(self, x: torch.Tensor, lin: Linear, route: str | None = None) -> torch.Tensor:
         if route is None:
@@ -228,9 +266,12 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             self._fallback("linear_f32", why)
             return ReferenceOps.linear_f32(self, x, lin)
         self._decode("linear_f32")
-        geo = self.config.gemv_geometry(lin.out_features, lin.in_features)
-        return gemv.fp8_gemv(x, lin.weight, None, act_quant=False, out_dtype=self.numerics.acc,
-                             route=route or self.config.gemv_route, geometry=geo)
+        impl, r, geo = self.config.gemv_geometry(lin.out_features, lin.in_features, rows, weight="bf16",
+                                                 act_quant=False)
+        if route is None and impl.startswith("cublas") and lin.weight.dtype == torch.bfloat16:
+            return gemv.cublas_linear(x, lin.weight, None, False, self.numerics.acc)
+        return gemv.fp8_gemv(x, lin.weight, None, act_quant=False, out_dtype=self.numerics.acc, route=route or r,
+                             geometry=geo)
 
     def grouped_wo_a(self, o: torch.Tensor, lin: Linear, groups: int, route: str | None = None) -> torch.Tensor:
         if route is None:
@@ -245,9 +286,11 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             self._fallback("grouped_wo_a", why)
             return ReferenceOps.grouped_wo_a(self, o, lin, groups)
         self._decode("grouped_wo_a")
-        geo = self.config.gemv_geometry(lin.out_features // groups, lin.in_features)
+        # own kernel only: cuBLAS has no grouped block-scaled GEMM with a bf16 activation
+        _, r, geo = self.config.gemv_geometry(lin.out_features // groups, lin.in_features, rows, groups,
+                                              act_quant=False)
         y = gemv.fp8_gemv(o.flatten(-2), lin.weight, lin.scale, act_quant=False, out_dtype=self.numerics.act,
-                          groups=groups, route=route or self.config.gemv_route, geometry=geo)
+                          groups=groups, route=route or r, geometry=geo)
         return y.view(*o.shape[:-1], lin.out_features // groups)
 
     # ------------------------------------------------------------------ routed experts
@@ -274,10 +317,9 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.routed_experts(self, x, idx, weights, bank, limit, trace=trace, all_reduce=all_reduce)
         self._decode("routed_experts")
         nm = self.numerics
-        return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit,
-                                     route=route or self.config.moe_route,
-                                     geometry=geometry or self.config.moe_geometry, act_quant=nm.act_quant,
-                                     act_dtype=nm.act).to(nm.acc)
+        r, geo = self.config.moe_choice(x.shape[0])
+        return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit, route=route or r,
+                                     geometry=geometry or geo, act_quant=nm.act_quant, act_dtype=nm.act).to(nm.acc)
 
     def moe_stage1(self, x, idx, bank, route: str | None = None):
         if route is None:
@@ -475,16 +517,21 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         # The INT8 route is another quantization, not another evaluation of the reference's: element by element it
         # is judged against its own exact oracle (kernels/fp4_moe_decode.reference_int8_moe, in the tests and the
         # benchmark) and at model level by a KL bound (docs/kernels_decode.md), so it is not listed here.
-        same_semantics = [r for r in moe.ROUTES if r != "int8"]
+        same_semantics = list(moe.SAME_SEMANTICS)
         if method == "routed_experts":
             out = {r: partial(self.routed_experts, route=r) for r in same_semantics}
             split = replace(g.moe_geometry, slot_split=2, block_k=128)
             out["fma_slot_split2"] = partial(self.routed_experts, route="fma", geometry=split)
+            out["dot_token_major"] = partial(self.routed_experts, route="dot",
+                                             geometry=replace(g.moe_geometry, slot_split=1))
         elif method in ("moe_stage1", "moe_stage2"):
             out = {r: partial(getattr(self, method), route=r) for r in same_semantics}
         elif method == "linear":
             out = {r: partial(self.linear, route=r) for r in gemv.ROUTES}
-            out["fma_split3"] = partial(self.linear, geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=3))
+            out["fma_split3"] = partial(self.linear, route="fma",
+                                        geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=3))
+            out["dot_split3"] = partial(self.linear, route="dot",
+                                        geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=3))
         elif method == "linear_f32":
             out = {r: partial(self.linear_f32, route=r) for r in gemv.ROUTES}
         elif method == "grouped_wo_a":

@@ -1,0 +1,209 @@
+"""Compile the decode kernels for an NVIDIA target without a GPU and count what the hardware would execute.
+
+Triton's NVIDIA backend (with its bundled ``ptxas`` and ``cuobjdump``) compiles a kernel to a cubin on any machine;
+this script does that for the routed-MoE decode and FP8 GEMV configurations the benchmark times, and reports per
+kernel: registers, local-memory spill stack, and for the main loop the SASS instructions per weight byte, with the
+instruction mix. It is a *model* of the GPU cost (instruction counts, not time): the H200 issues 128 thread
+instructions per clock per SM and must retire ~16 weight bytes per clock per SM to stream at the copy bandwidth
+measured there (4.2 TB/s over 132 SMs at ~1.98 GHz), so ≲ 8 instructions per byte can keep up and more cannot.
+
+    python scripts/kernel_sass.py                 # the table (about a minute)
+    python scripts/kernel_sass.py --check         # exit 1 if a kernel fails to compile (CI, no GPU needed)
+    python scripts/kernel_sass.py --only moe_up   # one family
+
+Must run without ``TRITON_INTERPRET`` (the kernels must be real JIT functions); the versions of Triton here and on
+the GPU machine may differ (3.9 here, 3.6 there), so treat the counts as the same code's shape, not its exact SASS.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("kernel_sass.py: unset TRITON_INTERPRET (the kernels must be compiled, not interpreted)")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+
+def _kernels(name: str):
+    """``dsv4lab_kernels.<name>`` — installed, or from ``kernels/`` of this tree (not through the engine's
+    loader: importing the engine on a machine without a GPU selects the interpreter)."""
+    import importlib
+    import importlib.util
+    if importlib.util.find_spec("dsv4lab_kernels") is None:
+        spec = importlib.util.spec_from_file_location("dsv4lab_kernels", ROOT / "kernels" / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["dsv4lab_kernels"] = mod
+        spec.loader.exec_module(mod)
+    return importlib.import_module(f"dsv4lab_kernels.{name}")
+
+
+moe = _kernels("fp4_moe_decode")
+gemv = _kernels("fp8_gemv")
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+# Flash shapes: D=4096, I=2048, 6 of 256 experts; every integer argument the JIT would see as divisible by 16 is
+# declared so (the JIT specializes on it: vectorized loads depend on it).
+MOE_INTS = ("D", "I", "n_local", "stride_we", "stride_wn", "stride_se", "stride_sn")
+
+
+def _compile(fn, signature: dict, constexprs: dict, div16, num_warps: int, num_stages: int):
+    names = list(signature)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n in div16}
+    for c in constexprs:
+        signature[c] = "constexpr"
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _sass(cubin: bytes) -> tuple[str, str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    return sass, res
+
+
+def _loops(sass: str) -> list[tuple[int, int, Counter]]:
+    """(start, end, opcode counts) of every backward branch's body, innermost first."""
+    rows = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            rows.append((int(m.group(1), 16), m.group(2).strip()))
+    loops = []
+    for addr, ins in rows:
+        t = re.search(r"BRA\s+0x([0-9a-f]+)", ins)
+        if t and int(t.group(1), 16) < addr:
+            lo = int(t.group(1), 16)
+            ops = Counter()
+            for a, i in rows:
+                if lo <= a <= addr:
+                    op = i.split()[1] if i.startswith("@") else i.split()[0]
+                    ops[op.split(".")[0]] += 1
+            loops.append((lo, addr, ops))
+    return loops
+
+
+def moe_up(route: str, bn: int, bk: int, warps: int, stages: int, T: int = 1, asm: bool = True, aq: bool = True):
+    tq = triton.next_power_of_2(T)
+    tp = max(tq, 16) if route != "fma" else tq
+    sig = {"x_ptr": "*bf16", "idx_ptr": "*i64", "rw_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8",
+           "s1_ptr": "*u8", "s3_ptr": "*u8", "h_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "T": "i32",
+           "D": "i32", "I": "i32", "expert_offset": "i32", "n_local": "i32", "limit": "fp32", "stride_we": "i32",
+           "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
+    cx = dict(TOPK=6, TQ=tq, TP=tp, KP=8, PP=triton.next_power_of_2(6 * T), ROUTE=moe.ROUTES.index(route), ASM=asm,
+              ACT_QUANT=aq, WRITE_GU=False, ROUND_ACT=True, HAS_LIMIT=True, DOT_FP32=False, BN=bn, BK=bk)
+    k = _compile(moe._moe_up_kernel, sig, cx, MOE_INTS, warps, stages)
+    return k, 2 * bn * bk // 2  # bytes of w1 and w3 per loop step
+
+
+def moe_down(route: str, bn: int, bk: int, warps: int, stages: int, T: int = 1, asm: bool = True,
+             aq: bool = True):
+    tq = triton.next_power_of_2(T)
+    tp = max(tq, 16) if route != "fma" else tq
+    sig = {"h_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*u8", "s2_ptr": "*u8", "out_ptr": "*fp32", "T": "i32",
+           "D": "i32", "I": "i32", "expert_offset": "i32", "n_local": "i32", "stride_we": "i32", "stride_wn": "i32",
+           "stride_se": "i32", "stride_sn": "i32"}
+    cx = dict(TOPK=6, TQ=tq, TP=tp, KP=8, PP=triton.next_power_of_2(6 * T), ROUTE=moe.ROUTES.index(route), ASM=asm,
+              ACT_QUANT=aq, ROUND_ACT=True, DOT_FP32=False, BN=bn, BK=bk)
+    k = _compile(moe._moe_down_expert_kernel, sig, cx, MOE_INTS, warps, stages)
+    return k, bn * bk // 2
+
+
+def gemv_kernel(route: str, bn: int, bk: int, warps: int, stages: int, M: int = 1, w_fp8: bool = True,
+                act_quant: bool = True):
+    tq, tp = gemv.token_blocks(M, route)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if w_fp8 else "*bf16", "s_ptr": "*u8", "out_ptr": "*bf16",
+           "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "n_per_group": "i32", "stride_xm": "i32",
+           "stride_xg": "i32", "stride_wn": "i32", "stride_sn": "i32", "SPLIT_K": "i32"}
+    cx = dict(W_FP8=w_fp8, ACT_QUANT=act_quant, ROUTE=gemv.ROUTES.index(route), OUT_BF16=True, DOT_FP32=False,
+              TQ=tq, TP=tp, BN=bn, BK=bk)
+    k = _compile(gemv._fp8_gemv_kernel, sig, cx, ("N", "K", "n_per_group", "stride_xm", "stride_xg", "stride_wn",
+                                                  "stride_sn"), warps, stages)
+    return k, bn * bk * (1 if w_fp8 else 2)
+
+
+# name, builder, args: the configurations the benchmark times (see dsv4lab/bench/decode.py)
+CONFIGS = [
+    ("moe_up dot asm n16 k256 w1 s2 b1", moe_up, ("dot", 16, 256, 1, 2)),
+    ("moe_up dot asm n32 k256 w2 s3 b1", moe_up, ("dot", 32, 256, 2, 3)),
+    ("moe_up dot asm n64 k256 w4 s2 b1", moe_up, ("dot", 64, 256, 4, 2)),
+    ("moe_up dot asm n64 k256 w4 s2 b8", moe_up, ("dot", 64, 256, 4, 2, 8)),
+    ("moe_up dot plain n32 k256 w2 s3 b1", moe_up, ("dot", 32, 256, 2, 3, 1, False)),
+    ("moe_up fma asm n16 k256 w1 s2 b1", moe_up, ("fma", 16, 256, 1, 2)),
+    ("moe_up int8 n16 k256 w1 s2 b1", moe_up, ("int8", 16, 256, 1, 2)),
+    ("moe_up dot_scaled n16 k256 w1 s2 b1", moe_up, ("dot_scaled", 16, 256, 1, 2)),
+    ("moe_down dot asm n32 k256 w2 s3 b1", moe_down, ("dot", 32, 256, 2, 3)),
+    ("moe_down dot asm n64 k256 w4 s2 b8", moe_down, ("dot", 64, 256, 4, 2, 8)),
+    ("moe_up dot asm prequant n64 k256 w4 s2 b8", moe_up, ("dot", 64, 256, 4, 2, 8, True, False)),
+    ("moe_down dot asm prequant n64 k256 w4 s2 b8", moe_down, ("dot", 64, 256, 4, 2, 8, True, False)),
+    ("gemv fma n32 k256 w4 s3 b1", gemv_kernel, ("fma", 32, 256, 4, 3)),
+    ("gemv dot n16 k256 w1 s3 b1", gemv_kernel, ("dot", 16, 256, 1, 3)),
+    ("gemv dot n64 k256 w4 s4 b1", gemv_kernel, ("dot", 64, 256, 4, 4)),
+    ("gemv dot n64 k256 w4 s3 b8", gemv_kernel, ("dot", 64, 256, 4, 3, 8)),
+    ("gemv dot bf16-act n16 k256 w1 s3 b1", gemv_kernel, ("dot", 16, 256, 1, 3, 1, True, False)),
+    ("gemv dot bf16-weight n32 k256 w2 s3 b1", gemv_kernel, ("dot", 32, 256, 2, 3, 1, False, False)),
+]
+
+
+def report(only: str | None, check: bool) -> int:
+    failures = 0
+    print(f"Triton {triton.__version__}, target sm_{TARGET.arch}; instructions per weight byte of the main loop "
+          f"(≲ 8 keeps up with the H200 copy bandwidth: modelled)")
+    print(f"{'kernel':<40}{'regs':>6}{'stack':>7}{'instr/B':>9}  main-loop mix")
+    for name, build, args in CONFIGS:
+        if only and not name.startswith(only):
+            continue
+        warps = args[3]
+        try:
+            k, step_bytes = build(*args)
+        except Exception as err:  # noqa: BLE001 — report every configuration that does not compile
+            failures += 1
+            print(f"{name:<40} FAILED: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+            continue
+        if check:
+            print(f"{name:<40} compiles")
+            continue
+        sass, res = _sass(k.asm["cubin"])
+        regs = re.search(r"REG:(\d+)", res)
+        stack = re.search(r"STACK:(\d+)", res)
+        loops = _loops(sass)
+        if not loops:
+            print(f"{name:<40}{regs.group(1) if regs else '?':>6}{stack.group(1) if stack else '?':>7}   (no loop)")
+            continue
+        lo, hi, ops = max(loops, key=lambda t: sum(t[2].values()))  # the weight-streaming loop is the largest
+        per_byte = sum(ops.values()) * warps * 32 / step_bytes
+        mix = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+        print(f"{name:<40}{regs.group(1) if regs else '?':>6}{stack.group(1) if stack else '?':>7}"
+              f"{per_byte:>9.2f}  {mix}")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only compile; exit 1 if any configuration fails")
+    p.add_argument("--only", default=None, help="configurations whose name starts with this")
+    a = p.parse_args()
+    return report(a.only, a.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""The decode projections (``kernels/fp8_gemv.py``, issue 17): the own GEMV's routes against the exact reference
+within the analytic bound, its fused activation quantization bit for bit, the cuBLAS form, and the measured
+dispatch between them (:mod:`dsv4lab.engine.decode_dispatch`).
+
+Bound per output (:mod:`dsv4lab.verify.bounds`): ``|out − ref| ≤ γ(c·K)·Σ_k|xq_k·w_k| + 1 ulp(out dtype)``, the
+reduction length ``K`` (per group for ``wo_a``), fp32 accumulation, ``c`` = 1 for the CUDA-core ``fma`` route and
+4 for the tensor-core ``dot`` route (aligned, truncated accumulation; see ``ACCUMULATION``). Products are exact in
+fp32 (E4M3 × E4M3 and power-of-two scales; bf16 × bf16).
+
+Interpreter tests use irregular shapes (K=192/320: partial 128-blocks; N=72/200: partial row blocks), 1–8 rows,
+split-K, and NaN-poisoned memory past every buffer; ``gpu`` tests repeat them at every real projection width.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dsv4lab import quant
+from dsv4lab.model.numerics import Numerics
+from dsv4lab.model.ops import ReferenceOps
+from dsv4lab.verify.registry import make_linear
+
+triton = pytest.importorskip("triton")
+gemv = pytest.importorskip("dsv4lab_kernels.fp8_gemv")
+
+REF = ReferenceOps(Numerics())
+FP8_NAN, E8M0_NAN = 0x7F, 0xFF
+
+
+def _in_poisoned(t: torch.Tensor, poison_byte: int, extra: int = 256) -> torch.Tensor:
+    raw = t.contiguous().view(torch.uint8).flatten()
+    buf = torch.full((raw.numel() + extra,), poison_byte, dtype=torch.uint8, device=t.device)
+    buf[: raw.numel()] = raw
+    return buf[: raw.numel()].view(t.dtype).view(t.shape)
+
+
+def _poisoned_x(x: torch.Tensor) -> torch.Tensor:
+    nan = int(torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16))
+    buf = torch.full((x.numel() + 128,), nan, dtype=torch.int16, device=x.device)
+    buf[: x.numel()] = x.contiguous().view(torch.int16).flatten()
+    return buf[: x.numel()].view(torch.bfloat16).view(x.shape)
+
+
+def within_bound(out, x, weight, scale, route, act_quant=True, groups=1, out_dtype=torch.bfloat16, name=""):
+    """``out`` against the exact reference of ``x @ Wᵀ`` within the route's bound (the benchmark's own check)."""
+    from dsv4lab.bench.decode import gemv_bound
+    return gemv_bound(out, x, weight, scale, route, act_quant, groups, out_dtype, name)
+
+
+CASES = [dict(M=1, N=96, K=256, split=1), dict(M=3, N=200, K=192, split=2), dict(M=5, N=72, K=320, split=3),
+         dict(M=8, N=130, K=384, split=1)]
+
+
+@pytest.mark.parametrize("route", gemv.ROUTES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "M{M}N{N}K{K}s{split}".format(**c))
+def test_fp8_gemv_within_bound_and_never_reads_padding(route, case):
+    M, N, K = case["M"], case["N"], case["K"]
+    g = torch.Generator().manual_seed(M * N + len(route))
+    lin = make_linear("fp8", N, K, g)
+    x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    w = _in_poisoned(lin.weight, FP8_NAN)
+    s = _in_poisoned(lin.scale, E8M0_NAN)
+    geo = gemv.GemvGeometry(block_n=32, block_k=128, split_k=case["split"])
+    out = gemv.fp8_gemv(x, w, s, act_quant=True, route=route, geometry=geo)
+    res = within_bound(out, x, lin.weight, lin.scale, route)
+    assert res.ok, res.line()
+
+
+@pytest.mark.parametrize("route", gemv.ROUTES)
+def test_grouped_wo_a_and_bf16_weights(route):
+    g = torch.Generator().manual_seed(1)
+    G, R, in_g = 3, 32, 192
+    wo_a = make_linear("fp8", G * R, in_g, g, act_quant=False)
+    o = torch.randn(2, 1, G, in_g, generator=g).to(torch.bfloat16)
+    y = gemv.fp8_gemv(o.flatten(-2), wo_a.weight, wo_a.scale, act_quant=False, groups=G, route=route,
+                      geometry=gemv.GemvGeometry(block_n=16, block_k=128, split_k=2))
+    res = within_bound(y, o.flatten(-2), wo_a.weight, wo_a.scale, route, act_quant=False, groups=G)
+    assert res.ok, res.line()
+    head = make_linear("bf16", 130, 96, g)  # an fp32 projection of a BF16 weight (router, compressor, head)
+    x = torch.randn(3, 96, generator=g).to(torch.bfloat16)
+    y = gemv.fp8_gemv(x, head.weight, None, act_quant=False, out_dtype=torch.float32, route=route,
+                      geometry=gemv.GemvGeometry(block_n=64, block_k=128, split_k=1))
+    res = within_bound(y, x, head.weight, None, route, act_quant=False, out_dtype=torch.float32)
+    assert res.ok, res.line()
+
+
+def test_the_bound_catches_a_dropped_block():
+    """Negative control: the kernel run without the last 64 features of K (a truncated loop) fails the check."""
+    g = torch.Generator().manual_seed(2)
+    lin = make_linear("fp8", 72, 320, g)
+    x = (torch.randn(3, 320, generator=g) * 3).to(torch.bfloat16)
+    short = x.clone()
+    short[:, -64:] = 0
+    out = gemv.fp8_gemv(short, lin.weight, lin.scale, route="dot", geometry=gemv.GemvGeometry(block_k=128))
+    res = within_bound(out, x, lin.weight, lin.scale, "dot")
+    assert not res.ok and res.n_violations > 0
+
+
+def test_activation_quantization_is_the_references_bit_for_bit():
+    """The device quantizer (the GEMV prologue and the cuBLAS form share it) against ``quant.act_qdq_fp8``:
+    ties, values at the E4M3 grid's edges, tiny and huge blocks, a partial last block, zero rows of padding."""
+    g = torch.Generator().manual_seed(0)
+    M, K = 5, 320
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-20, 12, (M, 1), generator=g).float())
+    x[0, :8] = torch.tensor([448.0, -448.0, 0.0, -0.0, 1e-30, 240.0, 232.0, 239.9])
+    x[1, :128] = 0.0  # an all-zero block: amax floored at 1e-4
+    x = x.to(torch.bfloat16)
+    q, s = gemv.act_quant_fp8(x, rows=8)
+    assert q.shape == (8, K) and s.shape == (8, 3) and s.stride() == (1, 8)  # outer-dim-major, as cuBLAS wants
+    got = q.float() * s.repeat_interleave(128, 1)[:, :K]
+    assert torch.equal(got[:M], quant.act_qdq_fp8(x))
+    assert torch.equal(q[M:].float(), torch.zeros(8 - M, K)) and torch.equal(s[M:], torch.ones(8 - M, 3))
+
+
+def test_split_k_is_deterministic_and_split_independent_in_bound():
+    g = torch.Generator().manual_seed(3)
+    lin = make_linear("fp8", 64, 640, g)
+    x = (torch.randn(2, 640, generator=g)).to(torch.bfloat16)
+    outs = [gemv.fp8_gemv(x, lin.weight, lin.scale, route="fma",
+                          geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=s)) for s in (1, 2, 5, 5)]
+    assert torch.equal(outs[2], outs[3])  # same split: the same bits, always
+    for o in outs:
+        res = within_bound(o, x, lin.weight, lin.scale, "fma")
+        assert res.ok, res.line()
+
+
+def test_bad_arguments_are_clear_errors():
+    g = torch.Generator().manual_seed(4)
+    lin = make_linear("fp8", 64, 256, g)
+    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown route"):
+        gemv.fp8_gemv(x, lin.weight, lin.scale, route="mfma")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gemv.fp8_gemv(x, lin.weight, lin.scale, geometry=gemv.GemvGeometry(block_k=192))
+    with pytest.raises(ValueError, match="features"):
+        gemv.fp8_gemv(x[:, :128], lin.weight, lin.scale)
+    with pytest.raises(ValueError, match="128×128"):
+        gemv.fp8_gemv(x, lin.weight, lin.scale[:, :1])
+
+
+# ------------------------------------------------------------------------------------------ the dispatch
+def _dispatch_doc(**over):
+    from dsv4lab.engine.decode_dispatch import FORMAT, shape_key
+    doc = dict(format=FORMAT, gpu="NVIDIA H200", gemv=[
+        dict(shape=shape_key(96, 256, 1, "fp8", True), batch=1, choice=dict(impl="triton", route="fma", block_n=16,
+                                                                             block_k=128, split_k=2)),
+        dict(shape=shape_key(96, 256, 1, "fp8", True), batch=8, choice=dict(impl="cublas")),
+    ], moe=[dict(batch=4, choice=dict(route="fma", block_n_up=32, block_k=256))])
+    doc.update(over)
+    return doc
+
+
+def test_dispatch_lookup_tiers_and_defaults(tmp_path, monkeypatch):
+    from dsv4lab.engine.decode_dispatch import DecodeDispatch, DispatchError
+    d = DecodeDispatch(_dispatch_doc(), "test")
+    assert d.gemv(96, 256, 1, "fp8", True, 1).route == "fma"
+    assert d.gemv(96, 256, 1, "fp8", True, 2).impl == "cublas"  # the smallest measured batch ≥ 2 is 8
+    assert d.gemv(96, 256, 1, "fp8", True, 33).impl == "cublas"  # above every tier: the largest
+    assert d.gemv(96, 256, 1, "fp8", False, 1) is None  # another shape key: the default
+    assert d.moe(1).block_n_up == 32 and d.moe(1).route == "fma"
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps(_dispatch_doc()))
+    assert len(DecodeDispatch.load(p, device_name="NVIDIA H200")) == 3
+    assert len(DecodeDispatch.load(p, device_name="NVIDIA A100")) == 0  # measured elsewhere: defaults
+    monkeypatch.setenv("DSV4LAB_DECODE_DISPATCH", "off")
+    assert len(DecodeDispatch.load(p)) == 0
+    monkeypatch.delenv("DSV4LAB_DECODE_DISPATCH")
+    p.write_text(json.dumps(_dispatch_doc(gemv=[dict(shape="x", batch=1, choice=dict(impl="triton", blk=3))])))
+    with pytest.raises(DispatchError, match=r"gemv\[0\]: unknown field\(s\) blk"):
+        DecodeDispatch.load(p)
+    p.write_text("{")
+    with pytest.raises(DispatchError, match="not valid JSON"):
+        DecodeDispatch.load(p)
+    with pytest.raises(DispatchError, match="does not exist"):
+        DecodeDispatch.load(tmp_path / "missing.json")
+
+
+def test_backend_follows_the_dispatch():
+    """A dispatch entry selects the route and geometry the backend launches (the result stays within bound);
+    without one the documented default (the dot route, K split to ~2 programs per SM) runs."""
+    from dsv4lab.engine.decode_dispatch import DecodeDispatch
+    from dsv4lab.engine.triton_backend import DecodeConfig, TritonOps
+    cfg = DecodeConfig(dispatch=DecodeDispatch(_dispatch_doc(), "test"))
+    assert cfg.gemv_geometry(96, 256, 1)[:2] == ("triton", "fma")
+    assert cfg.gemv_geometry(96, 256, 1)[2].split_k == 2
+    impl, route, geo = DecodeConfig().gemv_geometry(96, 256, 1)
+    assert (impl, route) == ("triton", "dot") and geo.split_k >= 1
+    assert cfg.moe_choice(3)[0] == "fma" and cfg.moe_choice(3)[1].block_n_up == 32
+    ops = TritonOps(Numerics(), cfg)
+    g = torch.Generator().manual_seed(5)
+    lin = make_linear("fp8", 96, 256, g)
+    x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+    res = within_bound(ops.linear(x, lin), x, lin.weight, lin.scale, "fma")
+    assert res.ok, res.line()
+
+
+def test_accumulation_probe_separates_fp32_from_a_narrow_accumulator():
+    """The probe the benchmark runs on cuBLAS: an fp32 sum passes the bound, a 13-bit-mantissa accumulator (what
+    Hopper's FP8 tensor cores keep) fails it, and the kernels pass it."""
+    from dsv4lab.bench.decode import accumulation_probe
+    x, w, s = accumulation_probe(64, 1024, 1, "cpu")
+    exact = gemv.reference_fp8_gemv(x, w, s, True, torch.float64)
+    assert torch.allclose(exact, torch.full_like(exact, 8 * 127 * 2.0 ** -9))
+    assert within_bound(exact.float().bfloat16(), x, w, s, "fma").ok
+    wd = quant.fp8_block_dequant(w, s, torch.float64)
+
+    def narrow(v):  # round to 13 significant bits toward zero, as a reduced-precision accumulator
+        m, e = torch.frexp(v)
+        return torch.ldexp(torch.trunc(m * 2 ** 13) / 2 ** 13, e)
+    acc = torch.zeros(64, dtype=torch.float64)
+    for k in range(1024):
+        acc = narrow(acc + wd[:, k])
+    res = within_bound(acc[None].float().bfloat16(), x, w, s, "dot")
+    assert not res.ok
+    for route in gemv.ROUTES:
+        res = within_bound(gemv.fp8_gemv(x, w, s, route=route), x, w, s, route)
+        assert res.ok, res.line()
+
+
+def test_bench_writes_the_dispatch_it_measured():
+    """The dispatch the benchmark writes picks, per shape and batch, the fastest row that passed (rows exist only
+    for variants that passed), and the backend's loader reads it back."""
+    from dsv4lab.config import get_preset
+    from dsv4lab.engine.decode_dispatch import DecodeDispatch
+    from dsv4lab.bench.decode import build_dispatch
+    a = get_preset("flash")
+    rows = [dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
+                 choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
+                             num_stages=3)),
+            dict(kernel="fp8_gemv_wq_a", variant="cublas_scaled_mm_blockwise", batch=1, time_us=6.0, pct_copy_bw=25,
+                 impl="cublas", choice=dict(impl="cublas")),
+            dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, impl="triton",
+                 choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
+                             num_stages=3)),
+            dict(kernel="moe_decode", variant="dot:n32", batch=1, time_us=40.0, pct_copy_bw=45, route="dot",
+                 geometry_fields=dict(block_n_up=32, block_n_down=32, block_k=256, slot_split=0, num_warps=2,
+                                      num_stages=3, decode="auto")),
+            dict(kernel="moe_decode", variant="torch_sum_read", batch=1, time_us=20.0, pct_copy_bw=90,
+                 route="baseline")]
+    doc = dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc", rows=rows)
+    d = DecodeDispatch(build_dispatch(doc, a), "test")
+    assert d.gemv(1024, 4096, 1, "fp8", True, 1).impl == "cublas"  # faster and passed
+    assert d.gemv(1024, 4096, 1, "fp8", True, 4).route == "dot"  # batch 8's choice
+    assert d.moe(1).route == "dot" and d.moe(1).block_n_up == 32  # never the baseline
+
+
+# ------------------------------------------------------------------------------------------ GPU, real widths
+def _projections():
+    from dsv4lab.config import get_preset
+    from dsv4lab.bench.decode import projections
+    return projections(get_preset("flash"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", gemv.ROUTES)
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_gpu_every_projection_within_bound(route, M):
+    from dsv4lab.bench.common import random_fp8_linear
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    for name, (N, Kg, G, aq) in _projections().items():
+        lin = random_fp8_linear(N, Kg, "cuda", gen, act_quant=aq)
+        x = (torch.randn(M, Kg * G, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        out = gemv.fp8_gemv(x, lin.weight, lin.scale, aq, groups=G, route=route,
+                            geometry=gemv.GemvGeometry(block_n=32, block_k=256, split_k=4))
+        res = within_bound(out, x, lin.weight, lin.scale, route, aq, G, name=f"{name}[{route}] M={M}")
+        assert res.ok, res.line()
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_choices_hold_their_bound():
+    """Every cuBLAS choice in the committed dispatch file is within the bound of the own kernel it replaces
+    (the tensor-core bound γ(4K)), on fresh inputs — the file was written by a run that checked it."""
+    from dsv4lab.engine.decode_dispatch import DEFAULT_PATH
+    from dsv4lab.bench.common import random_fp8_linear
+    if not DEFAULT_PATH.exists():
+        pytest.skip(f"no {DEFAULT_PATH.name} committed yet")
+    doc = json.loads(DEFAULT_PATH.read_text())
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    for e in doc["gemv"]:
+        if e["choice"]["impl"] != "cublas":
+            continue
+        n, k, groups, weight, aq = e["n"], e["k"], e["groups"], e["weight"], e["act_quant"]
+        lin = random_fp8_linear(n, k, "cuda", gen, act_quant=aq)
+        if weight == "bf16":
+            lin._buffers["weight"] = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+            lin._buffers["scale"] = None
+        x = (torch.randn(e["batch"], k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        out_dtype = torch.float32 if weight == "bf16" else torch.bfloat16
+        mm_out = torch.bfloat16 if e["choice"].get("cublas_out") == "bfloat16" else torch.float32
+        out = gemv.cublas_linear(x, lin.weight, lin.scale, aq, out_dtype, mm_out_dtype=mm_out)
+        res = within_bound(out, x, lin.weight, lin.scale, "dot", aq, out_dtype=out_dtype, name=f"cublas {e['shape']}")
+        assert res.ok, res.line()
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_equals_eager():
+    g = torch.Generator().manual_seed(6)
+    lin = make_linear("fp8", 4096, 8192, g)
+    w, s = lin.weight.cuda(), lin.scale.cuda()
+    x = torch.randn(3, 8192, generator=g).to(torch.bfloat16).cuda()
+    geo = gemv.GemvGeometry(block_n=32, block_k=256, split_k=8)
+    eager = gemv.fp8_gemv(x, w, s, route="dot", geometry=geo)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.fp8_gemv(x, w, s, route="dot", geometry=geo)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
