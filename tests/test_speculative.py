@@ -14,7 +14,7 @@ from dsv4lab.config import get_preset
 from dsv4lab.engine.sampling import trajectory_hash
 from dsv4lab.engine.speculative import SpeculativeDecoder, generate_speculative, max_draft_tokens
 from dsv4lab.random_checkpoint import RandomCheckpoint
-from dsv4lab.train import TrainingOps, lm_losses
+from dsv4lab.train.trainer import TrainingOps, lm_losses
 from dsv4lab.verify.model import fixed_sequence, kl_per_position
 from dsv4lab.verify.speculative import critical_positions, rollback_vs_recompute
 

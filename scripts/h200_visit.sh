@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One H200 visit: the named parts, in order, each under its own time limit, every log and JSON under runs/h200/,
+# packed into $OUT/h200_runs.tgz (when OUT is set) with a summary table printed last.
+#
+#     bash scripts/h200_visit.sh PART[:SECONDS] ...        # from the repository root on the GPU machine
+#
+# PART (default limit in seconds):
+#   tests (300)     pytest -m gpu over the whole suite (4 workers: compilation is the cost)
+#   verify (300)    verify model with the Triton backend on data/tiny-py and data/tiny (must PASS), and the three
+#                   faulted runs (must FAIL naming the stage) — scripts/h200_verify.sh models faults
+#   generate (90)   dsv4lab generate on data/tiny-py through the graph-captured decode step, and the reference's ids
+#   decode (180)    bench kernels --suite decode --quick (writes the measured dispatch too)
+#   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30)
+#   prefill (150)   bench kernels --suite prefill --quick
+#   prefill_full    bench kernels --suite prefill (full)
+#   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options)
+#   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
+set -u
+cd "$(dirname "$0")/.."
+R=runs/h200
+mkdir -p "$R"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/runs/triton-cache
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1
+{ python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| triton', triton.__version__, '|', torch.cuda.get_device_name())"; git rev-parse --short HEAD 2>/dev/null
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader; } \
+    | tee "$R/versions.log"
+
+summary=()
+part() {  # name limit command...
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$R/$name.log" 2>&1
+    local rc=$?
+    local tail_line
+    tail_line=$(grep -E 'PASS|FAIL|passed|failed|wrote|error|Error|as expected|UNEXPECTED' "$R/$name.log" | tail -2 \
+        | tr '\n' ' ' | cut -c1-220)
+    summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$tail_line")")
+}
+
+for spec in "$@"; do
+    name=${spec%%:*}
+    limit=${spec#*:}
+    [ "$limit" = "$spec" ] && limit=""
+    case $name in
+        tests) part tests "${limit:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 4 tests ;;
+        verify) part verify "${limit:-300}" bash scripts/h200_verify.sh "$R/verify" models faults ;;
+        generate) part generate "${limit:-90}" bash -c "python3 -m dsv4lab generate --checkpoint data/tiny-py \
+            --backend triton --device cuda --prompt 'def __init__(self' --max-new-tokens 48 --json && \
+            python3 -m dsv4lab generate --checkpoint data/tiny-py --backend reference --device cuda \
+            --prompt 'def __init__(self' --max-new-tokens 48 --json" ;;
+        decode) part decode "${limit:-180}" python3 -m dsv4lab bench kernels --suite decode --quick \
+            --out "$R/decode_kernels_quick.json" --dispatch-out "$R/decode_dispatch.json" ;;
+        decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
+            --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" ;;
+        prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
+            --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json" ;;
+        prefill_full) part prefill_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite prefill \
+            --budget-s $(( ${limit:-420} - 30 )) --out "$R/prefill_kernels.json" ;;
+        e2e) part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
+            --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
+        spec) part spec "${limit:-150}" python3 scripts/measure_speculative.py --gpu-step-cost --layers 30 \
+            --out "$R/speculative_steps.json" ;;
+        *) echo "unknown part $name" >&2 ;;
+    esac
+done
+
+printf '%s\n' "${summary[@]}" | tee "$R/summary.txt"
+if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/h200_runs.tgz" --exclude='runs/h200/**/*.safetensors' "$R"
+    cp "$R/summary.txt" "$OUT/summary.txt"
+fi
