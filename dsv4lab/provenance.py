@@ -46,10 +46,14 @@ def _git(*args: str, root: Path = REPO_ROOT) -> str | None:
 
 
 def git_state(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """``{commit, short, dirty}`` of the working tree the package runs from (``None`` fields outside a checkout).
+    """``{commit, short, dirty}`` of the working tree the package runs from (``None`` fields outside a checkout);
+    ``DSV4LAB_COMMIT`` (and ``DSV4LAB_DIRTY=1``) name it for a copy that carries no usable history.
 
     ``dirty`` is true when tracked files differ from the commit or untracked, non-ignored files exist: either can
     change what a result says."""
+    pinned = os.environ.get("DSV4LAB_COMMIT")  # a copy of the tree without its history (a GPU machine's)
+    if pinned:
+        return dict(commit=pinned, short=pinned[:7], dirty=os.environ.get("DSV4LAB_DIRTY") == "1")
     commit = _git("rev-parse", "HEAD", root=root)
     if commit is None:
         return dict(commit=None, short=None, dirty=None)

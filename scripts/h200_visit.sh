@@ -2,7 +2,7 @@
 # One H200 visit: the named parts, in order, each under its own time limit, every log and JSON under runs/h200/,
 # packed into $OUT/h200_runs.tgz (when OUT is set) with a summary table printed last.
 #
-#     bash scripts/h200_visit.sh PART[:SECONDS] ...        # from the repository root on the GPU machine
+#     DSV4LAB_COMMIT=<sha> bash scripts/h200_visit.sh PART[:SECONDS] ...   # repository root, GPU machine
 #
 # PART (default limit in seconds):
 #   tests (300)     pytest -m gpu over the whole suite (4 workers: compilation is the cost)
@@ -22,9 +22,9 @@ mkdir -p "$R"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/runs/triton-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1
 { python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| triton', triton.__version__, '|', torch.cuda.get_device_name())"; git rev-parse --short HEAD 2>/dev/null
-  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader; } \
+'| triton', triton.__version__, '|', torch.cuda.get_device_name())";   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader; } \
     | tee "$R/versions.log"
+echo "commit ${DSV4LAB_COMMIT:-unknown (set DSV4LAB_COMMIT: the machine's copy has no usable history)}" >> "$R/versions.log"
 
 summary=()
 part() {  # name limit command...
@@ -44,7 +44,7 @@ for spec in "$@"; do
     limit=${spec#*:}
     [ "$limit" = "$spec" ] && limit=""
     case $name in
-        tests) part tests "${limit:-300}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider -n 4 tests ;;
+        tests) part tests "${limit:-300}" python3 -m pytest -m gpu -v -rs -p no:cacheprovider -n 4 --timeout=240 tests ;;
         verify) part verify "${limit:-300}" bash scripts/h200_verify.sh "$R/verify" models faults ;;
         generate) part generate "${limit:-90}" bash -c "python3 -m dsv4lab generate --checkpoint data/tiny-py \
             --backend triton --device cuda --prompt 'def __init__(self' --max-new-tokens 48 --json && \
