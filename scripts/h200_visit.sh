@@ -24,7 +24,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log"
 { python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| triton', triton.__version__, '|', torch.cuda.get_device_name())";   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader; } \
     | tee "$R/versions.log"
-echo "commit ${DSV4LAB_COMMIT:-unknown (set DSV4LAB_COMMIT: the machine's copy has no usable history)}" >> "$R/versions.log"
+echo "commit ${DSV4LAB_COMMIT:-unknown}" >> "$R/versions.log"
 
 summary=()
 part() {  # name limit command...
