@@ -7,7 +7,7 @@ from pathlib import Path
 from ..engine.loader import load
 from ..options import add_backend, add_device, resolve_device
 from .layers import first_divergence, trace_model
-from .model import golden_path_for, load_golden
+from .model import find_golden, load_golden
 from .report import md_table, write_report
 
 HELP = "per-layer, per-stage comparison (router, stage 1, activation, stage 2, MoE, attention, compressor, indexer, mHC)"
@@ -27,7 +27,7 @@ def add_arguments(p):
 def run(args) -> int:
     device = resolve_device(args.device)
     runner = load(args.checkpoint, device=device, backend=args.backend, max_batch=1, repairs=args.repairs)
-    gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
+    gpath = Path(args.golden) if args.golden else find_golden(args.checkpoint)
     if args.against_reference:
         ref = load(args.checkpoint, device=device, backend="reference", max_batch=1, repairs=args.repairs)
         ids = load_golden(gpath)["layers"]["input_ids"] if gpath.exists() else list(range(2, 98))
