@@ -24,13 +24,14 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import quant
 from .config import ConfigError, ModelArgs, ceil_div
 from .errors import CheckpointError
 from .provenance import file_sha256
+from .tokenizer import load_tokenizer
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -238,44 +239,123 @@ class TensorInfo:
         return self.end - self.begin
 
 
-def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], list[str]]:
-    """Parse one shard's header without reading data. Returns (tensors, metadata, problems)."""
-    problems: list[str] = []
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+@dataclass
+class ShardHeader:
+    """One shard's header as read without touching its data.
+
+    ``problem`` is set when the safetensors library would refuse the whole file (it is missing, truncated, its
+    header is not JSON, or the header does not tile the data exactly); then ``tensors`` is empty, because none
+    of them can be read.
+    """
+
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    problem: str | None = None
+
+
+def read_safetensors_header(path: Path) -> ShardHeader:
+    """Parse and check one shard's header the way the safetensors library will when the shard is opened."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
-                return {}, {}, [f"{path.name}: file is truncated ({size} bytes, no safetensors header)"]
+                return ShardHeader(problem=f"truncated ({size} bytes, no safetensors header)")
             (n,) = struct.unpack("<Q", head)
-            if n > 100_000_000 or 8 + n > size:
-                return {}, {}, [f"{path.name}: header length {n} does not fit the file size {size} (truncated or corrupt)"]
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                return ShardHeader(problem=f"header length {n} does not fit the file size {size} (truncated or "
+                                           "corrupt)")
             raw = fh.read(n)
     except OSError as err:
-        return {}, {}, [f"{path.name}: cannot read ({err})"]
+        return ShardHeader(problem=f"cannot read ({err.strerror or err})")
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return {}, {}, [f"{path.name}: header is not valid JSON ({err})"]
-    meta = header.pop("__metadata__", {}) or {}
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        return ShardHeader(problem=f"header is not valid JSON ({err})")
+    if not isinstance(header, dict):
+        return ShardHeader(problem=f"header is a JSON {type(header).__name__}, expected an object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return ShardHeader(problem="header __metadata__ must map names to strings")
     data_start = 8 + n
-    out: dict[str, TensorInfo] = {}
-    for name, h in header.items():
-        try:
-            b, e = h["data_offsets"]
-            info = TensorInfo(name, h["dtype"], tuple(h["shape"]), path.name, data_start + b, data_start + e)
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"{name}: malformed header entry in {path.name}")
-            continue
-        if info.end > size:
-            problems.append(f"{name}: data ends at byte {info.end} but {path.name} has {size} bytes (shard truncated)")
-        numel = 1
-        for d in info.shape:
-            numel *= d
-        if info.dtype in DTYPE_SIZE and numel * DTYPE_SIZE[info.dtype] != info.nbytes:
-            problems.append(f"{name}: header of {path.name} gives {info.nbytes} bytes for {info.dtype}{list(info.shape)}")
-        out[name] = info
-    return out, meta, problems
+    tensors: dict[str, TensorInfo] = {}
+    problems: list[str] = []
+    for name, entry in header.items():
+        info = _tensor_info(name, entry, path.name, data_start)
+        if isinstance(info, str):
+            problems.append(info)
+        else:
+            tensors[name] = info
+    problems += _tiling_problems(sorted(tensors.values(), key=lambda i: (i.begin, i.end)), data_start, size)
+    if problems:
+        more = f" (and {len(problems) - 1} more header problem(s))" if len(problems) > 1 else ""
+        return ShardHeader(metadata=meta, problem=problems[0] + more)
+    return ShardHeader(tensors, meta)
+
+
+def _tensor_info(name: str, entry, file: str, data_start: int) -> TensorInfo | str:
+    """The entry of one tensor, or what is wrong with it."""
+    if not isinstance(entry, dict):
+        return f"header entry of {name} is not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZE:
+        return f"header gives {name} the unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return f"header gives {name} the shape {shape!r}, expected a list of non-negative integers"
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]):
+        return f"header gives {name} the data_offsets {offsets!r}, expected [begin, end] with 0 <= begin <= end"
+    info = TensorInfo(name, dtype, tuple(shape), file, data_start + offsets[0], data_start + offsets[1])
+    numel = 1
+    for d in info.shape:
+        numel *= d
+    if numel * DTYPE_SIZE[dtype] != info.nbytes:
+        return (f"header gives {name} {info.nbytes} bytes for {dtype}{list(shape)} "
+                f"({numel * DTYPE_SIZE[dtype]} expected)")
+    return info
+
+
+def _tiling_problems(infos: list[TensorInfo], data_start: int, size: int) -> list[str]:
+    """The data must be the tensors end to end, from the header's end to the file's end, as safetensors requires."""
+    at = data_start
+    for info in infos:
+        if info.begin != at:
+            kind = "overlaps the previous tensor" if info.begin < at else "leaves a gap after the previous tensor"
+            return [f"{info.name} starts at byte {info.begin} and {kind} (which ends at {at})"]
+        at = info.end
+    if at > size:
+        beyond = [i.name for i in infos if i.end > size]
+        return [f"truncated: {size:,} bytes, the header describes {at:,} ({len(beyond)} tensor(s) end beyond the "
+                f"file, first {beyond[0]})"]
+    if at < size:
+        return [f"{size - at:,} bytes after the last tensor's data that the header does not describe"]
+    return []
+
+
+def _read_index(folder: Path, index: Path) -> tuple[dict[str, str], int]:
+    """``(weight_map, total_size)`` of ``model.safetensors.index.json`` (total_size -1 when absent), every shard
+    name checked to be a plain file name inside the checkpoint folder."""
+    try:
+        idx = json.loads(index.read_text())
+        weight_map = idx["weight_map"]
+        total = (idx.get("metadata") or {}).get("total_size", -1)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(folder, [f"{INDEX_NAME}: unreadable index ({type(err).__name__}: {err})"]) from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(folder, [f"{INDEX_NAME}: weight_map is a JSON {type(weight_map).__name__}, expected an "
+                                       "object mapping tensor names to shard files"])
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+            raise CheckpointError(folder, [f"{INDEX_NAME}: weight_map gives {name} the shard {shard!r}, expected a "
+                                           "file name inside the checkpoint folder"])
+    if isinstance(total, bool) or not isinstance(total, int):
+        raise CheckpointError(folder, [f"{INDEX_NAME}: metadata.total_size is {total!r}, expected an integer"])
+    return dict(weight_map), total
 
 
 class TensorTable:
@@ -314,14 +394,10 @@ class Checkpoint(TensorTable):
             raise CheckpointError(path, [str(err)]) from None
         self.problems: list[str] = []
         self.metadata: dict[str, dict] = {}
+        self.bad_shards: dict[str, str] = {}  # shard file → why none of its tensors can be read
         index = self.path / INDEX_NAME
         if index.exists():
-            try:
-                idx = json.loads(index.read_text())
-                self.weight_map: dict[str, str] = dict(idx["weight_map"])
-                self.index_total_size = int(idx.get("metadata", {}).get("total_size", -1))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-                raise CheckpointError(path, [f"{INDEX_NAME}: unreadable index ({err})"]) from None
+            self.weight_map, self.index_total_size = _read_index(self.path, index)
             files = sorted(set(self.weight_map.values()))
         elif (self.path / SINGLE_NAME).exists():
             files, self.weight_map, self.index_total_size = [SINGLE_NAME], {}, -1
@@ -331,19 +407,29 @@ class Checkpoint(TensorTable):
         self.tensors: dict[str, TensorInfo] = {}
         for f in files:
             fp = self.path / f
-            if not fp.exists():
-                self.problems.append(f"{f}: shard listed in the index is missing")
+            shard = read_safetensors_header(fp) if fp.is_file() else ShardHeader(
+                problem="shard listed in the index is missing (or not a file)")
+            self.metadata[f] = shard.metadata
+            if shard.problem is not None:
+                self.bad_shards[f] = shard.problem
+                takes = sum(1 for v in self.weight_map.values() if v == f)
+                self.problems.append(f"{f}: {shard.problem}; " + (
+                    f"the {takes} tensor(s) the index maps to it are unavailable" if self.weight_map
+                    else "it is the only shard: no tensor is available"))
                 continue
-            found, meta, probs = read_safetensors_header(fp)
-            self.metadata[f] = meta
-            self.problems += probs
-            for name, info in found.items():
+            for name, info in shard.tensors.items():
                 if name in self.tensors:
                     self.problems.append(f"{name}: present in both {self.tensors[name].file} and {f}")
                 self.tensors[name] = info
         if not self.weight_map:
             self.weight_map = {n: i.file for n, i in self.tensors.items()}
         self._handles: dict[str, object] = {}
+
+    def shard_of(self, name: str) -> str | None:
+        """The shard file a tensor is in, or where the index says it should be."""
+        if name in self.tensors:
+            return self.tensors[name].file
+        return self.weight_map.get(name) or (SINGLE_NAME if self.files == [SINGLE_NAME] else None)
 
     # ------------------------------------------------------------------ access
     def info(self, name: str) -> TensorInfo:
@@ -354,7 +440,10 @@ class Checkpoint(TensorTable):
 
     def _handle(self, file: str):
         if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+            try:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt", device="cpu")
+            except (OSError, SafetensorError) as err:  # changed on disk since its header was read
+                raise CheckpointError(self.path, [f"{file}: cannot be opened ({err})"]) from None
         return self._handles[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -377,9 +466,10 @@ class Checkpoint(TensorTable):
         self._handles.clear()
 
     # ------------------------------------------------------------------ validation
-    def validate(self, scan_scales: bool = True, progress: bool = False) -> "ValidationReport":
-        """Check every expected tensor's presence, dtype and shape, the index, and (optionally) every E8M0
-        scale byte for NaN (0xFF). Returns a report; nothing is raised."""
+    def validate(self, scan_values: bool = True, progress: bool = False) -> "ValidationReport":
+        """Check every expected tensor's presence, dtype and shape, the index, the tokenizer, and (optionally) every
+        stored value (:meth:`scan_values`). Returns a report; nothing is raised. A shard that cannot be read is
+        one problem, counting the tensors it takes with it, not one line per tensor."""
         rep = ValidationReport(path=str(self.path))
         rep.problems += self.problems
         expected = expected_tensors(self.args)
@@ -387,6 +477,8 @@ class Checkpoint(TensorTable):
         for s in expected:
             info = self.tensors.get(s.name)
             if info is None:
+                if self.shard_of(s.name) in self.bad_shards:
+                    continue  # counted in its shard's problem
                 in_index = s.name in self.weight_map
                 rep.problems.append(
                     f"{s.name}: missing (expected {s.dtype}{list(s.shape)}"
@@ -404,35 +496,128 @@ class Checkpoint(TensorTable):
         for name in sorted(set(self.tensors) - exp_names):
             rep.warnings.append(f"{name}: unexpected tensor in {self.tensors[name].file} (ignored)")
         for name in sorted(set(self.weight_map) - set(self.tensors)):
-            if name not in exp_names:
+            if name not in exp_names and self.weight_map[name] not in self.bad_shards:
                 rep.problems.append(f"{name}: listed in {INDEX_NAME} ({self.weight_map[name]}) but in no shard")
         found_bytes = sum(i.nbytes for i in self.tensors.values())
-        if self.index_total_size >= 0 and self.index_total_size != found_bytes:
+        if self.index_total_size >= 0 and self.index_total_size != found_bytes and not self.bad_shards:
             rep.warnings.append(f"{INDEX_NAME}: metadata.total_size {self.index_total_size:,} != "
                                 f"{found_bytes:,} bytes found in the shards")
-        if scan_scales:
-            rep.problems += self.scan_nan_scales(progress=progress)
+        rep.problems += self.tokenizer_problems()
+        if scan_values:
+            rep.problems += self.scan_values(progress=progress)
         component = {s.name: s.component for s in expected}
         rep.inventory = Inventory.of(
             [TensorSpec(i.name, i.dtype, i.shape, component.get(i.name, "unexpected"), None)
              for i in self.tensors.values()])
         return rep
 
-    def scan_nan_scales(self, progress: bool = False) -> list[str]:
-        """Every E8M0 tensor holding a 0xFF (NaN) byte, with the first offending index."""
-        names = [n for n, i in sorted(self.tensors.items()) if i.dtype == "F8_E8M0"]
-        out = []
-        for name in _progress(names, progress, "scanning E8M0 scales"):
-            info = self.tensors[name]
-            if info.end > (self.path / info.file).stat().st_size:
-                continue  # reported as truncation already
-            raw = self.raw_bytes(name)
-            hits = np.flatnonzero(raw == 255)
-            if hits.size:
-                pos = np.unravel_index(int(hits[0]), info.shape) if info.shape else ()
-                out.append(f"{name}: {hits.size} scale byte(s) are 0xFF (NaN) in {info.file}, first at "
-                           f"{[int(p) for p in pos]}")
+    def tokenizer_problems(self) -> list[str]:
+        """What makes the checkpoint's ``tokenizer.json`` unusable with its model (none when it ships none)."""
+        try:
+            tok = load_tokenizer(self.path)
+        except CheckpointError as err:
+            return err.problems
+        if tok is None:
+            return []
+        return tok.problems(self.args.vocab_size, self.args.bos_token_id, self.args.eos_token_id)
+
+    def scan_values(self, progress: bool = False) -> list[str]:
+        """Every tensor holding a value it must not: NaN or Inf in a floating tensor, a 0xFF (NaN) E8M0 scale, a NaN
+        FP8 byte, an expert id out of range in a hash-routing table; each with its count and first index.
+
+        The shards are read once, in chunks, straight from the file (nothing is converted); ``progress`` shows a
+        bar over the bytes. A shard whose header is broken is skipped (it is reported already).
+        """
+        in_file_order = sorted(self.tensors.values(), key=lambda i: (i.file, i.begin))
+        checks = [(info, check) for info in in_file_order if info.nbytes
+                  for check in [_value_check(info, self.args)] if check is not None]
+        bar = _byte_progress(sum(info.nbytes for info, _ in checks), progress, f"scanning {self.path.name}")
+        out, files = [], {}
+        try:
+            for info, check in checks:
+                if info.file not in files:
+                    files[info.file] = np.memmap(self.path / info.file, dtype=np.uint8, mode="r")
+                finding = _scan_tensor(info, files[info.file], check, bar)
+                if finding:
+                    out.append(finding)
+        finally:
+            if bar is not None:
+                bar.close()
+            files.clear()
         return out
+
+
+# ------------------------------------------------------------------------------------------ value scan
+SCAN_CHUNK_BYTES = 64 << 20
+
+# A floating value is NaN or Inf when its exponent bits are all ones: (unsigned view, exponent mask, mantissa mask).
+_FLOAT_BITS = {
+    "BF16": (np.uint16, 0x7F80, 0x007F),
+    "F16": (np.uint16, 0x7C00, 0x03FF),
+    "F32": (np.uint32, 0x7F80_0000, 0x007F_FFFF),
+    "F64": (np.uint64, 0x7FF0_0000_0000_0000, 0x000F_FFFF_FFFF_FFFF),
+}
+
+
+def _value_check(info: TensorInfo, args: ModelArgs):
+    """What :func:`_scan_tensor` looks for in one tensor: a function of a chunk → (bad mask, NaN mask or None), and
+    the words that describe a hit; None for tensors with no invalid values (packed FP4, other integers)."""
+    if info.dtype in _FLOAT_BITS:
+        utype, exp, man = _FLOAT_BITS[info.dtype]
+
+        def floats(raw):
+            bits = raw.view(utype)
+            bad = (bits & utype(exp)) == utype(exp)
+            return bad, (bits & utype(man)) != 0
+        return floats, f"non-finite {info.dtype} value(s)"
+    if info.dtype == "F8_E8M0":
+        return (lambda raw: (raw == 0xFF, None)), "scale byte(s) are 0xFF (NaN)"
+    if info.dtype == "F8_E4M3":
+        return (lambda raw: ((raw & 0x7F) == 0x7F, None)), "FP8 byte(s) are NaN (0x7F/0xFF)"
+    if info.dtype == "I64" and info.name.endswith(".gate.tid2eid"):
+        n = args.n_routed_experts
+
+        def expert_ids(raw):
+            ids = raw.view("<i8")
+            return (ids < 0) | (ids >= n), None
+        return expert_ids, f"expert id(s) outside [0, {n})"
+    return None
+
+
+def _scan_tensor(info: TensorInfo, data: np.ndarray, check, bar) -> str | None:
+    """One line describing the invalid values of a tensor (None when it has none), read chunk by chunk."""
+    test, words = check
+    item = DTYPE_SIZE[info.dtype]
+    step = max(item, SCAN_CHUNK_BYTES // item * item)
+    count = nans = 0
+    first = None
+    for at in range(info.begin, info.end, step):
+        raw = data[at:min(at + step, info.end)]
+        bad, nan = test(raw)
+        hits = int(np.count_nonzero(bad))
+        if hits:
+            count += hits
+            if nan is not None:
+                nans += int(np.count_nonzero(bad & nan))
+            if first is None:
+                first = (at - info.begin) // item + int(np.flatnonzero(bad)[0])
+        if bar is not None:
+            bar.update(len(raw))
+    if not count:
+        return None
+    pos = [int(p) for p in np.unravel_index(first, info.shape)] if info.shape else []
+    split = f" ({nans} NaN, {count - nans} Inf)" if info.dtype in _FLOAT_BITS else ""
+    return f"{info.name}: {count} {words}{split} in {info.file}, first at {pos}"
+
+
+def _byte_progress(total: int, enabled: bool, desc: str):
+    if not enabled or not total:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency, but progress must never be the reason a scan fails
+        return None
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
 
 
 @dataclass

@@ -311,7 +311,12 @@ class ModelArgs:
         if not path.exists():
             raise ConfigError(f"{path}: no config.json (is this a checkpoint directory?)")
         cfg = read_json(path, ConfigError)
-        return cls.from_hf_config(cfg, source=str(path), **overrides)
+        try:
+            return cls.from_hf_config(cfg, source=str(path), **overrides)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, AttributeError) as err:  # a wrong JSON type where a number/list/object belongs
+            raise ConfigError(f"{path}: a value has the wrong type ({err})") from None
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF ``config.json`` of this model (keys in the order the real file uses)."""

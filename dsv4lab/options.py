@@ -11,11 +11,16 @@ prints one line naming the valid choices and exits 2 (see :mod:`dsv4lab.cli`).
 * ``--preset`` one of :data:`dsv4lab.config.PRESETS`;
 * ``--hardware`` a catalogue entry (``data/hardware/NAME.yaml``) or a path to a YAML file.
 
+Numeric flags take their range from :func:`int_range` and :func:`float_range` (``type=int_range(1)``), so an
+out-of-range value is refused the same way as a wrong choice: ``argument --max-new-tokens: must be an integer
+>= 1, got 0``. A device the machine does not have is refused by :func:`resolve_device` in one line.
+
 Nothing here imports torch until a value is resolved, so building the parser stays instant.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from pathlib import Path
 
@@ -51,11 +56,58 @@ def device_name(text: str) -> str:
 
 
 def resolve_device(name: str | None) -> str:
-    """``auto`` (or None) → ``cuda`` when a GPU is visible, else ``cpu``; any other name as given."""
+    """``auto`` (or None) → ``cuda`` when a GPU is visible, else ``cpu``; any other name as given once this
+    machine is known to have it (otherwise :class:`~dsv4lab.errors.RequestError` says why, in one line)."""
     if name in (None, "auto"):
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
+    from .engine.device import check_device  # imports torch: only when a device is resolved
+    check_device(name)
     return name
+
+
+def _interval(lo, hi, lo_open: bool = False, hi_open: bool = False) -> str:
+    """``>= 1``, ``in (0, 1]``: the range an option's value must be in, as its error message says it."""
+    def num(v) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+    if hi is None:
+        return f"{'>' if lo_open else '>='} {num(lo)}"
+    if lo is None:
+        return f"{'<' if hi_open else '<='} {num(hi)}"
+    return f"in {'(' if lo_open else '['}{num(lo)}, {num(hi)}{')' if hi_open else ']'}"
+
+
+def int_range(lo: int | None = None, hi: int | None = None):
+    """An argparse ``type`` for an integer in ``[lo, hi]`` (an end left None is open): ``type=int_range(1)``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be an integer {_interval(lo, hi)}, got {value}")
+        return value
+    return parse
+
+
+def float_range(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False,
+                finite: bool = True):
+    """An argparse ``type`` for a number in ``[lo, hi]`` (``lo_open``/``hi_open`` exclude an end; None leaves it
+    unbounded; NaN is never accepted, infinity only with ``finite=False``): ``float_range(0, 1, lo_open=True)``
+    for a top-p."""
+    what = "a finite number" if finite else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        below = lo is not None and (value <= lo if lo_open else value < lo)
+        above = hi is not None and (value >= hi if hi_open else value > hi)
+        if math.isnan(value) or (finite and math.isinf(value)) or below or above:
+            raise argparse.ArgumentTypeError(f"must be {what} {_interval(lo, hi, lo_open, hi_open)}, got {text}")
+        return value
+    return parse
 
 
 def hardware_name(text: str) -> str:
@@ -110,4 +162,5 @@ SHARED_OPTIONS = ("backend", "dtype", "device", "preset", "hardware")
 """The destinations the functions above own; ``tests/test_cli.py`` checks no command declares them by hand."""
 
 __all__ = ["DTYPES", "add_backend", "add_dtype", "add_device", "add_preset", "add_hardware", "torch_dtype",
-           "resolve_device", "dtype_name", "device_name", "hardware_name", "SHARED_OPTIONS"]
+           "resolve_device", "dtype_name", "device_name", "hardware_name", "int_range", "float_range",
+           "SHARED_OPTIONS"]

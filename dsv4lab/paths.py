@@ -70,6 +70,12 @@ def _read(path: Path, error: type[Exception], parse, invalid: type[Exception], l
         return parse(path.read_text())
     except FileNotFoundError:
         raise error(f"{path}: no such file") from None
+    except OSError as err:  # a folder, no permission
+        raise error(f"{path}: cannot be read ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise error(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except RecursionError:
+        raise error(f"{path}: not valid {language} (nested too deeply)") from None
     except invalid as err:
         raise error(f"{path}: not valid {language} ({err})") from None
 

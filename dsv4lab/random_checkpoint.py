@@ -90,7 +90,7 @@ class RandomCheckpoint(TensorTable):
         """Rows (dim 0) or columns (dim 1) ``[start, stop)`` of the whole tensor: every split sees one model."""
         return self.get(name).narrow(dim, start, stop - start).contiguous()
 
-    def validate(self, scan_scales: bool = True, progress: bool = False) -> ValidationReport:
+    def validate(self, scan_values: bool = True, progress: bool = False) -> ValidationReport:
         """Nothing to check: the tensors are the inventory by construction."""
         return ValidationReport(self.path, [])
 

@@ -16,6 +16,7 @@ from conftest import TINY
 from dsv4lab.checkpoint import Checkpoint, expected_tensors
 from dsv4lab.collectives import CountingAllReduce, LibraryAllReduce, SizeSwitchAllReduce, make_all_reduce
 from dsv4lab.config import get_preset
+from dsv4lab.engine.sampling import finish_reason
 from dsv4lab.parallel import Layout, ParallelError, ParallelPlan, check_split, run_parallel
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -226,9 +227,11 @@ def test_torchrun_generate_prints_the_single_process_json(single_process):
     got = json.loads(lines[0])
     got.pop("seconds")
     ids = single_process["output_ids"]
-    text = dsv4lab.load(TINY, max_batch=1).tokenizer.decode(ids)
+    m = dsv4lab.load(TINY, max_batch=1)
+    text = m.tokenizer.decode(ids)
+    reason = finish_reason(ids, len(PROMPT), NEW_TOKENS, m.args.max_seq_len, m.args.eos_token_id)
     assert got == dict(prompt_ids=PROMPT, output_ids=ids, hash=single_process["hash"], text=text,
-                       backend="reference", dtype="bf16", decode=dict(path="eager"))
+                       backend="reference", dtype="bf16", finish_reason=reason, decode=dict(path="eager"))
     assert "loaded" in tp.stderr and "all-reduces per decode token: 15" in tp.stderr
 
 

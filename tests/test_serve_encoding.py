@@ -186,7 +186,10 @@ def test_incremental_detokenizer_matches_full_decode(tiny_path):
 
 
 def test_protocol_errors_have_vllm_wording_and_params():
-    from dsv4lab.serve.protocol import APIError, check_context, check_max_tokens
+    from types import SimpleNamespace
+
+    from dsv4lab.serve.limits import Limits, check_fields
+    from dsv4lab.serve.protocol import APIError, check_context
     with pytest.raises(APIError) as e:
         check_context(10, 1, 10)
     assert (e.value.status, e.value.param) == (400, "input_tokens")
@@ -196,6 +199,6 @@ def test_protocol_errors_have_vllm_wording_and_params():
     assert e.value.param == "max_tokens" and "(5 > 10 - 6)" in e.value.message
     assert check_context(6, 4, 10) == 4 and check_context(6, None, 10) == 4
     with pytest.raises(APIError) as e:
-        check_max_tokens(0)
+        check_fields(SimpleNamespace(max_tokens=0), Limits())
     assert e.value.body() == {"error": {"message": "max_tokens must be at least 1, got 0.", "type": "BadRequestError",
                                         "param": "max_tokens", "code": 400}}

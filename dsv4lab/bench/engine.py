@@ -24,7 +24,7 @@ import torch
 
 from ..checkpoint import expected_tensors
 from ..errors import UserError
-from ..options import add_backend, add_device, add_dtype, resolve_device
+from ..options import add_backend, add_device, add_dtype, int_range, resolve_device
 from ..provenance import identity, result_path, write_json
 from ..serve.server import ServerOptions, load_model
 
@@ -38,7 +38,7 @@ def add_arguments(p):
     add_dtype(p)
     p.add_argument("--batch-size", default="1,4", help="comma-separated batch sizes")
     p.add_argument("--input-len", default="32", help="comma-separated prompt lengths")
-    p.add_argument("--output-len", type=int, default=8, help="generated tokens per sequence (>= 2)")
+    p.add_argument("--output-len", type=int_range(2), default=8, help="generated tokens per sequence (>= 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON result path (default runs/bench_engine/<time>.json)")
 

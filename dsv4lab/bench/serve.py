@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..options import add_backend, add_dtype
+from ..options import add_backend, add_dtype, float_range, int_range
 from ..provenance import identity, result_path, write_json
 from ..serve.server import BackgroundServer, ServerOptions, build_app
 
@@ -45,18 +45,18 @@ def add_arguments(p):
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=16, help="requests per concurrency level")
-    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=16, help="max_tokens per request")
+    p.add_argument("--num-prompts", type=int_range(1), default=16, help="requests per concurrency level")
+    p.add_argument("--input-len", type=int_range(1), default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int_range(1), default=16, help="max_tokens per request")
     p.add_argument("--concurrency", default="1,4", help="comma-separated maximum in-flight requests (a sweep)")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
+    p.add_argument("--request-rate", type=float_range(0, lo_open=True, finite=False), default=float("inf"),
                    help="requests per second (Poisson arrivals); inf sends all at once (default)")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="let requests stop at EOS (default: ignore_eos so every request yields --output-len)")
-    p.add_argument("--vocab-size", type=int, default=None,
+    p.add_argument("--vocab-size", type=int_range(2), default=None,
                    help="id range for random prompts (default: the server's or 4096)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=float_range(0, lo_open=True), default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="JSON result path (default runs/bench_serve/<time>.json)")
 
 

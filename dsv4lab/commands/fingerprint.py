@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from ..options import float_range, int_range
 from ..provenance import write_json
 
 NAME = "fingerprint"
@@ -32,9 +33,10 @@ def add_arguments(p):
     p.add_argument("--report", metavar="JSON", help="also write the full per-class report as JSON")
     p.add_argument("--only", metavar="GLOB", action="append",
                    help="only linears matching this glob (repeatable), e.g. '*.ffn.experts.*.w2'")
-    p.add_argument("--tol", type=float, help="relative residual accepted as a match (default 1e-6 with "
+    p.add_argument("--tol", type=float_range(0, lo_open=True),
+                   help="relative residual accepted as a match (default 1e-6 with "
                    "--reference, 0.1 with --golden)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random probes")
+    p.add_argument("--seed", type=int_range(0), default=0, help="seed of the random probes")
 
 
 def run(args) -> int:

@@ -1,11 +1,14 @@
 """``dsv4lab generate`` — greedy or sampled generation from a checkpoint.
 
-With ``--json`` it prints one JSON object with ``output_ids`` and ``hash`` (the trajectory hash: first 16 hex
-digits of sha256 over the output ids as little-endian int32), plus the prompt ids, text, timing and the decode path
-the engine took (``decode``: ``graph`` — CUDA-graph replay of the fused static step, the default on a GPU with the
-Triton backend, with the seconds each batch tier's capture took — ``static`` or ``eager``). Under ``torchrun`` with
-``--tp``/``--ep`` only rank 0 prints. ``--speculative mtp`` decodes greedily with the MTP block
-drafting ``--draft-tokens`` tokens per forward (the same ids and hash; the JSON adds the acceptance counters).
+The text is printed as it is generated, followed by the output ids, the trajectory hash and why generation stopped
+(``eos``: the model wrote EOS; ``length``: ``--max-new-tokens`` reached; ``context``: the cache is full). With
+``--json`` it prints one JSON object instead, with ``output_ids``, ``hash`` (the trajectory hash: first 16 hex
+digits of sha256 over the output ids as little-endian int32), ``finish_reason``, the prompt ids, text and timing.
+The JSON also carries the decode path the engine took (``decode``: ``graph`` — CUDA-graph replay of the fused static
+step, the default on a GPU with the Triton backend, with the seconds each batch tier's capture took — ``static`` or
+``eager``). Under ``torchrun`` with ``--tp``/``--ep`` only rank 0 prints. ``--speculative mtp`` decodes greedily with
+the MTP block drafting ``--draft-tokens`` tokens per forward (the same ids and hash; the JSON adds the acceptance
+counters).
 """
 from __future__ import annotations
 
@@ -13,11 +16,13 @@ import json
 import sys
 import time
 
+from ..engine import MAX_TEMPERATURE, SEED_RANGE
 from ..errors import UserError
-from ..options import add_backend, add_device, add_dtype, resolve_device, torch_dtype
+from ..options import (add_backend, add_device, add_dtype, float_range, int_range, resolve_device,
+                       torch_dtype)
 
 NAME = "generate"
-HELP = "generate tokens from a checkpoint (--json prints output_ids and the trajectory hash)"
+HELP = "generate tokens from a checkpoint, printing the text as it goes (--json: output_ids and the trajectory hash)"
 
 
 def add_arguments(p):
@@ -25,23 +30,28 @@ def add_arguments(p):
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     g.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 5,6,7")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int_range(1), default=32,
+                   help="tokens to generate at most (default 32; generation also stops at EOS or a full cache)")
+    p.add_argument("--temperature", type=float_range(0, MAX_TEMPERATURE), default=0.0,
+                   help=f"0 = greedy (default), at most {MAX_TEMPERATURE:g}")
+    p.add_argument("--top-p", type=float_range(0, 1, lo_open=True), default=1.0,
+                   help="nucleus sampling: the probability mass kept, in (0, 1] (default 1)")
+    p.add_argument("--seed", type=int_range(*SEED_RANGE), default=None)
     p.add_argument("--no-bos", action="store_true", help="do not prepend BOS to --prompt text")
     add_backend(p)
     add_dtype(p)
     add_device(p)
-    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill the prompt in chunks of this many tokens")
+    p.add_argument("--prefill-chunk", type=int_range(1), default=None,
+                   help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "static", "eager"),
                    help="auto (default): CUDA-graph replay of the static decode step on a GPU with the triton "
                         "backend, the eager per-op forward otherwise")
     p.add_argument("--speculative", default=None, choices=("mtp",),
                    help="self-speculative greedy decoding: the MTP block drafts, the model verifies (lossless)")
-    p.add_argument("--draft-tokens", type=int, default=1, help="tokens the MTP block drafts per forward (default 1)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (run under torchrun)")
+    p.add_argument("--draft-tokens", type=int_range(1), default=1,
+                   help="tokens the MTP block drafts per forward (default 1)")
+    p.add_argument("--tp", type=int_range(1), default=1, help="tensor-parallel ranks (run under torchrun)")
+    p.add_argument("--ep", type=int_range(1), default=1, help="expert-parallel ranks (run under torchrun)")
     p.add_argument("--collective", default="auto", choices=("auto", "library", "peer_read"),
                    help="all-reduce strategy under --tp/--ep (auto: peer-read inside CUDA graphs, else library)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -57,9 +67,31 @@ def parse_ids(text: str) -> list[int]:
     return ids
 
 
+class TextStream:
+    """Prints generated text as each token completes it (``on_token`` of ``generate``), bold on a terminal."""
+
+    def __init__(self, tokenizer, out=None):
+        from ..serve.detokenizer import IncrementalDetokenizer  # the tokenizers library: only when text is shown
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.out = out or sys.stdout
+        self.tty = self.out.isatty()
+
+    def start(self, prompt_text: str) -> None:
+        self.out.write(prompt_text + ("\033[1m" if self.tty else ""))
+        self.out.flush()
+
+    def __call__(self, token_id: int) -> None:
+        self.out.write(self.detok.add(token_id))
+        self.out.flush()
+
+    def end(self) -> None:
+        self.out.write(self.detok.flush() + ("\033[0m" if self.tty else "") + "\n")
+        self.out.flush()
+
+
 def run(args) -> int:
     from ..engine.loader import load  # torch and the model: imported when the command runs, not to parse it
-    from ..engine.sampling import trajectory_hash
+    from ..engine.sampling import FINISH_REASONS, check_generation, finish_reason, trajectory_hash
     from ..engine.speculative import check_speculative, max_draft_tokens
 
     dtype = torch_dtype(args.dtype)
@@ -94,31 +126,41 @@ def run(args) -> int:
             raise UserError(f"--speculative: {args.checkpoint} has no MTP block")
         if not 1 <= args.draft_tokens <= limit:
             raise UserError(f"--draft-tokens must be in [1, {limit}] for this model, got {args.draft_tokens}")
+    cache = m.args.max_seq_len
+    check_generation(len(ids), args.max_new_tokens, cache, args.temperature, args.top_p, args.seed)
+    if rank == 0 and len(ids) + args.max_new_tokens > cache:
+        print(f"note: the cache holds {cache} positions, so at most {cache - len(ids)} of the {args.max_new_tokens} "
+              f"new tokens fit after the {len(ids)}-token prompt", file=sys.stderr)
+    stream = TextStream(m.tokenizer) if rank == 0 and not args.json and m.tokenizer is not None else None
+    if stream is not None:
+        stream.start(m.tokenizer.decode(ids))
     t0 = time.perf_counter()
     out = m.generate(ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                     prefill_chunk=args.prefill_chunk, speculative=args.speculative, draft_tokens=args.draft_tokens)
+                     prefill_chunk=args.prefill_chunk, speculative=args.speculative, draft_tokens=args.draft_tokens,
+                     on_token=stream)
     dt = time.perf_counter() - t0
+    if stream is not None:
+        stream.end()
     if rank != 0:
         return 0
+    reason = finish_reason(out, len(ids), args.max_new_tokens, cache, m.args.eos_token_id)
     text = m.tokenizer.decode(out) if m.tokenizer is not None else None
-    res = dict(prompt_ids=ids, output_ids=out, hash=trajectory_hash(out), text=text, backend=m.backend,
-               dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info())
+    res = dict(prompt_ids=ids, output_ids=out, hash=trajectory_hash(out), text=text, finish_reason=reason,
+               backend=m.backend, dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info())
     if args.speculative is not None:
         res["speculative"] = dict(method=args.speculative, draft_tokens=args.draft_tokens,
                                   **m.last_speculative_stats.to_dict())
     if args.json:
         print(json.dumps(res))
-    else:
-        if text is not None:
-            prompt_text = m.tokenizer.decode(ids)
-            print(f"{prompt_text}\033[1m{text}\033[0m" if sys.stdout.isatty() else prompt_text + text)
-        print(f"output_ids {out}")
-        print(f"hash {res['hash']}  ({len(out)} tokens in {dt:.2f} s, backend {m.backend}, {args.dtype})")
-        print(f"decode path: {describe_decode(res['decode'])}")
-        if args.speculative is not None:
-            st = m.last_speculative_stats
-            print(f"speculative {args.speculative}, {args.draft_tokens} draft token(s): acceptance "
-                  f"{st.acceptance_rate:.3f}, {st.tokens_per_cycle:.2f} tokens per model forward")
+        return 0
+    print(f"output_ids {out}")
+    print(f"hash {res['hash']}  ({len(out)} tokens in {dt:.2f} s, backend {m.backend}, {args.dtype})")
+    print(f"decode path: {describe_decode(res['decode'])}")
+    if args.speculative is not None:
+        st = m.last_speculative_stats
+        print(f"speculative {args.speculative}, {args.draft_tokens} draft token(s): acceptance "
+              f"{st.acceptance_rate:.3f}, {st.tokens_per_cycle:.2f} tokens per model forward")
+    print(f"stopped: {FINISH_REASONS[reason]}")
     return 0
 
 

@@ -1,7 +1,10 @@
 """``dsv4lab inspect PATH`` — validate a native checkpoint and print its inventory.
 
 Exit status 0 when every expected tensor is present with the right dtype and shape, no shard is truncated or
-corrupt and no E8M0 scale byte is 0xFF; otherwise 1, listing every problem (tensor or shard, expected, found).
+corrupt, the tokenizer (if any) is readable and matches the config, and no stored value is invalid (NaN or Inf in
+a floating tensor, a 0xFF E8M0 scale, a NaN FP8 byte, an expert id out of range); otherwise 1, listing every problem
+(tensor or shard, expected, found). A shard that cannot be read is one line, with the count of tensors it takes
+with it. The value scan reads every byte once (on a terminal, with a progress bar); ``--no-scan`` skips it.
 """
 from __future__ import annotations
 
@@ -9,12 +12,13 @@ import json
 import sys
 
 NAME = "inspect"
-HELP = "validate a checkpoint (presence, dtype, shape, truncation, NaN scales) and print its inventory"
+HELP = "validate a checkpoint (presence, dtype, shape, truncation, tokenizer, NaN/Inf values) and print its inventory"
 
 
 def add_arguments(p):
     p.add_argument("path", help="checkpoint folder (config.json + index + shards, or model.safetensors)")
-    p.add_argument("--no-scan", action="store_true", help="skip the scan of every E8M0 scale byte for 0xFF (NaN)")
+    p.add_argument("--no-scan", action="store_true",
+                   help="skip the scan of every stored value (NaN/Inf, 0xFF scales, NaN FP8 bytes, expert ids)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -22,7 +26,7 @@ def run(args) -> int:
     from ..checkpoint import Checkpoint
 
     ck = Checkpoint(args.path)
-    rep = ck.validate(scan_scales=not args.no_scan, progress=sys.stderr.isatty())
+    rep = ck.validate(scan_values=not args.no_scan, progress=sys.stderr.isatty())
     a = ck.args
     kinds = [a.layer_kind(i) for i in range(a.n_layers)]
     if args.json:
@@ -40,7 +44,7 @@ def run(args) -> int:
         print(f"warning: {w}")
     if rep.ok:
         print("OK: every expected tensor present with the right dtype and shape"
-              + ("" if args.no_scan else ", no NaN (0xFF) scales"))
+              + (" (values not scanned: --no-scan)" if args.no_scan else ", every stored value valid"))
         return 0
     print(f"FAILED: {len(rep.problems)} problem(s)", file=sys.stderr)
     for pr in rep.problems:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import resolve_args
 from ..errors import UserError
-from ..options import add_preset
+from ..options import add_preset, int_range
 from ..paths import DEFAULT_TOKENIZER, require
 
 NAME = "make-checkpoint"
@@ -23,9 +23,9 @@ def add_arguments(p):
     g = p.add_mutually_exclusive_group(required=True)
     add_preset(p, group=g)
     g.add_argument("--config", help="config.json (or a checkpoint folder) to take the architecture from")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_range(0), default=0)
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--shards", type=int, default=None, help="number of shards (default: >= 2, <= 4 GiB each)")
+    p.add_argument("--shards", type=int_range(1), default=None, help="number of shards (default: >= 2, <= 4 GiB each)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json to copy in (default for the tiny preset: data/tokenizers/pystdlib-bpe-4096.json)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -35,6 +35,7 @@ from typing import Any
 
 from .. import runs
 from ..errors import RunError, UserError
+from ..options import float_range
 from ..paths import NOTEBOOKS_DIR, display_path, read_yaml
 from ..provenance import source_date_epoch
 from ..runs import NOTEBOOK_ORDER, REQUIRED_PARAMETERS, resolve_checkpoint
@@ -63,7 +64,8 @@ def add_arguments(p):
     p.add_argument("--notebooks-dir", default=None,
                    help="run the notebooks of this folder instead of the repository's notebooks/")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing notebook")
-    p.add_argument("--cell-timeout", type=float, default=None, help="seconds a single cell may run (default: no limit)")
+    p.add_argument("--cell-timeout", type=float_range(0, lo_open=True), default=None,
+                   help="seconds a single cell may run (default: no limit)")
     p.add_argument("--list", action="store_true", help="list the notebooks and their parameters, then exit")
 
 

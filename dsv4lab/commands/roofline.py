@@ -13,7 +13,7 @@ import sys
 
 from ..config import get_preset, resolve_args
 from ..errors import UserError
-from ..options import add_hardware, add_preset
+from ..options import add_hardware, add_preset, int_range
 from ..perf import account
 from ..perf import roofline as rl
 from ..perf.hardware import catalogue, list_hardware, load_hardware
@@ -34,13 +34,14 @@ def add_arguments(p):
     add_preset(p, help="model preset (default flash)")
     p.add_argument("--config", help="a config.json or checkpoint folder instead of a preset")
     add_hardware(p)
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks (report: 1; account prediction: 2)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups inside the TP group")
-    p.add_argument("--batch", type=int, default=1, help="sequences per decode step")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--tp", type=int_range(1), default=None,
+                   help="tensor-parallel ranks (report: 1; account prediction: 2)")
+    p.add_argument("--ep", type=int_range(1), default=1, help="expert-parallel groups inside the TP group")
+    p.add_argument("--batch", type=int_range(1), default=1, help="sequences per decode step")
+    p.add_argument("--context", type=int_range(1), default=None,
                    help="decode: cached tokens per sequence (default 4096); prefill: prompt tokens")
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk size (default: one pass)")
+    p.add_argument("--chunk", type=int_range(1), default=None, help="prefill chunk size (default: one pass)")
     p.add_argument("--kv-format", choices=("fp8", "bf16"), default="fp8",
                    help="KV cache: fp8 rows + FP4 index keys (production) or bf16 (reference)")
     p.add_argument("--sharding", choices=("ideal", "sglang", "reference"), default=None,
@@ -48,7 +49,7 @@ def add_arguments(p):
     p.add_argument("--allreduce", choices=("library", "peer_read"), default="library",
                    help="small-message all-reduce latency to charge collectives")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--top", type=int, default=0, help="text output: show only the N most expensive ops")
+    p.add_argument("--top", type=int_range(0), default=0, help="text output: show only the N most expensive ops")
 
 
 def _model_args(args):

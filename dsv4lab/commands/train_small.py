@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from ..options import add_device
+from ..options import add_device, float_range, int_range
 from ..provenance import write_json
 
 NAME = "train-small"
@@ -43,37 +43,39 @@ def add_arguments(p):
     tr.add_argument("--tokens", required=True, help="folder written by `prepare`")
     tr.add_argument("--out", required=True, help="output folder for weights-*.safetensors and train_log.json")
     add_device(tr)
-    tr.add_argument("--steps", type=int, default=None,
+    tr.add_argument("--steps", type=int_range(0), default=None,
                     help="optimizer steps (default 0: chosen from --time-budget after timing the first steps)")
-    tr.add_argument("--stop-at", type=int, default=None,
+    tr.add_argument("--stop-at", type=int_range(1), default=None,
                     help="stop after N steps of a longer schedule (repeats a run the time budget ended early)")
-    tr.add_argument("--time-budget", type=float, default=None, help="seconds for the training loop (steps=0)")
-    tr.add_argument("--batch-size", type=int, default=None)
-    tr.add_argument("--seq-len", type=int, default=None)
-    tr.add_argument("--lr", type=float, default=None)
-    tr.add_argument("--seed", type=int, default=None)
-    tr.add_argument("--eval-every", type=int, default=None)
-    tr.add_argument("--limit-train-tokens", type=int, default=None,
+    tr.add_argument("--time-budget", type=float_range(0, lo_open=True), default=None,
+                    help="seconds for the training loop (steps=0)")
+    tr.add_argument("--batch-size", type=int_range(1), default=None)
+    tr.add_argument("--seq-len", type=int_range(2), default=None)
+    tr.add_argument("--lr", type=float_range(0, lo_open=True), default=None)
+    tr.add_argument("--seed", type=int_range(0), default=None)
+    tr.add_argument("--eval-every", type=int_range(1), default=None)
+    tr.add_argument("--limit-train-tokens", type=int_range(1), default=None,
                     help="use only the first N training tokens (smoke runs)")
-    tr.add_argument("--limit-heldout-tokens", type=int, default=None, help="evaluate on the first N held-out tokens")
+    tr.add_argument("--limit-heldout-tokens", type=int_range(1), default=None,
+                    help="evaluate on the first N held-out tokens")
 
     ex = sub.add_parser("export", help="quantize to the native format, validate, evaluate, record oracles")
     ex.add_argument("--weights", required=True, help="folder written by `train`")
     ex.add_argument("--tokens", required=True, help="folder written by `prepare`")
     ex.add_argument("--out", required=True, help="checkpoint folder to write (e.g. data/tiny-py)")
     ex.add_argument("--tokenizer", default=None)
-    ex.add_argument("--eval-windows", type=int, default=None,
+    ex.add_argument("--eval-windows", type=int_range(1), default=None,
                     help="held-out windows of max_seq_len tokens, spread evenly (default: all)")
-    ex.add_argument("--max-new-tokens", type=int, default=40, help="greedy tokens per oracle prompt")
+    ex.add_argument("--max-new-tokens", type=int_range(1), default=40, help="greedy tokens per oracle prompt")
     ex.add_argument("--overwrite", action="store_true")
 
     ab = sub.add_parser("ablation", help="weight-format ablation of the trained model (CPU)")
     ab.add_argument("--weights", required=True, help="folder written by `train`")
     ab.add_argument("--tokens", required=True, help="folder written by `prepare`")
     ab.add_argument("--out", default="data/results/quant_ablation.json")
-    ab.add_argument("--eval-windows", type=int, default=24,
+    ab.add_argument("--eval-windows", type=int_range(1), default=24,
                     help="held-out windows of max_seq_len tokens, spread evenly")
-    ab.add_argument("--batch-size", type=int, default=4)
+    ab.add_argument("--batch-size", type=int_range(1), default=4)
 
 
 def _log(msg: str) -> None:

@@ -6,7 +6,9 @@ layout costs nothing on the hot path. Under tensor/expert parallelism each rank 
 """
 from __future__ import annotations
 
+import logging
 import re
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +20,7 @@ from ..layouts.repair import RepairSpec
 from ..model.numerics import Numerics
 from ..model.transformer import Transformer
 from .backends import Backend, make_ops
+from .device import check_device
 from .runner import ModelRunner
 
 # Tensors the reference holds in fp32 although the file stores bf16 (spec §2.4: norms are fp32 parameters).
@@ -25,6 +28,10 @@ _NORM_RE = re.compile(r"(^|\.)(norm|q_norm|kv_norm|attn_norm|ffn_norm|enorm|hnor
 _EXPERT_RE = re.compile(r"^(?P<prefix>(layers|mtp)\.\d+\.ffn\.experts\.)(?P<which>w[123])(?P<scale>_scale)?$")
 
 CACHE_DEQUANT_LIMIT = 2 << 30  # memoise dequantized weights for models whose native bytes are below this
+VALUE_SCAN_LIMIT = 1 << 30  # load scans every stored value of checkpoints below this (``inspect`` scans any size)
+PROGRESS_BYTES = 256 << 20  # load shows a progress bar for checkpoints above this, when stderr is a terminal
+
+log = logging.getLogger("dsv4lab.load")
 
 
 class ShardPlan:
@@ -122,7 +129,7 @@ def build_model(args: ModelArgs, plan: ShardPlan | None = None) -> Transformer:
 def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
          act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: Backend = "reference",
          max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
-         validate: bool = True, progress: bool = False, decode_path: str = "auto"):
+         validate: bool = True, progress: bool | None = None, decode_path: str = "auto"):
     """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
 
     Args:
@@ -141,15 +148,26 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         max_seq_len: positions the caches hold (default: the config's ``max_seq_len``).
         repairs: a layout repair spec (path or :class:`dsv4lab.layouts.RepairSpec`) applied while loading.
         plan: a tensor/expert-parallel shard plan (see :mod:`dsv4lab.parallel`).
-        validate: check the whole checkpoint (names, dtypes, shapes, truncation, NaN scales) first.
+        validate: check the whole checkpoint first (names, dtypes, shapes, truncation, the tokenizer; below
+            :data:`VALUE_SCAN_LIMIT` bytes also every stored value for NaN/Inf and 0xFF scales — above it a warning
+            says the scan was skipped and how to run it).
+        progress: show progress bars (default: when the checkpoint is above :data:`PROGRESS_BYTES` and stderr
+            is a terminal).
         decode_path: how decode steps run — ``"auto"`` (CUDA-graph replay of the static step on a GPU with the
             Triton backend, the eager per-op forward otherwise), ``"graph"``, ``"static"`` or ``"eager"`` (see
             :data:`dsv4lab.engine.runner.DECODE_PATHS`).
     """
+    check_device(device)
     ck = open_checkpoint(checkpoint)
+    stored = sum(i.nbytes for i in ck.tensors.values())
+    if progress is None:
+        progress = stored >= PROGRESS_BYTES and sys.stderr.isatty()
     if validate:
-        small = sum(i.nbytes for i in ck.tensors.values()) < (1 << 30)
-        ck.validate(scan_scales=small, progress=progress).raise_if_failed()
+        scan = stored < VALUE_SCAN_LIMIT
+        ck.validate(scan_values=scan, progress=progress).raise_if_failed()
+        if not scan and isinstance(ck, Checkpoint):
+            log.warning("%s: %.1f GiB of weights, so loading skipped the scan for NaN/Inf values and 0xFF scales; "
+                        "run `dsv4lab inspect %s` to scan every value", ck.path, stored / 2**30, ck.path)
     args = ck.args if max_seq_len is None else ck.args.replace(max_seq_len=max_seq_len)
     plan = plan or ShardPlan()
     repairs = RepairSpec.load(repairs) if repairs is not None else None

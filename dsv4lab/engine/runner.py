@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..model.transformer import Transformer
 from ..tokenizer import load_tokenizer
 from .decode_graph import FastDecoder
-from .sampling import sample, trajectory_hash
+from .sampling import check_generation, sample, trajectory_hash
 from .speculative import check_speculative, generate_speculative
 
 log = logging.getLogger("dsv4lab.runner")
@@ -281,19 +281,26 @@ class ModelRunner:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, slot: int = 0,
-                 prefill_chunk: int | None = None, speculative: str | None = None, draft_tokens: int = 1) -> list[int]:
+                 prefill_chunk: int | None = None, speculative: str | None = None, draft_tokens: int = 1,
+                 on_token: Callable[[int], None] | None = None) -> list[int]:
         """Prefill ``prompt_ids`` (optionally in chunks) into ``slot`` and decode up to ``max_new_tokens``.
 
+        ``on_token(id)`` hears each token as it is chosen (to stream it); why the generation stopped is
+        :func:`~dsv4lab.engine.sampling.finish_reason` of the result. An out-of-range argument raises
+        :class:`~dsv4lab.errors.RequestError` (:func:`~dsv4lab.engine.sampling.check_generation`).
         ``speculative="mtp"``: greedy self-speculative decoding, the MTP block drafting ``draft_tokens`` tokens per
-        main-model forward (:mod:`dsv4lab.engine.speculative`); the ids equal plain greedy decoding's."""
+        main-model forward (:mod:`dsv4lab.engine.speculative`); the ids equal plain greedy decoding's (``on_token``
+        hears the tokens of each accepted run)."""
         ids = list(map(int, prompt_ids))
-        if not ids:
-            raise ValueError("prompt_ids is empty")
+        check_generation(len(ids), max_new_tokens, self.args.max_seq_len, temperature, top_p, seed)
         if speculative is not None:
             check_speculative(speculative, temperature)
             out, self.last_speculative_stats = generate_speculative(
                 self, [ids], max_new_tokens, draft_tokens, stop_at_eos=stop_at_eos, slots=[slot],
                 prefill_chunk=prefill_chunk)
+            if on_token is not None:
+                for t in out[0]:
+                    on_token(t)
             return out[0]
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         self.reset([slot])
@@ -305,6 +312,8 @@ class ModelRunner:
         for _ in range(max_new_tokens):
             nxt = int(sample(logits[:, -1], temperature, top_p, gen)[0])
             out.append(nxt)
+            if on_token is not None:
+                on_token(nxt)
             if stop_at_eos and nxt == self.args.eos_token_id:
                 break
             if len(ids) + len(out) >= self.args.max_seq_len:

@@ -16,12 +16,14 @@ prompt's logprobs, teacher-forced), ``chat_template_kwargs={"thinking": true}`` 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -30,11 +32,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import limits
 from .detokenizer import IncrementalDetokenizer, special_token_ids
 from .encoding import (THINK_CLOSE, THINK_OPEN, ChatEncodingError, ChatOptions, StreamingChatParser,
                        held_back_suffix, parse_completion)
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_context, check_logprobs,
-                       check_max_tokens, check_sampling, error_body, validation_error)
+from .limits import Limits
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_context, context_error, error_body,
+                       validation_error)
 from .scheduler import SamplingParams, Scheduler, SchedulerFull, TokenEvent
 
 log = logging.getLogger("dsv4lab.serve")
@@ -47,15 +51,17 @@ class ServeConfig:
     Attributes:
         served_model_name: the ``model`` id clients must send (and ``/v1/models`` lists).
         max_model_len: prompt + generated tokens per sequence (at most the model's cache length).
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <key>``.
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <key>`` (the scheme in any case).
         chat_format: an object from :func:`dsv4lab.serve.encoding.chat_format_for` (None: chat disabled).
         root: the checkpoint path, reported by ``/v1/models``.
+        limits: the bounds on a request (:class:`dsv4lab.serve.limits.Limits`; the model's vocabulary is added).
     """
     served_model_name: str
     max_model_len: int
     api_key: str | None = None
     chat_format: Any = None
     root: str | None = None
+    limits: Limits = field(default_factory=Limits)
 
 
 # ---- bridging the engine thread and asyncio ------------------------------------------------------------
@@ -156,17 +162,26 @@ def _token_text(tokenizer, token_id: int, as_ids: bool) -> str:
 
 class _APIKeyMiddleware:
     """Rejects ``/v1/*`` requests without ``Authorization: Bearer <key>`` (401), as a plain ASGI middleware
-    so streaming and disconnect detection pass through untouched."""
+    so streaming and disconnect detection pass through untouched.
+
+    The scheme is matched in any case (RFC 9110: ``bearer`` is ``Bearer``); the key is compared in constant time,
+    as sha256 digests, so neither its bytes nor its length leak through timing."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = hashlib.sha256(api_key.encode()).digest()
+
+    def allows(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        given = hashlib.sha256(token.strip()).digest()
+        return hmac.compare_digest(given, self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = JSONResponse(error_body(401, "Unauthorized"), status_code=401)
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not self.allows(header):
+                response = JSONResponse(error_body(401, "Unauthorized: send 'Authorization: Bearer <key>'."),
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -182,6 +197,8 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
     if eos_id is None:
         eos_id = getattr(scheduler.model.args, "eos_token_id", None)
     vocab_size = int(scheduler.model.args.vocab_size)
+    bounds = dataclasses.replace(config.limits, vocab_size=vocab_size)
+    chars_per_token = tokenizer.max_chars_per_token() if tokenizer is not None else None
     app.state.scheduler = scheduler
     app.state.config = config
 
@@ -208,26 +225,32 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
     if config.api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
 
-    async def read_body(request: Request, model_cls):
-        raw = await request.body()
+    def parse_request(raw: bytes, model_cls):
+        """The validated request model of a body (in a worker thread: a large body never holds the event loop)."""
+        data = limits.parse(raw, bounds)
+        if model_cls is CompletionRequest:
+            limits.refuse_long_id_prompt(data, config.max_model_len)
         try:
-            data = json.loads(raw)
-        except ValueError as err:
-            raise APIError(400, f"Invalid JSON in the request body: {err}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "The request body must be a JSON object.")
-        try:
-            req = model_cls.model_validate(data)
+            return model_cls.model_validate(data)
         except ValidationError as err:
             raise validation_error(err) from None
+
+    async def read_body(request: Request, model_cls):
+        raw = await limits.body(request, bounds)
+        req = await asyncio.to_thread(parse_request, raw, model_cls)
         if req.model is not None and req.model != config.served_model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model")
-        check_sampling(req)
+        limits.check_fields(req, bounds)
         return req
+
+    def refuse_unfittable_text(text: str, bos: int = 0) -> None:
+        """A text too long to fit the context whatever it tokenizes into, refused before it is tokenized."""
+        fewest = limits.min_tokens(text, chars_per_token) + bos
+        if fewest >= config.max_model_len:
+            raise context_error(fewest, config.max_model_len, at_least=True)
 
     def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
-        check_max_tokens(max_tokens)
         max_tokens = check_context(prompt_len, max_tokens, config.max_model_len)
         stop_ids = set(req.stop_token_ids or [])
         if not req.ignore_eos and eos_id is not None:
@@ -249,7 +272,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
         """Collect a whole generation; abort it when the client disconnects first."""
         async def collect():
             async for event in gen.events():
-                out.add(event)
+                await asyncio.to_thread(out.add, event)  # detokenizes: off the event loop
                 if out.finished:
                     break
 
@@ -311,6 +334,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
     # -- completions
 
     def completion_prompt(req: CompletionRequest) -> list[int]:
+        """The prompt's token ids (called in a worker thread: it may tokenize a long text)."""
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -321,6 +345,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
             if tokenizer is None:
                 raise APIError(400, "This checkpoint ships no tokenizer.json: send the prompt as token ids.",
                                "prompt")
+            refuse_unfittable_text(prompt, int(req.add_special_tokens))
             ids = tokenizer.encode(prompt, add_bos=req.add_special_tokens)
         else:
             ids = [int(t) for t in prompt]
@@ -358,10 +383,9 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read_body(request, CompletionRequest)
-        check_logprobs(req.logprobs, "logprobs")
         if req.suffix:
             raise APIError(400, "suffix is not supported.", "suffix")
-        prompt_ids = completion_prompt(req)
+        prompt_ids = await asyncio.to_thread(completion_prompt, req)
         params = sampling_params(req, len(prompt_ids), req.max_tokens, req.logprobs,
                                  req.logprobs if req.echo and req.logprobs is not None else None)
         skip = special_token_ids(tokenizer) if (tokenizer is not None and req.skip_special_tokens) else set()
@@ -369,7 +393,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
         echo_text = ""
         if req.echo:
             echo_text = (req.prompt if isinstance(req.prompt, str) else
-                         tokenizer.decode(prompt_ids, skip_special_tokens=req.skip_special_tokens) if tokenizer
+                         await asyncio.to_thread(tokenizer.decode, prompt_ids, req.skip_special_tokens) if tokenizer
                          else "")
         gen = _Generation(scheduler, prompt_ids, params)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -384,10 +408,9 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
         if not req.stream:
             await run_to_end(request, gen, out)
             text = echo_text + out.raw
+            logprobs = await asyncio.to_thread(completion_logprobs, out, req, prompt_ids, 0, req.echo)
             return {"id": rid, "object": "text_completion", "created": now, "model": config.served_model_name,
-                    "choices": [choice(text, completion_logprobs(out, req, prompt_ids, 0, req.echo),
-                                       out.finish_reason)],
-                    "usage": usage(len(prompt_ids), out)}
+                    "choices": [choice(text, logprobs, out.finish_reason)], "usage": usage(len(prompt_ids), out)}
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -401,7 +424,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                 return sse(d)
             first, sent = True, 0  # tokens (ids, logprobs) already sent in a chunk
             async for event in gen.events():
-                text = out.add(event)
+                text = await asyncio.to_thread(out.add, event)
                 if out.error is not None:
                     yield sse(error_body(500, out.error))
                     break
@@ -430,11 +453,14 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
         thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))) or \
             kwargs.get("thinking_mode") == "thinking"
         effort = req.reasoning_effort or kwargs.get("reasoning_effort")
+        if not isinstance(effort, (str, type(None))):
+            raise APIError(400, f"reasoning_effort must be a string, got {type(effort).__name__}.",
+                           "reasoning_effort")
         effort = {None: None, "low": "high", "medium": "high", "high": "high", "max": "max", "xhigh": "max"}.get(effort, effort)
         if effort not in (None, "high", "max"):
             raise APIError(400, f"reasoning_effort must be one of low, medium, high, max; got {effort!r}.",
                            "reasoning_effort")
-        tools = req.tools if req.tool_choice in (None, "auto") else None
+        tools = req.tool_dicts() if req.tool_choice in (None, "auto") else None
         if req.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "Only tool_choice 'auto' and 'none' are supported.", "tool_choice")
         if req.response_format and req.response_format.get("type") not in (None, "text"):
@@ -457,19 +483,23 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
             content.append(e)
         return {"content": content}
 
+    def chat_prompt(req: ChatCompletionRequest, options: ChatOptions) -> list[int]:
+        """The rendered conversation's token ids (called in a worker thread)."""
+        try:
+            prompt_text = config.chat_format.render(req.message_dicts(), options)
+        except ChatEncodingError as err:
+            raise APIError(400, str(err), "messages") from None
+        refuse_unfittable_text(prompt_text)
+        return tokenizer.encode(prompt_text)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await read_body(request, ChatCompletionRequest)
         if config.chat_format is None or tokenizer is None:
             raise APIError(400, "This checkpoint ships no tokenizer.json, so chat is unavailable: send token "
                                 "ids to /v1/completions.", "messages")
-        check_logprobs(req.top_logprobs, "top_logprobs")
         options = chat_options(req)
-        try:
-            prompt_text = config.chat_format.render(req.messages, options)
-        except ChatEncodingError as err:
-            raise APIError(400, str(err), "messages") from None
-        prompt_ids = tokenizer.encode(prompt_text)
+        prompt_ids = await asyncio.to_thread(chat_prompt, req, options)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, len(prompt_ids), max_tokens,
                                  (req.top_logprobs or 0) if req.logprobs else None, None)
@@ -489,7 +519,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
             finish = out.finish_reason
             if parsed.tool_calls:
                 message["tool_calls"], finish = parsed.tool_calls, "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": chat_logprobs(out, req, 0),
+            choice = {"index": 0, "message": message, "logprobs": await asyncio.to_thread(chat_logprobs, out, req, 0),
                       "finish_reason": finish, "stop_reason": out.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = list(out.token_ids)
@@ -516,7 +546,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
             yield chunk({"role": "assistant", "content": ""})
             sent = 0  # tokens (ids, logprobs) already sent in a chunk
             async for event in gen.events():
-                text = out.add(event)
+                text = await asyncio.to_thread(out.add, event)
                 if out.error is not None:
                     yield sse(error_body(500, out.error))
                     break

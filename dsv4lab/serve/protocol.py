@@ -3,20 +3,24 @@
 Errors use OpenAI's nested shape ``{"error": {"message", "type", "param", "code"}}`` with vLLM's status codes
 and wording, so clients that parse vLLM's errors (context overflow, unknown model) keep working:
 
-======================================  ======  ==================  ==================
-case                                    status  type                param
-======================================  ======  ==================  ==================
-invalid JSON, failed validation         400     BadRequestError     the field
-``max_tokens`` < 1                      400     BadRequestError     ``max_tokens``
-prompt >= max model length              400     BadRequestError     ``input_tokens``
-prompt + max_tokens > max model length  400     BadRequestError     ``max_tokens``
+======================================  ======  ===========================  ==================
+case                                    status  type                         param
+======================================  ======  ===========================  ==================
+invalid JSON, failed validation         400     BadRequestError              the field
+a number out of range (limits.RULES)    400     BadRequestError              the field
+prompt >= max model length              400     BadRequestError              ``input_tokens``
+prompt + max_tokens > max model length  400     BadRequestError              ``max_tokens``
 missing or wrong API key                401     AuthenticationError
-unknown model                           404     NotFoundError       ``model``
+unknown model                           404     NotFoundError                ``model``
+body larger than the server's limit     413     RequestEntityTooLargeError
+Content-Type not application/json       415     UnsupportedMediaTypeError
 server full, queuing disabled           429     RateLimitError
 internal error (no traceback)           500     InternalServerError
-======================================  ======  ==================  ==================
+======================================  ======  ===========================  ==================
 
-The ``type`` names are the exception classes the official ``openai`` client raises for each status.
+The ``type`` names are the exception classes the official ``openai`` client raises for each status (413 and 415
+have none there: the client raises its ``APIStatusError``). Every bound a request is checked against is in
+:mod:`dsv4lab.serve.limits`.
 """
 from __future__ import annotations
 
@@ -25,10 +29,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
-
-MAX_LOGPROBS = 20
+               404: "NotFoundError", 413: "RequestEntityTooLargeError", 415: "UnsupportedMediaTypeError",
+               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -46,18 +48,30 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, type: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type or ERROR_TYPES.get(status, "BadRequestError"),
-                      "param": param, "code": status}}
+    return {"error": {"message": _unicode(message), "type": type or ERROR_TYPES.get(status, "BadRequestError"),
+                      "param": _unicode(param), "code": status}}
+
+
+def _unicode(text: str | None) -> str | None:
+    """``text`` with anything that is not Unicode (a lone surrogate quoted from a request) escaped, so the error
+    itself can always be sent."""
+    return text if text is None or text.isascii() else text.encode("utf-8", "backslashreplace").decode()
+
+
+# pydantic names the member of a Union it tried (``str``, ``list[int]``, ``function-after[...]``) in an error's
+# location; the client's field path leaves them out.
+_UNION_MEMBER_MARKS = ("[", "str", "int", "float", "bool", "dict", "list", "none")
 
 
 def validation_error(err) -> APIError:
     """A 400 from a pydantic ``ValidationError``: every problem with its field, the first field as ``param``."""
     problems, first = [], None
     for e in err.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and not (
+            isinstance(x, str) and (x in _UNION_MEMBER_MARKS or "[" in x)))
         first = first or loc or None
         problems.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return APIError(400, "; ".join(problems) or "invalid request", param=first)
+    return APIError(400, "; ".join(dict.fromkeys(problems)) or "invalid request", param=first)
 
 
 class StreamOptions(BaseModel):
@@ -104,12 +118,55 @@ class CompletionRequest(_Common):
     add_special_tokens: bool = True  # vLLM: a text prompt starts with BOS (as ``dsv4lab generate --prompt``)
 
 
+class _Open(BaseModel):
+    """A part of a request that may carry fields this server does not read (kept, passed on, ignored)."""
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Open):
+    type: str
+    text: Optional[str] = None
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCall(_Open):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Open):
+    """One chat message: OpenAI's roles and DeepSeek-V4's (``developer``, ``latest_reminder``, ``task``)."""
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    task: Optional[str] = None
+
+
+class FunctionDefinition(_Open):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class Tool(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_Common):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict]] = None
     response_format: Optional[dict[str, Any]] = None
     reasoning_effort: Optional[str] = None
@@ -117,34 +174,25 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     add_generation_prompt: bool = True
 
+    def message_dicts(self) -> list[dict]:
+        """The messages as the chat formats read them: the fields the client sent, nested parts as dicts."""
+        return [m.model_dump(exclude_unset=True) for m in self.messages]
 
-def check_sampling(req: _Common) -> None:
-    """The checks vLLM's ``SamplingParams`` makes, with its messages."""
-    if req.n != 1:
-        raise APIError(400, f"n must be 1 (this server returns one choice per request), got {req.n}.", "n")
-    if getattr(req, "best_of", None) not in (None, 1):
-        raise APIError(400, f"best_of must be 1 or unset, got {req.best_of}.", "best_of")
-    if req.temperature is not None and req.temperature < 0:
-        raise APIError(400, f"temperature must be non-negative, got {req.temperature}.", "temperature")
-    if req.top_p is not None and not 0 < req.top_p <= 1:
-        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}.", "top_p")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported by this server (got {getattr(req, name)}); "
-                                f"leave it at 0.", name)
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None
 
 
-def check_max_tokens(max_tokens: int | None) -> None:
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+def context_error(prompt_len: int, max_model_len: int, at_least: bool = False) -> APIError:
+    """vLLM's error for a prompt that fills the context (``at_least``: a lower bound, counted without tokenizing)."""
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                         f"{'at least ' if at_least else ''}{prompt_len} input tokens. Please reduce the length of "
+                         f"the input messages.", "input_tokens")
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
     """vLLM's context-length checks; returns the effective ``max_tokens`` (the room left when unset)."""
     if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"request has {prompt_len} input tokens. Please reduce the length of the input "
-                            f"messages.", "input_tokens")
+        raise context_error(prompt_len, max_model_len)
     if max_tokens is None:
         return max_model_len - prompt_len
     if prompt_len + max_tokens > max_model_len:
@@ -153,8 +201,3 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -
                             f"{prompt_len} input tokens ({max_tokens} > {max_model_len} - {prompt_len}).",
                        "max_tokens")
     return max_tokens
-
-
-def check_logprobs(value: int | None, name: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise APIError(400, f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}.", name)

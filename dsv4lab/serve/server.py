@@ -16,6 +16,7 @@ from pathlib import Path
 from ..engine.loader import load
 from ..options import resolve_device, torch_dtype
 from .encoding import chat_format_for
+from .limits import Limits
 from .scheduler import Scheduler
 
 log = logging.getLogger("dsv4lab.serve")
@@ -37,6 +38,7 @@ class ServerOptions:
     batch_prefill: bool = True
     speculative: str | None = None
     draft_tokens: int = 1
+    max_body_bytes: int = Limits.max_body_bytes
 
 
 def load_model(opts: ServerOptions):
@@ -68,7 +70,7 @@ def build_app(opts: ServerOptions, model=None):
     config = ServeConfig(served_model_name=opts.served_model_name or Path(opts.checkpoint).name,
                          max_model_len=max_model_len, api_key=opts.api_key,
                          chat_format=chat_format_for(tokenizer, opts.chat_format) if tokenizer else None,
-                         root=str(opts.checkpoint))
+                         root=str(opts.checkpoint), limits=Limits(max_body_bytes=opts.max_body_bytes))
     app = create_app(scheduler, tokenizer, config)
     scheduler.start()
     return app, scheduler

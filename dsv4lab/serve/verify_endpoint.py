@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..engine.sampling import trajectory_hash
 from ..errors import UserError
+from ..options import float_range
 from ..paths import read_json
 from ..provenance import identity, write_json
 
@@ -40,7 +41,7 @@ def add_arguments(p):
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--no-teacher-forced", action="store_true", help="skip the teacher-forced scoring request")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--timeout", type=float_range(0, lo_open=True), default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="report path stem (default runs/verify_endpoint/<time>)")
 
 

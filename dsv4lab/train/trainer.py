@@ -707,7 +707,7 @@ def export_checkpoint(weights_dir: str | Path, out: str | Path, tokens_dir: str 
     streams, token_meta = load_tokens(tokens_dir)
     native = native_state_dict(args, state)
     write_state_dict(out, args, native, n_shards=2, extra_files={"tokenizer.json": tokenizer}, overwrite=overwrite)
-    rep = Checkpoint(out).validate(scan_scales=True)
+    rep = Checkpoint(out).validate(scan_values=True)
     rep.raise_if_failed()
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     log(f"wrote {out}: {rep.inventory.tensors} tensors, {size / 1e6:.2f} MB; validation OK")

@@ -20,7 +20,7 @@ from ..options import add_backend, add_device, resolve_device
 from .backend_faults import BACKEND_FAULTS, inject_backend_fault
 from .faults import MODEL_FAULTS, faulty_backend
 from .layers import first_divergence, trace_model
-from .model import golden_path_for, load_golden
+from .model import find_golden, load_golden
 from .report import md_table, write_report
 from .stages import verify_stages
 
@@ -59,7 +59,7 @@ def run(args) -> int:
         inject_backend_fault(runner, args.backend_fault)
     ref = load(args.checkpoint, device=device, backend="reference", max_batch=1, repairs=args.repairs)
     exact = runner.backend.startswith("reference")
-    gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
+    gpath = Path(args.golden) if args.golden else find_golden(args.checkpoint)
     if args.against_reference or not gpath.exists():
         ids = load_golden(gpath)["layers"]["input_ids"] if gpath.exists() else list(range(2, 98))
         rt = trace_model(ref, ids)

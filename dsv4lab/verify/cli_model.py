@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..options import add_backend, add_device, resolve_device
 from .backend_faults import BACKEND_FAULTS, inject_backend_fault
 from .faults import MODEL_FAULTS, faulty_backend
-from .model import golden_path_for, load_golden, verify_model
+from .model import find_golden, load_golden, verify_model
 from .report import md_table, write_report
 from .speculative import render_speculative, verify_speculative
 
@@ -28,7 +28,8 @@ HELP = ("fixed-id oracles, 256-token hash, teacher-forced KL around every bounda
 
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True)
-    p.add_argument("--golden", default=None, help="golden JSON (default data/golden/<checkpoint folder name>.json)")
+    p.add_argument("--golden", default=None, help="golden JSON (default: data/golden/<checkpoint folder name>.json, "
+                   "else the golden recorded from a checkpoint with this config)")
     add_backend(p)
     add_device(p)
     p.add_argument("--kl-bound", type=float, default=None,
@@ -124,7 +125,7 @@ def render(res: dict, golden_path) -> str:
 def run(args) -> int:
     if args.backend_fault is not None and args.backend_fault not in BACKEND_FAULTS:
         raise UserError(f"--backend-fault {args.backend_fault}: unknown; known: {', '.join(BACKEND_FAULTS)}")
-    gpath = Path(args.golden) if args.golden else golden_path_for(args.checkpoint)
+    gpath = Path(args.golden) if args.golden else find_golden(args.checkpoint)
     golden = load_golden(gpath)
     device = resolve_device(args.device)
     if args.inject_fault and args.backend != "reference":

@@ -21,10 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 from .. import __version__, quant
+from ..config import PRESETS, ModelArgs, get_preset
 from ..engine.loader import load
 from ..engine.sampling import trajectory_hash
+from ..errors import DSV4LabError, UserError
 from ..model.ops import ReferenceOps
-from ..paths import GOLDEN_DIR
+from ..paths import GOLDEN_DIR, display_path, read_json
 from .layers import first_divergence, trace_model
 from .stages import verify_stages
 
@@ -50,7 +52,50 @@ def checkpoint_identity(path: str | Path) -> dict:
 
 
 def golden_path_for(checkpoint: str | Path) -> Path:
+    """Where a checkpoint's golden file is written: ``data/golden/<folder name>.json``."""
     return GOLDEN_DIR / f"{Path(checkpoint).resolve().name}.json"
+
+
+def find_golden(checkpoint: str | Path) -> Path:
+    """The golden file to verify ``checkpoint`` against.
+
+    ``data/golden/<folder name>.json`` when it exists; otherwise the golden recorded from a checkpoint of that
+    name, or the one whose config matches (the same ``config.json`` bytes, or a golden named after a preset with
+    the same model config) — so a renamed copy, or the real checkpoint in a folder of any name, finds its golden.
+    When several match and the weights do not decide, the error lists them.
+    """
+    path = Path(checkpoint)
+    named = golden_path_for(path)
+    if named.exists():
+        return named
+    ident = checkpoint_identity(path)
+    try:
+        model_config = ModelArgs.from_json(path).to_hf_config()
+    except DSV4LabError:
+        model_config = None
+    candidates: list[tuple[Path, bool]] = []
+    for golden in sorted(GOLDEN_DIR.glob("*.json")):
+        try:
+            recorded = read_json(golden).get("checkpoint") or {}
+        except (DSV4LabError, AttributeError):
+            continue
+        if recorded.get("name") == path.resolve().name:
+            return golden
+        same_bytes = recorded.get("config.json") is not None and recorded.get("config.json") == ident.get("config.json")
+        same_preset = (golden.stem in PRESETS and model_config is not None
+                       and get_preset(golden.stem).to_hf_config() == model_config)
+        if same_bytes or same_preset:
+            candidates.append((golden, all(ident.get(k) == v for k, v in recorded.items() if k != "name")))
+    identical = [g for g, same in candidates if same]
+    if len(identical) == 1 or len(candidates) == 1:
+        return (identical or [candidates[0][0]])[0]
+    if candidates:
+        raise UserError(f"{checkpoint}: no golden named {named.name}, and {len(candidates)} goldens have this "
+                        f"checkpoint's config ({', '.join(display_path(g) for g, _ in candidates)}): pass one "
+                        f"with --golden")
+    raise UserError(f"{checkpoint}: no golden named {named.name} and none recorded from a checkpoint with this config "
+                    f"in {display_path(GOLDEN_DIR)}; pass --golden FILE or record one with "
+                    f"`dsv4lab verify record --checkpoint {checkpoint}`")
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -270,9 +315,9 @@ def load_golden(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no golden file (record one with `dsv4lab verify record --checkpoint DIR`)")
-    g = json.loads(path.read_text())
-    if g.get("version") != GOLDEN_VERSION:
-        raise ValueError(f"{path}: golden version {g.get('version')} != {GOLDEN_VERSION}; re-record it")
+    g = read_json(path, UserError)
+    if not isinstance(g, dict) or g.get("version") != GOLDEN_VERSION:
+        raise UserError(f"{path}: not a golden file of version {GOLDEN_VERSION}; re-record it")
     return g
 
 

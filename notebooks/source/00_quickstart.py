@@ -40,7 +40,7 @@ print(f"checkpoint {runs.display_path(ckpt)}; writing to {out.run_dir}")
 
 # %%
 ck = Checkpoint(ckpt)
-report = ck.validate(scan_scales=True)
+report = ck.validate(scan_values=True)
 print(ck.args.summary())
 print(report.inventory.format())
 inventory = report.inventory.to_dict()
