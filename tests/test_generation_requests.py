@@ -64,10 +64,12 @@ def test_generate_streams_its_text_and_says_why_it_stopped(capsys):
     assert main(["generate", "--checkpoint", str(TINY_PY), "--prompt", "def f(", "--max-new-tokens", "4",
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == f"stopped: {FINISH_REASONS['length']}" and out[-3].startswith("output_ids ")
-    ids = json.loads(out[-3][len("output_ids "):])
+    assert out[-1] == f"stopped: {FINISH_REASONS['length']}" and out[-2].startswith("decode path: eager")
+    first = next(i for i, line in enumerate(out) if line.startswith("output_ids "))  # after the streamed text
+    assert out[first + 1].startswith("hash ") and first + 3 == len(out) - 1
+    ids = json.loads(out[first][len("output_ids "):])
     tok = dsv4lab.load(TINY_PY, device="cpu", max_batch=1).tokenizer
-    assert "\n".join(out[:-3]) == tok.decode(tok.encode("def f(", add_bos=True)) + tok.decode(ids)
+    assert "\n".join(out[:first]) == tok.decode(tok.encode("def f(", add_bos=True)) + tok.decode(ids)
 
     from dsv4lab.commands.generate import TextStream
     sink = io.StringIO()
