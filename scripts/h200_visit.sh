@@ -37,6 +37,15 @@ part() {  # name limit command...
     tail_line=$(grep -E 'PASS|FAIL|passed|failed|wrote|error|Error|as expected|UNEXPECTED' "$R/$name.log" | tail -2 \
         | tr '\n' ' ' | cut -c1-220)
     summary+=("$(printf '%-14s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$tail_line")")
+    pack  # after every part: a call stopped by its time limit still returns what was measured
+}
+
+pack() {
+    printf '%s\n' "${summary[@]}" > "$R/summary.txt"
+    if [ -n "${OUT:-}" ]; then
+        tar czf "$OUT/h200_runs.tgz" "$R" 2>/dev/null
+        cp "$R/summary.txt" "$OUT/summary.txt"
+    fi
 }
 
 for spec in "$@"; do
@@ -51,7 +60,9 @@ for spec in "$@"; do
             python3 -m dsv4lab generate --checkpoint data/tiny-py --backend reference --device cuda \
             --prompt 'def __init__(self' --max-new-tokens 48 --json" ;;
         decode) part decode "${limit:-180}" python3 -m dsv4lab bench kernels --suite decode --quick \
-            --out "$R/decode_kernels_quick.json" --dispatch-out "$R/decode_dispatch.json" ;;
+            --out "$R/decode_kernels_quick.json" --dispatch-out "$R/decode_dispatch.json"
+            # the measured dispatch is what the backend reads from here on (e2e after this part uses it)
+            [ -s "$R/decode_dispatch.json" ] && cp "$R/decode_dispatch.json" data/results/h200/decode_dispatch.json ;;
         decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
             --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" ;;
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
@@ -66,8 +77,5 @@ for spec in "$@"; do
     esac
 done
 
-printf '%s\n' "${summary[@]}" | tee "$R/summary.txt"
-if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/h200_runs.tgz" --exclude='runs/h200/**/*.safetensors' "$R"
-    cp "$R/summary.txt" "$OUT/summary.txt"
-fi
+pack
+cat "$R/summary.txt"
