@@ -75,9 +75,10 @@ def plot_stage_cosines(runs: Mapping[str, Sequence[Mapping[str, Any]]], *, highl
             ax.set_xlabel("layer")
             ax.set_title(label, fontsize=9)
             ax.set_ylim(min(0.0, min((float(r[f"{s}_cosine"]) for r in rows for s in STAGE_LABELS), default=0)),
-                        1.08)
+                        1.3)  # room above the bars for the legend
+            ax.set_yticks([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
         axes[0].set_ylabel("cosine vs the trusted stage output")
-        axes[-1].legend(loc="lower right", fontsize=7, frameon=True)
+        axes[-1].legend(loc="upper center", ncol=len(STAGE_LABELS), fontsize=6.8, frameon=False)
         fig.suptitle(title or "Routed-expert stages fed the trusted run's inputs", fontsize=10)
         _caption(fig, where)
     return fig
