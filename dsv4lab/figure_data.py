@@ -157,8 +157,9 @@ def _doc_path(doc: Mapping[str, Any]) -> Path:
     return p if p.is_absolute() else REPO_ROOT / p
 
 
-def _is_library(variant: str) -> bool:
-    return "cublas" in variant
+def _is_library(row: Mapping[str, Any]) -> bool:
+    """A vendor-library row (cuBLAS): by its route, or by its name in files that predate the route."""
+    return row.get("route") == "cublas" or "cublas" in str(row["variant"])
 
 
 def decode_kernels(doc: Mapping[str, Any] | None, hardware: str | Hardware = "h200-sxm",
@@ -179,11 +180,11 @@ def decode_kernels(doc: Mapping[str, Any] | None, hardware: str | Hardware = "h2
                                                               .get("route", "")))
     rows = []
     for kernel, rs in by_kernel.items():
-        own = [r for r in rs if r["route"] != "baseline"]
+        library = [r for r in rs if _is_library(r)]
+        own = [r for r in rs if r["route"] != "baseline" and not _is_library(r)]
         if not own:
             continue
         best = min(own, key=lambda r: r["measured_us"])
-        library = [r for r in rs if _is_library(r["variant"])]
         read = [r for r in rs if r["variant"] == "torch_sum_read"]
         rows.append(dict(kernel=kernel, label=kernel_name(kernel), best_variant=best["variant"],
                          best_us=best["measured_us"], pct_copy_bw=best["pct_copy_bw"],
