@@ -4,13 +4,17 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test test-fast reproduce browser-deps tiny clean-runs help
+.PHONY: install test test-fast reproduce lab browser-deps tiny clean-runs help
 
 help:
-	@echo "make install    create $(VENV) and install dsv4lab with all extras (idempotent)"
-	@echo "make test       run the test suite (what CI runs)"
-	@echo "make reproduce  run every notebook headless on data/tiny into runs/<timestamp>_<commit>/"
-	@echo "make tiny       regenerate data/tiny byte-for-byte"
+	@echo "make install       create $(VENV) and install dsv4lab with all extras and its JupyterLab save hook (idempotent)"
+	@echo "make test          the whole test suite (what CI runs)"
+	@echo "make test-fast     the suite without the slow, browser, notebook and distributed tests"
+	@echo "make reproduce     every notebook headless on data/tiny-py (data/tiny without it) into runs/<UTC stamp>_<commit>/"
+	@echo "make lab           JupyterLab on notebooks/: saves stay output-free and in step with notebooks/source/"
+	@echo "make browser-deps  Debian's chromium, for the JupyterLab browser tests"
+	@echo "make tiny          regenerate data/tiny byte-for-byte"
+	@echo "make clean-runs    delete runs/ and scratch/ (where notebooks run by hand write)"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +25,9 @@ $(PY):
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q -e ".[all]"
+	@# JupyterLab in this environment saves the repository's notebooks output-free (dsv4lab.notebook_format)
+	@mkdir -p $(VENV)/etc/jupyter/jupyter_server_config.d
+	@cp notebooks/jupyter_config/jupyter_server_config.d/dsv4lab.json $(VENV)/etc/jupyter/jupyter_server_config.d/
 	@$(PY) -c "import dsv4lab, torch; print('dsv4lab', dsv4lab.__version__, '| torch', torch.__version__)"
 
 # Debian's chromium for the JupyterLab browser test (playwright cannot download its own browser here).
@@ -34,10 +41,13 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow and not browser and not notebooks and not distributed"
 
 reproduce: install
-	$(VENV)/bin/dsv4lab reproduce
+	$(PY) -m dsv4lab reproduce
+
+lab: install
+	JUPYTER_CONFIG_PATH=$(CURDIR)/notebooks/jupyter_config $(PY) -m jupyterlab notebooks/
 
 tiny: install
-	$(VENV)/bin/dsv4lab make-checkpoint --preset tiny --seed 0 --out data/tiny --overwrite
+	$(PY) -m dsv4lab make-checkpoint --preset tiny --seed 0 --out data/tiny --overwrite
 
 clean-runs:
-	rm -rf runs/
+	rm -rf runs/ scratch/

@@ -12,7 +12,8 @@ Files and the fields the notebooks read (each file also carries ``gpu``, ``torch
 * ``prefill_kernels.json`` — ``rows`` of ``kernel, variant, tokens, time_us, tflops, pct_peak, peak_kind`` (MoE
   rows ``sorter_rows``, chunked rows ``chunk``);
 * ``collectives.json`` — ``rows`` of ``strategy, mode, variant, message_bytes, us_median`` and a ``summary``;
-* ``e2e.json`` — end-to-end decode / prefill throughput (:func:`e2e_headline` reads the fields it knows).
+* ``e2e_1gpu.json`` (one GPU, a ``--layers`` cut) and ``e2e.json`` (two GPUs) — end-to-end decode / prefill
+  throughput (:func:`e2e_headline` and :func:`dsv4lab.figure_data.e2e_runs` read the fields they know).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from .paths import RESULTS_DIR, display_path, read_json
 from .verify import registry
 from .verify.kernels import run_kernel_checks
 PROVENANCE_FIELDS = ("gpu", "torch", "triton", "commit")
-RESULT_FILES = ("decode_kernels", "prefill_kernels", "collectives", "e2e")
+RESULT_FILES = ("decode_kernels", "prefill_kernels", "collectives", "e2e_1gpu", "e2e")
 BENCH_MODULES = {"kernels": "dsv4lab.bench.kernels", "e2e": "dsv4lab.bench.e2e",
                  "collectives": "dsv4lab.bench.collectives", "engine": "dsv4lab.bench.engine"}
 

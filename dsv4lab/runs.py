@@ -14,24 +14,37 @@ Notebooks write only through :class:`NotebookOutputs` (``runs.notebook_outputs(N
 are files, not notebook outputs, and each write rewrites the notebook's JSON, so a notebook that fails
 half-way still leaves everything it produced before the failing cell. Files are byte-stable across reruns on
 the same data: JSON without timestamps or run paths, figures through the package style with creation metadata
-stripped (:func:`dsv4lab.plots.save_figure`).
+stripped (:func:`dsv4lab.plots.save_figure`). Every saved figure is checked by
+:func:`dsv4lab.plots.figure_problems` (title, axis labels, caption, legends); problems are kept in the results.
+
+A person running a notebook by hand (``RUN_DIR`` empty) writes into a scratch folder, ``scratch/<notebook>/``
+in the checkout (git-ignored), replaced by the next interactive run of that notebook: dated run folders under
+``runs/`` are for ``dsv4lab reproduce``.
+
+Cells display :class:`Table` objects (compact HTML in JupyterLab, a short text table elsewhere), never dict
+dumps: :meth:`NotebookOutputs.summary` shows the key results that way.
 
 Nothing here imports torch, matplotlib or papermill at import time.
 """
 from __future__ import annotations
 
+import html
 import json
+import shutil
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import RunError
-from .paths import DATA_DIR, EXPECTATIONS_FILE, NOTEBOOKS_DIR, REPO_ROOT, display_path, read_yaml
-from .plots import save_figure
+from .paths import DATA_DIR, EXPECTATIONS_FILE, IN_CHECKOUT, NOTEBOOKS_DIR, REPO_ROOT, display_path, read_yaml
+from .plots import figure_problems, save_figure
 from .provenance import (dumps, environment, file_sha256, git_state, jsonable, md_table, rows_to_csv,
                          source_date_epoch, utc_stamp, write_text_if_changed)
 
 DEFAULT_RUNS_DIR = Path("runs")
+# Where a notebook run by hand (RUN_DIR empty) writes: one folder per notebook, replaced by its next such run.
+SCRATCH_DIR = REPO_ROOT / "scratch" if IN_CHECKOUT else Path(tempfile.gettempdir()) / "dsv4lab-scratch"
 
 # The declared order `dsv4lab reproduce` runs the notebooks in (each stands alone; the order is the story's).
 NOTEBOOK_ORDER = (
@@ -99,17 +112,82 @@ def resolve_checkpoint(value: str | Path | None) -> Path:
 
 
 # ============================================================================================ notebook outputs
+def _cell(v: Any) -> str:
+    """One table cell as short text: floats to six significant digits, containers as cut JSON, None as —."""
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return str(v)
+        return f"{v:,.0f}" if abs(v) >= 1e5 else f"{v:.6g}"
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 1e5 else str(v)
+    if isinstance(v, (list, tuple, dict)):
+        text = json.dumps(jsonable(v), separators=(",", ":"))
+        return text if len(text) <= 48 else text[:47] + "…"
+    text = str(v).replace("\n", " ")
+    return text if len(text) <= 72 else text[:71] + "…"
+
+
 class Table(list):
-    """Rows (dicts) that display as a markdown table in a notebook (no pandas needed)."""
+    """Rows (dicts) that a notebook displays as a compact table: HTML in JupyterLab, fixed-width text in a log
+    (``limit`` rows, then a line counting the rest, which are in the CSV). No pandas needed."""
 
     def __init__(self, rows: Iterable[Mapping[str, Any]] = (), columns: Sequence[str] | None = None,
-                 limit: int = 60):
+                 limit: int = 12):
         super().__init__(dict(r) for r in rows)
         self.columns = list(columns) if columns else None
         self.limit = limit
 
+    def _columns(self) -> list[str]:
+        return self.columns or list(dict.fromkeys(k for r in self for k in r))
+
+    def _more(self) -> str:
+        extra = len(self) - self.limit
+        return f"{extra} more row{'s' if extra != 1 else ''} (all in the CSV)" if extra > 0 else ""
+
     def _repr_markdown_(self) -> str:
         return md_table(self, self.columns, limit=self.limit, more=MORE_IN_CSV)
+
+    def _repr_html_(self) -> str:
+        cols = self._columns()
+        if not self:
+            return "<p><em>(no rows)</em></p>"
+        head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in cols)
+        body = []
+        for r in self[: self.limit]:
+            cells = []
+            for c in cols:
+                v = r.get(c)
+                align = "right" if isinstance(v, (int, float)) and not isinstance(v, bool) else "left"
+                cells.append(f"<td style='text-align:{align}'>{html.escape(_cell(v))}</td>")
+            body.append("<tr>" + "".join(cells) + "</tr>")
+        more = f"<p style='font-size:85%'><em>{html.escape(self._more())}</em></p>" if self._more() else ""
+        return (f"<table class='dsv4lab-table' style='font-size:85%'><thead><tr>{head}</tr></thead>"
+                f"<tbody>{''.join(body)}</tbody></table>{more}")
+
+    def text(self) -> str:
+        """The table as fixed-width text (what a log or a terminal shows)."""
+        cols = self._columns()
+        if not self:
+            return "(no rows)"
+        grid = [cols] + [[_cell(r.get(c)) for c in cols] for r in self[: self.limit]]
+        widths = [max(len(row[i]) for row in grid) for i in range(len(cols))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in grid]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if self._more():
+            lines.append(self._more())
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(self.text() if not cycle else "Table(...)")
+
+
+def summary(values: Mapping[str, Any]) -> Table:
+    """A mapping shown as a two-column :class:`Table` (``key``, ``value``)."""
+    return Table([dict(key=k, value=v) for k, v in values.items()], ["key", "value"], limit=max(12, len(values)))
 
 
 class NotebookOutputs:
@@ -185,11 +263,15 @@ class NotebookOutputs:
             self.doc["key_results"][k] = jsonable(v)
         self.write()
 
-    def data(self, name: str, value: Any) -> Any:
-        """Keep ``value`` in the results JSON under ``data``; returns ``value``."""
+    def data(self, name: str, value: Any) -> None:
+        """Keep ``value`` in the results JSON under ``data`` (returns nothing, so a cell ending with it displays no
+        dict dump)."""
         self.doc["data"][name] = jsonable(value)
         self.write()
-        return value
+
+    def summary(self) -> Table:
+        """The key results so far, as a table (what a notebook's last cell shows)."""
+        return summary(self.doc["key_results"])
 
     def table(self, name: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> "Table":
         """Write ``rows`` to ``results/<notebook>_<name>.csv`` and into the JSON; returns them as a
@@ -204,8 +286,9 @@ class NotebookOutputs:
         return Table(rows, columns)
 
     def figure(self, fig, tag: str, formats: Iterable[str] = FIGURE_FORMATS):
-        """Save ``fig`` as ``figures/<notebook>_<tag>.<fmt>`` (metadata stripped, byte-stable) and return it,
-        so a cell ending in ``out.figure(fig, "tag")`` also shows it."""
+        """Save ``fig`` as ``figures/<notebook>_<tag>.<fmt>`` (metadata stripped, byte-stable), check it
+        (:func:`dsv4lab.plots.figure_problems`: kept under ``figure_problems`` when it breaks a rule) and return
+        it, so a cell ending in ``out.figure(fig, "tag")`` also shows it."""
         if not tag or any(c in tag for c in "/\\ ."):
             raise RunError(f"figure tag {tag!r}: use letters, digits, '-' or '_'")
         paths = save_figure(fig, self.figures_dir / f"{self.notebook}_{tag}", formats=tuple(formats))
@@ -213,16 +296,33 @@ class NotebookOutputs:
             rel = f"figures/{p.name}"
             if rel not in self.doc["figures"]:
                 self.doc["figures"].append(rel)
+        problems = figure_problems(fig)
+        if problems:
+            self.doc.setdefault("figure_problems", {})[tag] = problems
+        else:
+            self.doc.get("figure_problems", {}).pop(tag, None)
         self.write()
         return fig
 
 
+def scratch_dir(notebook: str, root: Path = SCRATCH_DIR) -> Path:
+    """``<root>/<notebook>/``, emptied: where a notebook run by hand writes (see :data:`SCRATCH_DIR`)."""
+    path = Path(root) / notebook
+    if path.exists():
+        shutil.rmtree(path)
+    for sub in ("results", "figures"):
+        (path / sub).mkdir(parents=True)
+    return path
+
+
 def notebook_outputs(notebook: str, run_dir: str | Path | None = None,
                      parameters: Mapping[str, Any] | None = None) -> NotebookOutputs:
-    """The writer a notebook uses. With an empty ``run_dir`` (a person running the notebook by hand) a new
-    run folder is created under ``runs/`` in the repository."""
+    """The writer a notebook uses. With an empty ``run_dir`` (a person running the notebook by hand) it writes
+    into :func:`scratch_dir` — replaced at each such run — rather than a new dated folder under ``runs/``."""
     if run_dir is None or str(run_dir).strip() == "":
-        run_dir = create_run_dir(REPO_ROOT / DEFAULT_RUNS_DIR)
+        if "/" in notebook or not notebook:
+            raise RunError(f"notebook name {notebook!r}: give the bare name, e.g. '01_layout_repair'")
+        run_dir = scratch_dir(notebook)
     params = {k: v for k, v in dict(parameters or {}).items() if k != "RUN_DIR"}  # run paths are not results
     return NotebookOutputs(notebook, run_dir, params)
 
@@ -385,6 +485,8 @@ def write_report(run_dir: str | Path, manifest: Mapping[str, Any],
         for tname, rows in doc.get("tables", {}).items():
             lines += ["", f"**{tname}** ([CSV](results/{n['name']}_{tname}.csv))", "",
                       md_table(rows, limit=12, more=MORE_IN_CSV)]
+        for tag, problems in doc.get("figure_problems", {}).items():
+            lines += ["", f"**figure `{tag}` breaks the figure rules:** " + "; ".join(problems)]
         pngs = [f for f in doc.get("figures", []) if f.endswith(".png")]
         for f in pngs:
             pdf = f[:-4] + ".pdf"
@@ -394,7 +496,8 @@ def write_report(run_dir: str | Path, manifest: Mapping[str, Any],
     return path
 
 
-__all__ = ["NOTEBOOKS_DIR", "DATA_DIR", "REPO_ROOT", "NOTEBOOK_ORDER", "REQUIRED_PARAMETERS", "DEFAULT_CHECKPOINTS", "RunError", "NotebookOutputs", "Table",
+__all__ = ["NOTEBOOKS_DIR", "DATA_DIR", "REPO_ROOT", "NOTEBOOK_ORDER", "REQUIRED_PARAMETERS", "DEFAULT_CHECKPOINTS",
+           "SCRATCH_DIR", "RunError", "NotebookOutputs", "Table", "summary", "scratch_dir",
            "notebook_outputs", "create_run_dir", "default_checkpoint", "resolve_checkpoint", "display_path",
            "git_state", "utc_stamp", "environment", "file_sha256", "notebook_output_files", "write_manifest",
            "load_expectations", "check_expectation", "compare_with_expectations", "write_report", "load_results",

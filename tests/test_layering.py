@@ -51,6 +51,7 @@ FLOOR_OF = (
     ("dsv4lab.options", "tools"),
     ("dsv4lab", "faces"), ("dsv4lab.__main__", "faces"), ("dsv4lab.cli", "faces"), ("dsv4lab.commands", "faces"),
     ("dsv4lab.commands.*", "faces"), ("dsv4lab.runs", "faces"), ("dsv4lab.plots", "faces"),
+    ("dsv4lab.plots.*", "faces"), ("dsv4lab.figure_data", "faces"), ("dsv4lab.notebook_format", "faces"),
     ("dsv4lab.measurements", "faces"), ("notebooks.*", "faces"),
 )
 # Constants every floor may read from the root package (it imports nothing at its top, see below).
@@ -62,6 +63,7 @@ OPTIONAL_LIBRARIES = {
     "fastapi", "uvicorn", "sse_starlette", "httpx", "starlette",  # serving
     "matplotlib", "ipywidgets", "IPython",        # figures and widgets
     "papermill", "nbformat", "nbclient",          # running notebooks
+    "tornado",                                    # the Jupyter server (the notebooks' save hook answers it)
     "transformers",                               # the independent oracle
     "yaml",                                       # read only with a YAML file: `roofline` and `--help` stay fast
     "tqdm",                                       # progress bars, only when asked for
@@ -73,7 +75,7 @@ HEAVY_FOR_LIGHT = {"torch", "numpy", "safetensors", "tokenizers"}
 LIGHT = (
     "dsv4lab", "dsv4lab.__main__", "dsv4lab.cli", "dsv4lab.commands", "dsv4lab.commands.*", "dsv4lab.errors",
     "dsv4lab.paths", "dsv4lab.provenance", "dsv4lab.config", "dsv4lab.options", "dsv4lab.engine", "dsv4lab.perf",
-    "dsv4lab.perf.*", "dsv4lab.plots", "dsv4lab.runs", "dsv4lab_kernels",
+    "dsv4lab.perf.*", "dsv4lab.plots", "dsv4lab.plots.*", "dsv4lab.runs", "dsv4lab.notebook_format", "dsv4lab_kernels",
 )
 STDLIB = set(sys.stdlib_module_names)
 # Functions that import a kernel module by name (dsv4lab.engine.kernel_loader): called at a module's top, they

@@ -1,6 +1,8 @@
-"""The notebooks: committed without outputs and in step with their sources; each runs green in SMOKE mode through
-``dsv4lab reproduce`` and meets the reference expectations; parameter mistakes and failing cells are reported
-with the notebook and cell, after the manifest and partial outputs are written."""
+"""The notebooks: committed without outputs and in step with their sources (also when saved from JupyterLab:
+:mod:`dsv4lab.notebook_format`); each runs green in SMOKE mode through ``dsv4lab reproduce``, meets the reference
+expectations and saves only figures that pass the figure rules; parameter mistakes and failing cells are reported
+with the notebook and cell, after the manifest and partial outputs are written; a notebook run by hand writes into
+``scratch/``, not ``runs/``; cells display compact tables."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4lab import runs
+from dsv4lab import notebook_format, runs
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -69,6 +71,96 @@ def test_notebooks_are_built_from_their_sources():
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_notebooks.py"), "--check"],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("name", runs.NOTEBOOK_ORDER)
+def test_source_and_notebook_round_trip(name):
+    source = NOTEBOOKS / "source" / f"{name}.py"
+    assert notebook_format.render_source(_read(NOTEBOOKS / f"{name}.ipynb")) == source.read_text()
+
+
+# ============================================================================================ saving from JupyterLab
+def _lab_copy(tmp_path):
+    """A notebooks folder like the repository's: one notebook, its source, and what JupyterLab sends on save."""
+    nbdir = tmp_path / "notebooks"
+    (nbdir / "source").mkdir(parents=True)
+    source = nbdir / "source" / "05_roofline.py"
+    source.write_text((NOTEBOOKS / "source" / "05_roofline.py").read_text())
+    notebook = nbdir / "05_roofline.ipynb"
+    notebook.write_text(notebook_format.build(source))
+    content = json.loads(notebook.read_text())  # as JupyterLab holds it after a run: outputs, counts, editor state
+    content["metadata"]["language_info"].update(version="3.11.7", codemirror_mode={"name": "ipython", "version": 3})
+    for i, cell in enumerate(content["cells"]):
+        cell["metadata"]["scrolled"] = True
+        if cell["cell_type"] == "code":
+            cell["execution_count"] = i
+            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "ran\n"}]
+    return nbdir, source, notebook, content
+
+
+def test_a_save_from_jupyterlab_writes_the_committed_form(tmp_path):
+    nbdir, source, notebook, content = _lab_copy(tmp_path)
+    committed = notebook.read_text()
+    assert notebook_format.prepare_save(content, notebook, nbdir) == source
+    assert json.dumps(content, sort_keys=True) == json.dumps(json.loads(committed), sort_keys=True)
+
+
+def test_a_cell_edited_in_jupyterlab_reaches_the_source(tmp_path):
+    nbdir, source, notebook, content = _lab_copy(tmp_path)
+    content["cells"][-1]["source"] = "out.summary()  # edited in JupyterLab"
+    notebook_format.prepare_save(content, notebook, nbdir)
+    import nbformat
+    notebook.write_text(nbformat.writes(nbformat.from_dict(content)) + "\n")  # what the contents manager does
+    text = notebook_format.render_source(json.loads(notebook.read_text()))
+    assert text.rstrip().endswith("out.summary()  # edited in JupyterLab")
+    assert notebook_format.build_from_text(text) == notebook.read_text()  # the two files stay in step
+
+
+def test_a_source_edited_on_its_own_is_never_overwritten(tmp_path):
+    nbdir, source, notebook, content = _lab_copy(tmp_path)
+    source.write_text(source.read_text() + "\n# %%\nprint('edited in an editor')\n")
+    with pytest.raises(notebook_format.NotebookFormatError, match="build_notebooks.py"):
+        notebook_format.prepare_save(content, notebook, nbdir)
+
+
+def test_other_notebooks_are_saved_as_they_are(tmp_path):
+    nbdir, source, notebook, content = _lab_copy(tmp_path)
+    elsewhere = tmp_path / "mine.ipynb"
+    assert notebook_format.prepare_save(content, elsewhere, nbdir) is None
+    assert any(c.get("outputs") for c in content["cells"])
+
+
+def test_the_repository_ships_the_jupyter_setting():
+    doc = _read(NOTEBOOKS / "jupyter_config" / "jupyter_server_config.d" / "dsv4lab.json")
+    assert doc["ServerApp"]["jpserver_extensions"] == {"dsv4lab.notebook_format": True}
+    assert notebook_format._jupyter_server_extension_points() == [{"module": "dsv4lab.notebook_format"}]
+
+
+# ============================================================================================ runs by hand, displays
+def test_a_notebook_run_by_hand_writes_into_its_scratch_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, "SCRATCH_DIR", tmp_path / "scratch")
+    monkeypatch.setattr(runs.scratch_dir, "__defaults__", (tmp_path / "scratch",))
+    out = runs.notebook_outputs("05_roofline", "")
+    assert out.run_dir == tmp_path / "scratch" / "05_roofline"
+    out.key("first", 1)
+    (out.figures_dir / "stale.png").write_bytes(b"x")
+    again = runs.notebook_outputs("05_roofline", "")
+    assert again.run_dir == out.run_dir and not (out.figures_dir / "stale.png").exists()  # replaced, not piled up
+    assert not (runs.REPO_ROOT / "runs" / "05_roofline").exists()
+    assert "/scratch/" in (runs.REPO_ROOT / ".gitignore").read_text()
+
+
+def test_tables_display_compactly_and_key_results_are_not_a_dict_dump(tmp_path):
+    rows = [dict(op=f"op{i}", ratio=1 / 3, ids=list(range(40)), ok=True, note=None) for i in range(30)]
+    table = runs.Table(rows)
+    html = table._repr_html_()
+    assert html.count("<tr>") == 1 + table.limit and "18 more rows (all in the CSV)" in html
+    text = table.text()
+    assert len(text.splitlines()) == 2 + table.limit + 1 and "0.333333" in text and "…" in text and "—" in text
+    out = runs.NotebookOutputs("99_test", tmp_path)
+    out.keys(a=1, b="x")
+    assert out.data("d", {"k": list(range(100))}) is None  # a cell ending with it shows nothing
+    assert out.summary().text().splitlines()[2:] == ["a    1", "b    x"]
 
 
 # ============================================================================================ parameters
@@ -181,3 +273,4 @@ def test_notebook_runs_green_in_smoke_mode(name, tmp_path):
     bad = [r for r in rows if r["status"] in ("FAIL", "missing") and (name, r["key"]) not in NOT_ASSERTED]
     assert not bad, bad
     assert (run / "report.md").exists() and not (run / "work" / name).exists()
+    assert results.get("figure_problems", {}) == {}, results["figure_problems"]

@@ -53,6 +53,9 @@ TYPE_CHECKS = {
     "dict": (lambda v: isinstance(v, dict), "a mapping"),
 }
 SET_BY_REPRODUCE = ("RUN_DIR",)
+# The kernel's own log lines (ipykernel warns that loopback TCP is unencrypted, and logs the interrupt it gets at
+# shutdown) would interleave with the progress bars; what a cell prints still goes to logs/<name>.log.
+KERNEL_ARGUMENTS = ("--IPKernelApp.log_level=CRITICAL",)
 
 
 def add_arguments(p):
@@ -375,6 +378,7 @@ def _execute_all(chosen: list[Path], params: dict[str, dict], run_dir: Path, man
                         str(path), str(executed), parameters=parameters, cwd=str(path.parent),
                         progress_bar=dict(desc=f"  {path.stem}", leave=False, file=sys.stderr),
                         stdout_file=log_file, stderr_file=log_file, kernel_name="python3",
+                        extra_arguments=list(KERNEL_ARGUMENTS),
                         **({"execution_timeout": args.cell_timeout} if args.cell_timeout else {}))
                 entry["status"] = "ok"
             except KeyboardInterrupt:

@@ -332,7 +332,7 @@ ROW_FIELDS = ("kernel", "variant", "batch", "time_us", "bytes", "gbps", "pct_cop
 
 def kernel_predictions(hw: Hardware, *, batch: int = 1, context: int = 4096,
                        args: ModelArgs | None = None) -> dict[str, dict[str, float]]:
-    """Predicted time and bytes of one call of each benchmarked decode kernel (one GPU, full shapes)."""
+    """Predicted time, bytes and FLOPs of one call of each benchmarked decode kernel (one GPU, full shapes)."""
     args = args or get_preset("flash")
     step = decode_step(args, tp=1, batch=batch, context=context)
     st = time_step(step, hw)
@@ -341,15 +341,16 @@ def kernel_predictions(hw: Hardware, *, batch: int = 1, context: int = 4096,
         ops = [st.op(n) for n in names]
         calls = ops[0].launches
         out[kernel] = dict(time_us=sum(o.total_us for o in ops) / calls, bytes=sum(o.bytes_rank for o in ops) / calls,
-                           floor_us=sum(o.memory for o in ops) / calls)
+                           floor_us=sum(o.memory for o in ops) / calls, flops=sum(o.flops_rank for o in ops) / calls)
     # one CSA layer: its share of every per-layer op (ops on a subset of layers counted per launch)
-    layer_t = layer_b = layer_f = 0.0
+    layer_t = layer_b = layer_f = layer_flops = 0.0
     for o in st.ops:
         if o.launches >= 1 and o.name not in ("embed", "final.hc_head", "final.norm", "head", "sample"):
             layer_t += o.total_us / o.launches
             layer_b += o.bytes_rank / o.launches
             layer_f += o.memory / o.launches
-    out["decode_layer"] = dict(time_us=layer_t, bytes=layer_b, floor_us=layer_f)
+            layer_flops += o.flops_rank / o.launches
+    out["decode_layer"] = dict(time_us=layer_t, bytes=layer_b, floor_us=layer_f, flops=layer_flops)
     return out
 
 

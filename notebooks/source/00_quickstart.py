@@ -10,24 +10,30 @@
 # `RUN_DIR/results/`, figures to `RUN_DIR/figures/`. Run them all headless with `dsv4lab reproduce`.
 
 # %% tags=["parameters"]
-RUN_DIR: str = ""  # run folder for results/ and figures/; empty: a new runs/<UTC stamp>_<commit>/
+RUN_DIR: str = ""  # run folder for results/ and figures/; empty: scratch/00_quickstart/ (replaced at the next run)
 SMOKE: bool = False  # tiny CPU run (what the tests run): fewer generated tokens
 INTERACTIVE: bool = False  # show the interactive widgets (this notebook has none)
-SEED: int = 0  # seed for sampled generation
+SEED: int = 0  # seed of the sampled continuation
 CHECKPOINT: str = ""  # checkpoint folder; empty: data/tiny-py when present, else data/tiny
-PROMPT: str = "def fibonacci(n):"  # prompt text (encoded with the checkpoint's tokenizer)
-MAX_NEW_TOKENS: int = 32  # tokens to generate (8 in SMOKE mode)
+PROMPT: str = "import os\nimport sys\n\n"  # prompt text (encoded with the checkpoint's tokenizer)
+MAX_NEW_TOKENS: int = 48  # tokens to generate (8 in SMOKE mode)
+TEMPERATURE: float = 0.8  # sampling temperature of the headline continuation (0: greedy)
+TOP_P: float = 0.95  # nucleus (top-p) sampling of the headline continuation
 
 # %%
 # %matplotlib inline
+from IPython.display import Markdown, display
+
 import dsv4lab
 from dsv4lab import plots, runs
+from dsv4lab.checkpoint import Checkpoint
+from dsv4lab.engine.sampling import trajectory_hash
 from dsv4lab.layouts import drill
 from dsv4lab.train import quant_ablation
-from dsv4lab.checkpoint import Checkpoint
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
-out = runs.notebook_outputs("00_quickstart", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, PROMPT=PROMPT))
+out = runs.notebook_outputs("00_quickstart", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, PROMPT=PROMPT,
+                                                            TEMPERATURE=TEMPERATURE, TOP_P=TOP_P))
 n_new = 8 if SMOKE else MAX_NEW_TOKENS
 print(f"checkpoint {runs.display_path(ckpt)}; writing to {out.run_dir}")
 
@@ -35,41 +41,47 @@ print(f"checkpoint {runs.display_path(ckpt)}; writing to {out.run_dir}")
 # ## Inspect the checkpoint
 #
 # `dsv4lab inspect` in code: every expected tensor present with the right dtype and shape, no truncated shard,
-# no E8M0 scale byte equal to 0xFF (NaN). The inventory shows where the bytes are — routed experts in packed FP4
+# no E8M0 scale byte equal to 0xFF (NaN). The figure shows where the bytes are — routed experts in packed FP4
 # (stored as I8), projections in FP8 E4M3 with E8M0 block scales.
 
 # %%
 ck = Checkpoint(ckpt)
 report = ck.validate(scan_values=True)
-print(ck.args.summary())
-print(report.inventory.format())
 inventory = report.inventory.to_dict()
+print(ck.args.summary())
+print(f"{inventory['tensors']} tensors, {inventory['total_bytes'] / 1e6:.1f} MB; "
+      f"{'valid' if report.ok else 'INVALID'} ({len(report.problems)} problems)")
 out.keys(checkpoint_ok=report.ok, problems=len(report.problems), tensors=inventory["tensors"],
          total_bytes=inventory["total_bytes"])
 out.data("inventory", inventory)
-out.figure(plots.plot_checkpoint_inventory(inventory, title=f"{ckpt.name}: bytes by component and stored dtype"),
-           "inventory")
+out.figure(plots.plot_checkpoint_inventory(inventory, title=f"{ckpt.name}: bytes by component and stored dtype",
+                                           where=dict(model=f"checkpoint {runs.display_path(ckpt)}")), "inventory")
 
 # %% [markdown]
 # ## Load and generate
 #
 # `dsv4lab.load` reads the native checkpoint one tensor at a time (nothing is dequantized at load) and returns a
 # runner with per-sequence caches. The reference backend computes in bf16 with the checkpoint's quantization
-# simulated (FP8 activations, FP8 KV cache, FP4 indexer keys). Greedy decoding is deterministic, so the output
-# ids and their trajectory hash are stable across runs and machines.
+# simulated (FP8 activations, FP8 KV cache, FP4 indexer keys).
+#
+# The small model is shown at its best with **nucleus sampling** (`TEMPERATURE`, `TOP_P`, `SEED`: the settings are
+# printed with the text). Greedy decoding is what the oracles check — deterministic, so its ids and trajectory hash
+# are stable across runs and machines — but a model this small falls into repeating itself under it.
 
 # %%
-from dsv4lab.engine.sampling import trajectory_hash
-
 runner = dsv4lab.load(ckpt, max_batch=1)
 prompt_ids = runner.tokenizer.encode(PROMPT, add_bos=True) if runner.tokenizer else [5, 6, 7, 8, 9]
-output_ids = runner.generate(prompt_ids, n_new)
-text = runner.tokenizer.decode(output_ids) if runner.tokenizer else None
-print("prompt ids ", prompt_ids)
-print("output ids ", output_ids)
-print("text       ", repr(text))
-out.keys(prompt_tokens=len(prompt_ids), generated_tokens=len(output_ids), trajectory_hash=trajectory_hash(output_ids))
-out.data("generation", dict(prompt=PROMPT, prompt_ids=prompt_ids, output_ids=output_ids, text=text))
+sampled = runner.generate(prompt_ids, n_new, temperature=TEMPERATURE, top_p=TOP_P, seed=SEED)
+greedy = runner.generate(prompt_ids, n_new)
+decode = runner.tokenizer.decode if runner.tokenizer else (lambda ids: " ".join(map(str, ids)))
+out.keys(prompt_tokens=len(prompt_ids), generated_tokens=len(sampled), trajectory_hash=trajectory_hash(greedy))
+out.data("generation", dict(prompt=PROMPT, prompt_ids=prompt_ids, temperature=TEMPERATURE, top_p=TOP_P, seed=SEED,
+                            sampled_ids=sampled, sampled_text=decode(sampled), greedy_ids=greedy,
+                            greedy_text=decode(greedy)))
+Markdown(f"**Sampled** — temperature {TEMPERATURE}, top-p {TOP_P}, seed {SEED}, {len(sampled)} new tokens "
+         f"(the prompt is the first {len(prompt_ids)} tokens):\n\n```python\n{PROMPT}{decode(sampled)}\n```\n\n"
+         f"**Greedy** — temperature 0, trajectory hash `{trajectory_hash(greedy)}`:\n\n"
+         f"```python\n{PROMPT}{decode(greedy)}\n```")
 
 # %% [markdown]
 # ## The first fixed-token oracle
@@ -97,14 +109,15 @@ out.table("oracle", rows)
 
 # %%
 ablation = quant_ablation.load_results()
-if ablation is None:
+points = ablation["points"] if ablation else []
+if not points:
     print("data/results/quant_ablation.json is absent: run `dsv4lab train-small ablation` to produce it")
-else:
-    out.table("quant_ablation", [dict(format=p["name"], sweep=p["sweep"], heldout_ppl=p["heldout_ppl"],
-                                      kl_vs_bf16=p["kl_vs_bf16"], weight_rel_error=p["weight_rel_error"],
-                                      bytes_per_param=p["bytes_per_param"], checkpoint_choice=p["is_checkpoint_choice"])
-                                 for p in ablation["points"]])
-    out.figure(plots.plot_quant_ablation(ablation["points"]), "quant_ablation")
+display(out.table("quant_ablation", [dict(format=p["name"], sweep=p["sweep"], heldout_ppl=p["heldout_ppl"],
+                                          kl_vs_bf16=p["kl_vs_bf16"], weight_rel_error=p["weight_rel_error"],
+                                          bytes_per_param=p["bytes_per_param"],
+                                          checkpoint_choice=p["is_checkpoint_choice"]) for p in points]))
+if points:
+    display(out.figure(plots.plot_quant_ablation(points), "quant_ablation"))
 
 # %% [markdown]
 # ## Where to go next
@@ -114,5 +127,5 @@ else:
 # | `01_layout_repair` | the paper's W2 layout bug end to end: fault, failing oracle, per-stage cosine, fingerprint, repair |
 # | `02_correctness` | the verification hierarchy: kernel, layer and model tiers, teacher-forced divergence at every cache boundary |
 # | `03_decode_ablation`, `04_prefill_ablation` | kernel variants: committed H200 measurements, the cost model, an interpreter check on CPU |
-# | `05_roofline` | hardware catalogue, roofline with ops, the account of the paper's 74.5 tok/s |
-# | `06_paper_figures` | the paper's decode and prefill milestones redrawn beside the model and our measurements |
+# | `05_roofline` | hardware catalogue, the paper's MI250 and our H200 on their rooflines, the account of the paper's 74.5 tok/s, an explorer |
+# | `06_paper_figures` | the paper's decode and prefill milestones redrawn, and where this project stands beside them |

@@ -12,7 +12,7 @@
 # injected into a **copy** (the original is never touched), and every step is checked, not just shown.
 
 # %% tags=["parameters"]
-RUN_DIR: str = ""  # run folder for results/ and figures/; empty: a new runs/<UTC stamp>_<commit>/
+RUN_DIR: str = ""  # run folder for results/ and figures/; empty: scratch/01_layout_repair/ (replaced at the next run)
 SMOKE: bool = False  # tiny CPU run (what the tests run): one oracle, fewer tokens, W2 only
 INTERACTIVE: bool = False  # show the layer / expert / tile explorer (a person is at the notebook)
 SEED: int = 0  # seed of the probe inputs and the traced token sequence
@@ -35,6 +35,8 @@ ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("01_layout_repair", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, LAYER=LAYER,
                                                                EXPERT=EXPERT, TILE=TILE, TOKENS=TOKENS))
 work = out.work_dir()
+drill_where = dict(model=f"checkpoint {runs.display_path(ckpt)}; the paper's W2 fault injected into a copy",
+                   measured="reference backend on this machine, random probe inputs")
 print(f"trusted checkpoint {runs.display_path(ckpt)}; scratch copies in {work}")
 
 # %% [markdown]
@@ -121,7 +123,8 @@ similarity_faulted = drill.channel_similarity(ckpt, faulted, shown, tile=TILE, s
 similarity_repaired = drill.channel_similarity(ckpt, repaired, shown, tile=TILE, seed=SEED)
 fig = plots.plot_channel_similarity({"stored (faulted) vs trusted": similarity_faulted,
                                      "repaired vs trusted": similarity_repaired}, block=fault.layout.params()["block"],
-                                    title=f"{shown}, output tile {TILE}")
+                                    title=f"{shown}, output tile {TILE}: the stored layout against the trusted one",
+                                    where=drill_where)
 out.figure(fig, "heatmap")
 
 # %% [markdown]
@@ -147,7 +150,7 @@ out.table("stages_repaired", stages_fixed)
 
 # %%
 fig = plots.plot_stage_cosines({"faulted W2": stages_faulted, "repaired at load time": stages_fixed},
-                               highlight_layer=LAYER)
+                               highlight_layer=LAYER, where=drill_where)
 out.figure(fig, "stage_cosines")
 
 # %% [markdown]
@@ -171,8 +174,9 @@ if INTERACTIVE:
         with view:
             view.clear_output(wait=True)
             display(plots.plot_channel_similarity({f"layer {layer}, expert {expert}, tile {tile}: stored vs trusted":
-                                                   matrix}, block=fault.layout.params()["block"]))
-            display(plots.plot_stage_cosines({"faulted W2": stages_faulted}, highlight_layer=layer))
+                                                   matrix}, block=fault.layout.params()["block"], where=drill_where))
+            display(plots.plot_stage_cosines({"faulted W2": stages_faulted}, highlight_layer=layer,
+                                             where=drill_where))
 
     controls = dict(layer=widgets.IntSlider(value=LAYER, min=0, max=n_layers - 1, description="layer"),
                     expert=widgets.IntSlider(value=EXPERT, min=0, max=n_experts - 1, description="expert"),
@@ -191,4 +195,4 @@ if INTERACTIVE:
 # %%
 if not INTERACTIVE:
     shutil.rmtree(work)
-out.doc["key_results"]
+out.summary()

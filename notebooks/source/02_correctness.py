@@ -9,7 +9,7 @@
 # them (`dsv4lab verify kernels | layers | model`); this notebook runs them and shows what each one sees.
 
 # %% tags=["parameters"]
-RUN_DIR: str = ""  # run folder for results/ and figures/; empty: a new runs/<UTC stamp>_<commit>/
+RUN_DIR: str = ""  # run folder for results/ and figures/; empty: scratch/02_correctness/ (replaced at the next run)
 SMOKE: bool = False  # tiny CPU run (tests): one shape per op, no Triton, one oracle, no trajectory, 72 tokens
 INTERACTIVE: bool = False  # show the interactive widgets (this notebook has none)
 SEED: int = 0  # seed of the kernel-tier random inputs
@@ -44,9 +44,13 @@ out.keys(golden_present=golden is not None, golden_matches_checkpoint=golden_mat
 # ## Kernel tier
 #
 # Every registered op, for every implementation a backend provides, against the reference on fresh random
-# inputs over a grid of irregular shapes, with NaN-poisoned rows a correct kernel never reads. Tolerances come
-# from the dtype and kind of op (`dsv4lab.verify.compare.tolerance`). The reference compared with itself must be
-# bitwise; the Triton backend runs under the interpreter on a CPU.
+# inputs over a grid of irregular shapes, with NaN-poisoned rows a correct kernel never reads. The reference
+# compared with itself must be bitwise; the Triton backend runs under the interpreter on a CPU.
+#
+# The figure puts each op's worst check at its error divided by what it is allowed, so a pass (left of the line
+# at 1) and a fail (right of it) read at a glance. When the checks carry the analytic bound's ratio
+# (`dsv4lab.verify.bounds`: `|out − ref| ≤ γₙ·Σ|terms| + ulps`), that ratio is plotted; otherwise the worst
+# element's error over its tolerance (`dsv4lab.verify.compare.tolerance`), and the caption says so.
 
 # %%
 reference = measurements.kernel_checks("reference", seed=SEED, max_shapes=1 if SMOKE else None)
@@ -63,7 +67,10 @@ out.keys(kernel_tier_reference_ok=reference["status"] == "ran" and all(r["ok"] f
 out.table("kernel_tier", measurements.check_rows_summary(kernel_rows))
 
 # %%
-out.figure(plots.plot_kernel_check_errors(kernel_rows), "kernel_tier")
+kernel_where = dict(model="every registered op at small irregular shapes",
+                    measured="this CPU: the reference backend, and the Triton kernels under the interpreter"
+                    + ("" if triton["rows"] else f" (Triton: {triton['status']})"))
+out.figure(plots.plot_kernel_check_errors(kernel_rows, where=kernel_where), "kernel_tier")
 
 # %% [markdown]
 # ## Model tier
@@ -124,7 +131,10 @@ out.table("boundaries", [dict(boundary=r["boundary"], positions=r["positions"], 
                               faulty_max_kl=f["max_kl"]) for r, f in zip(boundary_rows, fault_rows)])
 fig = plots.plot_divergence_vs_position({"reference: cached vs recompute": cvr["kl"],
                                          f"{FAULT}: vs reference": kl_fault}, bounds, bound=kl_bound,
-                                        title=f"Teacher-forced KL per position ({ckpt.name})")
+                                        title=f"Teacher-forced KL per position ({ckpt.name})",
+                                        where=dict(model=f"checkpoint {runs.display_path(ckpt)}",
+                                                   measured="reference backend on this machine, "
+                                                            f"{n_tf} teacher-forced tokens"))
 out.figure(fig, "divergence")
 
 # %% [markdown]
@@ -148,7 +158,9 @@ where = f"{fault_first_stage.block} — {fault_first_stage.stage}" if fault_firs
 print(f"reference: {'no divergence' if clean_first is None else clean_first.note}; {FAULT}: first divergence {where}")
 out.keys(layer_tier_clean_ok=clean_first is None, fault_first_stage=where)
 fig = plots.plot_layer_divergence([r.to_dict() for r in fault_layer_rows],
-                                  title=f"Layer tier localises {FAULT}")
+                                  title=f"Layer tier localises {FAULT}",
+                                  where=dict(model=f"checkpoint {runs.display_path(ckpt)}",
+                                             measured=f"reference backend with the {FAULT} fault, on this machine"))
 out.figure(fig, "layer_tier")
 
 # %% [markdown]
@@ -159,4 +171,4 @@ out.figure(fig, "layer_tier")
 # `03_decode_ablation` and `04_prefill_ablation`.
 
 # %%
-out.doc["key_results"]
+out.summary()

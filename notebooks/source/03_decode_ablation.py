@@ -14,7 +14,7 @@
 # against the reference under the interpreter.
 
 # %% tags=["parameters"]
-RUN_DIR: str = ""  # run folder for results/ and figures/; empty: a new runs/<UTC stamp>_<commit>/
+RUN_DIR: str = ""  # run folder for results/ and figures/; empty: scratch/03_decode_ablation/ (replaced at the next run)
 SMOKE: bool = False  # tiny CPU run (what the tests run): two ops in the interpreter check
 INTERACTIVE: bool = False  # show the interactive widgets (this notebook has none)
 SEED: int = 0  # seed of the interpreter check's random inputs
@@ -25,8 +25,7 @@ BATCH: int = 1  # decode batch of the rows plotted
 
 # %%
 # %matplotlib inline
-from dsv4lab import measurements, plots, runs
-from dsv4lab.perf import roofline
+from dsv4lab import figure_data, measurements, plots, runs
 from dsv4lab.perf.hardware import load_hardware
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
@@ -38,52 +37,49 @@ out.table("availability", measurements.availability(GPU))
 # %% [markdown]
 # ## Committed measurements beside the cost model
 #
-# Each measured row is set beside the cost model's time for the same kernel and shape, and beside its floor —
-# the bytes it must move at the copy bandwidth measured in the same run.
+# One row per kernel at the real DeepSeek-V4-Flash shapes: the best of its own (Triton) variants, the other
+# variants, cuBLAS and a plain `torch.sum` read of the same bytes where the benchmark has them (all measured),
+# the cost model's time (modelled), and the floor — the kernel's bytes at the copy bandwidth measured in the same
+# run. The column on the right is the best variant's share of that bandwidth.
 
 # %%
 doc = measurements.load_results_file("decode_kernels", GPU)
+rows = figure_data.decode_kernels(doc, hw, BATCH)
 if doc is not None:
     print(f"measured on {measurements.provenance(doc)}; copy bandwidth {doc['copy_bw_gbps']:,.0f} GB/s")
-    compared = roofline.compare_kernel_results(measurements.results_path("decode_kernels", GPU), hw)["rows"]
-    rows = [dict(label=f"{r['kernel']} / {r['variant']}", kernel=r["kernel"], variant=r["variant"],
-                 measured_us=r["measured_us"], predicted_us=r["predicted_us"], floor_us=r["floor_us_at_copy_bw"],
-                 pct_copy_bw=r["pct_copy_bw"]) for r in compared if r["batch"] == BATCH]
-    title = f"Decode kernels (batch {BATCH}): measured on {doc['gpu']} vs the cost model"
+    where = dict(measured=measurements.provenance(doc),
+                 modelled=f"cost model on {hw.name} at the run's copy bandwidth")
+    title = f"Decode kernels on the {doc['gpu']}, batch {BATCH}: the best of each kernel's variants vs the cost model"
 else:
-    print(f"No committed decode measurements: {measurements.results_path('decode_kernels', GPU)} is absent. "
-          "Showing the cost model's predictions only; the measurements come from `dsv4lab bench kernels "
-          "--suite decode` on the GPU machine.")
-    rows = [dict(label=f"{kernel} (model)", kernel=kernel, variant="model", measured_us=None,
-                 predicted_us=p["time_us"], floor_us=p["floor_us"], bytes=p["bytes"])
-            for kernel, p in roofline.kernel_predictions(hw, batch=BATCH).items()]
-    title = f"Decode kernels (V4-Flash shapes, batch {BATCH}): cost model on {hw.name}, no measurements"
-out.keys(decode_measurements_present=doc is not None, rows_plotted=len(rows))
-out.table("kernels", rows)
+    print(f"No committed decode measurements: {measurements.results_path('decode_kernels', GPU)} is absent; "
+          "they come from `dsv4lab bench kernels --suite decode` on the GPU machine.")
+    where = dict(modelled=f"cost model on {hw.name}")
+    title = f"Decode kernels, batch {BATCH}: the cost model on {hw.name} (nothing measured yet)"
+out.keys(decode_measurements_present=doc is not None, kernels_plotted=len(rows))
+out.table("kernels", rows, ["label", "best_variant", "best_us", "library_us", "modelled_us", "floor_us",
+                            "pct_copy_bw", "variants"])
 
 # %%
-out.figure(plots.plot_kernel_timings(rows, title=title), "kernels")
+missing_note = None if doc is not None else (f"not measured yet: {measurements.results_path('decode_kernels', GPU).name} "
+                                             "is absent (dsv4lab bench kernels --suite decode)")
+out.figure(plots.plot_decode_kernels(rows, title=title, where=where, missing_note=missing_note), "kernels")
 
 # %% [markdown]
 # ## The variant ablation
 #
-# What each idea is worth on this hardware: per kernel, every variant's time and share of the copy bandwidth
-# (committed measurements only).
+# What each idea is worth on this hardware: per kernel, its three fastest variants with their share of the copy
+# bandwidth (every variant is in `results/03_decode_ablation_ablation.csv`).
 
 # %%
 if doc is not None:
-    ablation = sorted(({"kernel": r["kernel"], "variant": r["variant"], "batch": r["batch"], "time_us": r["time_us"],
-                        "gbps": r["gbps"], "pct_copy_bw": r["pct_copy_bw"]} for r in doc["rows"]),
-                      key=lambda r: (r["kernel"], r["batch"], r["time_us"]))
-    best = {}
-    for r in ablation:
-        best.setdefault((r["kernel"], r["batch"]), r)
-    out.data("best_variants", [dict(kernel=k, batch=b, variant=r["variant"], time_us=r["time_us"],
-                                    pct_copy_bw=r["pct_copy_bw"]) for (k, b), r in best.items()])
-    display_rows = out.table("ablation", ablation)
+    out.table("ablation", sorted(({"kernel": r["kernel"], "variant": r["variant"], "batch": r["batch"],
+                                   "route": r.get("route"), "time_us": r["time_us"], "gbps": r["gbps"],
+                                   "pct_copy_bw": r["pct_copy_bw"]} for r in doc["rows"]),
+                                 key=lambda r: (r["kernel"], r["batch"], r["time_us"])))
+    top = out.table("top_variants", figure_data.decode_variant_table(doc, BATCH, top=3))
 else:
-    display_rows = "no committed measurements: nothing to ablate on this machine"
-display_rows
+    top = runs.Table([dict(note="no committed measurements: nothing to ablate on this machine")])
+top
 
 # %% [markdown]
 # ## Fresh measurements (GPU only)
@@ -94,12 +90,12 @@ fresh = measurements.fresh_benchmark("kernels", ["--suite", "decode"],
 print(fresh["message"])
 out.keys(fresh_measurement=fresh["status"])
 if fresh["status"] == "measured":
-    fresh_rows = roofline.compare_kernel_results(fresh["path"], hw)["rows"]
+    fresh_doc = measurements.load_results_file("decode_kernels", path=fresh["path"])
+    fresh_rows = figure_data.decode_kernels(fresh_doc, hw, BATCH)
     out.table("fresh", fresh_rows)
-    out.figure(plots.plot_kernel_timings(
-        [dict(label=f"{r['kernel']} / {r['variant']}", measured_us=r["measured_us"], predicted_us=r["predicted_us"],
-              floor_us=r["floor_us_at_copy_bw"]) for r in fresh_rows if r["batch"] == BATCH],
-        title=f"Decode kernels, batch {BATCH}: fresh measurements"), "fresh")
+    out.figure(plots.plot_decode_kernels(fresh_rows, title=f"Decode kernels, batch {BATCH}: fresh measurements",
+                                         where=dict(measured=measurements.provenance(fresh_doc),
+                                                    modelled=f"cost model on {hw.name}")), "fresh")
 
 # %% [markdown]
 # ## The check a CPU can run: decode kernels under the Triton interpreter

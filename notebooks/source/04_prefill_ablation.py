@@ -11,7 +11,7 @@
 # fresh ones on a GPU, the cost model always, and the interpreter check on a CPU.
 
 # %% tags=["parameters"]
-RUN_DIR: str = ""  # run folder for results/ and figures/; empty: a new runs/<UTC stamp>_<commit>/
+RUN_DIR: str = ""  # run folder for results/ and figures/; empty: scratch/04_prefill_ablation/ (replaced at the next run)
 SMOKE: bool = False  # tiny CPU run (what the tests run): fewer prompt lengths and interpreter checks
 INTERACTIVE: bool = False  # show the interactive widgets (this notebook has none)
 SEED: int = 0  # seed of the interpreter check's random inputs
@@ -22,7 +22,7 @@ PROMPT_TOKENS: int = 4604  # the paper's prompt length, for the chunk-size accou
 
 # %%
 # %matplotlib inline
-from dsv4lab import measurements, plots, runs
+from dsv4lab import figure_data, measurements, plots, runs
 from dsv4lab.config import get_preset
 from dsv4lab.perf import account as perf_account
 from dsv4lab.perf import roofline
@@ -38,41 +38,39 @@ out.table("availability", measurements.availability(GPU))
 # %% [markdown]
 # ## Throughput against prompt length
 #
-# Committed kernel measurements when present; otherwise the cost model's whole-prefill throughput (achieved
-# TFLOP/s = FLOPs per token × predicted tokens per second) on the H200 and on the paper's MI250 TP4.
+# One panel per kernel, its best variants (the rest are counted in the panel and kept in the CSV), against the
+# matrix peaks measured in the same run. Without committed measurements: the cost model's whole-prefill rate
+# (FLOPs per token × predicted tokens per second) on the H200 and on the paper's MI250 TP4, said so in the figure.
 
 # %%
 doc = measurements.load_results_file("prefill_kernels", GPU)
 if doc is not None:
     print(f"measured on {measurements.provenance(doc)}")
     rows = [dict(r) for r in doc["rows"]]
-    peak = next((float(r["tflops"]) * 100 / float(r["pct_peak"]) for r in rows if r.get("pct_peak")), None)
-    title = f"Prefill kernels measured on {doc['gpu']}"
+    where = dict(measured=measurements.provenance(doc))
+    title = f"Prefill kernels on the {doc['gpu']}: TFLOP/s against prompt length"
+    missing_note = None
 else:
-    print(f"No committed prefill measurements: {measurements.results_path('prefill_kernels', GPU)} is absent. "
-          "Showing the cost model only; the measurements come from `dsv4lab bench kernels --suite prefill` on the "
-          "GPU machine.")
-    rows = []
-    for name, h, tp in ((hw.name, hw, 1), ("mi250-gcd TP4", mi250, 4)):
-        for tokens in ((512, 4096) if SMOKE else (512, 1024, 2048, 4096, 8192)):
-            rep = roofline.roofline_report(flash, h, tp=tp, phase="prefill", context=tokens)
-            tok_s = rep["predicted"]["tok_s"]
-            rows.append(dict(kernel="whole prefill (model)", variant=f"{name}", tokens=tokens, input_tok_s=tok_s,
-                             tflops=rep["flops_per_token_per_rank"] * tok_s / 1e12 if tp == 1 else
-                             rep["flops_per_token"] * tok_s / 1e12 / tp))
-    peak = hw.matrix_tflops("bf16")
-    title = "Prefill throughput per GPU: cost model (no measurements)"
+    print(f"No committed prefill measurements: {measurements.results_path('prefill_kernels', GPU)} is absent; they "
+          "come from `dsv4lab bench kernels --suite prefill` on the GPU machine.")
+    rows = figure_data.prefill_model_rows(hw, (512, 4096) if SMOKE else (512, 1024, 2048, 4096, 8192))
+    where = dict(modelled=f"cost model on {hw.name} and mi250-gcd")
+    title = "Prefill throughput per GPU: the cost model (nothing measured yet)"
+    missing_note = "measured kernels: not measured yet (dsv4lab bench kernels --suite prefill)"
 out.keys(prefill_measurements_present=doc is not None)
 out.table("throughput", rows)
-out.figure(plots.plot_prefill_throughput(rows, peak=peak, ylabel="TFLOP/s per GPU", title=title), "throughput")
+out.figure(plots.plot_prefill_throughput(rows, peaks=figure_data.prefill_peaks(doc, hw), names=figure_data.KERNEL_NAMES,
+                                         title=title, where=where, missing_note=missing_note), "throughput")
 
 # %% [markdown]
-# ## Chunked prefill: where the time goes
+# ## Chunked prefill: where the time goes, and how far the model is from the paper
 #
-# The cost model's step for the paper's prompt on MI250 TP4 at several chunk sizes (the paper moved from 512/1024
-# to 2,048-token chunks), and on the H200 in one pass. Components are the model's penalty terms. The table sets
-# the paper's final prefill (2,234 input tok/s at chunk 2,048, reported by the paper) beside the model: where the
-# two differ, the model is missing a cost the paper's kernels paid.
+# The cost model's prefill of the paper's prompt on MI250 TP4 at several chunk sizes (the paper moved from
+# 512/1024 to 2,048-token chunks), and on the H200 in one pass. The bars are the model's penalty terms; the
+# columns print the paper's reported rate beside the model's and their ratio. The model is about four times the
+# paper at chunk 2,048: it runs the GEMMs at peak matrix rates, while the paper's M=2048 MoE kernels reach a small
+# fraction of the INT8 peak (`05_roofline`, `perf.account.paper_prefill_account`) — the model misses a cost the
+# paper's kernels paid.
 
 # %%
 chunks = (512, 2048) if SMOKE else (512, 1024, 2048, None)
@@ -80,23 +78,28 @@ reported = {m["id"]: m for m in perf_account.load_paper("prefill_milestones")["m
 account = []
 for chunk in chunks:
     rep = roofline.roofline_report(flash, mi250, tp=4, phase="prefill", context=PROMPT_TOKENS, chunk=chunk)
-    account.append(dict(label=f"MI250 TP4, chunk {chunk or 'none'}", components_us=rep["predicted"]["components_us"],
-                        tokens=PROMPT_TOKENS, input_tok_s=rep["predicted"]["tok_s"],
-                        reported_input_tok_s=reported["sorter_64"]["input_tok_s"] if chunk == 2048 else None))
+    account.append(dict(label=f"4×MI250 GCD TP4, chunk {chunk or 'none'}", tokens=PROMPT_TOKENS,
+                        components_us=rep["predicted"]["components_us"],
+                        reported_rate=reported["sorter_64"]["input_tok_s"] if chunk == 2048 else None,
+                        reported_step_us=reported["sorter_64"]["ttft_s"] * 1e6 if chunk == 2048 else None))
 rep = roofline.roofline_report(flash, hw, tp=1, phase="prefill", context=PROMPT_TOKENS)
-account.append(dict(label=f"{hw.name} TP1, one pass", components_us=rep["predicted"]["components_us"],
-                    tokens=PROMPT_TOKENS, input_tok_s=rep["predicted"]["tok_s"], reported_input_tok_s=None))
-out.table("chunk_account", [dict(label=a["label"], modelled_input_tok_s=a["input_tok_s"],
-                                 reported_input_tok_s=a["reported_input_tok_s"],
-                                 step_ms=sum(a["components_us"].values()) / 1e3) for a in account])
-out.figure(plots.plot_step_waterfall(account, title=f"Prefill of {PROMPT_TOKENS} tokens: modelled time by component",
-                                     unit="ms"), "chunks")
+account.append(dict(label=f"1×{hw.name}, one pass", tokens=PROMPT_TOKENS, components_us=rep["predicted"]["components_us"]))
+out.table("chunk_account", [dict(label=a["label"], modelled_input_tok_s=a["tokens"] * 1e6 / sum(a["components_us"].values()),
+                                 reported_input_tok_s=a.get("reported_rate"),
+                                 modelled_ms=sum(a["components_us"].values()) / 1e3) for a in account])
+out.figure(plots.plot_step_waterfall(account, title=f"Prefill of {PROMPT_TOKENS:,} tokens: modelled time by term, "
+                                                    "beside the paper's reported rate (input tok/s)",
+                                     unit="ms", rate_unit="input tok/s",
+                                     where=dict(modelled="cost model on mi250-gcd (TP4, the paper's layout) and "
+                                                         f"{hw.name}",
+                                                reported="the paper's final prefill, 2,234 input tok/s (TTFT 2.061 s)")),
+           "chunks")
 
 # %% [markdown]
 # ## The expert-sorter ablation
 #
 # Reported by the paper for the M=2048 routed-MoE kernels: 32 → 64 rows per sorted expert block. Our measured
-# sorter rows appear beside it when the committed results carry them.
+# grouped-MoE rows at 2,048 tokens appear beside it, per sorter block, when the committed results carry them.
 
 # %%
 micro = perf_account.load_paper("microbenchmarks")["entries"]["routed_moe_prefill_m2048"]
@@ -105,7 +108,8 @@ sorter = [dict(source="reported by the paper (MI250)", sorter_rows=rows_, gate_u
 if doc is not None:
     sorter += [dict(source=f"measured ({doc['gpu']})", sorter_rows=r.get("sorter_rows"), kernel=r["kernel"],
                     variant=r["variant"], tokens=r.get("tokens"), time_ms=float(r["time_us"]) / 1e3)
-               for r in doc["rows"] if r.get("sorter_rows") is not None]
+               for r in doc["rows"] if r["kernel"] == "moe_grouped_gemm" and r.get("tokens") == 2048
+               and r.get("sorter_rows") is not None]
 out.table("sorter", sorter)
 
 # %% [markdown]
@@ -138,7 +142,9 @@ out.keys(fresh_measurement=fresh["status"])
 if fresh["status"] == "measured":
     fresh_doc = measurements.load_results_file("prefill_kernels", path=fresh["path"])
     out.table("fresh", fresh_doc["rows"])
-    out.figure(plots.plot_prefill_throughput(fresh_doc["rows"], title="Prefill kernels: fresh measurements"), "fresh")
+    out.figure(plots.plot_prefill_throughput(fresh_doc["rows"], peaks=figure_data.prefill_peaks(fresh_doc, hw),
+                                             names=figure_data.KERNEL_NAMES, title="Prefill kernels: fresh measurements",
+                                             where=dict(measured=measurements.provenance(fresh_doc))), "fresh")
 prefill_ops = ["moe_stage1", "sparse_attention"] if SMOKE else ["moe_stage1", "moe_stage2", "routed_experts",
                                                                  "linear_fp8", "sparse_attention"]
 check = measurements.kernel_checks("triton", prefill_ops, seed=SEED, max_shapes=1)

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 05 · The roofline: hardware catalogue, ops on the roofline, and the account of 74.5 tok/s
+# # 05 · The roofline: hardware catalogue, the paper's and our numbers on the roofline, the account of 74.5 tok/s
 #
 # As reported by the paper, the final DeepSeek-V4-Flash decode on four MI250 GCDs (TP4, batch 1) ran at
 # **74.5 tok/s** — about 14% of the bandwidth roofline of the same step. The weights alone are ≈ 11.2 GB per token
@@ -8,30 +8,35 @@
 # `dsv4lab.perf` turns that into numbers one can check: a hardware catalogue where every figure carries its
 # source (`data/hardware/*.yaml`), an op-level cost model (bytes and FLOPs per op of a decode step, per rank
 # under TP/EP), and a step-time model with penalty terms that rebuilds the paper's step from the components the
-# paper measured.
+# paper measured. Every figure says which of its numbers are **reported by the paper**, **measured** by this
+# project (on the H200, committed under `data/results/h200/`) or **modelled**.
 
 # %% tags=["parameters"]
-RUN_DIR: str = ""  # run folder for results/ and figures/; empty: a new runs/<UTC stamp>_<commit>/
+RUN_DIR: str = ""  # run folder for results/ and figures/; empty: scratch/05_roofline/ (replaced at the next run)
 SMOKE: bool = False  # tiny CPU run (what the tests run); the model is analytic, so nothing changes
-INTERACTIVE: bool = False  # show the hardware / TP / batch / context explorer
+INTERACTIVE: bool = False  # show the hardware / TP / EP / batch / context explorer
 SEED: int = 0  # unused: the model is deterministic
 CHECKPOINT: str = ""  # checkpoint folder (recorded only; the model describes DeepSeek-V4-Flash)
-HARDWARE: str = "h200-sxm"  # catalogue entry of the roofline chart
-TP: int = 2  # tensor-parallel ranks of the roofline chart
-BATCH: int = 1  # decode batch of the roofline chart
+GPU: str = "h200"  # results folder of our measurements under data/results/
+HARDWARE: str = "h200-sxm"  # catalogue entry of the roofline chart's right panel and the explorer
+TP: int = 1  # tensor-parallel ranks of the chart's modelled ops (the measured kernels ran on one GPU)
+EP: int = 1  # expert-parallel ranks of the explorer's first setting
+BATCH: int = 1  # decode batch of the chart's modelled ops
 CONTEXT: int = 4096  # cached tokens per sequence
 
 # %%
 # %matplotlib inline
-from dsv4lab import plots, runs
+from IPython.display import HTML, display
+
+from dsv4lab import figure_data, plots, runs
 from dsv4lab.config import get_preset
 from dsv4lab.perf import account as perf_account
 from dsv4lab.perf import roofline
 from dsv4lab.perf.hardware import catalogue, load_hardware
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
-out = runs.notebook_outputs("05_roofline", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, HARDWARE=HARDWARE, TP=TP,
-                                                          BATCH=BATCH, CONTEXT=CONTEXT))
+out = runs.notebook_outputs("05_roofline", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, GPU=GPU, HARDWARE=HARDWARE,
+                                                          TP=TP, EP=EP, BATCH=BATCH, CONTEXT=CONTEXT))
 flash = get_preset("flash")
 hw = load_hardware(HARDWARE)
 
@@ -42,7 +47,9 @@ hw = load_hardware(HARDWARE)
 
 # %%
 cat = catalogue()
-out.table("catalogue", [h.summary() for h in cat.values()])
+out.table("catalogue", [h.summary() for h in cat.values()],
+          ["name", "memory.bw_peak_gbps", "memory.bw_achievable_gbps", "matrix_tflops.bf16", "matrix_tflops.fp8",
+           "matrix_tflops.int8", "launch.kernel_overhead_us"])
 
 # %%
 out.figure(plots.plot_hardware_catalogue(list(cat.values())), "catalogue")
@@ -56,8 +63,8 @@ out.figure(plots.plot_hardware_catalogue(list(cat.values())), "catalogue")
 # %%
 paper_setting = roofline.roofline_report(flash, load_hardware("mi250-gcd"), tp=4, batch=1, context=CONTEXT)
 report = roofline.roofline_report(flash, hw, tp=TP, batch=BATCH, context=CONTEXT)
-summary = [dict(setting=f"{r['hardware']} TP{r['tp']} batch {r['batch']}", bytes_per_token=r["bytes_per_token"],
-                bytes_per_token_per_rank=r["bytes_per_token_per_rank"], bound_tok_s=r["bound_tok_s"],
+summary = [dict(setting=f"{r['hardware']} TP{r['tp']} batch {r['batch']}", GB_per_token=r["bytes_per_token"] / 1e9,
+                GB_per_token_per_rank=r["bytes_per_token_per_rank"] / 1e9, bound_tok_s=r["bound_tok_s"],
                 predicted_tok_s=r["predicted"]["tok_s"], mbu_pct=r["predicted"]["mbu_pct"])
            for r in (paper_setting, report)]
 out.keys(flash_bytes_per_token=paper_setting["bytes_per_token"],
@@ -66,28 +73,47 @@ out.keys(flash_bytes_per_token=paper_setting["bytes_per_token"],
 out.table("bounds", summary)
 
 # %% [markdown]
-# ## The roofline, with the step's ops on it
+# ## The roofline, on the hardware each number comes from
 #
-# Each op of one decode step sits at its arithmetic intensity and at the FLOP rate the step-time model gives it
-# (penalties included); at batch 1 nearly everything sits far left, where bandwidth and launch overheads rule.
+# Left, the paper's MI250 GCD: its reported times (black squares) placed at the arithmetic intensity of the same
+# work — the whole decode step at 74.5 tok/s, the routed-MoE stage, the attention kernel, the M=2048 MoE prefill
+# and the whole prefill. Right, this project's H200: the measured decode kernels (the best variant of each), the
+# FP8 prefill GEMMs and the grouped MoE at 4,096 tokens, and the whole decode step of the one-GPU end-to-end run
+# when it is committed. On both, the modelled ops of one decode step (hollow grey) at the rate the step-time model
+# gives them: at batch 1 nearly everything sits far left, where bandwidth and launch overheads rule.
 
 # %%
-fig = plots.plot_roofline([hw, load_hardware("mi250-gcd")], report["ops"],
-                          title=f"DeepSeek-V4-Flash decode on {hw.name}, TP{TP}, batch {BATCH}, context {CONTEXT}")
+panels, where = figure_data.roofline_panels(HARDWARE, tp=TP, batch=BATCH, context=CONTEXT, gpu=GPU)
+out.keys(roofline_measured_points=sum(p["source"] == "measured" for p in panels[1]["points"]),
+         roofline_reported_points=sum(p["source"] == "reported" for p in panels[0]["points"]))
+out.table("roofline_points", [dict(panel=pan["hardware"].name, **{k: pt[k] for k in ("source", "group", "label",
+                                                                                         "intensity", "tflops")})
+                              for pan in panels for pt in pan["points"] if pt["source"] != "modelled"])
+fig = plots.plot_roofline(panels, where=where,
+                          title="DeepSeek-V4-Flash on the roofline: the paper's MI250 GCD and this project's "
+                                f"{hw.name}")
 out.figure(fig, "roofline")
 
 # %%
-fig = plots.plot_bytes_composition({f"{paper_setting['hardware']} TP4 (whole model)": paper_setting["components"],
-                                    f"{report['hardware']} TP{TP} (whole model)": report["components"]},
-                                   title="Weight bytes per generated token by component")
+fig = plots.plot_bytes_composition(
+    {"whole model (§5.1 accounting)": paper_setting["components"],
+     "busiest GCD, 4×MI250 TP4 (the paper's layout)": figure_data.bytes_by_component(flash, tp=4, context=CONTEXT,
+                                                                                     sharding="sglang"),
+     "busiest GPU, 2×H200 TP2 (dsv4lab's layout)": figure_data.bytes_by_component(flash, tp=2, context=CONTEXT,
+                                                                                  sharding="reference")},
+    title="Bytes per generated token by component: the whole model and the busiest rank (modelled)",
+    where=dict(note=f"context {CONTEXT} tokens"))
 out.figure(fig, "bytes")
 
 # %% [markdown]
 # ## The account of 74.5 tok/s
 #
 # The paper's final step rebuilt from the component times it reports (routed-MoE stage, attention kernel) and
-# the model for everything else, then each decode milestone, and beside them the model's prediction for this
-# project's target (two H200s, TP2). Diamonds mark the reported step times.
+# the model for everything else, then walked back through all six decode milestones, and beside them the
+# model's prediction for this project's target (two H200s, TP2). The columns print each kind of number beside
+# its own kind: the paper's reported tok/s (the black squares mark its step time), the model's, and their ratio.
+# Two milestones changed things the paper gave no component time for: the model has nothing of its own to say
+# there and says so.
 
 # %%
 account = perf_account.paper_account()
@@ -101,51 +127,65 @@ out.keys(paper_account_predicted_tok_s=account["predicted_tok_s"], paper_account
          h200_tp2_predicted_tok_s=prediction["predicted_tok_s"])
 out.table("account", [dict(component=k, us=v, share_pct=100 * account["components_share"][k])
                       for k, v in account["components_us"].items()])
-# milestones whose components the model can state (from the paper's component times or implied by a milestone
-# pair), in the paper's order; the rest share the final step's components and are left out
-modelled = [m for m in account["milestones"] if not m["basis"].startswith("no component time")]
-rows = [dict(label=f"{m['label']} (reported {m['reported_tok_s']:g})", components_us=m["components_us"],
-             reported_step_us=m["reported_step_us"]) for m in reversed(modelled)]
-rows.append(dict(label="model: 2×H200 TP2 (this project's target)", components_us=prediction["components_us"]))
-fig = plots.plot_step_waterfall(rows, title="Decode step by component: the paper's milestones and the H200 target")
+
+# %%
+rows = figure_data.milestone_rows(GPU)
+for r in rows[:-1]:  # the paper's milestones: their short names (the full ones are in data/paper/)
+    r["label"] = plots.headline(r["label"])
+out.keys(waterfall_milestones=len(rows) - 1)
+fig = plots.plot_step_waterfall(
+    rows, title="Decode step by component: the paper's six milestones and the H200 target (tok/s at batch 1)",
+    where=dict(modelled="cost model on mi250-gcd (TP4, the paper's layout) and h200-sxm (TP2)",
+               reported="data/paper/ (4×MI250 GCD, TP4, batch 1)",
+               note="MI250 bars: the routed-MoE and attention segments are the paper's reported component times"))
 out.figure(fig, "waterfall")
 
 # %% [markdown]
-# ## Explore: hardware, TP, batch and context
+# ## Explore: hardware, TP, EP, batch and context
 #
-# (Shown when `INTERACTIVE=True`.) The same roofline and breakdown functions as above, for the setting you pick.
+# (Shown when `INTERACTIVE=True`.) Pick a setting: the bound and the predicted step, the step's account by
+# component, and the same roofline and waterfall functions as above for that setting.
 
 # %%
 if INTERACTIVE:
     import ipywidgets as widgets
-    from IPython.display import display
 
-    from dsv4lab.config import ConfigError
-    from dsv4lab.perf.hardware import HardwareError
+    from dsv4lab.errors import DSV4LabError
 
     view = widgets.Output()
 
-    def explore(hardware, tp, batch, context):
+    def explore(hardware, tp, ep, batch, context):
         with view:
             view.clear_output(wait=True)
             try:
-                rep = roofline.roofline_report(flash, load_hardware(hardware), tp=tp, batch=batch, context=context)
-            except (ConfigError, HardwareError, roofline.PerfError, ValueError) as err:
+                h = load_hardware(hardware)
+                rep = roofline.roofline_report(flash, h, tp=tp, ep=ep, batch=batch, context=context)
+                acc = perf_account.predict_account(h, tp=tp, ep=ep, batch=batch, context=context)
+            except (DSV4LabError, ValueError) as err:
                 print(f"not a valid setting: {err}")
                 return
-            print(f"{rep['predicted']['tok_s']:,.1f} tok/s predicted, bound {rep['bound_tok_s']:,.0f} tok/s, "
-                  f"{rep['bytes_per_token_per_rank'] / 1e9:.2f} GB per token on the busiest rank")
-            display(plots.plot_roofline(hardware, rep["ops"],
-                                        title=f"{hardware}, TP{tp}, batch {batch}, context {context}"))
-            display(plots.plot_step_waterfall([dict(label=f"{hardware} TP{tp} batch {batch}",
-                                                    components_us=rep["predicted"]["components_us"], tokens=batch)]))
+            display(HTML(f"<b>{hardware}, TP{tp} EP{ep}, batch {batch}, context {context:,}</b> (modelled): "
+                         f"bound {rep['bound_tok_s']:,.0f} tok/s · predicted {acc['predicted_tok_s']:,.1f} tok/s "
+                         f"(step {acc['step_us'] / 1e3:.2f} ms, {acc['mbu_pct']:.1f}% of the bandwidth) · "
+                         f"{rep['bytes_per_token_per_rank'] / 1e9:.2f} GB per token on the busiest rank"))
+            display(runs.Table([dict(component=k, us=v, share_pct=100 * acc["components_share"][k])
+                                for k, v in acc["components_us"].items()]))
+            display(plots.plot_roofline([dict(hardware=h, title=f"{hardware}, TP{tp} EP{ep}, batch {batch}",
+                                              points=figure_data.step_points(rep, "ops of one decode step"))],
+                                        title=f"Roofline of one decode step on {hardware}",
+                                        where=dict(modelled=f"cost model on {hardware}, context {context}")))
+            display(plots.plot_step_waterfall([dict(label=f"{hardware} TP{tp} EP{ep}", tokens=batch,
+                                                    components_us=acc["components_us"])],
+                                              title="Predicted step by component",
+                                              where=dict(modelled=f"cost model on {hardware}")))
 
     controls = dict(hardware=widgets.Dropdown(options=list(cat), value=HARDWARE, description="hardware"),
                     tp=widgets.Dropdown(options=[1, 2, 4, 8], value=TP, description="TP"),
+                    ep=widgets.Dropdown(options=[1, 2, 4, 8], value=EP, description="EP"),
                     batch=widgets.IntSlider(value=BATCH, min=1, max=64, description="batch"),
                     context=widgets.IntSlider(value=CONTEXT, min=256, max=65536, step=256, description="context"))
     widgets.interactive_output(explore, controls)
-    display(widgets.VBox([widgets.HBox(list(controls.values())[:2]), widgets.HBox(list(controls.values())[2:]), view]))
+    display(widgets.VBox([widgets.HBox(list(controls.values())[:3]), widgets.HBox(list(controls.values())[3:]), view]))
 
 # %%
-out.doc["key_results"]
+out.summary()
