@@ -14,6 +14,7 @@ Short inputs (24 tokens: a 23-token prefill and one decode step) keep the replay
 """
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -25,11 +26,12 @@ import torch
 
 import dsv4lab
 from dsv4lab.layouts import FAULTS, inject_fault_into_checkpoint
+from dsv4lab.model.ops import ReferenceOps
 from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
 from dsv4lab.verify import model as model_tier
 from dsv4lab.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
-from dsv4lab.verify.op_bounds import OP_BOUNDS, TopK, check_expectation, check_topk
-from dsv4lab.verify.stages import record_reference, replay, replay_call, stage_name
+from dsv4lab.verify.op_bounds import OP_BOUNDS, TopK, check_outputs, check_topk
+from dsv4lab.verify.stages import bound_of, output_names, record_reference, replay, replay_call, stage_name
 from dsv4lab.verify.variants import VARIANTS, KernelLike
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +70,7 @@ def _recorded(name: str, n: int = SHORT):
     if key not in _cache:
         ref = dsv4lab.load(CHECKPOINTS[name], max_batch=1)
         ids = _golden(name)["layers"]["input_ids"][:n]
-        _cache[key] = (ref, record_reference(ref, ids, decode_steps=1))
+        _cache[key] = (ref, record_reference(ref, ids))
     return _cache[key]
 
 
@@ -94,21 +96,22 @@ def test_reference_against_itself_is_bit_identical_at_every_stage():
     names = {s.stage for s in report.stages}
     assert ISSUE_STAGES <= names, ISSUE_STAGES - names
     assert {s.block for s in report.stages} == {f"layers.{i}" for i in range(6)} | {"model"}
-    assert {c.forward for c in calls} == {0, 1}  # a prefill and a decode step were recorded
+    # a prefill, an eager decode step and a static one (the engine's decode step) were recorded
+    assert {(c.forward, c.path) for c in calls} == {(0, "prefill"), (1, "eager"), (2, "static")}
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_every_op_of_the_forward_has_a_stage_name_and_a_bound_containing_the_reference(name):
+def test_every_op_of_the_forward_and_the_static_step_has_a_stage_name_and_a_bound_containing_the_reference(name):
     ref, calls = _recorded(name)
     nm = ref.ops.numerics
+    assert [c.path for c in calls if c.depth == 0][-1] == "static" and {"eager", "static"} <= {c.path for c in calls}
+    assert {"attention_from_caches", "compressor_step", "kv_norm_rope", "hc_post_pre_norm"} <= {c.op for c in calls}
+    assert {"indexer_select_decode", "router_topk", "indexer_query"} <= {c.op for c in calls}
     for call in calls:
         assert call.op in OP_BOUNDS, f"{call.op} has no bound"
         assert not call.stage.startswith(f"{call.op} ("), f"no stage name for {call.op} at {call.owner}"
-        expects = OP_BOUNDS[call.op](nm, "fp32", *call.args, **call.kwargs)
-        expects = expects if isinstance(expects, tuple) else (expects,)
         outs = call.out if isinstance(call.out, tuple) else (call.out,)
-        for o, e in zip(outs, expects):
-            res = check_expectation(o, o, e, f"{call.block} {call.stage}")
+        for res in check_outputs(outs, outs, bound_of(call, nm, "fp32"), output_names(call)):
             assert res.ok and not res.bound_defect, res.line()
 
 
@@ -132,6 +135,36 @@ def test_backend_faults_are_named_at_their_layer_and_stage(name, fault):
     assert (report.first.block, report.first.stage) == (block, stage), report.first.line()
     worst = report.first.worst()[1].worst
     assert worst["out"] != worst["ref"] and worst["index"]  # the worst element, both values, its position
+
+
+class RingRowLate(KernelLike):
+    """The decode step's window KV row written one ring row late (a fused kernel's store offset)."""
+
+    def kv_norm_rope(self, kv, weight, eps, cos, sin, positions, ring=None, slots=None):
+        out = super().kv_norm_rope(kv, weight, eps, cos, sin, positions)
+        if ring is not None:
+            ring[slots, (positions.reshape(-1) + 1) % ring.shape[1]] = out.reshape(slots.shape[0], -1).to(ring.dtype)
+        return out
+
+
+class EntryAtBlockEnd(KernelLike):
+    """The compressor's decode step rotating a finished entry at its block's last position (the prefill path's
+    helper stays right)."""
+
+    def compressor_step(self, comp, *args):
+        late = copy.copy(self)
+        late.compressed_rope_position = lambda block, ratio: block * ratio + ratio - 1
+        return ReferenceOps.compressor_step(late, comp, *args)
+
+
+@pytest.mark.parametrize("ops_class,op,stage", [
+    (RingRowLate, "kv_norm_rope", "kv norm + RoPE + FP8 sim, ring write (fused)"),
+    (EntryAtBlockEnd, "compressor_step", "decode step: ring, pooling, entry write (fused)")])
+def test_a_fault_in_a_fused_op_of_the_static_step_is_named_at_its_stage(ops_class, op, stage):
+    ref, calls = _recorded("tiny")
+    report = replay(calls, _backend("tiny", ops_class), ref)
+    assert not report.ok and stage in report.first.stage, report.first.line()
+    assert {s.op for s in report.stages if not s.ok} == {op}, _failures(report)  # nothing else is blamed
 
 
 @pytest.mark.parametrize("fault", sorted(MODEL_FAULTS))
@@ -256,10 +289,10 @@ def test_docs_cover_the_backend_faults_and_link_the_verification_page():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_triton_backend_is_clean_stage_by_stage_under_the_interpreter(name):
-    """A 5-token prefill (prefill kernels from 4 rows) and one decode step (decode kernels): every op of the
-    Triton backend within its bound on the reference's inputs (100–230 s per checkpoint in the interpreter on a
-    shared 2-core machine)."""
-    ref, calls = _recorded(name, 6)
+    """A 6-token prefill (prefill kernels from 4 rows), an eager decode step (decode kernels) and a step of the
+    engine's static decode path (its fused glue kernels): every op of the Triton backend within its bound on the
+    reference's inputs (60–80 s per checkpoint in the interpreter on a shared 2-core machine)."""
+    ref, calls = _recorded(name, 8)  # the static step at position 7 completes a block of every ratio-4 compressor
     tri = dsv4lab.load(CHECKPOINTS[name], max_batch=1, backend="triton")
     tri.ops.prefill_min_tokens = 4
     report = replay(calls, tri, ref)
@@ -267,6 +300,11 @@ def test_triton_backend_is_clean_stage_by_stage_under_the_interpreter(name):
     c = tri.ops.calls
     for op in ("linear", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention"):
         assert c.decode[op] > 0 and c.prefill[op] > 0, (op, tri.ops.report())
+    for op in ("hc_pre_norm", "hc_post_pre_norm", "head_rms_rope", "kv_norm_rope", "indexer_query",
+               "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp"):
+        assert c.glue[op] > 0, (op, tri.ops.report())
+    written = [c for c in calls if c.op == "compressor_step" and not torch.equal(c.out[0].isnan(), c.args[5].isnan())]
+    assert written, "no compressor step of the recording wrote an entry"
 
 
 def test_replay_accepts_any_object_with_ops_model_and_device():
