@@ -265,6 +265,68 @@ def test_kl_factors_equal_the_committed_calibration():
     assert all(faults[(c, "bf16_accumulation")] < cal["k_mean"] for c in ("tiny", "tiny-py"))
 
 
+# ------------------------------------------------------------------------------------------ accumulation models
+def test_every_kernel_tables_accumulation_has_a_model_ordered_by_looseness():
+    from dsv4lab.engine import triton_backend as tb
+    from dsv4lab.engine.triton_prefill import KIND_MODEL
+    from dsv4lab.verify.bounds import UNIT_ROUNDOFF, gamma
+    assert set(tb.ACCUMULATION_MODELS) <= set(UNIT_ROUNDOFF) and set(KIND_MODEL.values()) <= set(UNIT_ROUNDOFF)
+    widths = [gamma(4096, m) for m in tb.ACCUMULATION_MODELS]
+    assert widths == sorted(widths) and len(set(widths)) == len(widths)
+    for table in (tb.gemv.ACCUMULATION, tb.moe.ACCUMULATION):
+        for route, (_, factor) in table.items():
+            assert tb.accumulation_model(factor) in tb.ACCUMULATION_MODELS, route
+    with pytest.raises(ValueError, match="no accumulation model"):
+        tb.accumulation_model(3.0)
+
+
+def test_the_triton_backend_names_the_accumulation_of_the_kernel_each_call_takes(monkeypatch):
+    """On a GPU (simulated: the dispatch's device checks bypassed) each call is judged by the model of its own
+    kernel: a projection the measured dispatch sends to cuBLAS by cuBLAS's, one it keeps on the GEMV by its route's,
+    a prefill-sized FP8 projection by FP8 tensor cores', the MoE by its route's, the glue by fp32; a variant by its
+    fixed route. Under the interpreter every call is fp32."""
+    from dsv4lab.engine import triton_backend as tb
+    from dsv4lab.engine import triton_prefill as tp
+    from dsv4lab.engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
+    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.verify.kernels import variant_accumulation
+    from dsv4lab.verify.registry import make_bank, make_linear, routing
+
+    g = torch.Generator().manual_seed(0)
+    lin, lin2 = make_linear("fp8", 96, 256, g), make_linear("fp8", 128, 256, g)
+    bank = make_bank(8, 128, 64, g)
+    x1, x100 = torch.randn(1, 256).bfloat16(), torch.randn(100, 256).bfloat16()
+    idx, w = routing(g, 1, 8, 2)
+    doc = dict(format=FORMAT, gpu="test", gemv=[
+        dict(shape=shape_key(96, 256, 1, "fp8", True), batch=1, choice=dict(impl="cublas")),
+        dict(shape=shape_key(128, 256, 1, "fp8", True), batch=1, choice=dict(impl="triton", route="fma"))],
+        moe=[dict(batch=1, choice=dict(route="fma"))])
+    ops = tb.TritonOps(Numerics(), tb.DecodeConfig(moe_route="dot", gemv_route="dot", dispatch=DecodeDispatch(doc)))
+    assert ops.accumulation_for("linear", x1, lin) == "fp32"  # the interpreter: numpy's fp32
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    monkeypatch.setattr(tp, "_can_launch", lambda t: True)
+    monkeypatch.setattr(tp._kernels("fp8_gemm"), "interpreting", lambda: False)
+    monkeypatch.setattr(tb.TritonOps, "_unsupported", lambda self, rows, *t: None if rows <= 63 else "rows")
+    assert ops.accumulation_for("linear", x1, lin) == "fp32_tc4"  # cuBLAS, as the dispatch measured
+    assert ops.accumulation_for("linear", x1, lin2) == "fp32"  # the GEMV's fma route
+    assert ops.accumulation_for("linear", x1, lin2, route="dot") == "fp32_tc4"
+    assert ops.accumulation_for("linear", x100, lin) == "fp8_mma"  # the prefill FP8 GEMM
+    assert ops.accumulation_for("routed_experts", x1[:, :128], idx, w, bank, 10.0) == "fp32"  # measured: fma
+    assert ops.accumulation_for("moe_stage1", x1[:, :128], idx, bank) == "fp32_tc4"  # the configured dot route
+    x100m = torch.randn(100, 128).bfloat16()
+    idx100, w100 = routing(g, 100, 8, 2)
+    assert ops.accumulation_for("routed_experts", x100m, idx100, w100, bank, 10.0) == "fp32_tc"  # prefill bf16
+    assert ops.accumulation_for("expert_mlp", x1, lin2, lin2, lin2, 10.0) == "fp32"
+    assert ops.accumulation_for("expert_mlp", x1, lin, lin2, lin, 10.0) == "fp32_tc4"  # the loosest part
+    assert ops.accumulation_for("hc_pre_norm", None) == "fp32" and ops.accumulation_for("rms_norm", x1) == "fp32"
+    assert ops.accumulation_for("attention_from_caches", x1) == "fp32_tc4"
+    variants = ops.variants("linear")
+    assert variant_accumulation(ops, "triton:fma", "linear", (x1, lin), "cuda", variants["fma"]) == "fp32"
+    assert variant_accumulation(ops, "triton:dot", "linear", (x1, lin), "cuda", variants["dot"]) == "fp32_tc4"
+    assert variant_accumulation(ops, "triton:prefill_gemm", "linear", (x1, lin), "cuda",
+                                variants["prefill_gemm"]) == "fp8_mma"
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_verify_layers_names_a_backend_fault_and_writes_json(tmp_path):
     r = subprocess.run(CLI + ["verify", "layers", "--checkpoint", str(CHECKPOINTS["tiny"]), "--backend-fault",

@@ -336,8 +336,7 @@ def _make_compressor_step(s, gen, device, nm):
     comp = Compressor(TINY, r, channels, is_indexer=indexer)
     width = comp.coff * channels
     comp._buffers["ape"] = randn(gen, r, width, scale=0.5, device=device)
-    comp.norm._parameters["weight"] = torch.nn.Parameter((1 + 0.1 * torch.randn(channels, generator=gen)).to(device),
-                                                          requires_grad=False)
+    comp.norm._buffers["weight"] = (1 + 0.1 * torch.randn(channels, generator=gen)).to(device)
     b = len(s["positions"])
     comp.allocate_state(b + 1, nm.acc, device)
     comp.kv_ring.copy_(randn(gen, *comp.kv_ring.shape, device=device))
