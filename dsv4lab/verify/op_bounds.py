@@ -329,6 +329,7 @@ def rms_norm_interval(nm, acc, x: Interval, weight, eps: float, out_dtype) -> In
     sq_lo = torch.where((x.lo <= 0) & (x.hi >= 0), torch.zeros_like(sq_hi), torch.minimum(x.lo * x.lo, x.hi * x.hi))
     r = Interval(torch.rsqrt(sq_hi.mean(-1, keepdim=True) + eps), torch.rsqrt(sq_lo.mean(-1, keepdim=True) + eps))
     y = x.mul(r).mul(_f64(weight.to(nm.acc)))
+    y = Interval(y.lo, y.hi, x.rule)  # the two products are one step of the account below
     rel = gamma(d / 2 + 16, acc)
     return y.widen(rel * y.mag, f"RMSNorm D={d}: γ(D/2+16, {acc})·|y|").round(nm.acc).round(out_dtype)
 

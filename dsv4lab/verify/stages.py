@@ -54,7 +54,6 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("hc_post_pre_norm", "hc_attn_fn", "mHC post (previous block's MoE site) + pre + attn_norm (fused)"),
     ("hc_pre", "hc_attn_fn", "mHC pre (attention site)"),
     ("hc_pre", "hc_ffn_fn", "mHC pre (MoE site)"),
-    ("hc_post", "attn*", "mHC post (attention site)"),
     ("hc_post", "hc_ffn_fn", "mHC post (attention site)"),
     ("hc_post", "hc_attn_fn", "mHC post (previous block's MoE site)"),
     ("hc_post", "ffn*", "mHC post (MoE site)"),
