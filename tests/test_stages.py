@@ -1,16 +1,20 @@
 """The stage-isolated layer oracle (:mod:`dsv4lab.verify.stages`) and the calibrated model tier.
 
-* the reference replayed against its own recording is bit-identical at every stage, and every op of the forward
-  has a stage name and a bound that contains the reference;
+* the recording is a prefill, an eager decode step and a step of the engine's static decode path; the reference
+  replayed against it is bit-identical at every stage, and every op of the forward and of the static step — the
+  fused ones included — has a stage name, a ``verify kernels`` case and a bound that contains the reference;
 * legitimate rounding variants (fp32 reductions, split-K, online-softmax attention, FP8-MMA accumulation) pass
   every stage, and the Triton backend under the interpreter comes out clean stage by stage (``slow``);
+* a fault in a fused op of the static step (the ring row, the compressor's entry rotation) is named at its stage;
+* each call's accumulation model is the one its kernel's table states (the measured dispatch's cuBLAS or GEMV route,
+  the MoE route, FP8 or bf16 tensor cores at prefill sizes, fp32 for the glue);
 * backend faults (one expert's W2 read permuted, a bf16 accumulation) and the model faults are named at their layer
   and stage by the replay; checkpoint faults, which make reference and backend agree, are named by the reference
   run's digests (tier ``checkpoint``) — the bf16 accumulation and the one-expert W2 fault both stay inside the
   calibrated KL bound, which is why the stage and checkpoint tiers are binding;
 * an op with no bound is a failure; top-k ties are ties; the KL factors equal the committed calibration.
 
-Short inputs (24 tokens: a 23-token prefill and one decode step) keep the replays to seconds.
+Short inputs (24 tokens: a 22-token prefill, an eager and a static decode step) keep the replays to seconds.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
 from dsv4lab.verify import model as model_tier
 from dsv4lab.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
 from dsv4lab.verify.op_bounds import OP_BOUNDS, TopK, check_outputs, check_topk
+from dsv4lab.verify.registry import OPS
 from dsv4lab.verify.stages import bound_of, output_names, record_reference, replay, replay_call, stage_name
 from dsv4lab.verify.variants import VARIANTS, KernelLike
 
@@ -101,14 +106,17 @@ def test_reference_against_itself_is_bit_identical_at_every_stage():
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_every_op_of_the_forward_and_the_static_step_has_a_stage_name_and_a_bound_containing_the_reference(name):
+def test_every_op_of_the_forward_and_the_static_step_has_a_stage_name_a_registry_case_and_a_bound(name):
+    """... and the bound contains the reference's own output (else the derivation is wrong)."""
     ref, calls = _recorded(name)
     nm = ref.ops.numerics
     assert [c.path for c in calls if c.depth == 0][-1] == "static" and {"eager", "static"} <= {c.path for c in calls}
     assert {"attention_from_caches", "compressor_step", "kv_norm_rope", "hc_post_pre_norm"} <= {c.op for c in calls}
     assert {"indexer_select_decode", "router_topk", "indexer_query"} <= {c.op for c in calls}
+    registered = {case.method for case in OPS}
     for call in calls:
         assert call.op in OP_BOUNDS, f"{call.op} has no bound"
+        assert call.op in registered, f"{call.op} has no verify kernels case"
         assert not call.stage.startswith(f"{call.op} ("), f"no stage name for {call.op} at {call.owner}"
         outs = call.out if isinstance(call.out, tuple) else (call.out,)
         for res in check_outputs(outs, outs, bound_of(call, nm, "fp32"), output_names(call)):
