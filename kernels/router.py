@@ -72,6 +72,8 @@ def router_topk(logits: torch.Tensor, k: int, route_scale: float, score_func: st
         raise ValueError(f"router kernel: score function {score_func!r} (kernels for {', '.join(SCORE_FUNCS)})")
     hashed = tid2eid is not None
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1
+    if hashed:
+        tid2eid = tid2eid.contiguous()  # the kernel reads row t at t·k (a sliced table would be misread)
     idx = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:

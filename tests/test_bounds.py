@@ -159,3 +159,70 @@ def test_sparse_attention_bound_passes_online_softmax_and_fails_a_wrong_row():
     kv2 = torch.nan_to_num(kv, nan=0.0)
     wrong = ReferenceOps(nm).sparse_attention(q, kv2, shifted, sink, scale)
     assert not check_interval(wrong, ref, bound).ok
+
+
+# ------------------------------------------------------------------------------------------ interval steps
+def test_tensor_core_model_per_term_and_elementwise_roundoff():
+    from dsv4lab.verify.bounds import ELEMENTWISE_U, elementwise_roundoff, gamma
+    assert gamma(1000, "fp32_tc4") == 1000 * 2 ** -22 / (1 - 1000 * 2 ** -22)  # c = 4 of the decode kernels' tables
+    assert gamma(1000, "fp32") < gamma(1000, "fp32_tc") < gamma(1000, "fp32_tc4") < gamma(1000, "fp8_mma")
+    # element-wise steps run in fp32 whatever the dots accumulate in; an evaluation in a dtype is that dtype's
+    assert {elementwise_roundoff(m) for m in ("fp32", "fp32_tc", "fp32_tc4", "fp8_mma")} == {ELEMENTWISE_U}
+    assert elementwise_roundoff("fp64") == 2 ** -53 and elementwise_roundoff(torch.bfloat16) == 2 ** -8
+
+
+def _box(shape, seed, rel=2 ** -8):
+    """A random interval of bf16-sized width around bf16 values, and bf16 points drawn inside it (ends included)."""
+    from dsv4lab.verify.bounds import Interval
+    g = torch.Generator().manual_seed(seed)
+    c = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16).double()
+    r = c.abs() * rel * torch.rand(*shape, generator=g, dtype=torch.float64)
+    iv = Interval(c - r, c + r)
+    pts = [iv.lo, iv.hi] + [iv.lo + (iv.hi - iv.lo) * torch.rand(*shape, generator=g, dtype=torch.float64)
+                            for _ in range(6)]
+    inside = [p.to(torch.bfloat16) for p in pts]
+    return iv, [torch.where(iv.contains(p.double()), p, c.to(torch.bfloat16)) for p in inside]
+
+
+def test_interval_steps_contain_the_reference_at_every_point_of_their_input():
+    """Soundness of the fused-op chain steps: for bf16 points anywhere in an input interval, the reference's own
+    RMSNorm, RoPE (both directions), Hadamard transform and FP8/FP4 block simulations land inside the step's output
+    interval (fp32 evaluation allowed for, so the reference's fp64-exact value is well inside)."""
+    from dsv4lab import quant
+    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.model.ops import ReferenceOps
+    from dsv4lab.model.rope import rope_table
+    from dsv4lab.config import get_preset
+    from dsv4lab.verify.bounds import Interval
+    from dsv4lab.verify.op_bounds import (fp4_qdq_interval, fp8_qdq_interval, hadamard_interval, rms_norm_interval,
+                                          rope_interval)
+    nm = Numerics()
+    ref = ReferenceOps(nm)
+    g = torch.Generator().manual_seed(3)
+    w = 1 + 0.1 * torch.randn(96, generator=g)
+    cos, sin = rope_table(get_preset("tiny"), 2, 64)
+    pos = torch.randint(0, 64, (5,), generator=g)
+    steps = [
+        ("rms_norm", (5, 96), lambda iv: rms_norm_interval(nm, "fp32", iv, w, 1e-6, torch.bfloat16),
+         lambda x: ref.rms_norm(x, w, 1e-6)),
+        ("rope", (5, 96), lambda iv: rope_interval("fp32", iv, cos[pos], sin[pos], out_dtype=torch.bfloat16),
+         lambda x: ref.rope(x, cos[pos], sin[pos])),
+        ("inverse rope", (5, 96), lambda iv: rope_interval("fp32", iv, cos[pos], sin[pos], True, torch.bfloat16),
+         lambda x: ref.rope(x, cos[pos], sin[pos], inverse=True)),
+        ("hadamard", (5, 64), lambda iv: hadamard_interval("fp32", iv, torch.bfloat16), quant.hadamard_transform),
+        ("fp8 sim", (5, 128), lambda iv: fp8_qdq_interval(iv, 64).round(torch.bfloat16),
+         lambda x: quant.fp8_qdq(x, 64)),
+        ("fp4 sim", (5, 64), lambda iv: fp4_qdq_interval(iv, 32).round(torch.bfloat16),
+         lambda x: quant.fp4_qdq(x, 32)),
+    ]
+    for i, (name, shape, step, reference) in enumerate(steps):
+        iv, points = _box(shape, i)
+        out = step(iv)
+        assert (out.lo <= out.hi).all(), name
+        for p in points:
+            y = reference(p).double()
+            assert out.contains(y).all(), f"{name}: {int((~out.contains(y)).sum())} reference values outside"
+        # and not vacuous: from a point (no input width) the step allows at most about one bf16 rounding
+        at_point = step(Interval.point(iv.mid.to(torch.bfloat16).double()))
+        width = ((at_point.hi - at_point.lo) / at_point.mag.clamp_min(1e-30))
+        assert float(width.median()) <= 2 ** -8 and float(width.max()) <= 2 ** -6, (name, float(width.max()))

@@ -75,6 +75,7 @@ MISTAKES = [
     (["repair", str(TINY), "--spec", "no-such.json", "--out", "unused"], "no-such.json"),
     (["verify", "layers", "--checkpoint", "no-such-folder"], "no-such-folder"),
     (["verify", "model", "--checkpoint", str(TINY), "--inject-fault", "nope"], "invalid choice: 'nope'"),
+    (["verify", "model", "--checkpoint", str(TINY), "--tiers", "checkpoint,nope"], "nope"),
     (["verify", "kernels", "--op", "nope"], "nope"),
     (["bench", "e2e", "--backend", "cuda"], "invalid choice: 'cuda'"),
 ]

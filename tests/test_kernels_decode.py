@@ -1,7 +1,7 @@
 """Decode kernels (issue 7) against the reference: device number formats, FP8/BF16 GEMV (two routes, split-K,
 grouped ``wo_a``), the routed-MoE decode (three routes, launch geometries, an expert-parallel slice), sparse
 attention decode (one and two caches, split rows), the Triton backend's dispatch and report, and the static
-decode step against the reference decode on the tiny model.
+decode step on the tiny model, replayed stage by stage against the reference's (each call within its op's bound).
 
 Runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set in conftest) on small irregular shapes with random
 inputs and NaN-poisoned memory no kernel may read (bytes past every buffer, the scales of experts no token picks,
@@ -294,36 +294,57 @@ def test_backend_dispatch_fallbacks_and_variants():
     assert {"fma", "dot"} <= set(ops.variants("linear"))
 
 
-@pytest.mark.slow
-def test_static_decode_step_matches_reference_decode_on_tiny(tiny_path):
-    """Teacher-forced: the same tokens through the reference decode and through the static (graph-capturable)
-    decode step on the Triton backend, two ragged rows. Both keep the reference's quantization semantics; they
-    differ only by fp32 accumulation order (fp64-exact sums in the reference), so the logits agree to ~1e-6
-    relative and the greedy tokens are the same."""
+def _static_step_stage_by_stage(tiny_path, device):
+    """Teacher-forced, two ragged rows (one completing a block of every ratio-4 compressor): the reference's static
+    decode step is recorded op by op (it equals the reference's eager decode bit for bit: tests/test_decode_step.py
+    pins the wiring) and every call is replayed on the Triton backend with the reference's inputs, judged by the op's
+    analytic bound under the accumulation model of the kernel the call takes (``TritonOps.accumulation_for``:
+    tensor-core and cuBLAS sums on a GPU, fp32 in the interpreter). Then the Triton static step itself runs, and its
+    logits are held to the reference's only as a gross-error guard (a wrong row, layout or mask moves them by O(1);
+    rounding differences propagated through 6 layers are the stage replay's subject, not a tolerance's)."""
     import dsv4lab
     from dsv4lab.engine.decode_graph import GraphDecoder
+    from dsv4lab.verify.stages import OpRecorder, replay
 
-    ref = dsv4lab.load(tiny_path, backend="reference", max_batch=2, max_seq_len=64)
-    tri = dsv4lab.load(tiny_path, backend="triton", max_batch=2, max_seq_len=64)
+    ref = dsv4lab.load(tiny_path, backend="reference", max_batch=2, max_seq_len=64, device=device,
+                       decode_path="static")
+    tri = dsv4lab.load(tiny_path, backend="triton", max_batch=2, max_seq_len=64, device=device)
     ids = torch.randint(2, 4096, (2, 8), generator=torch.Generator().manual_seed(11))
-    lens = [6, 3]
+    lens = [6, 3]  # the steps decode positions 6 and 3: the second completes a ratio-4 block
     kernels, tri.ops = tri.ops, ReferenceOps(tri.ops.numerics)  # prefill on the reference (state is the model's)
     for m in (ref, tri):
         m.forward(ids[:, :6], 0, slots=[0, 1], lengths=lens)
     tri.ops = kernels
-    step = GraphDecoder(tri, graphs=False)
-    for t in range(1):  # one step of two ragged rows: the interpreter takes ~30 s for it
-        pos = torch.tensor(lens) + t
-        tok = ids[torch.arange(2), pos]
+    pos = torch.tensor(lens)
+    tok = ids[torch.arange(2), pos]
+    rec = OpRecorder(ref.ops, ref.model)
+    rec.forward_index, rec.path = 1, "static"
+    try:
         want = ref.forward(tok[:, None], pos, slots=[0, 1])[:, 0]
-        got = step(tok, [0, 1])
-        rel = float((got - want).norm() / want.norm())
-        assert rel < 1e-5, rel
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
-        kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
-                                        reduction="batchmean")
-        assert float(kl) < 1e-8
-    assert tri.ops.calls.decode["routed_experts"] > 0 and tri.ops.calls.decode["sparse_attention"] > 0
+    finally:
+        rec.remove()
+    report = replay(rec.calls, tri, ref)
+    assert report.ok, "\n".join(s.line() for s in report.stages if not s.ok)
+    ops = {c.op for c in rec.calls}
+    assert {"attention_from_caches", "compressor_step", "kv_norm_rope", "indexer_select_decode", "router_topk",
+            "hc_post_pre_norm", "routed_experts"} <= ops
+    got = GraphDecoder(tri, graphs=False)(tok, [0, 1])  # the replay wrote nothing: the caches are the prefill's
+    rel = float((got.cpu() - want.cpu()).norm() / want.cpu().norm())
+    assert rel < 1e-2, f"the Triton static step's logits are {rel:.2e} (relative) from the reference decode"
+    assert tri.ops.calls.decode["routed_experts"] > 0 and tri.ops.calls.glue["compressor_step"] > 0
+
+
+@pytest.mark.slow
+def test_static_decode_step_matches_reference_decode_on_tiny(tiny_path):
+    """The static decode step on the Triton kernels in the interpreter, judged stage by stage (~75 s)."""
+    _static_step_stage_by_stage(tiny_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_static_decode_step_stage_by_stage(tiny_path):
+    """The same on the GPU: compiled kernels, tensor-core sums, the measured dispatch's routes — each call judged
+    under its own kernel's accumulation model."""
+    _static_step_stage_by_stage(tiny_path, "cuda")
 
 
 # ------------------------------------------------------------------------------------------ GPU (real widths)

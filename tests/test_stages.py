@@ -1,19 +1,24 @@
 """The stage-isolated layer oracle (:mod:`dsv4lab.verify.stages`) and the calibrated model tier.
 
-* the reference replayed against its own recording is bit-identical at every stage, and every op of the forward
-  has a stage name and a bound that contains the reference;
+* the recording is a prefill, an eager decode step and a step of the engine's static decode path; the reference
+  replayed against it is bit-identical at every stage, and every op of the forward and of the static step — the
+  fused ones included — has a stage name, a ``verify kernels`` case and a bound that contains the reference;
 * legitimate rounding variants (fp32 reductions, split-K, online-softmax attention, FP8-MMA accumulation) pass
   every stage, and the Triton backend under the interpreter comes out clean stage by stage (``slow``);
+* a fault in a fused op of the static step (the ring row, the compressor's entry rotation) is named at its stage;
+* each call's accumulation model is the one its kernel's table states (the measured dispatch's cuBLAS or GEMV route,
+  the MoE route, FP8 or bf16 tensor cores at prefill sizes, fp32 for the glue);
 * backend faults (one expert's W2 read permuted, a bf16 accumulation) and the model faults are named at their layer
   and stage by the replay; checkpoint faults, which make reference and backend agree, are named by the reference
   run's digests (tier ``checkpoint``) — the bf16 accumulation and the one-expert W2 fault both stay inside the
   calibrated KL bound, which is why the stage and checkpoint tiers are binding;
 * an op with no bound is a failure; top-k ties are ties; the KL factors equal the committed calibration.
 
-Short inputs (24 tokens: a 23-token prefill and one decode step) keep the replays to seconds.
+Short inputs (24 tokens: a 22-token prefill, an eager and a static decode step) keep the replays to seconds.
 """
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -25,11 +30,13 @@ import torch
 
 import dsv4lab
 from dsv4lab.layouts import FAULTS, inject_fault_into_checkpoint
+from dsv4lab.model.ops import ReferenceOps
 from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
 from dsv4lab.verify import model as model_tier
 from dsv4lab.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
-from dsv4lab.verify.op_bounds import OP_BOUNDS, TopK, check_expectation, check_topk
-from dsv4lab.verify.stages import record_reference, replay, replay_call, stage_name
+from dsv4lab.verify.op_bounds import OP_BOUNDS, TopK, check_outputs, check_topk
+from dsv4lab.verify.registry import OPS
+from dsv4lab.verify.stages import bound_of, output_names, record_reference, replay, replay_call, stage_name
 from dsv4lab.verify.variants import VARIANTS, KernelLike
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +75,7 @@ def _recorded(name: str, n: int = SHORT):
     if key not in _cache:
         ref = dsv4lab.load(CHECKPOINTS[name], max_batch=1)
         ids = _golden(name)["layers"]["input_ids"][:n]
-        _cache[key] = (ref, record_reference(ref, ids, decode_steps=1))
+        _cache[key] = (ref, record_reference(ref, ids))
     return _cache[key]
 
 
@@ -94,21 +101,25 @@ def test_reference_against_itself_is_bit_identical_at_every_stage():
     names = {s.stage for s in report.stages}
     assert ISSUE_STAGES <= names, ISSUE_STAGES - names
     assert {s.block for s in report.stages} == {f"layers.{i}" for i in range(6)} | {"model"}
-    assert {c.forward for c in calls} == {0, 1}  # a prefill and a decode step were recorded
+    # a prefill, an eager decode step and a static one (the engine's decode step) were recorded
+    assert {(c.forward, c.path) for c in calls} == {(0, "prefill"), (1, "eager"), (2, "static")}
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_every_op_of_the_forward_has_a_stage_name_and_a_bound_containing_the_reference(name):
+def test_every_op_of_the_forward_and_the_static_step_has_a_stage_name_a_registry_case_and_a_bound(name):
+    """... and the bound contains the reference's own output (else the derivation is wrong)."""
     ref, calls = _recorded(name)
     nm = ref.ops.numerics
+    assert [c.path for c in calls if c.depth == 0][-1] == "static" and {"eager", "static"} <= {c.path for c in calls}
+    assert {"attention_from_caches", "compressor_step", "kv_norm_rope", "hc_post_pre_norm"} <= {c.op for c in calls}
+    assert {"indexer_select_decode", "router_topk", "indexer_query"} <= {c.op for c in calls}
+    registered = {case.method for case in OPS}
     for call in calls:
         assert call.op in OP_BOUNDS, f"{call.op} has no bound"
+        assert call.op in registered, f"{call.op} has no verify kernels case"
         assert not call.stage.startswith(f"{call.op} ("), f"no stage name for {call.op} at {call.owner}"
-        expects = OP_BOUNDS[call.op](nm, "fp32", *call.args, **call.kwargs)
-        expects = expects if isinstance(expects, tuple) else (expects,)
         outs = call.out if isinstance(call.out, tuple) else (call.out,)
-        for o, e in zip(outs, expects):
-            res = check_expectation(o, o, e, f"{call.block} {call.stage}")
+        for res in check_outputs(outs, outs, bound_of(call, nm, "fp32"), output_names(call)):
             assert res.ok and not res.bound_defect, res.line()
 
 
@@ -132,6 +143,36 @@ def test_backend_faults_are_named_at_their_layer_and_stage(name, fault):
     assert (report.first.block, report.first.stage) == (block, stage), report.first.line()
     worst = report.first.worst()[1].worst
     assert worst["out"] != worst["ref"] and worst["index"]  # the worst element, both values, its position
+
+
+class RingRowLate(KernelLike):
+    """The decode step's window KV row written one ring row late (a fused kernel's store offset)."""
+
+    def kv_norm_rope(self, kv, weight, eps, cos, sin, positions, ring=None, slots=None):
+        out = super().kv_norm_rope(kv, weight, eps, cos, sin, positions)
+        if ring is not None:
+            ring[slots, (positions.reshape(-1) + 1) % ring.shape[1]] = out.reshape(slots.shape[0], -1).to(ring.dtype)
+        return out
+
+
+class EntryAtBlockEnd(KernelLike):
+    """The compressor's decode step rotating a finished entry at its block's last position (the prefill path's
+    helper stays right)."""
+
+    def compressor_step(self, comp, *args):
+        late = copy.copy(self)
+        late.compressed_rope_position = lambda block, ratio: block * ratio + ratio - 1
+        return ReferenceOps.compressor_step(late, comp, *args)
+
+
+@pytest.mark.parametrize("ops_class,op,stage", [
+    (RingRowLate, "kv_norm_rope", "kv norm + RoPE + FP8 sim, ring write (fused)"),
+    (EntryAtBlockEnd, "compressor_step", "decode step: ring, pooling, entry write (fused)")])
+def test_a_fault_in_a_fused_op_of_the_static_step_is_named_at_its_stage(ops_class, op, stage):
+    ref, calls = _recorded("tiny")
+    report = replay(calls, _backend("tiny", ops_class), ref)
+    assert not report.ok and stage in report.first.stage, report.first.line()
+    assert {s.op for s in report.stages if not s.ok} == {op}, _failures(report)  # nothing else is blamed
 
 
 @pytest.mark.parametrize("fault", sorted(MODEL_FAULTS))
@@ -232,6 +273,68 @@ def test_kl_factors_equal_the_committed_calibration():
     assert all(faults[(c, "bf16_accumulation")] < cal["k_mean"] for c in ("tiny", "tiny-py"))
 
 
+# ------------------------------------------------------------------------------------------ accumulation models
+def test_every_kernel_tables_accumulation_has_a_model_ordered_by_looseness():
+    from dsv4lab.engine import triton_backend as tb
+    from dsv4lab.engine.triton_prefill import KIND_MODEL
+    from dsv4lab.verify.bounds import UNIT_ROUNDOFF, gamma
+    assert set(tb.ACCUMULATION_MODELS) <= set(UNIT_ROUNDOFF) and set(KIND_MODEL.values()) <= set(UNIT_ROUNDOFF)
+    widths = [gamma(4096, m) for m in tb.ACCUMULATION_MODELS]
+    assert widths == sorted(widths) and len(set(widths)) == len(widths)
+    for table in (tb.gemv.ACCUMULATION, tb.moe.ACCUMULATION):
+        for route, (_, factor) in table.items():
+            assert tb.accumulation_model(factor) in tb.ACCUMULATION_MODELS, route
+    with pytest.raises(ValueError, match="no accumulation model"):
+        tb.accumulation_model(3.0)
+
+
+def test_the_triton_backend_names_the_accumulation_of_the_kernel_each_call_takes(monkeypatch):
+    """On a GPU (simulated: the dispatch's device checks bypassed) each call is judged by the model of its own
+    kernel: a projection the measured dispatch sends to cuBLAS by cuBLAS's, one it keeps on the GEMV by its route's,
+    a prefill-sized FP8 projection by FP8 tensor cores', the MoE by its route's, the glue by fp32; a variant by its
+    fixed route. Under the interpreter every call is fp32."""
+    from dsv4lab.engine import triton_backend as tb
+    from dsv4lab.engine import triton_prefill as tp
+    from dsv4lab.engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
+    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.verify.kernels import variant_accumulation
+    from dsv4lab.verify.registry import make_bank, make_linear, routing
+
+    g = torch.Generator().manual_seed(0)
+    lin, lin2 = make_linear("fp8", 96, 256, g), make_linear("fp8", 128, 256, g)
+    bank = make_bank(8, 128, 64, g)
+    x1, x100 = torch.randn(1, 256).bfloat16(), torch.randn(100, 256).bfloat16()
+    idx, w = routing(g, 1, 8, 2)
+    doc = dict(format=FORMAT, gpu="test", gemv=[
+        dict(shape=shape_key(96, 256, 1, "fp8", True), batch=1, choice=dict(impl="cublas")),
+        dict(shape=shape_key(128, 256, 1, "fp8", True), batch=1, choice=dict(impl="triton", route="fma"))],
+        moe=[dict(batch=1, choice=dict(route="fma"))])
+    ops = tb.TritonOps(Numerics(), tb.DecodeConfig(moe_route="dot", gemv_route="dot", dispatch=DecodeDispatch(doc)))
+    assert ops.accumulation_for("linear", x1, lin) == "fp32"  # the interpreter: numpy's fp32
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
+    monkeypatch.setattr(tp, "_can_launch", lambda t: True)
+    monkeypatch.setattr(tp._kernels("fp8_gemm"), "interpreting", lambda: False)
+    monkeypatch.setattr(tb.TritonOps, "_unsupported", lambda self, rows, *t: None if rows <= 63 else "rows")
+    assert ops.accumulation_for("linear", x1, lin) == "fp32_tc4"  # cuBLAS, as the dispatch measured
+    assert ops.accumulation_for("linear", x1, lin2) == "fp32"  # the GEMV's fma route
+    assert ops.accumulation_for("linear", x1, lin2, route="dot") == "fp32_tc4"
+    assert ops.accumulation_for("linear", x100, lin) == "fp8_mma"  # the prefill FP8 GEMM
+    assert ops.accumulation_for("routed_experts", x1[:, :128], idx, w, bank, 10.0) == "fp32"  # measured: fma
+    assert ops.accumulation_for("moe_stage1", x1[:, :128], idx, bank) == "fp32_tc4"  # the configured dot route
+    x100m = torch.randn(100, 128).bfloat16()
+    idx100, w100 = routing(g, 100, 8, 2)
+    assert ops.accumulation_for("routed_experts", x100m, idx100, w100, bank, 10.0) == "fp32_tc"  # prefill bf16
+    assert ops.accumulation_for("expert_mlp", x1, lin2, lin2, lin2, 10.0) == "fp32"
+    assert ops.accumulation_for("expert_mlp", x1, lin, lin2, lin, 10.0) == "fp32_tc4"  # the loosest part
+    assert ops.accumulation_for("hc_pre_norm", None) == "fp32" and ops.accumulation_for("rms_norm", x1) == "fp32"
+    assert ops.accumulation_for("attention_from_caches", x1) == "fp32_tc4"
+    variants = ops.variants("linear")
+    assert variant_accumulation(ops, "triton:fma", "linear", (x1, lin), "cuda", variants["fma"]) == "fp32"
+    assert variant_accumulation(ops, "triton:dot", "linear", (x1, lin), "cuda", variants["dot"]) == "fp32_tc4"
+    assert variant_accumulation(ops, "triton:prefill_gemm", "linear", (x1, lin), "cuda",
+                                variants["prefill_gemm"]) == "fp8_mma"
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def test_cli_verify_layers_names_a_backend_fault_and_writes_json(tmp_path):
     r = subprocess.run(CLI + ["verify", "layers", "--checkpoint", str(CHECKPOINTS["tiny"]), "--backend-fault",
@@ -256,10 +359,10 @@ def test_docs_cover_the_backend_faults_and_link_the_verification_page():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_triton_backend_is_clean_stage_by_stage_under_the_interpreter(name):
-    """A 5-token prefill (prefill kernels from 4 rows) and one decode step (decode kernels): every op of the
-    Triton backend within its bound on the reference's inputs (100–230 s per checkpoint in the interpreter on a
-    shared 2-core machine)."""
-    ref, calls = _recorded(name, 6)
+    """A 6-token prefill (prefill kernels from 4 rows), an eager decode step (decode kernels) and a step of the
+    engine's static decode path (its fused glue kernels): every op of the Triton backend within its bound on the
+    reference's inputs (60–80 s per checkpoint in the interpreter on a shared 2-core machine)."""
+    ref, calls = _recorded(name, 8)  # the static step at position 7 completes a block of every ratio-4 compressor
     tri = dsv4lab.load(CHECKPOINTS[name], max_batch=1, backend="triton")
     tri.ops.prefill_min_tokens = 4
     report = replay(calls, tri, ref)
@@ -267,6 +370,11 @@ def test_triton_backend_is_clean_stage_by_stage_under_the_interpreter(name):
     c = tri.ops.calls
     for op in ("linear", "routed_experts", "moe_stage1", "moe_stage2", "sparse_attention"):
         assert c.decode[op] > 0 and c.prefill[op] > 0, (op, tri.ops.report())
+    for op in ("hc_pre_norm", "hc_post_pre_norm", "head_rms_rope", "kv_norm_rope", "indexer_query",
+               "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp"):
+        assert c.glue[op] > 0, (op, tri.ops.report())
+    written = [c for c in calls if c.op == "compressor_step" and not torch.equal(c.out[0].isnan(), c.args[5].isnan())]
+    assert written, "no compressor step of the recording wrote an entry"
 
 
 def test_replay_accepts_any_object_with_ops_model_and_device():

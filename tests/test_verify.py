@@ -1,4 +1,7 @@
-"""The correctness harness: compare helper, kernel registry, model/layer oracles, golden files, fault injection."""
+"""The correctness harness: compare helper, kernel registry, model/layer oracles, golden files, fault injection, and
+a faulty implementation of each fused op failing its bound."""
+import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,6 +12,7 @@ import torch
 
 import dsv4lab
 from dsv4lab.layouts import FAULTS, inject_fault_into_checkpoint
+from dsv4lab.model.ops import ReferenceOps
 from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
 from dsv4lab.verify.compare import compare, tolerance
 from dsv4lab.verify.model import load_golden, record_golden, verify_model
@@ -157,3 +161,77 @@ def test_noise_floor_tier_reads_a_backend_against_the_checkpoints_rounding_floor
         assert res["kl_rule"]["kind"] == "calibrated"
     assert ratios["good"] == pytest.approx(1.0, rel=1e-9)
     assert ratios["faulted"] > 100, ratios
+
+
+# ------------------------------------------------------------------------------------------ fused ops' bounds fail
+def _shift_rope(self, q, cos, sin, positions, eps):
+    return ReferenceOps.head_rms_rope(self, q, cos, sin, positions + 1, eps)
+
+
+def _ring_row_off_by_one(self, kv, weight, eps, cos, sin, positions, ring=None, slots=None):
+    out = ReferenceOps.kv_norm_rope(self, kv, weight, eps, cos, sin, positions)
+    if ring is not None:
+        ring[slots, (positions.reshape(-1) + 1) % ring.shape[1]] = out.reshape(slots.shape[0], -1).to(ring.dtype)
+    return out
+
+
+def _without(sim: str, method: str):
+    def run(self, *args):
+        return getattr(ReferenceOps(dataclasses.replace(self.numerics, **{sim: False})), method)(*args)
+    return run
+
+
+def _unbiased_router(self, logits, gate, ids):
+    g = copy.copy(gate)
+    if not gate.hash_routed:
+        g._buffers = dict(gate._buffers, bias=torch.zeros_like(gate.bias))
+    return ReferenceOps.router_topk(self, logits, g, ids)
+
+
+def _unnormalised_router(self, logits, gate, ids):
+    idx, w = ReferenceOps.router_topk(self, logits, gate, ids)
+    scores = self.router_scores(logits, gate.args.score_func)
+    return idx, scores.gather(1, idx) * gate.args.route_scale
+
+
+# case → (what is wrong, the faulty method); every one must fail its bound on at least one shape, as a defect
+FUSED_FAULTS = [
+    ("hc_pre_norm", "comb transposed", lambda self, *a: (lambda x, p, c: (x, p, c.transpose(-1, -2)))(
+        *ReferenceOps.hc_pre_norm(self, *a))),
+    ("hc_post_pre_norm", "streams of X' rolled", lambda self, *a: (lambda X, *r: (X.roll(1, -2), *r))(
+        *ReferenceOps.hc_post_pre_norm(self, *a))),
+    ("head_rms_rope", "RoPE one position late", _shift_rope),
+    ("kv_norm_rope", "ring row one position late", _ring_row_off_by_one),
+    ("kv_norm_rope", "no KV FP8 simulation", _without("kv_fp8_sim", "kv_norm_rope")),
+    ("indexer_query", "no FP4 simulation", _without("indexer_fp4_sim", "indexer_query")),
+    ("indexer_select_decode", "head weights negated", lambda self, qi, w, *a: ReferenceOps.indexer_select_decode(
+        self, qi, -w, *a)),
+    ("indexer_select", "one more entry visible", lambda self, qi, w, keys, pos, *a: ReferenceOps.indexer_select(
+        self, qi, w, keys, pos + 1, *a)),
+    ("router_topk", "bias ignored in the choice", _unbiased_router),
+    ("router_topk", "weights not renormalised", _unnormalised_router),
+    ("compressor_step", "entries rotated at the block's last position", None),
+    ("attention_from_caches", "no inverse RoPE", lambda self, *a: ReferenceOps.attention_from_caches(
+        self, *a[:8])),
+    ("rope_inverse", "forward rotation", lambda self, x, cos, sin, inverse=False: ReferenceOps.rope(
+        self, x, cos, sin)),
+]
+
+
+@pytest.mark.parametrize("case,what,impl", FUSED_FAULTS, ids=[f"{c}-{w}" for c, w, _ in FUSED_FAULTS])
+def test_a_faulty_fused_op_fails_its_bound(case, what, impl):
+    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.verify.kernels import run_kernel_checks
+    from dsv4lab.verify.registry import OPS
+    method = next(c.method for c in OPS if c.name == case)
+    if impl is None:  # the compressor's own helper, called by its step: the model fault of the same name
+        members = {"compressed_rope_position": lambda self, block, ratio: block * ratio + ratio - 1,
+                   "name": "faulty", "compressor_step": lambda self, *a: ReferenceOps.compressor_step(self, *a)}
+    else:
+        members = {method: impl, "name": "faulty"}
+    faulty = type("Faulty", (ReferenceOps,), members)(Numerics())
+    rows = [r for r in run_kernel_checks([faulty], [case]) if r["impl"] == "faulty"]
+    assert rows and not any(r["message"].startswith(("RuntimeError", "TypeError", "IndexError")) for r in rows)
+    bad = [r for r in rows if not r["ok"]]
+    assert bad, f"{case} with {what} passed every bound"
+    assert all(r["message"] == "beyond its bound" for r in bad), bad[0]

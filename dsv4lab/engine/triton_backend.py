@@ -24,6 +24,11 @@ Every other op, and every call no kernel covers (a float64 oracle dtype, tensor-
 request, too many rows for the decode kernels but too few for the prefill ones), runs the reference; each such
 fallback is counted, logged once per (op, reason), and listed by :meth:`TritonOps.report`.
 
+:meth:`TritonOps.accumulation_for` names the accumulation model of the kernel a call takes — from the kernels' own
+tables (``fp8_gemv.ACCUMULATION`` per GEMV route and for cuBLAS, ``fp4_moe_decode.ACCUMULATION`` per MoE route, the
+prefill kinds of :mod:`~dsv4lab.engine.triton_prefill`) — so verification judges each call, including a route the
+measured dispatch switched, by its own bound.
+
 On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` is set here, before
 any kernel module is imported, unless the caller chose otherwise).
 """
@@ -71,6 +76,23 @@ KERNEL_OPS = ("linear", "linear_f32", "grouped_wo_a", "routed_experts", "moe_sta
 _NOT_COUNTED = ("elementwise", "compressed_rope_position", "reset_compressor_state")
 REFERENCE_ONLY_OPS = tuple(n for n, v in vars(ReferenceOps).items()
                            if callable(v) and not n.startswith("_") and n not in KERNEL_OPS + _NOT_COUNTED)
+
+# Accumulation models, as dsv4lab.verify.bounds.UNIT_ROUNDOFF names them, from the tightest to the loosest; a
+# kernel table's factor c (its sums err by γ(c·n) in fp32 units) maps to one of the first three.
+ACCUMULATION_MODELS = ("fp32", "fp32_tc", "fp32_tc4", "fp8_mma")
+_FACTOR_MODEL = {1.0: "fp32", 2.0: "fp32_tc", 4.0: "fp32_tc4"}
+
+
+def accumulation_model(factor: float) -> str:
+    """The model of a kernel table's accumulation factor ``c`` (``γ(c·n)`` with fp32's unit roundoff)."""
+    if float(factor) not in _FACTOR_MODEL:
+        raise ValueError(f"no accumulation model for the factor {factor} (known: {sorted(_FACTOR_MODEL)})")
+    return _FACTOR_MODEL[float(factor)]
+
+
+def loosest(*models: str) -> str:
+    """The loosest of accumulation models (a composite op is judged under the loosest of its parts)."""
+    return max(models, key=ACCUMULATION_MODELS.index)
 
 
 def interpreting() -> bool:
@@ -507,6 +529,53 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.expert_mlp(self, x, w1, w2, w3, limit, weight, shared)
         h = act_kernels.swiglu(self.linear(x, w1), self.linear(x, w3), limit, weight)
         return self.linear(h, w2)
+
+    # ------------------------------------------------------------------ accumulation models (for verification)
+    def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:
+        """The accumulation model (a name of ``dsv4lab.verify.bounds.UNIT_ROUNDOFF``) of the kernel that
+        ``self.<op>(*args, **kwargs)`` — or its variant ``variant`` (:meth:`variants`) — takes: the prefill kernels'
+        (:meth:`prefill_accumulation_for`), the GEMV route or cuBLAS the measured dispatch picks
+        (``fp8_gemv.ACCUMULATION``), the MoE route (``fp4_moe_decode.ACCUMULATION``), the decode kernels' tensor-core
+        model for attention and the indexer's dots, fp32 for the glue kernels (CUDA cores, fp32 or wider) and for
+        the reference fallbacks; the loosest of its projections for the shared expert. Under the interpreter every
+        kernel sums in numpy's IEEE fp32: ``fp32``."""
+        if interpreting():
+            return "fp32"
+        if variant is not None and variant.startswith("prefill"):
+            return self.prefill_variant_accumulation(op, variant, *args)
+        if kwargs.get("route") is None and kwargs.get("geometry") is None:
+            pre = self.prefill_accumulation_for(op, *args, **kwargs)
+            if pre is not None:
+                return pre
+        route = kwargs.get("route")
+        if op in ("linear", "linear_f32", "grouped_wo_a"):
+            return self._gemv_accumulation(op, args, route, kwargs.get("geometry"))
+        if op in ("routed_experts", "moe_stage1", "moe_stage2"):
+            x = args[0]
+            if route is None:
+                route = self.config.moe_choice(x.shape[0])[0] if op == "routed_experts" else self.config.moe_route
+            return accumulation_model(moe.ACCUMULATION[route][1])
+        if op in ("sparse_attention", "attention_from_caches", "indexer_select_decode"):
+            return accumulation_model(moe.ACCUMULATION["dot"][1])  # bf16 dots on tensor cores, as the MoE's
+        if op == "expert_mlp":
+            x, w1, w2, w3 = args[:4]
+            return loosest(*(self._gemv_accumulation("linear", (x, w), None, None) for w in (w1, w3, w2)))
+        return "fp32"
+
+    def _gemv_accumulation(self, op: str, args: tuple, route: str | None, geometry) -> str:
+        """The model of a decode projection: its route's, or cuBLAS's where the measured dispatch picks it."""
+        x, lin = args[0], args[1]
+        groups = args[2] if op == "grouped_wo_a" else 1
+        rows = x.numel() // max(x.shape[-1] * groups, 1)
+        if self._unsupported(rows, x, lin.weight) is not None or lin.fmt not in ("fp8", "bf16", "f32"):
+            return "fp32"  # the reference
+        fp8 = lin.fmt == "fp8" and op != "linear_f32"
+        aq = op == "linear" and self.numerics.act_quant and lin.act_quant
+        impl, r, _ = self.config.gemv_geometry(lin.out_features // groups, lin.in_features, rows, groups,
+                                               weight="fp8" if fp8 else "bf16", act_quant=aq)
+        cublas = route is None and geometry is None and impl.startswith("cublas") and op != "grouped_wo_a" \
+            and (op == "linear" or lin.weight.dtype == torch.bfloat16)
+        return accumulation_model(gemv.ACCUMULATION["cublas" if cublas else route or r][1])
 
     # ------------------------------------------------------------------ variants for `verify kernels`
     def variants(self, method: str) -> dict:

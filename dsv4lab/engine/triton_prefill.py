@@ -28,7 +28,9 @@ least ``prefill_min_tokens`` rows (64; the decode kernels take up to 63). A tens
 The settings (class attributes ``prefill_*``) default to what ``dsv4lab bench kernels --suite prefill`` measured
 best on the H200 when its result file carries ``choices`` (:func:`load_choices`); :func:`prefill_chunk` is the
 chunk size chosen per prompt length the same way. :func:`accumulation_bound` states each kernel family's error
-bound (reduction length and accumulation model) for the tests and the benchmark's checks.
+bound (reduction length and accumulation model) for the tests and the benchmark's checks;
+:meth:`TritonPrefillOps.prefill_accumulation_for` names the model of the kernel a call takes (verification judges
+each call by it).
 
 :class:`TritonPrefillBackend` is the mixin over :class:`~dsv4lab.model.ops.ReferenceOps` as a backend of its own
 (prefill kernels, reference for everything else), used by the tests and the benchmark; it counts which ops ran on
@@ -70,6 +72,12 @@ def _can_launch(t: torch.Tensor) -> bool:
 TC_FP32_U = 2.0 ** -23  # bf16/fp16 tensor-core MMA: products exact, fp32 adds aligned with truncation (< 1 ulp)
 TC_FP8_U = 2.0 ** -13   # Hopper FP8 MMA: about 14 significant bits kept per add (DeepSeek-V3 report, §3.3.2)
 PROMOTION_K = 128       # the FP8 kernels promote the tensor-core partial to fp32 every 128-wide K block
+
+
+# The accumulation kind of each prefill kernel family (of accumulation_bound), and its model's name in
+# dsv4lab.verify.bounds.UNIT_ROUNDOFF (which the backends report to verification).
+KIND_MODEL = {"fp32": "fp32", "tc_bf16": "fp32_tc", "tc_fp8": "fp8_mma"}
+MOE_ROUTE_KIND = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}  # scaled: bf16 MMA emulation on sm_90
 
 
 def accumulation_bound(terms: int, kind: str) -> dict:
@@ -377,6 +385,87 @@ class TritonPrefillOps:
             return None
         return _kernels("attention_prefill").compressor_pool(kv_slots, sc_slots)
 
+    # ------------------------------------------------------------------ accumulation models
+    def prefill_kernel_kind(self, op: str, *args, **kwargs) -> str | None:
+        """The accumulation kind (:func:`accumulation_bound`) of the prefill kernel ``prefill_<op>(*args)`` would
+        run, or None where none applies — the same conditions as the ``prefill_<op>`` methods above."""
+        nm = self.numerics
+        if op in ("linear", "linear_f32", "expert_mlp"):
+            x, lin = args[0], args[1]
+            rows = x.numel() // max(1, x.shape[-1])
+            if x.dtype != torch.bfloat16 or not self._prefill_applies(x, rows):
+                return None
+            if op == "linear_f32":
+                return "tc_bf16" if lin.fmt == "bf16" else None
+            if op == "expert_mlp":
+                ws = args[1:4]
+                ok = (kwargs.get("weight", args[5] if len(args) > 5 else None) is None and nm.act_quant
+                      and all(w.fmt == "fp8" and w.act_quant for w in ws))
+                return "tc_fp8" if ok else None
+            if lin.fmt == "fp8" and lin.act_quant and nm.act_quant:
+                return "tc_fp8"
+            return "tc_bf16" if lin.fmt == "fp8" or (lin.fmt == "bf16" and not lin.act_quant) else None
+        if op == "grouped_wo_a":
+            o, lin, groups = args[:3]
+            rows = o.numel() // max(1, o.shape[-1] * groups)
+            return "tc_bf16" if lin.fmt == "fp8" and o.dtype == torch.bfloat16 and self._prefill_applies(o, rows) \
+                else None
+        if op in ("routed_experts", "moe_stage1", "moe_stage2"):
+            x, idx, bank = args[0], args[1], args[3] if op == "routed_experts" else args[2]
+            if not self._moe_applies(x, idx.shape[0], bank):
+                return None
+            return MOE_ROUTE_KIND[self._moe_route(bank, kwargs.get("route"))]
+        if op == "sparse_attention":
+            q, kv = args[:2]
+            ok = q.dtype == kv.dtype == torch.bfloat16 and self._prefill_applies(q, q.shape[0] * q.shape[1])
+            return "tc_bf16" if ok else None
+        if op in ("indexer_select", "indexer_scores"):
+            qi, w, keys = args[:3]
+            at = 6 if op == "indexer_select" else 3  # the position of all_reduce in the signature
+            all_reduce = kwargs.get("all_reduce", args[at] if len(args) > at else None)
+            if op == "indexer_select" and keys.shape[1] > _kernels("attention_prefill").TOPK_MAX_ENTRIES:
+                return None
+            return "tc_bf16" if self._indexer_ok(qi, w, keys, all_reduce) else None
+        if op == "indexer_topk":
+            scores = args[0]
+            b, s, T = scores.shape
+            ok = T <= _kernels("attention_prefill").TOPK_MAX_ENTRIES and self._prefill_applies(scores, b * s)
+            return "fp32" if ok else None
+        if op == "compressor_pool":
+            kv_slots, sc_slots = args[:2]
+            ok = (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 2
+                  and self._prefill_numerics_ok() and _can_launch(kv_slots))
+            return "fp32" if ok else None
+        return None
+
+    def prefill_accumulation_for(self, op: str, *args, **kwargs) -> str | None:
+        """The accumulation model (a name of ``dsv4lab.verify.bounds.UNIT_ROUNDOFF``) of the prefill kernel this call
+        takes — FP8 tensor cores promoted per 128-K block (``fp8_mma``), bf16 tensor cores (``fp32_tc``) or CUDA
+        cores (``fp32``) — or None where no prefill kernel applies. Under the interpreter every kernel sums in numpy's
+        IEEE fp32 (``fp32``)."""
+        kind = self.prefill_kernel_kind(op, *args, **kwargs)
+        if kind is None:
+            return None
+        return "fp32" if _kernels("fp8_gemm").interpreting() else KIND_MODEL[kind]
+
+    def prefill_variant_accumulation(self, method: str, variant: str, *args) -> str:
+        """The accumulation model of the prefill variant ``variant`` of ``method`` (:meth:`prefill_variants`: each
+        always runs its kernel) on ``args``."""
+        if _kernels("fp8_gemm").interpreting():
+            return "fp32"
+        route = next((r for r in MOE_ROUTE_KIND if variant.startswith(f"prefill_{r}")), None)
+        if method in ("routed_experts", "moe_stage1", "moe_stage2") and route is not None:
+            return KIND_MODEL[MOE_ROUTE_KIND[route]]
+        if method == "linear":
+            lin = args[1]
+            fp8 = lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant
+            return KIND_MODEL["tc_fp8" if fp8 else "tc_bf16"]
+        if method == "expert_mlp":
+            return KIND_MODEL["tc_fp8"]
+        if method in ("indexer_topk", "compressor_pool"):
+            return KIND_MODEL["fp32"]
+        return KIND_MODEL["tc_bf16"]  # the weight GEMMs, attention, indexer scores: bf16 tensor cores
+
     # ------------------------------------------------------------------ variants (checked by `verify kernels`)
     def prefill_variants(self, method: str) -> dict[str, Callable]:
         """Every prefill route/geometry of ``method`` as a callable with the reference signature (no thresholds:
@@ -479,6 +568,12 @@ class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
 
     def variants(self, method: str) -> dict[str, Callable]:
         return self.prefill_variants(method)
+
+    def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:
+        """The accumulation model of this call (a prefill kernel's, or the reference's fp32 where none applies)."""
+        if variant is not None:
+            return self.prefill_variant_accumulation(op, variant, *args)
+        return self.prefill_accumulation_for(op, *args, **kwargs) or "fp32"
 
     def linear(self, x, lin, all_reduce=None):
         return self._dispatch("linear", self.prefill_linear(x, lin, all_reduce),

@@ -28,8 +28,11 @@ Two forms, both derived, never tuned (``docs/verification.md`` has the derivatio
 ``u_acc`` is the unit roundoff of the evaluation's accumulation, named in :data:`UNIT_ROUNDOFF`: IEEE fp32 with
 round-to-nearest (``"fp32"``), fp32 accumulation in tensor cores, which truncate when aligning addends (one full ulp
 per addition, ``"fp32_tc"``: Fasi, Higham, Mikaitis & Pranesh, *Numerical behavior of NVIDIA tensor cores*, PeerJ
-CS 2021), and Hopper's FP8 MMA, which keeps about 14 significant bits of its running sum (``"fp8_mma"``: DeepSeek-V3
-technical report §3.3.2). Each call site states the reduction length and the accumulation it assumes.
+CS 2021), the same with each MMA step's ``m + 1`` addends aligned to the largest and truncated, counted per term
+(``2(1 + 1/m)·u ≤ 4u``, ``"fp32_tc4"``: the decode kernels' tensor-core routes), and Hopper's FP8 MMA, which keeps
+about 14 significant bits of its running sum (``"fp8_mma"``: DeepSeek-V3 technical report §3.3.2). Each call site
+states the reduction length and the accumulation it assumes; a backend names the model of each call it makes
+(``accumulation_for``, see :mod:`dsv4lab.verify.stages`).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ UNIT_ROUNDOFF = {
     "fp64": 2.0 ** -53,
     "fp32": 2.0 ** -24,      # IEEE fp32, round to nearest (CUDA cores, CPUs, Triton's interpreter)
     "fp32_tc": 2.0 ** -23,   # fp32 accumulation inside tensor cores: truncation, one ulp per addition
+    "fp32_tc4": 2.0 ** -22,  # tensor-core MMA steps of m products, every addend aligned and truncated: ≤ 2(1+1/m)·u
     "fp8_mma": 2.0 ** -13,   # Hopper FP8 MMA: ~14 significant bits of the running sum, truncated (see BLOCKED)
     "bf16": 2.0 ** -8,
 }
@@ -55,6 +59,11 @@ DEFAULT_ACCUMULATION = "fp32_tc"
 
 _MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 _MIN_NORMAL_EXP = {torch.float64: -1022, torch.float32: -126, torch.float16: -14, torch.bfloat16: -126}
+
+
+ELEMENTWISE_U = 2.0 ** -24
+"""Unit roundoff of the element-wise steps (products, exp, rsqrt, divisions) of any named accumulation model: they
+run in fp32 on CUDA cores (or wider) whatever accumulates the dot products."""
 
 
 def unit_roundoff(acc) -> float:
@@ -67,6 +76,13 @@ def unit_roundoff(acc) -> float:
 BLOCKED = {"fp8_mma": (128, "fp32_tc")}
 """Accumulations that keep reduced precision only inside blocks of ``b`` terms, whose partial sums are then added
 in another model (a kernel promotes its FP8 MMA result to fp32 once per 128-wide K block, the scale block)."""
+
+
+def elementwise_roundoff(acc) -> float:
+    """``u`` of the element-wise arithmetic beside an accumulation ``acc``: a dtype's own (an evaluation in bf16 is
+    bf16 throughout); for a named model fp32's (:data:`ELEMENTWISE_U`), or the model's own where smaller (fp64)."""
+    u = unit_roundoff(acc)
+    return u if isinstance(acc, torch.dtype) else min(u, ELEMENTWISE_U)
 
 
 def gamma(n: float, acc) -> float:
@@ -338,5 +354,5 @@ def check_interval(out: torch.Tensor, ref: torch.Tensor, iv: Interval, name: str
                       defect)
 
 
-__all__ = ["UNIT_ROUNDOFF", "DEFAULT_ACCUMULATION", "unit_roundoff", "gamma", "ulp", "abs_matmul", "BoundCheck",
-           "check_within_bound", "assert_within_bound", "Interval", "check_interval"]
+__all__ = ["UNIT_ROUNDOFF", "DEFAULT_ACCUMULATION", "ELEMENTWISE_U", "unit_roundoff", "elementwise_roundoff", "gamma",
+           "ulp", "abs_matmul", "BoundCheck", "check_within_bound", "assert_within_bound", "Interval", "check_interval"]

@@ -22,7 +22,7 @@ from .faults import MODEL_FAULTS, faulty_backend
 from .layers import first_divergence, trace_model
 from .model import find_golden, load_golden
 from .report import md_table, write_report
-from .stages import verify_stages
+from .stages import DECODE_PATHS, verify_stages
 
 HELP = ("per layer and stage: the golden digests of the reference run, then the backend stage by stage on the "
         "reference's inputs, judged by error bounds")
@@ -81,8 +81,9 @@ def run(args) -> int:
     report = None
     if args.stages == "always" or (args.stages == "auto" and type(runner.ops).__name__ != "ReferenceOps"):
         ids = golden_layers["input_ids"][: args.stage_tokens] if args.stage_tokens else golden_layers["input_ids"]
-        print(f"2. the {runner.backend} backend stage by stage on the reference's inputs ({len(ids) - 1} prefill "
-              f"tokens + 1 decode step)", flush=True)
+        steps = len(DECODE_PATHS)
+        print(f"2. the {runner.backend} backend stage by stage on the reference's inputs ({len(ids) - steps} prefill "
+              f"tokens + {steps} decode steps: {', '.join(DECODE_PATHS)})", flush=True)
         report = verify_stages(runner, ref, ids, progress=lambda line: print(line, flush=True))
         counts = Counter(s.verdict for s in report.stages)
         print(f"{len(report.stages)} stages: " + ", ".join(f"{n} {v}" for v, n in counts.most_common())

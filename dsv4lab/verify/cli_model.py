@@ -18,7 +18,7 @@ from ..errors import UserError
 from ..options import add_backend, add_device, resolve_device
 from .backend_faults import BACKEND_FAULTS, inject_backend_fault
 from .faults import MODEL_FAULTS, faulty_backend
-from .model import find_golden, load_golden, verify_model
+from .model import KL_TIERS, TIERS, find_golden, load_golden, verify_model
 from .report import md_table, write_report
 from .speculative import render_speculative, verify_speculative
 
@@ -46,6 +46,9 @@ def add_arguments(p):
                         "w2_one_expert, bf16_accumulation) to see the stage tier name it")
     p.add_argument("--stage-tokens", type=int, default=None, metavar="N",
                    help="shorten the stage tier's input to N tokens (default: the golden layer input)")
+    p.add_argument("--tiers", default=None, metavar="A,B",
+                   help=f"run only these tiers (default: all; of {', '.join(TIERS)}) — e.g. checkpoint,stages for "
+                        "a fast backend under the CPU interpreter, where the decoding tiers take long")
     p.add_argument("--speculative", default=None, choices=("mtp",),
                    help="also decode the oracles and the trajectory self-speculatively (must equal the golden ids) "
                         "and check teacher-forced logits across rollbacks at every boundary")
@@ -54,13 +57,16 @@ def add_arguments(p):
 
 
 def render(res: dict, golden_path) -> str:
+    t = res["tiers"]
+    kl = any(name in t for name in KL_TIERS)
     lines = [f"# verify model: {'PASS' if res['ok'] else 'FAIL'}", "",
              f"backend `{res['backend']}`, golden `{golden_path}`, checkpoint matches the golden's: "
-             f"{res['checkpoint_matches_golden']}, teacher-forced KL bound {res['kl_bound']:g}", ""]
-    t = res["tiers"]
-    lines += ["## Fixed-id oracles", "", md_table(
-        [dict(r, got=r["hash"], expected=r["expected_hash"]) for r in t["oracles"]["rows"]],
-        ["name", "ok", "got", "expected", "first_mismatch", "got_token", "expected_token"]), ""]
+             f"{res['checkpoint_matches_golden']}" + (f", teacher-forced KL bound {res['kl_bound']:g}" if kl else "")
+             + f"; tiers run: {', '.join(t)}", ""]
+    if "oracles" in t:
+        lines += ["## Fixed-id oracles", "", md_table(
+            [dict(r, got=r["hash"], expected=r["expected_hash"]) for r in t["oracles"]["rows"]],
+            ["name", "ok", "got", "expected", "first_mismatch", "got_token", "expected_token"]), ""]
     if "trajectory" in t:
         tr = t["trajectory"]
         lines += [f"## {tr['n_tokens']}-token trajectory", "",
@@ -122,9 +128,21 @@ def render(res: dict, golden_path) -> str:
     return "\n".join(lines)
 
 
+def _tiers(spec: str | None) -> tuple[str, ...]:
+    if spec is None:
+        return TIERS
+    tiers = tuple(t.strip() for t in spec.split(",") if t.strip())
+    unknown = [t for t in tiers if t not in TIERS]
+    if unknown or not tiers:
+        raise UserError(f"--tiers {spec}: unknown tier(s) {', '.join(unknown) or '(none given)'}; known: "
+                        f"{', '.join(TIERS)}")
+    return tiers
+
+
 def run(args) -> int:
     if args.backend_fault is not None and args.backend_fault not in BACKEND_FAULTS:
         raise UserError(f"--backend-fault {args.backend_fault}: unknown; known: {', '.join(BACKEND_FAULTS)}")
+    tiers = _tiers(args.tiers)
     gpath = Path(args.golden) if args.golden else find_golden(args.checkpoint)
     golden = load_golden(gpath)
     device = resolve_device(args.device)
@@ -141,7 +159,7 @@ def run(args) -> int:
                            repairs=args.repairs)
     print(f"verify model: backend {runner.backend} on {args.checkpoint} ({device}), golden {gpath}", flush=True)
     res = verify_model(runner, golden, Path(args.checkpoint), ref, args.kl_bound, args.skip_trajectory, args.layers,
-                       progress=lambda line: print(line, flush=True), stage_tokens=args.stage_tokens)
+                       tiers=tiers, progress=lambda line: print(line, flush=True), stage_tokens=args.stage_tokens)
     if args.speculative:
         res["tiers"].update(verify_speculative(runner, golden, res["kl_bound"], args.draft_tokens, args.skip_trajectory))
         res["ok"] = all(t["ok"] for t in res["tiers"].values() if t.get("binding", True))

@@ -28,7 +28,7 @@ from ..errors import DSV4LabError, UserError
 from ..model.ops import ReferenceOps
 from ..paths import GOLDEN_DIR, display_path, read_json
 from .layers import first_divergence, trace_model
-from .stages import verify_stages
+from .stages import DECODE_PATHS, verify_stages
 
 GOLDEN_VERSION = 1
 TRAJECTORY_TOKENS = 256
@@ -484,9 +484,11 @@ def verify_model(runner, golden: dict, checkpoint: Path, reference_runner=None, 
         ids = golden["layers"]["input_ids"] if "layers" in golden else tf["ids"][:96]
         if stage_tokens:
             ids = ids[:stage_tokens]
-        rep = verify_stages(runner, reference_runner, ids, decode_steps=1)
+        rep = verify_stages(runner, reference_runner, ids)
         counts = Counter(s.verdict for s in rep.stages)
-        summary = (f"{len(rep.stages)} stages on {len(ids) - 1} prefill tokens + 1 decode step: "
+        steps = len(DECODE_PATHS)
+        summary = (f"{len(rep.stages)} stages on {len(ids) - steps} prefill tokens + {steps} decode steps "
+                   f"({', '.join(DECODE_PATHS)}): "
                    + ", ".join(f"{n} {v}" for v, n in counts.most_common()) + f" ({rep.seconds:.1f} s)")
         if rep.first is not None:
             summary += f"; first defect: {rep.first.block} — {rep.first.stage}"

@@ -1,11 +1,14 @@
 """The error bound of every replaceable op (:class:`dsv4lab.model.ops.ReferenceOps`), computed from its inputs.
 
 :data:`OP_BOUNDS` maps an op name to a function ``bound(nm, acc, *args, **kwargs) -> expectation | tuple`` — one
-expectation per output of the op: an :class:`~dsv4lab.verify.bounds.Interval` the output must lie in, ``EXACT``
-(integers, pure data movement) or a :class:`TopK` (a selection compared as a set, ties allowed). ``nm`` is the
-reference's :class:`~dsv4lab.model.numerics.Numerics`, ``acc`` the accumulation the evaluated backend states
-(:data:`~dsv4lab.verify.bounds.UNIT_ROUNDOFF`). Each function follows the reference's rounding points step by
-step (the op's docstring in ``model/ops.py``); ``docs/verification.md`` derives each family:
+expectation per output of the op (for the ops that write in place, per written tensor: see
+:mod:`~dsv4lab.verify.op_outputs`): an :class:`~dsv4lab.verify.bounds.Interval` the output must lie in, ``EXACT``
+(integers, pure data movement), a :class:`TopK` / :class:`TopKInterval` (a selection compared as a set) — or one
+joint expectation over all outputs (:class:`RouterChoice`: weights that belong to the experts chosen). ``nm`` is the
+reference's :class:`~dsv4lab.model.numerics.Numerics`, ``acc`` the accumulation model of the evaluated call, as the
+backend names it (:data:`~dsv4lab.verify.bounds.UNIT_ROUNDOFF`); element-wise steps are fp32 whatever the
+accumulation (:func:`~dsv4lab.verify.bounds.elementwise_roundoff`). Each function follows the reference's rounding
+points step by step (the op's docstring in ``model/ops.py``); ``docs/verification.md`` derives each family:
 
 * **dot products** (``linear``, ``linear_f32``, ``grouped_wo_a``, ``moe_stage1``, ``moe_stage2``): exact products,
   ``γ_K(acc)·Σ|terms|`` for the K-term sum, then the reference's roundings (fp32, then bf16);
@@ -19,7 +22,13 @@ step (the op's docstring in ``model/ops.py``); ``docs/verification.md`` derives 
   normalisation step's rounding through the Sinkhorn iterations (adjoints by autograd), doubled for higher orders;
 * **quantizer chains** (``routed_experts``, ``expert_mlp``, ``indexer_scores``): intervals through every
   rounding and through the FP8 activation quantizer, so a value near a rounding boundary may flip;
-* **selections** (``indexer_topk``): compared as sets; entries that differ must tie with the last one chosen.
+* **selections** (``indexer_topk``): compared as sets; entries that differ must tie with the last one chosen;
+  from scores a kernel computes itself (``indexer_select``, ``router_topk``): any set some scores inside the score
+  intervals make the top k;
+* **fused ops** (``hc_pre_norm``, ``hc_post_pre_norm``, ``head_rms_rope``, ``kv_norm_rope``, ``indexer_query``,
+  ``indexer_select_decode``, ``router_topk``, ``compressor_step``, ``attention_from_caches``): the chain of their
+  parts' bounds, each part taking the previous part's interval as its input (``*_interval`` helpers: RMSNorm, RoPE,
+  the Hadamard transform and the FP8/FP4 block quantizers on intervals).
 
 An op with no entry here has **no bound defined**: the stage oracle reports it as a failure, never as a pass.
 """
@@ -31,7 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant
-from .bounds import BoundCheck, Interval, check_interval, gamma, unit_roundoff
+from ..model.ops import ReferenceOps
+from .bounds import BoundCheck, Interval, check_interval, elementwise_roundoff, gamma, unit_roundoff
+from .op_outputs import private_arguments
 
 F64 = torch.float64
 EXACT = "exact"
@@ -54,17 +65,34 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(F64)
 
 
+def _gamma_elementwise(n: int, acc) -> float:
+    """``γₙ`` of ``n`` element-wise roundings beside the accumulation ``acc`` (fp32 ones for a named model)."""
+    u = elementwise_roundoff(acc)
+    return n * u / (1 - n * u)
+
+
 def _exp_error(arg: torch.Tensor, u: float) -> torch.Tensor:
     """Relative error allowed to an fp32 ``exp(arg)``: ``(4 + 2|arg|)·u`` (ex2.approx ≤ 2 ulp, argument scaling)."""
     return (4 + 2 * arg.abs()) * u
 
 
 # ============================================================================================ quantizers
-def act_qdq_interval(iv: Interval, block: int = quant.ACT_BLOCK) -> Interval:
-    """The FP8 activation quantizer (:func:`dsv4lab.quant.act_qdq_fp8`) applied to every value in ``iv``: per
-    block of ``block`` along the last dim, the scale ``2^ceil(log2(amax/448))`` may be any power of two between
-    those of the smallest and largest possible amax; for each, quantization is monotone, so the reachable values of
-    an element lie between its ends' quantized values over those scales."""
+def _e4m3_grid(v: torch.Tensor) -> torch.Tensor:
+    return v.clamp(-quant.FP8_E4M3_MAX, quant.FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(F64)
+
+
+def _e2m1_grid(v: torch.Tensor) -> torch.Tensor:
+    nan = torch.isnan(v)
+    codes = quant.e2m1_encode(v.clamp(-quant.E2M1_MAX, quant.E2M1_MAX).masked_fill(nan, 0.0), check_nan=False)
+    return quant.e2m1_decode(codes, F64).masked_fill(nan, float("nan"))
+
+
+def _pow2_block_qdq_interval(iv: Interval, block: int, qmax: float, amax_floor: float, grid, step: str) -> Interval:
+    """A power-of-two block quantizer applied to every value in ``iv``: per block of ``block`` along the last dim
+    the scale ``2^ceil(log2(max(amax, floor)/qmax))`` may be any power of two between those of the smallest and
+    largest possible amax (computed as the reference does, in fp32: monotone in amax); for each, quantization
+    (``grid``: round to the format's nearest value, saturating) is monotone, so the reachable values of an element
+    lie between its ends' quantized values over those scales. A partial last block is padded with zeros."""
     k = iv.lo.shape[-1]
     pad = -k % block
     lo, hi = iv.lo, iv.hi
@@ -77,24 +105,39 @@ def act_qdq_interval(iv: Interval, block: int = quant.ACT_BLOCK) -> Interval:
     # NaN rows (slots another rank holds) stay NaN below; they must not pick a scale
     mag_lo = torch.where(straddles, torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs())).nan_to_num(0.0)
     mag_hi = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0)
-    # the scale as the reference computes it (fp32 division, exact power of two): monotone in amax
-    s_lo = quant.pow2_scale(mag_lo.amax(-1).to(torch.float32).clamp_min(1e-4), quant.FP8_E4M3_MAX).to(F64)
-    s_hi = quant.pow2_scale(mag_hi.amax(-1).to(torch.float32).clamp_min(1e-4), quant.FP8_E4M3_MAX).to(F64)
+    s_lo = quant.pow2_scale(mag_lo.amax(-1).to(torch.float32).clamp_min(amax_floor), qmax).to(F64)
+    s_hi = quant.pow2_scale(mag_hi.amax(-1).to(torch.float32).clamp_min(amax_floor), qmax).to(F64)
     e_lo, e_hi = torch.log2(s_lo).round(), torch.log2(s_hi).round()
     out_lo = torch.full_like(lo, float("inf"))
     out_hi = torch.full_like(hi, float("-inf"))
-    for e in range(int(e_lo.min()), int(e_hi.max()) + 1):
-        ok = ((e_lo <= e) & (e <= e_hi))[..., None]
-        s = 2.0 ** e
-
-        def q(v):
-            return (v / s).clamp(-quant.FP8_E4M3_MAX, quant.FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(F64) * s
-        out_lo = torch.where(ok, torch.minimum(out_lo, q(lo)), out_lo)
-        out_hi = torch.where(ok, torch.maximum(out_hi, q(hi)), out_hi)
+    if lo.numel():
+        for e in range(int(e_lo.min()), int(e_hi.max()) + 1):
+            ok = ((e_lo <= e) & (e <= e_hi))[..., None]
+            sc = 2.0 ** e
+            out_lo = torch.where(ok, torch.minimum(out_lo, grid(lo / sc) * sc), out_lo)
+            out_hi = torch.where(ok, torch.maximum(out_hi, grid(hi / sc) * sc), out_hi)
     out_lo = out_lo.flatten(-2)[..., :k]
     out_hi = out_hi.flatten(-2)[..., :k]
     nan = torch.isnan(iv.lo)
-    return iv._with(torch.where(nan, iv.lo, out_lo), torch.where(nan, iv.hi, out_hi), "FP8 act quant")
+    return iv._with(torch.where(nan, iv.lo, out_lo), torch.where(nan, iv.hi, out_hi), step)
+
+
+def act_qdq_interval(iv: Interval, block: int = quant.ACT_BLOCK) -> Interval:
+    """The FP8 activation quantizer (:func:`dsv4lab.quant.act_qdq_fp8`: E4M3, amax floored at 1e-4) on every value
+    in ``iv`` (see :func:`_pow2_block_qdq_interval`)."""
+    return _pow2_block_qdq_interval(iv, block, quant.FP8_E4M3_MAX, 1e-4, _e4m3_grid, "FP8 act quant")
+
+
+def fp8_qdq_interval(iv: Interval, block: int = 64) -> Interval:
+    """The KV FP8 simulation (:func:`dsv4lab.quant.fp8_qdq`: E4M3 per ``block``) on every value in ``iv``."""
+    return _pow2_block_qdq_interval(iv, block, quant.FP8_E4M3_MAX, 1e-4, _e4m3_grid, f"KV FP8 sim /{block}")
+
+
+def fp4_qdq_interval(iv: Interval, block: int = quant.FP4_BLOCK) -> Interval:
+    """The indexer FP4 simulation (:func:`dsv4lab.quant.fp4_qdq`: E2M1 per ``block``, amax floored at
+    6·2⁻¹²⁶) on every value in ``iv``."""
+    return _pow2_block_qdq_interval(iv, block, quant.E2M1_MAX, quant.E2M1_MAX * 2.0 ** -126, _e2m1_grid,
+                                    f"FP4 sim /{block}")
 
 
 def act_int8_interval(iv: Interval, block: int = quant.FP4_BLOCK) -> Interval:
@@ -214,7 +257,7 @@ def moe_stage2(nm, acc, h, idx, bank):
 
 
 def _activation(nm, acc, g: Interval, up: Interval, weights, limit):
-    u = unit_roundoff(acc)
+    u = elementwise_roundoff(acc)
     h = swiglu_interval(g, up, limit, u).mul(_f64(weights)[..., None])
     return h.widen(u * h.mag, "× routing weight").round(nm.acc)
 
@@ -257,7 +300,7 @@ def routed_experts_int8(nm, acc, x, idx, weights, bank, limit):
 def expert_mlp(nm, acc, x, w1, w2, w3, limit, weight=None, shared=False):
     """The shared expert as a chain: two projections rounded to act, SwiGLU in fp32, act rounding and FP8
     quantization of its output (flips allowed), the w2 projection."""
-    u = unit_roundoff(acc)
+    u = elementwise_roundoff(acc)
     xq = _maybe_act_quant(_point(x), nm, w1.act_quant)
     g = xq.matmul(w1.dequantized(F64), acc).round(nm.acc).round(nm.act)
     up = xq.matmul(w3.dequantized(F64), acc).round(nm.acc).round(nm.act)
@@ -271,17 +314,28 @@ def expert_mlp(nm, acc, x, w1, w2, w3, limit, weight=None, shared=False):
 
 # ============================================================================================ elementwise
 def swiglu(nm, acc, gate, up, limit, shared=False):
-    return swiglu_interval(_point(gate), _point(up), limit, unit_roundoff(acc)).round(gate.dtype)
+    return swiglu_interval(_point(gate), _point(up), limit, elementwise_roundoff(acc)).round(gate.dtype)
+
+
+def rms_norm_interval(nm, acc, x: Interval, weight, eps: float, out_dtype) -> Interval:
+    """``w·x/√(mean(x²)+eps)`` for every ``x`` in the interval, evaluated as the reference does (in ``nm.acc``,
+    rounded to ``out_dtype``). The exact value's range: ``mean(x²)`` lies between the means of the smallest and the
+    largest squares the interval allows, so the reciprocal root lies in an interval, and each output is the product
+    of three intervals (a safe enclosure: the dependence of the root on ``x_i`` is ignored). The evaluation error:
+    the mean of D positive terms has relative error γ_D, the reciprocal square root halves it and adds its own
+    2 ulp; eps, the two products and the reference's own roundings add a few ``u``: ``γ(D/2+16)·|y|``."""
+    d = x.lo.shape[-1]
+    sq_hi = torch.maximum(x.lo * x.lo, x.hi * x.hi)
+    sq_lo = torch.where((x.lo <= 0) & (x.hi >= 0), torch.zeros_like(sq_hi), torch.minimum(x.lo * x.lo, x.hi * x.hi))
+    r = Interval(torch.rsqrt(sq_hi.mean(-1, keepdim=True) + eps), torch.rsqrt(sq_lo.mean(-1, keepdim=True) + eps))
+    y = x.mul(r).mul(_f64(weight.to(nm.acc)))
+    y = Interval(y.lo, y.hi, x.rule)  # the two products are one step of the account below
+    rel = gamma(d / 2 + 16, acc)
+    return y.widen(rel * y.mag, f"RMSNorm D={d}: γ(D/2+16, {acc})·|y|").round(nm.acc).round(out_dtype)
 
 
 def rms_norm(nm, acc, x, weight, eps):
-    """``w·x/√(mean(x²)+eps)``: the mean of D positive terms has relative error γ_D, the reciprocal square root
-    halves it and adds its own 2 ulp; eps, the two products and the reference's own roundings add a few ``u``."""
-    xf = _f64(x.to(nm.acc))
-    v = _f64(weight.to(nm.acc)) * xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + eps)
-    rel = gamma(x.shape[-1] / 2 + 16, acc)
-    return Interval.around(v, rel * v.abs(), f"RMSNorm D={x.shape[-1]}: γ(D/2+16, {acc})·|y|").round(nm.acc) \
-        .round(x.dtype)
+    return rms_norm_interval(nm, acc, _point(x.to(nm.acc)), weight, eps, x.dtype)
 
 
 def _round_or_not(iv: Interval, dtype) -> Interval:
@@ -294,7 +348,7 @@ def head_rms(nm, acc, q, eps):
     """Per-head RMS in act steps, as the reference: bf16 squares, their mean (γ_d), rounded to act, plus eps in
     act, reciprocal square root rounded to act, the product rounded to act. Intermediate roundings may be skipped
     by a fused kernel (both allowed); the last is not."""
-    u = unit_roundoff(acc)
+    u = elementwise_roundoff(acc)
     act = q.dtype
     q64 = _f64(q)
     sq = _round_or_not(Interval.point(q64 * q64), act)
@@ -309,30 +363,39 @@ def head_rms(nm, acc, q, eps):
     return r.mul(q64).round(act)
 
 
-def rope(nm, acc, x, cos, sin, inverse=False):
-    """Interleaved rotation of the last ``2·cos.shape[-1]`` dims in ``cos.dtype``: each output is two products and
-    one sum, evaluated by either side (γ₃·(|x₀cos| + |x₁sin|) covers both); the other dims are copied exactly."""
+def rope_interval(acc, x: Interval, cos, sin, inverse: bool = False, out_dtype=None) -> Interval:
+    """Interleaved rotation of the last ``2·cos.shape[-1]`` dims of every ``x`` in the interval, in ``cos.dtype``
+    then rounded to ``out_dtype``: each rotated output is two products and one sum of the table values, so the
+    interval's centre rotates, its radius spreads by ``rad₀|c| + rad₁|s|``, and either side's evaluation adds
+    ``γ₃·(|x₀c| + |x₁s|)`` at the interval's largest magnitudes; the other dims are copied exactly."""
     r = 2 * cos.shape[-1]
-    xf = _f64(x)
     c, s = _f64(cos), _f64(sin)
     if inverse:
         s = -s
-    x0, x1 = xf[..., -r:][..., 0::2], xf[..., -r:][..., 1::2]
-    g = gamma(3, acc)
-    r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
-    m0, m1 = (x0 * c).abs() + (x1 * s).abs(), (x0 * s).abs() + (x1 * c).abs()
-    rot = torch.stack((r0, r1), -1).flatten(-2)
-    mag = torch.stack((m0, m1), -1).flatten(-2)
-    rot, mag = torch.broadcast_tensors(rot, mag)
-    center = torch.cat((xf[..., :-r].expand(*rot.shape[:-1], -1), rot), -1) if x.shape[-1] > r else rot
-    radius = torch.cat((torch.zeros_like(xf[..., :-r]).expand(*rot.shape[:-1], -1), g * mag), -1) \
-        if x.shape[-1] > r else g * mag
-    return Interval.around(center, radius, f"RoPE: γ₃({acc})·(|x₀c|+|x₁s|), other dims exact").round(
-        cos.dtype).round(x.dtype)
+    tail = Interval(x.lo[..., -r:], x.hi[..., -r:])
+    mid, rad, mag = tail.mid, tail.rad, tail.mag
+    m0, m1, r0, r1, a0, a1 = mid[..., 0::2], mid[..., 1::2], rad[..., 0::2], rad[..., 1::2], mag[..., 0::2], \
+        mag[..., 1::2]
+    g = _gamma_elementwise(3, acc)
+    c_abs, s_abs = c.abs(), s.abs()
+    rot = torch.stack((m0 * c - m1 * s, m0 * s + m1 * c), -1).flatten(-2)
+    spread = torch.stack((r0 * c_abs + r1 * s_abs + g * (a0 * c_abs + a1 * s_abs),
+                          r0 * s_abs + r1 * c_abs + g * (a0 * s_abs + a1 * c_abs)), -1).flatten(-2)
+    rot, spread = torch.broadcast_tensors(rot, spread)
+    lead = rot.shape[:-1]
+    head_lo, head_hi = x.lo[..., :-r].expand(*lead, -1), x.hi[..., :-r].expand(*lead, -1)
+    out = Interval(torch.cat((head_lo, rot - spread), -1), torch.cat((head_hi, rot + spread), -1), x.rule)
+    out = out._with(out.lo, out.hi, f"RoPE{' (inverse)' if inverse else ''}: γ₃·(|x₀c|+|x₁s|), other dims exact")
+    out = out.round(cos.dtype)
+    return out.round(out_dtype) if out_dtype is not None else out
+
+
+def rope(nm, acc, x, cos, sin, inverse=False):
+    return rope_interval(acc, _point(x), cos, sin, inverse, x.dtype)
 
 
 def router_scores(nm, acc, logits, score_func):
-    u = unit_roundoff(acc)
+    u = elementwise_roundoff(acc)
     x = _f64(logits)
     if score_func == "sqrtsoftplus":
         sp = torch.logaddexp(x, torch.zeros_like(x))  # softplus without cancellation
@@ -363,18 +426,19 @@ def hc_post(nm, acc, out, X, post, comb):
 
 
 # ============================================================================================ mHC pre / head
-def _mix_logits(nm, acc, X, fn, eps):
-    """Exact mixing logits ``m = (x·fnᵀ)·rsqrt(mean(x²)+eps)`` and their error bound: the nD-term dot (γ), the
-    mean (γ, halved by the rsqrt), the rsqrt's 2 ulp and the product."""
-    u = unit_roundoff(acc)
-    x = _f64(X.to(nm.acc)).flatten(-2)
-    f = _f64(fn)
-    n_d = x.shape[-1]
-    r = torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
-    proj = x @ f.T
-    m = proj * r
-    dm = gamma(n_d, acc) * (x.abs() @ f.abs().T) * r + (gamma(n_d / 2 + 6, acc)) * m.abs()
-    return m, dm
+def _mix_logits(nm, acc, X: Interval, fn, eps):
+    """Mixing logits ``m = (x·fnᵀ)·rsqrt(mean(x²)+eps)`` for every ``x`` in the interval of the ``n`` streams, as a
+    centre and a radius: the nD-term dot (an interval, with γ of its evaluation), the reciprocal root of the mean
+    square (an interval, as in :func:`rms_norm_interval`), their product; the evaluation of the mean (γ, halved by
+    the rsqrt), the rsqrt's 2 ulp and the product add ``γ(nD/2+6)·|m|``."""
+    x = Interval(X.lo.flatten(-2), X.hi.flatten(-2))
+    n_d = x.lo.shape[-1]
+    proj = x.matmul(_f64(fn), acc)
+    sq_hi = torch.maximum(x.lo * x.lo, x.hi * x.hi)
+    sq_lo = torch.where((x.lo <= 0) & (x.hi >= 0), torch.zeros_like(sq_hi), torch.minimum(x.lo * x.lo, x.hi * x.hi))
+    r = Interval(torch.rsqrt(sq_hi.mean(-1, keepdim=True) + eps), torch.rsqrt(sq_lo.mean(-1, keepdim=True) + eps))
+    m = proj.mul(r)
+    return m.mid, m.rad + gamma(n_d / 2 + 6, acc) * m.mag
 
 
 def _sigmoid_gate(m, dm, scale, base, u):
@@ -422,18 +486,17 @@ def _sinkhorn_first_order(c0: torch.Tensor, dc0: torch.Tensor, iters: int, eps: 
         return c.detach().clone(), 2 * bound.detach().clone()
 
 
-def _hc_weighted_streams(nm, acc, X, pre: Interval) -> Interval:
-    """``Σ_j pre_j·X_j`` over the n streams (fp32 products, an n-term sum), rounded to fp32 then X's dtype."""
-    u = unit_roundoff(acc)
-    terms = Interval(pre.lo[..., None], pre.hi[..., None], pre.rule).mul(_f64(X))
+def _hc_weighted_streams(nm, acc, X: Interval, pre: Interval, out_dtype) -> Interval:
+    """``Σ_j pre_j·X_j`` over the n streams (fp32 products, an n-term sum), rounded to fp32 then ``out_dtype``."""
+    u = elementwise_roundoff(acc)
+    terms = Interval(pre.lo[..., None], pre.hi[..., None], pre.rule).mul(X)
     terms = terms.widen(u * terms.mag, "products")
-    return terms.sum(-2, acc).round(nm.acc).round(X.dtype)
+    return terms.sum(-2, acc).round(nm.acc).round(out_dtype)
 
 
-def hc_pre(nm, acc, X, fn, base, scale, args):
-    """mHC pre: mixing logits → pre/post gates (sigmoids) and the Sinkhorn-normalised ``comb``; the sub-layer
-    input ``Σ_j pre_j·X_j``. Returns ``(u, post, comb)``."""
-    u = unit_roundoff(acc)
+def _hc_pre(nm, acc, X: Interval, fn, base, scale, args, out_dtype):
+    """mHC pre of every ``X`` in the interval: ``(u, post, comb)`` intervals (see :func:`hc_pre`)."""
+    u = elementwise_roundoff(acc)
     n = args.hc_mult
     m, dm = _mix_logits(nm, acc, X, fn, args.norm_eps)
     sc, bs = _f64(scale), _f64(base)
@@ -444,29 +507,51 @@ def hc_pre(nm, acc, X, fn, base, scale, args):
     da = dm[..., 2 * n:] * sc[2].abs() + 2 * u * (m[..., 2 * n:] * sc[2]).abs() + 2 * u * a.abs()
     lead = a.shape[:-1]
     comb, dcomb = _sinkhorn_first_order(a.reshape(-1, n, n), da.reshape(-1, n, n), args.hc_sinkhorn_iters,
-                                        args.hc_eps, u)
+                                        args.hc_eps, unit_roundoff(acc))
     comb_iv = Interval.around(comb.reshape(*lead, n, n), dcomb.reshape(*lead, n, n),
                               "Sinkhorn, first order ×2").round(nm.acc)
-    return _hc_weighted_streams(nm, acc, X, pre), post, comb_iv
+    return _hc_weighted_streams(nm, acc, X, pre, out_dtype), post, comb_iv
+
+
+def hc_pre(nm, acc, X, fn, base, scale, args):
+    """mHC pre: mixing logits → pre/post gates (sigmoids) and the Sinkhorn-normalised ``comb``; the sub-layer
+    input ``Σ_j pre_j·X_j``. Returns ``(u, post, comb)``."""
+    return _hc_pre(nm, acc, _point(X.to(nm.acc)), fn, base, scale, args, X.dtype)
 
 
 def hc_head(nm, acc, X, fn, base, scale, args):
-    u = unit_roundoff(acc)
-    m, dm = _mix_logits(nm, acc, X, fn, args.norm_eps)
+    u = elementwise_roundoff(acc)
+    Xi = _point(X.to(nm.acc))
+    m, dm = _mix_logits(nm, acc, Xi, fn, args.norm_eps)
     pre = _sigmoid_gate(m, dm, float(_f64(scale)[0]), _f64(base), u).add(args.hc_eps)
-    return _hc_weighted_streams(nm, acc, X, pre.widen(u * pre.mag, "+hc_eps"))
+    return _hc_weighted_streams(nm, acc, Xi, pre.widen(u * pre.mag, "+hc_eps"), X.dtype)
+
+
+def hc_pre_norm(nm, acc, X, fn, base, scale, norm_weight, args):
+    """:func:`hc_pre`, then the sub-layer's RMSNorm of ``u``'s interval (:func:`rms_norm_interval`)."""
+    u, post, comb = _hc_pre(nm, acc, _point(X.to(nm.acc)), fn, base, scale, args, X.dtype)
+    return rms_norm_interval(nm, acc, u, norm_weight, args.norm_eps, X.dtype), post, comb
+
+
+def hc_post_pre_norm(nm, acc, out, X, post, comb, fn, base, scale, norm_weight, args):
+    """:func:`hc_post` (its interval ``X'``), then :func:`hc_pre` and the RMSNorm of every ``X'`` in that interval:
+    ``(X', x, post', comb')``."""
+    Xn = hc_post(nm, acc, out, X, post, comb)
+    u, post2, comb2 = _hc_pre(nm, acc, Xn, fn, base, scale, args, X.dtype)
+    return Xn, rms_norm_interval(nm, acc, u, norm_weight, args.norm_eps, X.dtype), post2, comb2
 
 
 # ============================================================================================ softmax-weighted
 def compressor_pool(nm, acc, kv_slots, sc_slots):
     """Per channel, softmax over the slots then ``Σ w·kv``: each weight's relative error is its exp's
-    ``(4+2|s−max|)·u`` plus the sum and division (n+3)·u, plus the reference's own rounding of w; then γ_n."""
-    u = unit_roundoff(acc)
+    ``(4+2|s−max|)·u`` plus the n-term sum (in ``acc``), the division and the reference's own rounding of w
+    (5u); then γ_n."""
+    u = elementwise_roundoff(acc)
     sc, kv = _f64(sc_slots), _f64(kv_slots)
     n = sc.shape[1]
     w = torch.softmax(sc, 1)
     dev = (sc - sc.amax(1, keepdim=True)).abs()
-    rel = torch.where(w > 0, _exp_error(dev, u) + dev * u + (n + 5) * u, torch.zeros_like(w))
+    rel = torch.where(w > 0, _exp_error(dev, u) + dev * u + n * unit_roundoff(acc) + 5 * u, torch.zeros_like(w))
     wkv = (w * kv.abs()).nan_to_num(0.0)
     radius = (rel * wkv).sum(1) + gamma(n, acc) * wkv.sum(1)
     return Interval.around((w * kv).nan_to_num(0.0).sum(1), radius, f"softmax pool of {n} slots").round(nm.acc)
@@ -478,7 +563,7 @@ def sparse_attention(nm, acc, q, kv, idx, sink, scale):
     ``ρ = e^{Δz+Δm} − 1 + (6 + 3|z−m|)·u`` plus the online rescaling's ``(5K + 2·(z_max−z_min))·u``; the numerator
     adds one bf16 rounding of each probability (either side may round against another maximum) and γ_K; the
     denominator γ_{K+1}; the quotient ``(δN + |o|·δD)/(D − δD)``."""
-    u = unit_roundoff(acc)
+    u = elementwise_roundoff(acc)
     u_act = unit_roundoff(nm.act) if nm.act in (torch.bfloat16, torch.float16) else 0.0
     b, s, h, d = q.shape
     K = idx.shape[-1]
@@ -515,13 +600,19 @@ def sparse_attention(nm, acc, q, kv, idx, sink, scale):
     return Interval.around(o, err, f"attention over K={K} rows, d={d} (bf16 probabilities either side)").round(nm.act)
 
 
-def attention_from_caches(nm, acc, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale):
+def attention_from_caches(nm, acc, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None, sin=None,
+                          positions=None, cmp_ratio=0):
+    """:func:`sparse_attention` over the selected rows of both caches, then (given the tables) the inverse RoPE of
+    its interval (:func:`rope_interval`). ``cmp_ratio`` only tells a kernel which rows may be skipped."""
     kv, rows = win_kv[slots], win_rows
     if cmp_kv is not None:
         kv = torch.cat((kv, cmp_kv[slots].to(kv.dtype)), 1)
         rows = torch.cat((win_rows, torch.where(cmp_rows >= 0, cmp_rows + win_kv.shape[1], -1)), 1)
     iv = sparse_attention(nm, acc, q[:, None], kv, rows[:, None], sink, scale)
-    return Interval(iv.lo[:, 0], iv.hi[:, 0], iv.rule)
+    iv = Interval(iv.lo[:, 0], iv.hi[:, 0], iv.rule)
+    if cos is None:
+        return iv
+    return rope_interval(acc, iv, cos[positions][:, None], sin[positions][:, None], inverse=True, out_dtype=q.dtype)
 
 
 def indexer_scores(nm, acc, qi, w, keys, all_reduce=None):
@@ -535,6 +626,188 @@ def indexer_scores(nm, acc, qi, w, keys, all_reduce=None):
     iv = Interval.around(dots, (gamma(d, acc) + gamma(d, F64)) * mag, f"head dots d={d}")
     iv = iv.round(nm.acc).round(nm.act).relu().mul(_f64(w)[..., None]).round(nm.act)
     return iv.sum(2, acc, f"Σ over {qi.shape[2]} heads").round(nm.acc).round(nm.act)
+
+
+# ============================================================================================ glue chains
+def hadamard_interval(acc, x: Interval, out_dtype) -> Interval:
+    """``x @ H · n^-0.5`` (:func:`dsv4lab.quant.hadamard_transform`) for every ``x`` in the interval: the ±1 matrix
+    maps the centre and spreads the radius by ``Σ rad``; an evaluation in ``acc`` errs by ``γ_{n+2}·n^-0.5·Σ|x|``
+    whatever its order (n terms, butterflies or a matmul; the scaling and its rounded constant are the +2); rounded
+    to fp32, then ``out_dtype``."""
+    n = x.lo.shape[-1]
+    h = quant.hadamard_matrix(n, F64, str(x.lo.device)) * n ** -0.5
+    return x.matmul(h, acc, f"Hadamard n={n} ({n + 2} roundings) in {acc}", terms=n + 2).round(torch.float32) \
+        .round(out_dtype)
+
+
+def head_rms_rope(nm, acc, q, cos, sin, positions, eps):
+    """:func:`head_rms` (rounded to act, as the reference), then RoPE of its interval at ``positions``."""
+    return rope_interval(acc, head_rms(nm, acc, q, eps), cos[positions][..., None, :], sin[positions][..., None, :],
+                         out_dtype=q.dtype)
+
+
+def kv_norm_rope(nm, acc, kv, weight, eps, cos, sin, positions, ring=None, slots=None):
+    """RMSNorm (rounded to act) → RoPE of its interval → the KV FP8 simulation of the non-rope dims (flips allowed
+    where the interval straddles a grid midpoint). With ``ring``: the ring after the write — the written rows that
+    interval rounded to the ring's dtype, every other row unchanged (exact)."""
+    iv = rms_norm_interval(nm, acc, _point(kv.to(nm.acc)), weight, eps, kv.dtype)
+    iv = rope_interval(acc, iv, cos[positions], sin[positions], out_dtype=kv.dtype)
+    if nm.kv_fp8_sim:
+        nope = kv.shape[-1] - 2 * cos.shape[-1]
+        q = fp8_qdq_interval(Interval(iv.lo[..., :nope], iv.hi[..., :nope], iv.rule)).round(kv.dtype)
+        iv = iv._with(torch.cat((q.lo, iv.lo[..., nope:]), -1), torch.cat((q.hi, iv.hi[..., nope:]), -1), q.rule)
+    if ring is None:
+        return iv
+    rows = (slots, positions.reshape(-1) % ring.shape[1])
+    w = iv.round(ring.dtype)
+    lo, hi = _f64(ring).clone(), _f64(ring).clone()
+    lo[rows], hi[rows] = w.lo.reshape(slots.shape[0], -1), w.hi.reshape(slots.shape[0], -1)
+    return iv, Interval(lo, hi, f"ring: written rows {w.rule}, others unchanged")
+
+
+def indexer_query(nm, acc, qi, cos, sin, positions):
+    """RoPE at ``positions`` (rounded to act) → the Hadamard transform of its interval → the FP4 simulation."""
+    iv = rope_interval(acc, _point(qi), cos[positions][..., None, :], sin[positions][..., None, :], out_dtype=qi.dtype)
+    iv = hadamard_interval(acc, iv, qi.dtype)
+    return fp4_qdq_interval(iv, 32).round(qi.dtype) if nm.indexer_fp4_sim else iv
+
+
+class _Capture(ReferenceOps):
+    """The reference, recording the arguments of the calls of one op it makes (the inner parts of a composite)."""
+
+    def __init__(self, numerics, op: str):
+        super().__init__(numerics)
+        self.captured: list[tuple] = []
+        inner = getattr(self, op)
+
+        def record(*args):
+            self.captured.append(args)
+            return inner(*args)
+        setattr(self, op, record)
+
+
+def finish_interval(nm, acc, comp, pooled: Interval, blocks, cos, sin) -> Interval:
+    """The compressor's entry finish (:meth:`dsv4lab.model.compressor.Compressor.finish`) on an interval of pooled
+    values: rounded to act, RMSNorm, RoPE at the block's first position ``j·r``, then the indexer's Hadamard and
+    FP4 simulation or the main cache's FP8 simulation of the non-rope dims."""
+    act = nm.act
+    iv = rms_norm_interval(nm, acc, pooled.round(act), comp.norm.weight, comp.args.norm_eps, act)
+    rpos = blocks * comp.ratio
+    iv = rope_interval(acc, iv, cos[rpos], sin[rpos], out_dtype=act)
+    if comp.is_indexer:
+        iv = hadamard_interval(acc, iv, act)
+        return fp4_qdq_interval(iv, 32).round(act) if nm.indexer_fp4_sim else iv
+    if nm.kv_fp8_sim:
+        nope = comp.channels - comp.args.rope_head_dim
+        q = fp8_qdq_interval(Interval(iv.lo[..., :nope], iv.hi[..., :nope], iv.rule)).round(act)
+        iv = iv._with(torch.cat((q.lo, iv.lo[..., nope:]), -1), torch.cat((q.hi, iv.hi[..., nope:]), -1), q.rule)
+    return iv
+
+
+def compressor_step(nm, acc, comp, kv, score, positions, slots, cache, cos, sin):
+    """The state after one decode step of a compressor, as :data:`~dsv4lab.verify.op_outputs.IN_PLACE` lists it:
+    ``(cache, kv_ring, score_ring)``. The rings are exact (a copy, and ``score + ape`` — one fp32 addition, the same
+    rounding everywhere). The cache rows of the blocks this step completes hold the finished entry of the pooled
+    block (:func:`compressor_pool` on the slots the reference pools — the rings after the write, exact values —
+    then :func:`finish_interval`, rounded to the cache's dtype); every other row is unchanged (exact)."""
+    ref = _Capture(nm, "compressor_pool")
+    args, _ = private_arguments("compressor_step", (comp, kv, score, positions, slots, cache, cos, sin), {})
+    ref.compressor_step(*args)
+    kv_slots, sc_slots = ref.captured[0]
+    block = positions // comp.ratio
+    entry = finish_interval(nm, acc, comp, compressor_pool(nm, acc, kv_slots, sc_slots), block, cos, sin) \
+        .round(cache.dtype)
+    done = ((positions + 1) % comp.ratio == 0).nonzero(as_tuple=True)[0]
+    lo, hi = _f64(cache).clone(), _f64(cache).clone()
+    lo[slots[done], block[done]], hi[slots[done], block[done]] = entry.lo[done], entry.hi[done]
+    return Interval(lo, hi, f"completed entries: {entry.rule}; other rows unchanged"), EXACT, EXACT
+
+
+# ============================================================================================ selections
+@dataclass
+class TopKInterval:
+    """A causal top-k selection from scores known only up to an interval (``lo``, ``hi`` ``[..., T]``; entry ``t``
+    visible where ``visible``): the output must pick ``min(k, visible count)`` distinct visible entries, and some
+    scores inside the intervals must make exactly that set the top k — every picked entry's upper end at least
+    every unpicked visible entry's lower end. Compared as sets (the order of near-equal picks may differ)."""
+
+    lo: torch.Tensor
+    hi: torch.Tensor
+    visible: torch.Tensor
+    k: int
+
+
+def _causal_visible(n_entries: int, positions, ratio: int) -> torch.Tensor:
+    return torch.arange(n_entries, device=positions.device) < ((positions + 1) // ratio)[..., None]
+
+
+def _topk_interval(scores: Interval, positions, ratio: int, topk: int) -> TopKInterval:
+    return TopKInterval(scores.lo, scores.hi, _causal_visible(scores.lo.shape[-1], positions, ratio), topk)
+
+
+def indexer_select(nm, acc, qi, w, keys, positions, ratio, topk, all_reduce=None):
+    """The scores' interval (:func:`indexer_scores`) and the selections it allows (:class:`TopKInterval`)."""
+    return _topk_interval(indexer_scores(nm, acc, qi, w, keys), positions, ratio, topk)
+
+
+def indexer_select_decode(nm, acc, qi, w, keys, slots, positions, topk, all_reduce=None, w_scale=1.0):
+    """:func:`indexer_select` of one query per row over its slot's key cache (the head weights scaled in act, as
+    the reference scales them: the same product on both sides)."""
+    w = w * w_scale if w_scale != 1.0 else w
+    return _topk_interval(indexer_scores(nm, acc, qi[:, None], w[:, None], keys[slots]), positions[:, None], 4, topk)
+
+
+@dataclass
+class RouterChoice:
+    """The router's ``(idx, weights)``, judged together: the choice must be one that some scores inside the
+    biased scores' intervals make (``biased`` None: hash routing, the choice is exact), and each weight must lie in
+    the interval of ``score_i / Σ_{chosen} score_j · route_scale`` **for the experts that output chose**."""
+
+    scores: Interval  # [T, E]
+    biased: Interval | None
+    k: int
+    route_scale: float
+    normalise: bool
+    acc: object
+
+    def weights(self, idx: torch.Tensor) -> Interval:
+        """The weights' interval for the choice ``idx [T, k]``: ``w_i = s_i/(s_i + R_i)`` grows with ``s_i`` and falls
+        with the rest ``R_i`` of the sum, so ``[lo_i/(lo_i + R_hi), hi_i/(hi_i + R_lo)]``; the sum (γ_k), its fp32
+        rounding, the division and the product with ``route_scale`` add ``γ_k + 3u``."""
+        i = idx.to(self.scores.lo.device)
+        lo, hi = torch.gather(self.scores.lo, 1, i), torch.gather(self.scores.hi, 1, i)
+        if self.normalise:
+            rest_lo, rest_hi = lo.sum(-1, keepdim=True) - lo, hi.sum(-1, keepdim=True) - hi
+            lo, hi = lo / (lo + rest_hi), hi / (hi + rest_lo)
+        iv = Interval(lo * self.route_scale, hi * self.route_scale, f"{self.scores.rule} → s/Σs × route_scale")
+        rel = gamma(self.k, self.acc) + 3 * elementwise_roundoff(self.acc)
+        return iv.widen(rel * iv.mag, "Σ, division, scale").round(torch.float32)
+
+    def check(self, outs, refs, names) -> list[BoundCheck]:
+        (idx_o, w_o), (idx_r, w_r) = outs, refs
+        if self.biased is None:
+            choice = check_expectation(idx_o, idx_r, EXACT, names[0])
+        else:
+            t = TopKInterval(self.biased.lo, self.biased.hi, torch.ones_like(self.biased.lo, dtype=torch.bool), self.k)
+            choice = check_topk_interval(idx_o, idx_r, t, names[0])
+        same = (idx_o.cpu() == idx_r.cpu()).all(-1, keepdim=True)
+        iv_o = self.weights(idx_o)
+        own = check_interval(w_r, w_r, self.weights(idx_r), names[1])  # the reference inside its own bound
+        # rows whose choice differs (legitimately or not — the choice check judges that) are judged on out's side
+        ref_like = w_r if bool(same.all()) else torch.where(same.to(w_r.device), w_r, iv_o.mid.to(w_r))
+        weights = check_interval(w_o, ref_like, iv_o, names[1])
+        weights.bound_defect = weights.bound_defect or own.bound_defect
+        weights.ok = weights.ok and not own.bound_defect
+        return [choice, weights]
+
+
+def router_topk(nm, acc, logits, gate, ids):
+    """The scores' interval (:func:`router_scores`), ``+ bias`` in fp32 for the choice, and the weights of the
+    chosen experts (:class:`RouterChoice`)."""
+    a = gate.args
+    sc = router_scores(nm, acc, logits, a.score_func)
+    biased = None if gate.hash_routed else sc.add(_f64(gate.bias.to(torch.float32))).round(torch.float32)
+    return RouterChoice(sc, biased, a.n_activated_experts, a.route_scale, a.score_func != "softmax", acc)
 
 
 # ============================================================================================ integers
@@ -555,6 +828,10 @@ OP_BOUNDS = {
     "compressor_pool": compressor_pool, "sparse_attention": sparse_attention,
     "attention_from_caches": attention_from_caches, "indexer_scores": indexer_scores,
     "indexer_topk": indexer_topk, "compressed_rope_position": compressed_rope_position,
+    # fused ops (kernels/mhc.py, norm_rope_quant.py, compressor_decode.py, router.py, indexer_decode.py)
+    "hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm, "head_rms_rope": head_rms_rope,
+    "kv_norm_rope": kv_norm_rope, "indexer_query": indexer_query, "indexer_select": indexer_select,
+    "indexer_select_decode": indexer_select_decode, "router_topk": router_topk, "compressor_step": compressor_step,
 }
 """op name → bound function. A new op needs one entry (and, for a fused op, the chain of its parts)."""
 
@@ -591,18 +868,97 @@ def check_topk(out: torch.Tensor, ref: torch.Tensor, t: TopK, name: str = "") ->
                       worst, f"top-k set ({ties} row(s) differ only among tied scores)")
 
 
+def _picks_mask(idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask [R, n] of the entries picked, malformed [R])`` for rows of entry indices (−1 = none): a row is
+    malformed when it repeats an entry or names one outside ``[0, n)``."""
+    valid = idx >= 0
+    bad = (idx >= n).any(-1)
+    mask = torch.zeros(idx.shape[0], n, dtype=torch.bool)
+    rows = torch.arange(idx.shape[0])[:, None].expand_as(idx)
+    ok = valid & (idx < n)
+    mask[rows[ok], idx[ok]] = True
+    return mask, bad | (mask.sum(-1) != ok.sum(-1))
+
+
+def _legal_picks(idx: torch.Tensor, t: TopKInterval, lo, hi, visible) -> torch.Tensor:
+    """Per row: ``idx`` picks ``min(k, visible)`` distinct visible entries and no unpicked visible entry's lower end
+    exceeds a picked entry's upper end."""
+    n = lo.shape[-1]
+    mask, malformed = _picks_mask(idx, n)
+    need = torch.clamp(visible.sum(-1), max=t.k)
+    count_ok = (mask.sum(-1) == need) & ((idx >= 0).sum(-1) == need) & ~(mask & ~visible).any(-1)
+    low_pick = torch.where(mask, hi, torch.full_like(hi, float("inf"))).amin(-1)
+    high_rest = torch.where(visible & ~mask, lo, torch.full_like(lo, float("-inf"))).amax(-1)
+    return ~malformed & count_ok & (low_pick >= high_rest)
+
+
+def check_topk_interval(out: torch.Tensor, ref: torch.Tensor, t: TopKInterval, name: str = "") -> BoundCheck:
+    """A selection against :class:`TopKInterval` (rows are the leading dims of ``out``); the reference's own
+    selection must be legal too, else the bound is reported as defective."""
+    o, r = out.detach().cpu().long(), ref.detach().cpu().long()
+    if o.shape != r.shape:
+        return BoundCheck(name, False, r.numel(), r.numel(), 0, float("inf"), False,
+                          dict(note=f"shape {list(o.shape)} != {list(r.shape)}"), "top-k set (score intervals)")
+    n = t.lo.shape[-1]
+    lo, hi = t.lo.detach().cpu().reshape(-1, n), t.hi.detach().cpu().reshape(-1, n)
+    visible = torch.broadcast_to(t.visible.detach().cpu(), t.lo.shape).reshape(-1, n)
+    o2, r2 = o.reshape(lo.shape[0], -1), r.reshape(lo.shape[0], -1)
+    ok_o, ok_r = _legal_picks(o2, t, lo, hi, visible), _legal_picks(r2, t, lo, hi, visible)
+    same = _picks_mask(o2, n)[0].eq(_picks_mask(r2, n)[0]).all(-1)
+    bad = int((~ok_o).sum())
+    worst, defect = {}, ""
+    if bad:
+        i = int((~ok_o).nonzero()[0])
+        so, sr = {int(x) for x in o2[i] if x >= 0}, {int(x) for x in r2[i] if x >= 0}
+        idx = [int(v) for v in torch.unravel_index(torch.tensor(i), o.shape[:-1])]
+        worst = dict(index=idx, out=None, ref=None, bound=0.0, ratio=float("inf"), only_out=sorted(so - sr),
+                     only_ref=sorted(sr - so))
+    if not bool(ok_r.all()):
+        i = int((~ok_r).nonzero()[0])
+        defect = f"the reference's own selection of row {i} is not a top-{t.k} of its score intervals"
+    differ = int((ok_o & ~same).sum())
+    return BoundCheck(name, bad == 0 and not defect, lo.shape[0], bad, 0, 0.0 if bad == 0 else float("inf"),
+                      bool(torch.equal(o, r)), worst,
+                      f"top-k set from score intervals ({differ} row(s) differ within the intervals)", defect)
+
+
 def check_expectation(out, ref, expect, name: str = "") -> BoundCheck:
-    """Check one output against its expectation (an :class:`Interval`, ``EXACT`` or a :class:`TopK`)."""
+    """Check one output against its expectation (an :class:`Interval`, ``EXACT``, a :class:`TopK` or a
+    :class:`TopKInterval`)."""
     if isinstance(expect, Interval):
         return check_interval(out, ref, expect, name)
     if isinstance(expect, TopK):
         return check_topk(out, ref, expect, name)
+    if isinstance(expect, TopKInterval):
+        return check_topk_interval(out, ref, expect, name)
     if expect == EXACT:
-        eq = torch.equal(out.detach().cpu(), ref.detach().cpu())
-        return BoundCheck(name, eq, ref.numel(), 0 if eq else int((out.cpu() != ref.cpu()).sum()), 0,
-                          0.0 if eq else float("inf"), eq, {}, "exact")
+        o, r = out.detach().cpu(), ref.detach().cpu()
+        if o.shape != r.shape or o.dtype != r.dtype:
+            return BoundCheck(name, False, r.numel(), r.numel(), 0, float("inf"), False,
+                              dict(note=f"{o.dtype}{list(o.shape)} != {r.dtype}{list(r.shape)}"), "exact")
+        same = (o == r) | (torch.isnan(o) & torch.isnan(r)) if o.is_floating_point() else o == r
+        eq = bool(same.all())
+        worst = {}
+        if not eq:
+            i = int((~same).flatten().nonzero()[0])
+            worst = dict(index=[int(v) for v in torch.unravel_index(torch.tensor(i), r.shape)],
+                         out=float(o.flatten()[i]), ref=float(r.flatten()[i]), bound=0.0, ratio=float("inf"))
+        return BoundCheck(name, eq, r.numel(), int((~same).sum()), 0, 0.0 if eq else float("inf"), eq, worst, "exact")
     raise TypeError(f"{name}: unknown expectation {type(expect).__name__}")
 
 
-__all__ = ["OP_BOUNDS", "EXACT", "TopK", "check_expectation", "check_topk", "act_qdq_interval", "act_int8_interval",
-           "swiglu_interval", "routed_experts_int8", "moe_stage1_int8"]
+def check_outputs(outs: tuple, refs: tuple, expects, names: list[str]) -> list[BoundCheck]:
+    """Check every output of a call: ``expects`` is what the op's bound function returned — one expectation per
+    output (a tuple, or a bare one for a single output), or a joint expectation (with a ``check`` method)."""
+    if hasattr(expects, "check"):
+        return expects.check(outs, refs, names)
+    expects = expects if isinstance(expects, tuple) else (expects,)
+    if len(expects) != len(refs):
+        raise ValueError(f"{names[0]}: the bound has {len(expects)} expectations for {len(refs)} outputs")
+    return [check_expectation(o, r, e, n) for o, r, e, n in zip(outs, refs, expects, names)]
+
+
+__all__ = ["OP_BOUNDS", "EXACT", "TopK", "TopKInterval", "RouterChoice", "check_expectation", "check_outputs",
+           "check_topk", "check_topk_interval", "act_qdq_interval", "fp8_qdq_interval", "fp4_qdq_interval",
+           "act_int8_interval", "swiglu_interval", "rms_norm_interval", "rope_interval", "hadamard_interval",
+           "finish_interval", "routed_experts_int8", "moe_stage1_int8"]

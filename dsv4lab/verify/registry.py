@@ -7,7 +7,9 @@ routes). :func:`implementations` finds them, so a new kernel registers itself by
 nothing to list twice.
 
 Inputs are fresh random values (never zeros) from a seeded generator, shapes include irregular ones, and rows a
-correct kernel must never read are poisoned with NaN (masked attention slots, experts no token picked).
+correct kernel must never read are poisoned with NaN (masked attention slots, experts no token picked, cache rows no
+query may see, cache slots a step must not write). Every op the reference forward and the engine's static decode
+step call has a case — the fused ops of the decode step included (:data:`FUSED_OPS`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import torch
 
 from .. import quant
 from ..config import get_preset
+from ..model.compressor import Compressor
 from ..model.linear import ExpertBank, Linear
+from ..model.moe import Gate
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from ..model.rope import rope_table
@@ -246,6 +250,148 @@ def _make_f32(s, gen, device, nm):
     return (_x(gen, (s["M"], s["K"]), nm, device), lin)
 
 
+# ------------------------------------------------------------------------------------------ fused ops
+TINY = get_preset("tiny")  # head_dim 96 (64 non-rope + 32 rope), index_head_dim 64, 4 streams, window 32
+
+
+def _tables(a, layer: int = 2, n: int = 1024, device="cpu", nm=None):
+    return rope_table(a, layer, n, nm.acc if nm is not None else torch.float32, device)
+
+
+def _positions(gen, shape, high: int, device):
+    return torch.randint(0, high, shape, generator=gen).to(device)
+
+
+def _make_hc_pre_norm(s, gen, device, nm):
+    X, fn, base, scale, a = _make_hc_pre(s, gen, device, nm)
+    return (X, fn, base, scale, (1 + 0.1 * torch.randn(s["D"], generator=gen)).to(device), a)
+
+
+def _make_hc_post_pre_norm(s, gen, device, nm):
+    out, X, post, comb = _make_hc_post(s, gen, device, nm)
+    _, fn, base, scale, w, a = _make_hc_pre_norm(s, gen, device, nm)
+    return (out, X, post, comb, fn, base, scale, w, a)
+
+
+def _make_head_rms_rope(s, gen, device, nm):
+    cos, sin = _tables(TINY, device=device, nm=nm)
+    q = _x(gen, (s["b"], s["s"], s["h"], TINY.head_dim), nm, device, 3.0)
+    return (q, cos, sin, _positions(gen, (s["b"], s["s"]), cos.shape[0], device), 1e-6)
+
+
+def _make_kv_norm_rope(s, gen, device, nm):
+    """The window KV row; with ``ring`` one token per row written into a ring whose other rows hold values and
+    whose spare slot is NaN-poisoned (a write anywhere else shows)."""
+    cos, sin = _tables(TINY, device=device, nm=nm)
+    d, n = TINY.head_dim, 1 if s.get("ring") else s["s"]
+    kv = _x(gen, (s["b"], n, d), nm, device, 4.0)
+    weight = (1 + 0.1 * torch.randn(d, generator=gen)).to(device)
+    pos = _positions(gen, (s["b"], n), cos.shape[0], device)
+    if not s.get("ring"):
+        return (kv, weight, 1e-6, cos, sin, pos)
+    ring = _x(gen, (s["b"] + 1, TINY.window_size, d), nm, device)
+    ring[-1] = float("nan")
+    slots = torch.randperm(s["b"], generator=gen).to(device)
+    return (kv, weight, 1e-6, cos, sin, pos, ring, slots)
+
+
+def _make_indexer_query(s, gen, device, nm):
+    cos, sin = _tables(TINY, device=device, nm=nm)
+    qi = _x(gen, (s["b"], s["s"], TINY.index_n_heads, TINY.index_head_dim), nm, device, 2.0)
+    return (qi, cos, sin, _positions(gen, (s["b"], s["s"]), cos.shape[0], device))
+
+
+def _make_indexer_select_decode(s, gen, device, nm):
+    """One query per row over its slot's index-key cache; the keys no row can see yet are NaN-poisoned."""
+    b, T = len(s["positions"]), s["T"]
+    qi = _x(gen, (b, TINY.index_n_heads, TINY.index_head_dim), nm, device)
+    w = _x(gen, (b, TINY.index_n_heads), nm, device)
+    keys = _x(gen, (b + 1, T, TINY.index_head_dim), nm, device)
+    slots = torch.randperm(b + 1, generator=gen)[:b].to(device)
+    positions = torch.tensor(s["positions"], device=device)
+    visible = torch.arange(T, device=device)[None, :] < ((positions + 1) // 4)[:, None]
+    poisoned = torch.ones(b + 1, T, dtype=torch.bool, device=device)
+    poisoned[slots] = ~visible
+    keys[poisoned] = float("nan")
+    return (qi, w, keys, slots, positions, s["k"], None, TINY.index_scale)
+
+
+def _make_router_topk(s, gen, device, nm):
+    a = TINY.replace(n_routed_experts=s["E"], n_activated_experts=s["k"])
+    gate = Gate(a, s["hash"])
+    if s["hash"]:
+        gate._buffers["tid2eid"] = torch.rand(a.vocab_size, a.n_routed_experts, generator=gen).argsort(-1)[
+            :, :s["k"]].to(device)
+    else:
+        gate._buffers["bias"] = (0.1 * torch.randn(s["E"], generator=gen)).to(device)
+    logits = randn(gen, s["T"], s["E"], scale=2.0, device=device, dtype=nm.acc)
+    return (logits, gate, torch.randint(0, a.vocab_size, (s["T"],), generator=gen).to(device))
+
+
+def _make_compressor_step(s, gen, device, nm):
+    """One token per row into a compressor with random ring state; the rows of ``positions`` complete a block
+    where ``(p+1) % ratio == 0``. The cache's unwritten rows are NaN-poisoned, and so is a spare slot."""
+    r, indexer = s["ratio"], s.get("indexer", False)
+    channels = TINY.index_head_dim if indexer else TINY.head_dim
+    comp = Compressor(TINY, r, channels, is_indexer=indexer)
+    width = comp.coff * channels
+    comp._buffers["ape"] = randn(gen, r, width, scale=0.5, device=device)
+    comp.norm._buffers["weight"] = (1 + 0.1 * torch.randn(channels, generator=gen)).to(device)
+    b = len(s["positions"])
+    comp.allocate_state(b + 1, nm.acc, device)
+    comp.kv_ring.copy_(randn(gen, *comp.kv_ring.shape, device=device))
+    comp.score_ring.copy_(randn(gen, *comp.score_ring.shape, scale=2.0, device=device))
+    cos, sin = _tables(TINY, device=device, nm=nm)
+    cache = torch.full((b + 1, cos.shape[0] // r, channels), float("nan"), dtype=nm.act, device=device)
+    positions = torch.tensor(s["positions"], device=device)
+    slots = torch.randperm(b + 1, generator=gen)[:b].to(device)
+    kv = randn(gen, b, width, device=device, dtype=nm.acc)
+    score = randn(gen, b, width, scale=2.0, device=device, dtype=nm.acc)
+    return (comp, kv, score, positions, slots, cache, cos, sin)
+
+
+def _make_attention_from_caches(s, gen, device, nm):
+    """Decode attention over a window ring and (``ratio``) a compressed cache read in place: the window rows of
+    positions ``p−W+1 … p`` (−1 before the start), the compressed rows a prefix (HCA: every completed entry; CSA:
+    ``k`` picks among them, −1 after); every cache row no query reads is NaN-poisoned; with the tables, the
+    inverse RoPE of the output."""
+    a = TINY
+    W, d, H = a.window_size, a.head_dim, s["h"]
+    positions = torch.tensor(s["positions"], device=device)
+    b = len(s["positions"])
+    q = _x(gen, (b, H, d), nm, device)
+    slots = torch.randperm(b + 1, generator=gen)[:b].to(device)
+    win_kv = _x(gen, (b + 1, W, d), nm, device)
+    wpos = positions[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]
+    win_rows = torch.where(wpos >= 0, wpos % W, -1)
+    used = torch.zeros(b + 1, W, dtype=torch.bool, device=device)
+    for i in range(b):
+        used[slots[i], win_rows[i][win_rows[i] >= 0]] = True
+    win_kv[~used] = float("nan")
+    cmp_kv = cmp_rows = None
+    ratio = s.get("ratio", 0)
+    if ratio:
+        C = s["C"]
+        cmp_kv = _x(gen, (b + 1, C, d), nm, device)
+        n_vis = ((positions + 1) // ratio).clamp(max=C)
+        k = s.get("k") or C
+        cmp_rows = torch.full((b, k), -1, dtype=torch.long, device=device)
+        seen = torch.zeros(b + 1, C, dtype=torch.bool, device=device)
+        for i in range(b):
+            pick = torch.randperm(int(n_vis[i]), generator=gen)[:k].to(device) if s.get("k") else \
+                torch.arange(int(n_vis[i]), device=device)[:k]
+            cmp_rows[i, :len(pick)] = pick
+            seen[slots[i], pick] = True
+        cmp_kv[~seen] = float("nan")
+    sink = randn(gen, H, device=device, dtype=nm.acc)
+    cos, sin = _tables(a, device=device, nm=nm)
+    return (q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, d ** -0.5, cos, sin, positions, ratio)
+
+
+def _make_rope_position(s, gen, device, nm):
+    return (torch.randint(0, 256, (s["n"],), generator=gen).to(device), s["ratio"])
+
+
 MOE_SHAPES = [dict(T=1, E=16, k=4, D=256, I=128), dict(T=3, E=12, k=3, D=96, I=64),
               dict(T=37, E=16, k=4, D=160, I=96)]
 
@@ -315,6 +461,41 @@ OPS += [
                                                                          stride=4)],
            "exact", "the indexer's causal top-k selection (scores, then top-k)"),
 ]
+
+
+# the fused ops of the decode step (issue 17) and the remaining ops of the forward
+FUSED_OPS = [
+    OpCase("hc_pre_norm", "hc_pre_norm", _make_hc_pre_norm, [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)],
+           "fused chain", "mHC pre + the sub-layer's RMSNorm"),
+    OpCase("hc_post_pre_norm", "hc_post_pre_norm", _make_hc_post_pre_norm,
+           [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "fused chain", "mHC post, then the next pre + RMSNorm"),
+    OpCase("head_rms_rope", "head_rms_rope", _make_head_rms_rope, [dict(b=1, s=1, h=8), dict(b=2, s=3, h=3)],
+           "fused chain", "per-head RMS of q, then RoPE at its positions"),
+    OpCase("kv_norm_rope", "kv_norm_rope", _make_kv_norm_rope, [dict(b=2, s=5), dict(b=3, ring=True)],
+           "fused chain", "window KV: RMSNorm, RoPE, FP8 sim (and its write into the ring)"),
+    OpCase("indexer_query", "indexer_query", _make_indexer_query, [dict(b=1, s=1), dict(b=2, s=3)],
+           "fused chain", "indexer q: RoPE, Hadamard, FP4 sim"),
+    OpCase("indexer_select_decode", "indexer_select_decode", _make_indexer_select_decode,
+           [dict(positions=[150, 299], T=75, k=16), dict(positions=[2, 9, 40], T=30, k=16)],
+           "top-k set (score intervals)", "indexer scores + top-k from the key cache, one query per row"),
+    OpCase("router_topk", "router_topk", _make_router_topk,
+           [dict(T=5, E=16, k=4, hash=False), dict(T=3, E=256, k=6, hash=False), dict(T=4, E=16, k=4, hash=True)],
+           "top-k set (score intervals)", "router scores, choice (bias or hash table) and weights"),
+    OpCase("compressor_step", "compressor_step", _make_compressor_step,
+           [dict(ratio=4, positions=[3, 10, 127]), dict(ratio=4, indexer=True, positions=[7, 8, 299]),
+            dict(ratio=16, positions=[15, 47, 100])],
+           "fused chain", "compressor decode step: ring write, pooling, entry finish and cache write"),
+    OpCase("attention_from_caches", "attention_from_caches", _make_attention_from_caches,
+           [dict(h=8, positions=[5, 40]), dict(h=8, positions=[63, 200], ratio=16, C=16),
+            dict(h=3, positions=[120, 299, 20], ratio=4, C=75, k=16)],
+           "softmax-weighted", "decode attention read in place from the window ring and the compressed cache, "
+           "inverse RoPE"),
+    OpCase("rope_inverse", "rope", lambda s, g, dv, nm: _make_rope(s, g, dv, nm) + (True,), [dict(M=3, h=8)],
+           "elementwise", "the inverse rotation of the attention output"),
+    OpCase("compressed_rope_position", "compressed_rope_position", _make_rope_position,
+           [dict(n=7, ratio=4), dict(n=3, ratio=128)], "exact", "position of a compressed entry's rotation"),
+]
+OPS += FUSED_OPS
 
 
 def op_names() -> list[str]:

@@ -13,8 +13,16 @@ worst element, its position, both values and the bound), **no bound defined** (a
 ``OP_BOUNDS`` — a failure, never a pass) or **error** (the backend raised). The state-hygiene op
 ``reset_compressor_state`` is checked by poisoning a copy of each compressor's state and comparing the reset.
 
-Stage names come from :data:`STAGE_NAMES` (op × module pattern → name); an op at an unknown site is named
-``"<op> (<module>)"``. A fused op a backend adds needs one row in each table.
+Ops that write state in place (:data:`~dsv4lab.verify.op_outputs.IN_PLACE`: the decode step's ring write and
+compressor step) are recorded with the module state they read (a snapshot) and what they wrote; a replay runs the
+backend's op on private copies of that state and compares what it writes. Each call is judged under the
+accumulation model of the kernel it takes, as the backend reports it (:func:`accumulation_of`).
+
+The recording is a prefill followed by decode steps through the runner's decode paths — the eager forward and the
+engine's static decode step (:mod:`dsv4lab.engine.decode_graph`, what the CUDA graphs replay) — so the fused ops
+only the static step calls are replayed too. Stage names come from :data:`STAGE_NAMES` (op × module pattern →
+name); an op at an unknown site is named ``"<op> (<module>)"``. A fused op a backend adds needs one row in each
+table.
 """
 from __future__ import annotations
 
@@ -30,16 +38,24 @@ from torch import nn
 
 from ..model.ops import ReferenceOps
 from .bounds import DEFAULT_ACCUMULATION, BoundCheck
-from .op_bounds import OP_BOUNDS, check_expectation
+from .op_bounds import OP_BOUNDS, check_outputs
+from .op_outputs import IN_PLACE, private_arguments, snapshot, written
 
 HELPERS = ("elementwise",)  # called by other ops for their transcendental steps: checked as part of those
 STATE_OPS = ("reset_compressor_state",)  # state hygiene, checked by check_state_resets()
 
 # (op, module pattern relative to the block, stage name); first match wins
 STAGE_NAMES: list[tuple[str, str, str]] = [
+    ("hc_pre_norm", "hc_attn_fn", "mHC pre + attn_norm (attention site, fused)"),
+    ("hc_pre_norm", "hc_ffn_fn", "mHC pre + ffn_norm (MoE site, fused)"),
+    # a sub-layer's hc_post fused with the next sub-layer's pre and norm; in the decode step the last one of a block
+    # is fused with the next block's attention site (named at that block)
+    ("hc_post_pre_norm", "hc_ffn_fn", "mHC post (attention site) + pre + ffn_norm (fused)"),
+    ("hc_post_pre_norm", "hc_attn_fn", "mHC post (previous block's MoE site) + pre + attn_norm (fused)"),
     ("hc_pre", "hc_attn_fn", "mHC pre (attention site)"),
     ("hc_pre", "hc_ffn_fn", "mHC pre (MoE site)"),
-    ("hc_post", "attn*", "mHC post (attention site)"),
+    ("hc_post", "hc_ffn_fn", "mHC post (attention site)"),
+    ("hc_post", "hc_attn_fn", "mHC post (previous block's MoE site)"),
     ("hc_post", "ffn*", "mHC post (MoE site)"),
     ("hc_head", "*", "mHC head"),
     ("rms_norm", "attn_norm", "attention input (attn_norm)"),
@@ -53,23 +69,30 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("rms_norm", "hnorm", "MTP hidden norm"),
     ("linear", "attn.wq_a", "q projection (wq_a)"),
     ("linear", "attn.wq_b", "q projection (wq_b)"),
+    ("head_rms_rope", "attn.wq_b", "q per-head RMS + RoPE (fused)"),
     ("head_rms", "attn.wq_b", "q per-head RMS"),
     ("rope", "attn.wq_b", "q after norm + RoPE"),
     ("linear", "attn.wkv", "kv projection (wkv)"),
+    ("kv_norm_rope", "attn.kv_norm", "kv norm + RoPE + FP8 sim, ring write (fused)"),
     ("rope", "attn.kv_norm", "kv after norm + RoPE"),
     ("linear_f32", "attn.compressor.wkv", "compressor kv projection"),
     ("linear_f32", "attn.compressor.wgate", "compressor gate projection"),
-    ("compressor_pool", "attn.compressor.*", "compressor pooling"),
-    ("compressed_rope_position", "attn.compressor.*", "compressor entries RoPE position"),
-    ("rope", "attn.compressor.*", "compressor entries (norm + RoPE)"),
+    ("compressor_step", "attn.compressor", "compressor decode step: ring, pooling, entry write (fused)"),
+    ("compressor_pool", "attn.compressor*", "compressor pooling"),
+    ("compressed_rope_position", "attn.compressor*", "compressor entries RoPE position"),
+    ("rope", "attn.compressor*", "compressor entries (norm + RoPE)"),
     ("linear_f32", "attn.indexer.compressor.wkv", "indexer keys projection"),
     ("linear_f32", "attn.indexer.compressor.wgate", "indexer keys gate projection"),
-    ("compressor_pool", "attn.indexer.compressor.*", "indexer keys pooling"),
-    ("compressed_rope_position", "attn.indexer.compressor.*", "indexer keys RoPE position"),
-    ("rope", "attn.indexer.compressor.*", "indexer keys (norm + RoPE)"),
+    ("compressor_step", "attn.indexer.compressor", "indexer keys decode step: ring, pooling, entry write (fused)"),
+    ("compressor_pool", "attn.indexer.compressor*", "indexer keys pooling"),
+    ("compressed_rope_position", "attn.indexer.compressor*", "indexer keys RoPE position"),
+    ("rope", "attn.indexer.compressor*", "indexer keys (norm + RoPE)"),
     ("linear", "attn.indexer.wq_b", "indexer q projection"),
+    ("indexer_query", "*", "indexer q RoPE + Hadamard + FP4 sim (fused)"),
     ("rope", "attn.indexer.wq_b", "indexer q after RoPE"),
     ("linear", "attn.indexer.weights_proj", "indexer head weights"),
+    ("indexer_select", "*", "indexer selection (scores + top-k)"),
+    ("indexer_select_decode", "*", "indexer selection from the key cache (decode, fused)"),
     ("indexer_scores", "*", "indexer scores"),
     ("indexer_topk", "*", "indexer top-k"),
     ("sparse_attention", "*", "attention core (sparse attention)"),
@@ -78,6 +101,7 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("grouped_wo_a", "*", "attention output projection (wo_a)"),
     ("linear", "attn.wo_b", "attention output (wo_b)"),
     ("linear_f32", "ffn.gate", "router logits"),
+    ("router_topk", "*", "router choice and weights (fused)"),
     ("router_scores", "*", "router scores"),
     ("routed_experts", "*", "routed experts (whole)"),
     ("moe_stage1", "*", "MoE stage 1 (w1 gate, w3 up projections)"),
@@ -122,7 +146,10 @@ def recorded_ops(ops) -> list[str]:
 @dataclass
 class OpCall:
     """One recorded call: ``index`` in call order, ``depth`` 0 for calls the model makes, ``parent`` for calls a
-    composite op makes; ``forward`` counts the model's forward calls (0: the prefill, 1: a decode step ...)."""
+    composite op makes; ``forward`` counts the model's forward calls (0: the prefill, 1: a decode step ...) and
+    ``path`` names the decode path of that forward (``prefill``, ``eager`` or ``static``). ``out`` is the tuple of
+    outputs of an op that writes in place (:func:`~dsv4lab.verify.op_outputs.written`), whose module state before
+    the call is ``state`` (:func:`~dsv4lab.verify.op_outputs.snapshot`)."""
 
     index: int
     op: str
@@ -135,6 +162,8 @@ class OpCall:
     args: tuple
     kwargs: dict
     out: Any = None
+    path: str = "prefill"
+    state: dict = field(default_factory=dict)
 
 
 def _module_names(model: nn.Module) -> dict[int, str]:
@@ -167,6 +196,7 @@ class OpRecorder:
         self.ops = ops
         self.calls: list[OpCall] = []
         self.forward_index = 0
+        self.path = "prefill"
         self._names = _module_names(model)
         self._context = "model"
         self._stack: list[int] = []
@@ -199,33 +229,45 @@ class OpRecorder:
             block, stage = stage_name(op, owner)
             call = OpCall(len(self.calls), op, owner, block, stage, len(self._stack),
                           self._stack[-1] if self._stack else None, self.forward_index,
-                          tuple(_clone(a) for a in args), {k: _clone(v) for k, v in kwargs.items()})
+                          tuple(_clone(a) for a in args), {k: _clone(v) for k, v in kwargs.items()}, path=self.path,
+                          state=snapshot(op, args, kwargs))
             self.calls.append(call)
             self._stack.append(call.index)
             try:
                 out = fn(*args, **kwargs)
             finally:
                 self._stack.pop()
-            call.out = _clone(out)
+            call.out = _clone(written(op, args, kwargs, out) if op in IN_PLACE else out)
             return out
         recorded.__name__ = op
         return recorded
 
 
-def record_reference(runner, input_ids: list[int], decode_steps: int = 1) -> list[OpCall]:
+DECODE_PATHS = ("eager", "static")
+"""The decode paths a recording's decode steps take in turn: the eager forward (the same ops as a prefill, at one
+row) and the engine's static decode step (its fused ops: the ring write, the compressor step, the indexer's
+selection from the key cache, attention from the caches)."""
+
+
+def record_reference(runner, input_ids: list[int], decode_steps: int = len(DECODE_PATHS),
+                     decode_paths: tuple[str, ...] = DECODE_PATHS) -> list[OpCall]:
     """Run ``input_ids`` through the reference ``runner`` as a prefill of all but the last ``decode_steps``
-    tokens followed by that many single-token decode steps (so replay exercises prefill- and decode-sized calls),
-    recording every op call."""
+    tokens followed by that many single-token decode steps, step ``i`` through ``decode_paths[i % len]`` (so
+    replay exercises prefill- and decode-sized calls, and the static step's fused ops), recording every op call.
+    The runner's decode path is restored afterwards."""
     ids = list(input_ids)
     n_prefill = max(1, len(ids) - decode_steps)
     rec = OpRecorder(runner.ops, runner.model)
+    saved = runner.decode_path
     try:
         runner.reset([0])
         runner.forward(torch.tensor([ids[:n_prefill]]), 0, slots=[0])
-        for p in range(n_prefill, len(ids)):
+        for i, p in enumerate(range(n_prefill, len(ids))):
             rec.forward_index += 1
+            rec.path = runner.decode_path = decode_paths[i % len(decode_paths)]
             runner.forward(torch.tensor([ids[p:p + 1]]), p, slots=[0])
     finally:
+        runner.decode_path = saved
         rec.remove()
         runner.reset([0])
     return rec.calls
@@ -269,29 +311,26 @@ def default_accumulation(device) -> str:
     return "fp32" if torch.device(device).type == "cpu" else DEFAULT_ACCUMULATION
 
 
-def accumulation_of(ops, op: str, args: tuple = (), device="cpu") -> str:
-    """The accumulation model under which ``ops.<op>(*args)`` is judged.
+def accumulation_of(ops, op: str, args: tuple = (), device="cpu", kwargs: dict | None = None) -> str:
+    """The accumulation model under which ``ops.<op>(*args, **kwargs)`` is judged, as the backend states it.
 
-    A backend states it with a method ``accumulation_for(op, *args) -> str | None`` or an attribute
-    ``accumulation`` (a name, or a dict op → name); otherwise: on a GPU the Triton backend's prefill FP8 GEMM
-    (``linear`` with an FP8 weight and at least ``prefill_min_tokens`` rows, and the shared expert, whose projections
-    go through it) runs on FP8 tensor cores (``fp8_mma``: ~14 bits kept inside each 128-term block), everything else
-    accumulates in fp32 (:func:`default_accumulation`). A composite op is judged under the accumulation of its parts.
+    A backend answers with a method ``accumulation_for(op, *args, **kwargs) -> str`` — the model of the kernel that
+    very call takes, from the kernels' own tables (the Triton backend: the decode GEMV route or cuBLAS as its
+    measured dispatch picks, the MoE route, the prefill GEMMs, CUDA-core glue), so a route switched by the dispatch
+    is judged by its own bound — or an attribute ``accumulation`` (a name, or a dict op → name, ``"*"`` for the
+    rest). A backend that states nothing (the reference and its variants) is judged under
+    :func:`default_accumulation`. A composite op is judged under the loosest accumulation of its parts.
     """
     fn = getattr(ops, "accumulation_for", None)
-    stated = fn(op, *args) if callable(fn) else None
+    if callable(fn):
+        stated = fn(op, *args, **(kwargs or {}))
+        if stated is not None:
+            return stated
     acc = getattr(ops, "accumulation", None)
-    if stated is None and isinstance(acc, dict):
-        stated = acc.get(op, acc.get("*"))
-    elif stated is None and isinstance(acc, str):
-        stated = acc
-    if stated is not None:
-        return stated
-    if torch.device(device).type == "cuda" and getattr(ops, "name", "").startswith("triton") \
-            and op in ("linear", "expert_mlp") and len(args) > 1 and getattr(args[1], "fmt", None) == "fp8":
-        rows = args[0].numel() // max(args[0].shape[-1], 1)
-        if rows >= getattr(ops, "prefill_min_tokens", 1 << 30):
-            return "fp8_mma"
+    if isinstance(acc, dict) and acc.get(op, acc.get("*")) is not None:
+        return acc.get(op, acc.get("*"))
+    if isinstance(acc, str):
+        return acc
     return default_accumulation(device)
 
 
@@ -305,8 +344,22 @@ def _substitute(v, objects: dict[str, Any], names: dict[int, str], device):
     return v
 
 
+def bound_of(call: OpCall, numerics, acc):
+    """The expectation(s) of a recorded call's outputs under the accumulation ``acc`` (its op's bound, computed
+    from the reference's inputs and, for an op that writes in place, the state the call saw)."""
+    args, kwargs = private_arguments(call.op, call.args, call.kwargs, call.state or None)
+    return OP_BOUNDS[call.op](numerics, acc, *args, **kwargs)
+
+
+def output_names(call: OpCall) -> list[str]:
+    """One name per output of a recorded call (``"layers.3 q projection (wq_a)"``, ``… #1`` for further ones)."""
+    n = len(_as_tuple(call.out))
+    return [f"{call.block} {call.stage}" + (f" #{i}" if n > 1 else "") for i in range(n)]
+
+
 def replay_call(call: OpCall, backend_ops, numerics, reference_names, backend_objects, device) -> CallCheck:
-    """Replay one recorded call on ``backend_ops`` and judge its output with the op's bound."""
+    """Replay one recorded call on ``backend_ops`` and judge its output with the op's bound (an op that writes in
+    place runs on private copies of the state the reference call saw and is judged on what it wrote)."""
     res = CallCheck(call)
     fn = getattr(backend_ops, call.op, None)
     if fn is None:
@@ -314,13 +367,15 @@ def replay_call(call: OpCall, backend_ops, numerics, reference_names, backend_ob
         return res
     args = tuple(_substitute(a, backend_objects, reference_names, device) for a in call.args)
     kwargs = {k: _substitute(v, backend_objects, reference_names, device) for k, v in call.kwargs.items()}
+    args, kwargs = private_arguments(call.op, args, kwargs, call.state or None)
     try:
         with torch.inference_mode():
             out = fn(*args, **kwargs)
     except Exception as e:  # a crashing kernel is a failed stage, reported with its message
         res.verdict, res.message = "error", f"{type(e).__name__}: {e}"
         return res
-    outs, refs = _as_tuple(out), _as_tuple(call.out)
+    outs = written(call.op, args, kwargs, out) if call.op in IN_PLACE else _as_tuple(out)
+    refs = _as_tuple(call.out)
     if len(outs) != len(refs):
         res.verdict, res.message = "defect", f"{len(outs)} outputs, the reference has {len(refs)}"
         return res
@@ -332,11 +387,9 @@ def replay_call(call: OpCall, backend_ops, numerics, reference_names, backend_ob
         res.verdict, res.message = "no bound defined", f"op {call.op} has no entry in verify.op_bounds.OP_BOUNDS"
         return res
     with torch.inference_mode():
-        acc = accumulation_of(backend_ops, call.op, args, device)
-        expects = _as_tuple(bound_fn(numerics, acc, *call.args, **call.kwargs))
-    for i, (o, r, e) in enumerate(zip(outs, refs, expects)):
-        name = f"{call.block} {call.stage}" + (f" #{i}" if len(refs) > 1 else "")
-        res.checks.append(check_expectation(o, r, e, name))
+        acc = accumulation_of(backend_ops, call.op, args, device, kwargs)
+        expects = bound_of(call, numerics, acc)
+    res.checks = check_outputs(outs, refs, expects, output_names(call))
     if any(c.bound_defect for c in res.checks):
         res.verdict = "bound defect"
     else:
@@ -454,7 +507,8 @@ def replay(calls: list[OpCall], backend_runner, reference_runner, progress: Call
         if progress is not None and part:
             c = part[0].call
             bad = sum(not x.ok for x in part)
-            progress(f"  replayed {c.block} ({'prefill' if c.forward == 0 else f'decode step {c.forward}'}): "
+            step = "prefill" if c.forward == 0 else f"decode step {c.forward}, {c.path}"
+            progress(f"  replayed {c.block} ({step}): "
                      f"{len(part)} calls, {bad} failing")
         part.clear()
 
@@ -512,14 +566,16 @@ def check_state_resets(backend_runner, reference_runner) -> list[StageVerdict]:
     return out
 
 
-def verify_stages(backend_runner, reference_runner, input_ids: list[int], decode_steps: int = 1,
-                  progress: Callable[[str], None] | None = None) -> StageReport:
-    """Record ``reference_runner`` on ``input_ids`` (a prefill, then ``decode_steps`` decode steps) and replay every
-    stage on ``backend_runner`` (same checkpoint, same numerics)."""
-    calls = record_reference(reference_runner, input_ids, decode_steps)
+def verify_stages(backend_runner, reference_runner, input_ids: list[int], decode_steps: int = len(DECODE_PATHS),
+                  progress: Callable[[str], None] | None = None,
+                  decode_paths: tuple[str, ...] = DECODE_PATHS) -> StageReport:
+    """Record ``reference_runner`` on ``input_ids`` (a prefill, then ``decode_steps`` decode steps through the
+    ``decode_paths`` in turn) and replay every stage on ``backend_runner`` (same checkpoint, same numerics)."""
+    calls = record_reference(reference_runner, input_ids, decode_steps, decode_paths)
     return replay(calls, backend_runner, reference_runner, progress)
 
 
 __all__ = ["OpRecorder", "OpCall", "record_reference", "replay", "replay_call", "verify_stages", "StageReport",
-           "StageVerdict", "CallCheck", "stage_name", "STAGE_NAMES", "check_state_resets", "accumulation_of",
-           "default_accumulation"]
+           "StageVerdict", "CallCheck", "stage_name", "STAGE_NAMES", "DECODE_PATHS", "check_state_resets", "bound_of",
+           "output_names",
+           "accumulation_of", "default_accumulation"]
