@@ -35,7 +35,7 @@ browser-deps:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist load --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not browser and not notebooks and not distributed"

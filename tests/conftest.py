@@ -22,6 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny"
 
 
+def pytest_configure(config):
+    # Under pytest-xdist (make test runs one worker per core) each worker gets its share of the cores: torch's
+    # default of one thread per core in every worker would oversubscribe the machine several times over.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
