@@ -13,8 +13,8 @@ ops (:class:`~dsv4lab.model.ops.ReferenceOps` defines each as the composition it
   visible keys only); ``attention_from_caches`` reads the window ring and the compressed cache in place and
   applies the inverse RoPE; ``grouped_wo_a``, ``wo_b``; ``hc_post_pre_norm``; the router (``linear_f32``,
   ``router_topk``), ``routed_experts``, the shared expert; ``hc_post`` (with the next layer's ``hc_pre_norm``);
-* per step: the window rows ``p−W+1 … p`` (−1 where negative) and HCA's visible prefix ``j < (p+1)//r`` are
-  computed once and shared by every layer.
+* per step: the window rows ``max(0, p−W+1) … p`` oldest first (−1 after them) and HCA's visible prefix
+  ``j < (p+1)//r`` are computed once and shared by every layer.
 
 With :class:`~dsv4lab.engine.triton_backend.TritonOps` every op is a kernel and the step is sync-free:
 :class:`DecodeGraphs` captures it per batch tier (1, 2, 4, 8, …) with ``torch.cuda.CUDAGraph`` (a HIP graph on
@@ -54,14 +54,16 @@ def tiers_for(max_batch: int, tiers: Sequence[int] = TIERS) -> tuple[int, ...]:
 
 class _StepRows:
     """Cache rows every layer of one step reads, computed once per step from the positions: the window ring rows
-    of positions ``p−W+1 … p`` (−1 before the sequence start) and, per compression ratio, the visible prefix of the
-    compressed cache (HCA reads every completed entry)."""
+    of positions ``max(0, p−W+1) … p`` oldest first, then −1 for the slots a young sequence has not filled (the
+    reference's order: it decides which ``attention_block`` of the online softmax each row falls in, so a window
+    wider than the block must list them alike), and, per compression ratio, the visible prefix of the compressed
+    cache (HCA reads every completed entry)."""
 
     def __init__(self, positions: torch.Tensor, window: int):
         self.positions = positions
         u = torch.arange(window, device=positions.device)
-        window_pos = positions[:, None] - (window - 1) + u[None, :]
-        self.window = torch.where(window_pos >= 0, window_pos % window, -1)
+        window_pos = (positions - (window - 1)).clamp(min=0)[:, None] + u[None, :]
+        self.window = torch.where(window_pos <= positions[:, None], window_pos % window, -1)
         self._compressed: dict[tuple[int, int], torch.Tensor] = {}
 
     def compressed(self, ratio: int, rows: int) -> torch.Tensor:
