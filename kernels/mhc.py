@@ -23,12 +23,10 @@ collapse of the streams) the two launches with only the ``pre`` row group and no
 the mix of its columns of one row (``X'`` with ``post``, then its partial projections onto ``fn`` — the 1.6 MB of
 fp32 mixing weights at Flash width are read by all ~128 programs at once), stores them, and takes a ticket from the
 row's counter (an atomic add after a barrier, so every store of the program is made before it); the program that
-draws the last ticket finishes the row alone: it sums the partials in split order (the same order whichever program
-finishes), computes ``pre``/``post``, Sinkhorn and the RMSNorm of ``u`` (``u`` written once, then scaled in place
-from the row it just wrote), and resets the counter for the next launch. The counters live in a per-device
-workspace shared by every site; launches on one stream never overlap, so one set serves all (two streams running
-mHC kernels at once would need their own). No sum depends on which program came last: replay equals eager, bit
-for bit.
+draws the last ticket finishes the row alone (:mod:`.tickets`): it sums the partials in split order (the same order
+whichever program finishes), computes ``pre``/``post``, Sinkhorn and the RMSNorm of ``u`` (``u`` written once, then
+scaled in place from the row it just wrote), and resets the counter. No sum depends on which program came last:
+replay equals eager, bit for bit.
 
 **Numerics and bound.** Every reduction the reference evaluates in float64 (the projection, the sums of squares,
 the stream sums, Sinkhorn's normalisations) is evaluated in float64 here, and every value the reference rounds to
@@ -54,6 +52,7 @@ import triton.language as tl
 
 from .norm_rope_quant import f64_bits
 from .rowops import LAUNCH_EXACT, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
+from .tickets import counters, take_ticket
 
 
 SITE_MAX_ROWS = 16
@@ -247,10 +246,7 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
     pbase = part_ptr + row * SPLITS * NPART
     tl.store(pbase + split * NPART + j, acc, mask=j < NMIX)
     tl.store(pbase + split * NPART + NMIX, tl.sum(sq, axis=0))
-    # every store of this program is made before its ticket (the barrier), and the ticket releases them
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel")
-    if ticket == SPLITS - 1:
+    if take_ticket(cnt_ptr + row) == SPLITS - 1:
         # ---- the last program of the row: partials summed in split order, gates, Sinkhorn, RMSNorm of u
         src_ptr = xn_ptr if APPLY_POST else x_ptr
         s_m = sxn_m if APPLY_POST else sx_m
@@ -311,21 +307,9 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
         tl.store(cnt_ptr + row, 0)  # the row's counter, ready for the next launch
 
 
-_WORKSPACE: dict = {}
-
-
 def site_counters(device: torch.device, rows: int) -> torch.Tensor:
-    """The per-row ticket counters of the one-launch kernel on ``device`` (zeros; each launch leaves them zero).
-    Made on the first eager call — before any graph capture, as the decode step runs eagerly first."""
-    key = (device.type, device.index)
-    cnt = _WORKSPACE.get(key)
-    if cnt is None or cnt.numel() < rows:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("mHC: the counter workspace must exist before CUDA-graph capture (run the step "
-                               "eagerly once first)")
-        cnt = torch.zeros(max(rows, SITE_MAX_ROWS), dtype=torch.int32, device=device)
-        _WORKSPACE[key] = cnt
-    return cnt
+    """The per-row ticket counters of the one-launch kernel (:mod:`.tickets`' shared workspace)."""
+    return counters(device, rows)
 
 
 def _site(X, out, post, comb, fn, base, scale, norm_weight, head: bool, iters: int, norm_eps: float, hc_eps: float,
