@@ -269,12 +269,12 @@ def test_bench_writes_the_dispatch_it_measured():
     from dsv4lab.engine.decode_dispatch import DecodeDispatch
     from dsv4lab.bench.decode import build_dispatch
     a = get_preset("flash")
-    rows = [dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
+    rows = [dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
                  choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
                              num_stages=3)),
-            dict(kernel="fp8_gemv_wq_a", variant="cublas_scaled_mm_blockwise", batch=1, time_us=6.0, pct_copy_bw=25,
+            dict(kernel="fp8_gemv_wq_a+wkv", variant="cublas_scaled_mm_blockwise", batch=1, time_us=6.0, pct_copy_bw=25,
                  impl="cublas", choice=dict(impl="cublas")),
-            dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, impl="triton",
+            dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, impl="triton",
                  choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
                              num_stages=3)),
             dict(kernel="moe_decode", variant="dot:n32", batch=1, time_us=40.0, pct_copy_bw=45, route="dot",
@@ -284,8 +284,8 @@ def test_bench_writes_the_dispatch_it_measured():
                  route="baseline")]
     doc = dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc", rows=rows)
     d = DecodeDispatch(build_dispatch(doc, a), "test")
-    assert d.gemv(1024, 4096, 1, "fp8", True, 1).impl == "cublas"  # faster and passed
-    assert d.gemv(1024, 4096, 1, "fp8", True, 4).route == "dot"  # batch 8's choice
+    assert d.gemv(1536, 4096, 1, "fp8", True, 1).impl == "cublas"  # faster and passed
+    assert d.gemv(1536, 4096, 1, "fp8", True, 4).route == "dot"  # batch 8's choice
     assert d.moe(1).route == "dot" and d.moe(1).block_n_up == 32  # never the baseline
 
 
