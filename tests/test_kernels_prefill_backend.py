@@ -21,9 +21,10 @@ pytest.importorskip("triton")
 
 NM = Numerics()
 REF = ReferenceOps(NM)
-# the ops this branch owns: a prefill chunk must never run them on the reference (the glue ops — mHC, norms, RoPE,
-# head RMS, router scores — are the decode-step kernels' and are added to this list when they land)
-PREFILL_KERNEL_OPS = set(PREFILL_OPS)
+# a prefill chunk must never run these on the reference: the prefill kernels' ops (mHC included) and the glue
+# kernels' (norms, RoPE, head RMS, router, indexer queries), which run on the decode step's row-parallel kernels
+PREFILL_KERNEL_OPS = set(PREFILL_OPS) | {"rope", "rms_norm", "head_rms_rope", "kv_norm_rope", "indexer_query",
+                                         "router_topk", "hc_head"}
 
 
 def _floor(checkpoint: str) -> dict:
@@ -51,7 +52,8 @@ def test_prefill_chunk_of_tiny_py_runs_none_of_the_prefill_ops_on_the_reference(
     assert not fell_back & PREFILL_KERNEL_OPS, ops.report()
     ran = set(ops.calls.prefill)
     assert {"linear", "linear_f32", "grouped_wo_a", "expert_mlp", "routed_experts", "sparse_attention",
-            "indexer_select", "compressor_pool"} <= ran, ops.report()
+            "indexer_select", "compressor_pool", "hc_pre_norm", "hc_post_pre_norm", "hc_post"} <= ran, ops.report()
+    assert set(ops.calls.reference) == set(), ops.report()  # nothing at all on the reference
     ref = dsv4lab.load(ROOT / "data" / "tiny-py", max_batch=1).forward(ids, 0)[0]
     kl = kl_per_position(ref, logits)
     floor = _floor("tiny-py")

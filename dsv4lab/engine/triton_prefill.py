@@ -54,7 +54,8 @@ from .kernel_loader import kernel_module as _kernels  # on first use: triton is 
 log = logging.getLogger("dsv4lab.triton")
 
 PREFILL_OPS = ("linear", "linear_f32", "grouped_wo_a", "expert_mlp", "routed_experts", "moe_stage1", "moe_stage2",
-               "sparse_attention", "indexer_select", "indexer_scores", "indexer_topk", "compressor_pool")
+               "sparse_attention", "indexer_select", "indexer_scores", "indexer_topk", "compressor_pool",
+               "hc_pre_norm", "hc_post_pre_norm", "hc_post")
 CHOICES_FILE = RESULTS_DIR / "h200" / "prefill_kernels.json"
 DEFAULT_MAX_CHUNK = 4096  # measured: one real-dims CSA layer prefills fastest in 4,096-token chunks (docs)
 
@@ -187,6 +188,8 @@ class TritonPrefillOps:
             scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
         prefill_gemm_backend: FP8 GEMM on ``"triton"``, ``"cublas"`` (``torch._scaled_mm`` with the same block
             scales, where it takes them) or ``"auto"`` (cuBLAS where available).
+        prefill_mhc_rows: mHC pre/post of a prefill chunk on the rows kernel (``mhc.hc_pre_norm_rows``: the
+            mixing matrix read once per row block) instead of the decode step's (default True).
         prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
             launch geometry names (see the kernel modules).
     """
@@ -198,6 +201,7 @@ class TritonPrefillOps:
     prefill_moe_persistent: bool | None = None
     prefill_moe_scale_per_byte: bool | None = None
     prefill_gemm_backend: str | None = None
+    prefill_mhc_rows: bool | None = None
     prefill_gemm_config: str = "m128n128"
     prefill_weight_gemm_config: str = "n128m128"
     prefill_attention_config: str = "h64n32x"
@@ -304,6 +308,32 @@ class TritonPrefillOps:
             config=self.prefill_gemm_config, backend=backend,
             w2_scale_f32=self._scale_f32(w2) if backend == "cublas" and x.is_cuda else None)
         return y.view(*x.shape[:-1], -1)
+
+    # ------------------------------------------------------------------ mHC (the glue with a matrix product)
+    def _mhc_rows_apply(self, X: torch.Tensor) -> bool:
+        """Whether the mHC rows kernel takes ``X [..., n, D]``: enough rows, bf16 or fp32 streams (the glue kernels'
+        numerics), a GPU or the interpreter, not switched off by measurement, and the kernel works here."""
+        rows = X.numel() // max(1, X.shape[-1] * X.shape[-2])
+        return (rows >= self.prefill_min_tokens and self.numerics.dtype in (torch.bfloat16, torch.float32)
+                and _can_launch(X) and bool(self._setting("mhc_rows", True))
+                and _kernels("mhc").rows_kernel_works(X.device))
+
+    def prefill_hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        if not self._mhc_rows_apply(X):
+            return None
+        return _kernels("mhc").hc_pre_norm_rows(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
+                                                args.norm_eps, args.hc_eps)
+
+    def prefill_hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        if not self._mhc_rows_apply(X):
+            return None
+        return _kernels("mhc").hc_post_pre_norm_rows(out, X, post, comb, fn, base, scale, norm_weight,
+                                                     args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps)
+
+    def prefill_hc_post(self, out, X, post, comb):
+        if not self._mhc_rows_apply(X):
+            return None
+        return _kernels("mhc").hc_post_rows(out, X, post, comb)
 
     # ------------------------------------------------------------------ experts
     def prefill_routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route=None,
@@ -531,6 +561,20 @@ class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
     def compressor_pool(self, kv_slots, sc_slots):
         return self._dispatch("compressor_pool", self.prefill_compressor_pool(kv_slots, sc_slots),
                               lambda: ReferenceOps.compressor_pool(self, kv_slots, sc_slots))
+
+    def hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        return self._dispatch("hc_pre_norm", self.prefill_hc_pre_norm(X, fn, base, scale, norm_weight, args),
+                              lambda: ReferenceOps.hc_pre_norm(self, X, fn, base, scale, norm_weight, args))
+
+    def hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        return self._dispatch("hc_post_pre_norm",
+                              self.prefill_hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args),
+                              lambda: ReferenceOps.hc_post_pre_norm(self, out, X, post, comb, fn, base, scale,
+                                                                    norm_weight, args))
+
+    def hc_post(self, out, X, post, comb):
+        return self._dispatch("hc_post", self.prefill_hc_post(out, X, post, comb),
+                              lambda: ReferenceOps.hc_post(self, out, X, post, comb))
 
 
 # ============================================================================================ Σ|terms| of the ops
