@@ -188,6 +188,9 @@ class TritonPrefillOps:
             scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
         prefill_gemm_backend: FP8 GEMM on ``"triton"``, ``"cublas"`` (``torch._scaled_mm`` with the same block
             scales, where it takes them) or ``"auto"`` (cuBLAS where available).
+        prefill_weight_gemm_backend: the bf16-activation GEMMs (``linear_f32``, grouped ``wo_a``, bf16 ``linear``)
+            on ``"triton"`` (:func:`fp8_gemm.weight_gemm`), ``"cublas"`` (``fp8_gemm.cublas_weight_gemm``, where
+            its probe passed) or ``"auto"`` (cuBLAS where available).
         prefill_mhc_rows: mHC pre/post of a prefill chunk on the rows kernel (``mhc.hc_pre_norm_rows``: the
             mixing matrix read once per row block) instead of the decode step's (default True).
         prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
@@ -202,6 +205,7 @@ class TritonPrefillOps:
     prefill_moe_scale_per_byte: bool | None = None
     prefill_gemm_backend: str | None = None
     prefill_mhc_rows: bool | None = None
+    prefill_weight_gemm_backend: str | None = None
     prefill_gemm_config: str = "m128n128"
     prefill_weight_gemm_config: str = "n128m128"
     prefill_attention_config: str = "h64n32x"
@@ -272,8 +276,7 @@ class TritonPrefillOps:
                               out_dtype=out_dtype, w_scale_f32=self._scale_f32(lin) if backend == "cublas" and
                               x.is_cuda else None)
         elif lin.fmt == "fp8" or (lin.fmt == "bf16" and not lin.act_quant):
-            y = fg.weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, lin.scale if lin.fmt == "fp8" else None,
-                               out_dtype, config=self.prefill_weight_gemm_config).view(*x.shape[:-1], -1)
+            y = self._weight_gemm(x.reshape(-1, x.shape[-1]), lin, out_dtype).view(*x.shape[:-1], -1)
         else:
             return None
         if all_reduce is not None:
@@ -284,17 +287,31 @@ class TritonPrefillOps:
         rows = x.numel() // max(1, x.shape[-1])
         if lin.fmt != "bf16" or x.dtype != torch.bfloat16 or not self._prefill_applies(x, rows):
             return None
-        y = _kernels("fp8_gemm").weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, None, torch.float32,
-                                             config=self.prefill_weight_gemm_config)
-        return y.view(*x.shape[:-1], -1)
+        return self._weight_gemm(x.reshape(-1, x.shape[-1]), lin, torch.float32).view(*x.shape[:-1], -1)
 
     def prefill_grouped_wo_a(self, o: torch.Tensor, lin, groups: int) -> torch.Tensor | None:
         rows = o.numel() // max(1, o.shape[-1] * groups)
         if not (lin.fmt == "fp8" and o.dtype == torch.bfloat16 and self._prefill_applies(o, rows)):
             return None
-        y = _kernels("fp8_gemm").weight_gemm(o.reshape(rows, groups, o.shape[-1]), lin.weight, lin.scale,
-                                             torch.bfloat16, groups, config=self.prefill_weight_gemm_config)
+        y = self._weight_gemm(o.reshape(rows, groups, o.shape[-1]), lin, torch.bfloat16, groups)
         return y.view(*o.shape[:-1], -1)
+
+    def _weight_gemm_backend(self, x: torch.Tensor) -> str:
+        """``"cublas"`` or ``"triton"`` for a bf16-activation GEMM: the setting (``auto``: cuBLAS where its probe
+        passed), never cuBLAS where it is not available."""
+        backend = self._setting("weight_gemm_backend", "auto")
+        if backend in ("auto", "cublas"):
+            return "cublas" if x.is_cuda and _kernels("fp8_gemm").cublas_bf16_available(x.device) else "triton"
+        return backend
+
+    def _weight_gemm(self, x: torch.Tensor, lin, out_dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+        """``x [M, K]`` (or ``[M, G, K]``) times a bf16 or FP8 weight (bf16 activations, fp32 accumulation): the
+        Triton weight-stationary GEMM or cuBLAS (:meth:`_weight_gemm_backend`)."""
+        fg = _kernels("fp8_gemm")
+        scale = lin.scale if lin.fmt == "fp8" else None
+        if self._weight_gemm_backend(x) == "cublas":
+            return fg.cublas_weight_gemm(x, lin.weight, scale, out_dtype, groups)
+        return fg.weight_gemm(x, lin.weight, scale, out_dtype, groups, config=self.prefill_weight_gemm_config)
 
     def prefill_expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
         rows = x.numel() // max(1, x.shape[-1])
