@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .formats import e8m0_to_f32, fp8_act_exponent, pow2, round_to_bf16, round_to_e4m3
+from .rowops import device_key
 
 ACT_BLOCK = 128
 FP8_MAX = 448.0
@@ -256,14 +257,14 @@ def cublas_block_fp8_available(device) -> bool:
     Probed once per process with a small product checked against the Triton kernel's."""
     if interpreting() or torch.device(device).type != "cuda":
         return False
-    key = str(torch.device(device))
+    key = device_key(device)
     if key not in _CUBLAS_STATE:
         _CUBLAS_STATE[key] = _probe_cublas(torch.device(device))
     return _CUBLAS_STATE[key] is True
 
 
 def cublas_unavailable_reason(device) -> str:
-    state = _CUBLAS_STATE.get(str(torch.device(device)))
+    state = _CUBLAS_STATE.get(device_key(device))
     return "not probed" if state is None else ("available" if state is True else str(state))
 
 
@@ -621,14 +622,14 @@ def cublas_bf16_available(device) -> bool:
     grouped products with an FP8 weight."""
     if interpreting() or torch.device(device).type != "cuda":
         return False
-    key = str(torch.device(device))
+    key = device_key(device)
     if key not in _CUBLAS_BF16_STATE:
         _CUBLAS_BF16_STATE[key] = _probe_cublas_bf16(torch.device(device))
     return _CUBLAS_BF16_STATE[key] is True
 
 
 def cublas_bf16_reason(device) -> str:
-    state = _CUBLAS_BF16_STATE.get(str(torch.device(device)))
+    state = _CUBLAS_BF16_STATE.get(device_key(device))
     return "not probed" if state is None else ("available" if state is True else str(state))
 
 
