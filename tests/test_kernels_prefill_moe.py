@@ -32,7 +32,7 @@ def test_sorter_block_ranges_match_the_blocks():
     g = torch.Generator().manual_seed(1)
     idx, _ = routing(g, 41, 10, 3, skip=3)
     for rows in (16, 32):
-        r = ms.sort_by_expert(idx, 10, rows, block=32)
+        r = ms.sort_by_expert(idx, 10, rows)
         want = ms.sort_by_expert_reference(idx, 10, rows)
         for name in ("expert_first_block", "expert_blocks", "used_blocks"):
             assert torch.equal(getattr(r, name), getattr(want, name)), name
@@ -41,6 +41,14 @@ def test_sorter_block_ranges_match_the_blocks():
         for e in range(10):  # each expert's blocks are the contiguous run the work order relies on
             first, n = int(r.expert_first_block[e]), int(r.expert_blocks[e])
             assert torch.equal(be[first:first + n], torch.full((n,), e, dtype=be.dtype))
+
+
+def test_sorter_edge_cases_own_nothing_or_get_nothing():
+    idx = torch.tensor([[0, 1], [1, 2]])
+    r = ms.sort_by_expert(idx, 4, 16, expert_offset=8)  # every slot is another rank's
+    assert int(r.used_blocks) == 0 and bool((r.block_expert == -1).all()) and bool((r.sorted_slots == -1).all())
+    empty = ms.sort_by_expert(torch.zeros(0, 6, dtype=torch.long), 4, 16)
+    assert empty.max_blocks == 0 and int(empty.used_blocks) == 0
 
 
 @pytest.mark.parametrize("persistent", [False, True])
