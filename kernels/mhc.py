@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .norm_rope_quant import f64_bits
-from .rowops import LAUNCH_EXACT, device_key, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
+from .rowops import LAUNCH_EXACT, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
 
 
 @dataclass(frozen=True)
@@ -396,7 +396,7 @@ def rows_kernel_works(device) -> bool:
     dev = torch.device(device)
     if interpreting() or dev.type != "cuda":
         return True
-    key = device_key(dev)
+    key = str(dev)
     if key not in _ROWS_STATE:
         g = torch.Generator(device=dev).manual_seed(0)
         M, HC, D = 70, 4, 160
@@ -417,7 +417,7 @@ def rows_kernel_status(device) -> str:
     """Why :func:`rows_kernel_works` said what it said (for logs and benchmark records)."""
     if interpreting() or torch.device(device).type != "cuda":
         return "interpreter"
-    state = _ROWS_STATE.get(device_key(device))
+    state = _ROWS_STATE.get(str(torch.device(device)))
     return "not probed" if state is None else ("works" if state is True else str(state))
 
 
