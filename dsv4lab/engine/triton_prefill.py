@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,14 @@ PREFILL_OPS = ("linear", "linear_f32", "grouped_wo_a", "expert_mlp", "routed_exp
                "sparse_attention", "indexer_select", "indexer_scores", "indexer_topk", "compressor_pool",
                "hc_pre_norm", "hc_post_pre_norm", "hc_post")
 CHOICES_FILE = RESULTS_DIR / "h200" / "prefill_kernels.json"
+CHOICES_ENV = "DSV4LAB_PREFILL_CHOICES"  # another result file to read the choices from (a fresh measurement)
 DEFAULT_MAX_CHUNK = 4096  # measured: one real-dims CSA layer prefills fastest in 4,096-token chunks (docs)
+# Grouped-MoE launch variants by name: the benchmark times each (``bf16+<tag>`` rows) and the fastest becomes the
+# measured choice ``moe_tag``, which the backend applies to its MoEGeometry
+MOE_GEOMETRY_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=True),
+                     "sbyte": dict(scale_per_byte=True), "w4": dict(warps1=4, warps2=4),
+                     "k64": dict(block_k1=64, block_k2=64), "w16": dict(warps1=16),
+                     "w16p": dict(warps1=16, persistent=True)}
 
 
 def _can_launch(t: torch.Tensor) -> bool:
@@ -105,6 +113,9 @@ class PrefillChoices:
         moe_rows_by_tokens: ``((tokens up to, sorter rows), …)`` ascending.
         moe_route, moe_decode, moe_persistent, moe_scale_per_byte, gemm_backend: the grouped MoE route, decode,
             scheduling and scale loads, and the FP8 GEMM backend that measured fastest (None: the class default).
+        moe_tag: the fastest MoE launch variant (a key of :data:`MOE_GEOMETRY_TAGS`).
+        weight_gemm_backend: ``"cublas"`` or ``"triton"`` for the bf16-activation GEMMs, the faster in total.
+        mhc_rows: whether the mHC rows kernel beat the decode step's mix at the headline token count.
         source: where these came from (a file and its commit, or "defaults").
     """
 
@@ -114,7 +125,10 @@ class PrefillChoices:
     moe_decode: str | None = None
     moe_persistent: bool | None = None
     moe_scale_per_byte: bool | None = None
+    moe_tag: str | None = None
     gemm_backend: str | None = None
+    weight_gemm_backend: str | None = None
+    mhc_rows: bool | None = None
     source: str = "defaults"
 
     @staticmethod
@@ -129,9 +143,12 @@ _CHOICES: dict[str, PrefillChoices] = {}
 
 
 def load_choices(path: Path | None = None, gpu: str | None = None) -> PrefillChoices:
-    """The ``choices`` of a prefill benchmark result (default: the committed H200 file) if it was measured on
-    ``gpu`` (default: this process's GPU; a CPU matches nothing), else the defaults. Cached per (path, gpu)."""
-    path = Path(path or CHOICES_FILE)
+    """The ``choices`` of a prefill benchmark result if it was measured on ``gpu`` (default: this process's GPU; a
+    CPU matches nothing), else the defaults. The file: ``path``, else ``$DSV4LAB_PREFILL_CHOICES`` when that file
+    exists (a run that measures and then uses its choices in one GPU visit points it at its fresh result), else
+    the committed H200 file. Cached per (path, gpu)."""
+    env = os.environ.get(CHOICES_ENV)
+    path = Path(path or (env if env and Path(env).is_file() else CHOICES_FILE))
     if gpu is None:
         gpu = _gpu_name()
     key = f"{path}|{gpu}"
@@ -157,8 +174,9 @@ def _read_choices(path: Path, gpu: str) -> PrefillChoices:
                           moe_rows_by_tokens=tuple(tuple(p) for p in c.get("moe_rows_by_tokens", ())),
                           moe_route=c.get("moe_route"), moe_decode=c.get("moe_decode"),
                           moe_persistent=c.get("moe_persistent"), moe_scale_per_byte=c.get("moe_scale_per_byte"),
-                          gemm_backend=c.get("gemm_backend"),
-                          source=f"{path.name} at {doc.get('commit')}")
+                          moe_tag=c.get("moe_tag") if c.get("moe_tag") in MOE_GEOMETRY_TAGS else None,
+                          gemm_backend=c.get("gemm_backend"), weight_gemm_backend=c.get("weight_gemm_backend"),
+                          mhc_rows=c.get("mhc_rows"), source=f"{path.name} at {doc.get('commit')}")
 
 
 def prefill_chunk(prompt_tokens: int, choices: PrefillChoices | None = None) -> int:
@@ -186,6 +204,8 @@ class TritonPrefillOps:
         prefill_moe_rows: sorter rows (the grouped GEMM's block height); None: by token count.
         prefill_moe_decode / prefill_moe_persistent / prefill_moe_scale_per_byte: the bf16 route's weight decode,
             scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
+        prefill_moe_tag: a launch variant of :data:`MOE_GEOMETRY_TAGS` (e.g. ``"w16"``: 16 warps for gate/up); the
+            three settings above override its fields.
         prefill_gemm_backend: FP8 GEMM on ``"triton"``, ``"cublas"`` (``torch._scaled_mm`` with the same block
             scales, where it takes them) or ``"auto"`` (cuBLAS where available).
         prefill_weight_gemm_backend: the bf16-activation GEMMs (``linear_f32``, grouped ``wo_a``, bf16 ``linear``)
@@ -204,6 +224,7 @@ class TritonPrefillOps:
     prefill_moe_persistent: bool | None = None
     prefill_moe_scale_per_byte: bool | None = None
     prefill_gemm_backend: str | None = None
+    prefill_moe_tag: str | None = None
     prefill_mhc_rows: bool | None = None
     prefill_weight_gemm_backend: str | None = None
     prefill_gemm_config: str = "m128n128"
@@ -233,9 +254,11 @@ class TritonPrefillOps:
         fm = _kernels("fp4_moe_grouped")
         if rows is None:
             rows = self.prefill_moe_rows or PrefillChoices._lookup(self._choices().moe_rows_by_tokens, tokens, 64)
-        return fm.MoEGeometry(rows=rows, decode=self._setting("moe_decode", "auto"),
-                              persistent=bool(self._setting("moe_persistent", False)),
-                              scale_per_byte=bool(self._setting("moe_scale_per_byte", False)))
+        tagged = MOE_GEOMETRY_TAGS.get(self._setting("moe_tag", "") or "", {})
+        return fm.MoEGeometry(rows=rows, **tagged).replace(
+            decode=self._setting("moe_decode", tagged.get("decode", "auto")),
+            persistent=bool(self._setting("moe_persistent", tagged.get("persistent", False))),
+            scale_per_byte=bool(self._setting("moe_scale_per_byte", tagged.get("scale_per_byte", False))))
 
     def _moe_route(self, bank, route: str | None = None) -> str:
         fm = _kernels("fp4_moe_grouped")
