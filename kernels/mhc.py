@@ -109,157 +109,6 @@ def _mhc_mix_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr
         tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
 
 
-# ============================================================================================ finish
-@triton.jit
-def _partial_sum(part_ptr, row, SPLITS, NPART, offs, mask):
-    """Σ over the splits, in split order, of ``part[row, :, offs]`` (fp64)."""
-    total = tl.load(part_ptr + row * SPLITS * NPART + offs, mask=mask, other=0.0)
-    for sp in range(1, SPLITS):
-        total += tl.load(part_ptr + (row * SPLITS + sp) * NPART + offs, mask=mask, other=0.0)
-    return total
-
-
-@triton.jit
-def _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, dm, s, ROUND_BF16: tl.constexpr):
-    """``u = Σ_j pre_j·X_j`` on columns ``d``: fp32 products, an fp64 sum, rounded to fp32 then to act."""
-    x = tl.load(x_ptr + row * sx_m + s[:, None] * sx_s + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
-    return f64_to_act(tl.sum((pre[:, None] * x).to(tl.float64), axis=0), ROUND_BF16)
-
-
-@triton.jit
-def _mhc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, NMIX, SPLITS,
-                       ITERS, norm_eps, hc_eps_bits, sx_m, sx_s, sy_m, HEAD: tl.constexpr, NORM: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    NPART = NMIX + 1
-    s = tl.arange(0, HC)
-    eps64 = hc_eps_bits.to(tl.float64, bitcast=True)
-    eps32 = eps64.to(tl.float32)
-    ms = (_partial_sum(part_ptr, row, SPLITS, NPART, NMIX, True) / (HC * D)).to(tl.float32)
-    r = rsqrt_f32(ms, norm_eps)  # mixing logits = projection · rsqrt(mean of the n·D squares + eps)
-    s0 = tl.load(scale_ptr)
-    m_pre = _partial_sum(part_ptr, row, SPLITS, NPART, s, s < HC).to(tl.float32) * r
-    pre = sigmoid_f64((m_pre * s0 + tl.load(base_ptr + s)).to(tl.float64)).to(tl.float32) + eps32
-    if not HEAD:
-        s1 = tl.load(scale_ptr + 1)
-        s2 = tl.load(scale_ptr + 2)
-        m_post = _partial_sum(part_ptr, row, SPLITS, NPART, HC + s, s < HC).to(tl.float32) * r
-        post = 2.0 * sigmoid_f64((m_post * s1 + tl.load(base_ptr + HC + s)).to(tl.float64)).to(tl.float32)
-        cc = 2 * HC + s[:, None] * HC + s[None, :]
-        m_comb = _partial_sum(part_ptr, row, SPLITS, NPART, cc, cc < NMIX).to(tl.float32) * r
-        c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
-        # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
-        e = tl.exp(c - tl.max(c, axis=1)[:, None])
-        c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
-        c = c / (tl.sum(c, axis=0)[None, :] + eps64)
-        for _ in range(ITERS - 1):
-            c = c / (tl.sum(c, axis=1)[:, None] + eps64)
-            c = c / (tl.sum(c, axis=0)[None, :] + eps64)
-        tl.store(post_ptr + row * HC + s, post)
-        tl.store(comb_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
-    if NORM:
-        sq = tl.zeros((BLOCK_D,), tl.float64)
-        for d0 in range(0, D, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            u = _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, d < D, s, ROUND_BF16).to(tl.float64)
-            sq += u * u
-        rn = rsqrt_f32((tl.sum(sq, axis=0) / D).to(tl.float32), norm_eps)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        u = _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, d < D, s, ROUND_BF16)
-        if NORM:
-            u = to_act(tl.load(w_ptr + d, mask=d < D, other=0.0) * (u * rn), ROUND_BF16)
-        tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
-
-
-# ============================================================================================ launchers
-def _check(X: torch.Tensor) -> tuple[int, int, int]:
-    if X.dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"mHC kernels take bf16 or fp32 streams, got {X.dtype}")
-    HC, D = X.shape[-2:]
-    assert HC & (HC - 1) == 0, f"mHC: {HC} streams (a power of two is required)"
-    assert X.stride(-1) == 1, "mHC: streams contiguous along D"
-    return X.numel() // (HC * D), HC, D
-
-
-def _mix(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcGeometry):
-    """One mix launch; returns ``(X' or None, partials or None)``."""
-    M, HC, D = _check(X)
-    Xr = X.reshape(M, HC, D)
-    xn = torch.empty_like(Xr) if apply_post else Xr
-    mix = fn is not None
-    part = torch.empty(M, geo.splits, nmix + 1, dtype=torch.float64, device=X.device) if mix else xn
-    if M:
-        outr = out.reshape(M, D) if apply_post else Xr
-        _mhc_mix_kernel[(triton.cdiv(M, geo.block_m), geo.splits)](
-            Xr, outr, post.reshape(M, HC).contiguous() if apply_post else Xr,
-            comb.reshape(M, HC, HC).contiguous() if apply_post else Xr, xn,
-            fn if mix else Xr, part, M, D, nmix, geo.splits, Xr.stride(0), Xr.stride(1), outr.stride(0),
-            xn.stride(0), xn.stride(1), fn.stride(0) if mix else 0, APPLY_POST=apply_post, MIX=mix,
-            ROUND_BF16=X.dtype == torch.bfloat16, HC=HC, BLOCK_M=geo.block_m, BLOCK_D=geo.block_d,
-            BLOCK_J=max(2, triton.next_power_of_2(nmix)), num_warps=geo.num_warps, **LAUNCH_EXACT)
-    return (xn if apply_post else None), (part if mix else None)
-
-
-def _finish(Xr, part, base, scale, norm_weight, head: bool, iters: int, norm_eps: float, hc_eps: float,
-            lead: tuple, splits: int):
-    M, HC, D = Xr.shape
-    nmix = HC if head else (2 + HC) * HC
-    y = torch.empty(M, D, dtype=Xr.dtype, device=Xr.device)
-    post = torch.empty(M, HC, dtype=torch.float32, device=Xr.device)
-    comb = torch.empty(M, HC, HC, dtype=torch.float32, device=Xr.device)
-    if M:
-        norm = norm_weight is not None
-        _mhc_finish_kernel[(M,)](Xr, part, base.float().contiguous(), scale.float().contiguous(),
-                                 norm_weight if norm else base, y, post, comb, D, nmix, splits, iters,
-                                 float(norm_eps), f64_bits(hc_eps), Xr.stride(0), Xr.stride(1), y.stride(0),
-                                 HEAD=head, NORM=norm, ROUND_BF16=Xr.dtype == torch.bfloat16, HC=HC,
-                                 BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT)
-    return y.view(*lead, D), post.view(*lead, HC), comb.view(*lead, HC, HC)
-
-
-def hc_pre_norm(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                norm_weight: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
-                geometry: MhcGeometry | None = None):
-    """``X [..., n, D]`` → ``(RMSNorm(Σ_j pre_j X_j) [..., D], post [..., n], comb [..., n, n])`` for one site's
-    ``fn [(2+n)·n, n·D]``, ``base``, ``scale [3]`` and the sub-layer's norm weight."""
-    M, HC, D = _check(X)
-    geo = geometry or MhcGeometry.for_rows(M, D)
-    _, part = _mix(X, None, None, None, fn, False, (2 + HC) * HC, geo)
-    return _finish(X.reshape(M, HC, D), part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
-                   X.shape[:-2], geo.splits)
-
-
-def hc_post_pre_norm(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                     base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, iters: int,
-                     norm_eps: float, hc_eps: float, geometry: MhcGeometry | None = None):
-    """:func:`hc_post` of one sub-layer and :func:`hc_pre_norm` of the next: ``(X', x, post', comb')``."""
-    M, HC, D = _check(X)
-    geo = geometry or MhcGeometry.for_rows(M, D)
-    xn, part = _mix(X, out, post, comb, fn, True, (2 + HC) * HC, geo)
-    return (xn.view(X.shape), *_finish(xn, part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
-                                        X.shape[:-2], geo.splits))
-
-
-def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            geometry: MhcGeometry | None = None) -> torch.Tensor:
-    """``X'_k = post_k·out + Σ_j comb_jk·X_j``: ``out [..., D]``, ``X [..., n, D]`` → ``X.dtype``."""
-    M, HC, D = _check(X)
-    geo = geometry or MhcGeometry.for_rows(M, D)
-    xn, _ = _mix(X, out, post.float(), comb.float(), None, True, 0, geo)
-    return xn.view(X.shape)
-
-
-def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float, geometry: MhcGeometry | None = None) -> torch.Tensor:
-    """The final collapse ``Σ_j (sigmoid(m_j·scale + base_j) + eps)·X_j`` with ``fn [n, n·D]`` → ``X.dtype``."""
-    M, HC, D = _check(X)
-    geo = geometry or MhcGeometry.for_rows(M, D)
-    _, part = _mix(X, None, None, None, fn, False, HC, geo)
-    return _finish(X.reshape(M, HC, D), part, base, scale, None, True, 1, norm_eps, hc_eps, X.shape[:-2],
-                   geo.splits)[0]
-
-
 # ============================================================================================ prefill: many rows
 # The mix above spreads one row's projection over many programs: right for a few decode rows, but at prefill sizes
 # every program of 4 rows re-reads the whole mixing matrix (1.6 MB at Flash width, fp32 → fp64 on every load) and
@@ -421,5 +270,155 @@ def rows_kernel_status(device) -> str:
     return "not probed" if state is None else ("works" if state is True else str(state))
 
 
-__all__ = ["MhcGeometry", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "MhcRowsGeometry",
-           "hc_pre_norm_rows", "hc_post_pre_norm_rows", "hc_post_rows", "rows_kernel_works", "rows_kernel_status"]
+# ============================================================================================ finish
+@triton.jit
+def _partial_sum(part_ptr, row, SPLITS, NPART, offs, mask):
+    """Σ over the splits, in split order, of ``part[row, :, offs]`` (fp64)."""
+    total = tl.load(part_ptr + row * SPLITS * NPART + offs, mask=mask, other=0.0)
+    for sp in range(1, SPLITS):
+        total += tl.load(part_ptr + (row * SPLITS + sp) * NPART + offs, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, dm, s, ROUND_BF16: tl.constexpr):
+    """``u = Σ_j pre_j·X_j`` on columns ``d``: fp32 products, an fp64 sum, rounded to fp32 then to act."""
+    x = tl.load(x_ptr + row * sx_m + s[:, None] * sx_s + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    return f64_to_act(tl.sum((pre[:, None] * x).to(tl.float64), axis=0), ROUND_BF16)
+
+
+@triton.jit
+def _mhc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, NMIX, SPLITS,
+                       ITERS, norm_eps, hc_eps_bits, sx_m, sx_s, sy_m, HEAD: tl.constexpr, NORM: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    NPART = NMIX + 1
+    s = tl.arange(0, HC)
+    eps64 = hc_eps_bits.to(tl.float64, bitcast=True)
+    eps32 = eps64.to(tl.float32)
+    ms = (_partial_sum(part_ptr, row, SPLITS, NPART, NMIX, True) / (HC * D)).to(tl.float32)
+    r = rsqrt_f32(ms, norm_eps)  # mixing logits = projection · rsqrt(mean of the n·D squares + eps)
+    s0 = tl.load(scale_ptr)
+    m_pre = _partial_sum(part_ptr, row, SPLITS, NPART, s, s < HC).to(tl.float32) * r
+    pre = sigmoid_f64((m_pre * s0 + tl.load(base_ptr + s)).to(tl.float64)).to(tl.float32) + eps32
+    if not HEAD:
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        m_post = _partial_sum(part_ptr, row, SPLITS, NPART, HC + s, s < HC).to(tl.float32) * r
+        post = 2.0 * sigmoid_f64((m_post * s1 + tl.load(base_ptr + HC + s)).to(tl.float64)).to(tl.float32)
+        cc = 2 * HC + s[:, None] * HC + s[None, :]
+        m_comb = _partial_sum(part_ptr, row, SPLITS, NPART, cc, cc < NMIX).to(tl.float32) * r
+        c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
+        # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
+        e = tl.exp(c - tl.max(c, axis=1)[:, None])
+        c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
+        c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+        for _ in range(ITERS - 1):
+            c = c / (tl.sum(c, axis=1)[:, None] + eps64)
+            c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+        tl.store(post_ptr + row * HC + s, post)
+        tl.store(comb_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
+    if NORM:
+        sq = tl.zeros((BLOCK_D,), tl.float64)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            u = _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, d < D, s, ROUND_BF16).to(tl.float64)
+            sq += u * u
+        rn = rsqrt_f32((tl.sum(sq, axis=0) / D).to(tl.float32), norm_eps)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        u = _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, d < D, s, ROUND_BF16)
+        if NORM:
+            u = to_act(tl.load(w_ptr + d, mask=d < D, other=0.0) * (u * rn), ROUND_BF16)
+        tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
+# ============================================================================================ launchers
+def _check(X: torch.Tensor) -> tuple[int, int, int]:
+    if X.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"mHC kernels take bf16 or fp32 streams, got {X.dtype}")
+    HC, D = X.shape[-2:]
+    assert HC & (HC - 1) == 0, f"mHC: {HC} streams (a power of two is required)"
+    assert X.stride(-1) == 1, "mHC: streams contiguous along D"
+    return X.numel() // (HC * D), HC, D
+
+
+def _mix(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcGeometry):
+    """One mix launch; returns ``(X' or None, partials or None)``."""
+    M, HC, D = _check(X)
+    Xr = X.reshape(M, HC, D)
+    xn = torch.empty_like(Xr) if apply_post else Xr
+    mix = fn is not None
+    part = torch.empty(M, geo.splits, nmix + 1, dtype=torch.float64, device=X.device) if mix else xn
+    if M:
+        outr = out.reshape(M, D) if apply_post else Xr
+        _mhc_mix_kernel[(triton.cdiv(M, geo.block_m), geo.splits)](
+            Xr, outr, post.reshape(M, HC).contiguous() if apply_post else Xr,
+            comb.reshape(M, HC, HC).contiguous() if apply_post else Xr, xn,
+            fn if mix else Xr, part, M, D, nmix, geo.splits, Xr.stride(0), Xr.stride(1), outr.stride(0),
+            xn.stride(0), xn.stride(1), fn.stride(0) if mix else 0, APPLY_POST=apply_post, MIX=mix,
+            ROUND_BF16=X.dtype == torch.bfloat16, HC=HC, BLOCK_M=geo.block_m, BLOCK_D=geo.block_d,
+            BLOCK_J=max(2, triton.next_power_of_2(nmix)), num_warps=geo.num_warps, **LAUNCH_EXACT)
+    return (xn if apply_post else None), (part if mix else None)
+
+
+def _finish(Xr, part, base, scale, norm_weight, head: bool, iters: int, norm_eps: float, hc_eps: float,
+            lead: tuple, splits: int):
+    M, HC, D = Xr.shape
+    nmix = HC if head else (2 + HC) * HC
+    y = torch.empty(M, D, dtype=Xr.dtype, device=Xr.device)
+    post = torch.empty(M, HC, dtype=torch.float32, device=Xr.device)
+    comb = torch.empty(M, HC, HC, dtype=torch.float32, device=Xr.device)
+    if M:
+        norm = norm_weight is not None
+        _mhc_finish_kernel[(M,)](Xr, part, base.float().contiguous(), scale.float().contiguous(),
+                                 norm_weight if norm else base, y, post, comb, D, nmix, splits, iters,
+                                 float(norm_eps), f64_bits(hc_eps), Xr.stride(0), Xr.stride(1), y.stride(0),
+                                 HEAD=head, NORM=norm, ROUND_BF16=Xr.dtype == torch.bfloat16, HC=HC,
+                                 BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT)
+    return y.view(*lead, D), post.view(*lead, HC), comb.view(*lead, HC, HC)
+
+
+def hc_pre_norm(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                norm_weight: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
+                geometry: MhcGeometry | None = None):
+    """``X [..., n, D]`` → ``(RMSNorm(Σ_j pre_j X_j) [..., D], post [..., n], comb [..., n, n])`` for one site's
+    ``fn [(2+n)·n, n·D]``, ``base``, ``scale [3]`` and the sub-layer's norm weight."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    _, part = _mix(X, None, None, None, fn, False, (2 + HC) * HC, geo)
+    return _finish(X.reshape(M, HC, D), part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                   X.shape[:-2], geo.splits)
+
+
+def hc_post_pre_norm(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                     base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, iters: int,
+                     norm_eps: float, hc_eps: float, geometry: MhcGeometry | None = None):
+    """:func:`hc_post` of one sub-layer and :func:`hc_pre_norm` of the next: ``(X', x, post', comb')``."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    xn, part = _mix(X, out, post, comb, fn, True, (2 + HC) * HC, geo)
+    return (xn.view(X.shape), *_finish(xn, part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                                        X.shape[:-2], geo.splits))
+
+
+def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            geometry: MhcGeometry | None = None) -> torch.Tensor:
+    """``X'_k = post_k·out + Σ_j comb_jk·X_j``: ``out [..., D]``, ``X [..., n, D]`` → ``X.dtype``."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    xn, _ = _mix(X, out, post.float(), comb.float(), None, True, 0, geo)
+    return xn.view(X.shape)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+            hc_eps: float, geometry: MhcGeometry | None = None) -> torch.Tensor:
+    """The final collapse ``Σ_j (sigmoid(m_j·scale + base_j) + eps)·X_j`` with ``fn [n, n·D]`` → ``X.dtype``."""
+    M, HC, D = _check(X)
+    geo = geometry or MhcGeometry.for_rows(M, D)
+    _, part = _mix(X, None, None, None, fn, False, HC, geo)
+    return _finish(X.reshape(M, HC, D), part, base, scale, None, True, 1, norm_eps, hc_eps, X.shape[:-2],
+                   geo.splits)[0]
+
+
+__all__ = ["MhcGeometry", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head"]
