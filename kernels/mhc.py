@@ -144,6 +144,167 @@ def _mhc_mix_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr
         tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
 
 
+# ============================================================================================ prefill: many rows
+# The mix above spreads one row's projection over many programs: right for a few decode rows, but at prefill sizes
+# every program of 4 rows re-reads the whole mixing matrix (1.6 MB at Flash width, fp32 → fp64 on every load) and
+# multiplies by broadcasting a [rows, 32, n, d] product through registers. The rows kernel below is the same sum
+# as a GEMM: a block of BLOCK_M rows times the matrix, one fp64 ``tl.dot`` per stream and column step — the matrix
+# is read once per row block — and each program covers a slice of D (``splits``), its partials summed in split
+# order by the same finish kernel. fp64 throughout: the bound of the module docstring is unchanged.
+
+
+@dataclass(frozen=True)
+class MhcRowsGeometry:
+    """Rows per program, columns per step of each stream (the dot's K), programs across ``D`` (0: enough for
+    about two programs per SM), warps."""
+
+    block_m: int = 32
+    block_d: int = 32
+    splits: int = 0
+    num_warps: int = 4
+
+    def resolve(self, rows: int, D: int, device) -> "MhcRowsGeometry":
+        """The geometry with ``splits`` fixed for ``rows`` rows of width ``D``."""
+        if self.splits:
+            return self
+        if interpreting():  # few, large programs: the interpreter pays per program
+            return MhcRowsGeometry(block_m=min(64, max(16, triton.next_power_of_2(rows))), block_d=min(64, max(
+                16, triton.next_power_of_2(D))), splits=1)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(
+            device).type == "cuda" else 1
+        blocks = triton.cdiv(rows, self.block_m)
+        splits = max(1, min(triton.cdiv(D, self.block_d), triton.cdiv(2 * sms, blocks)))
+        return MhcRowsGeometry(self.block_m, self.block_d, splits, self.num_warps)
+
+
+@triton.jit
+def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr, M, D, NMIX, SPLITS,
+                         sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, APPLY_POST: tl.constexpr, MIX: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_J: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    per = tl.cdiv(tl.cdiv(D, SPLITS), BLOCK_D) * BLOCK_D
+    d_lo = split * per
+    d_hi = tl.minimum(d_lo + per, D)
+    s = tl.arange(0, HC)
+    j = tl.arange(0, BLOCK_J)
+    acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float64)
+    sq = tl.zeros((BLOCK_M,), tl.float64)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < d_hi
+        m2 = row_ok[:, None] & dm[None, :]
+        if APPLY_POST:
+            x_all = tl.load(x_ptr + rows64[:, None, None] * sx_m + s[None, :, None] * sx_s + d[None, None, :],
+                            mask=row_ok[:, None, None] & dm[None, None, :], other=0.0).to(tl.float32).to(tl.float64)
+            o = tl.load(out_ptr + rows64[:, None] * so_m + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        for k in tl.static_range(HC):
+            if APPLY_POST:
+                # X'_k = post_k·out + Σ_j comb[j, k]·X_j: exact products, summed in fp64 and rounded once
+                post_k = tl.load(post_ptr + rows64 * HC + k, mask=row_ok, other=0.0)
+                comb_k = tl.load(comb_ptr + rows64[:, None] * (HC * HC) + s[None, :] * HC + k, mask=row_ok[:, None],
+                                 other=0.0).to(tl.float64)
+                mixed = tl.sum(comb_k[:, :, None] * x_all, axis=1).to(tl.float32)
+                xk = to_act(post_k[:, None] * o + mixed, ROUND_BF16)
+                tl.store(xn_ptr + rows64[:, None] * sxn_m + k * sxn_s + d[None, :],
+                         xk.to(xn_ptr.dtype.element_ty), mask=m2)
+            else:
+                xk = tl.load(x_ptr + rows64[:, None] * sx_m + k * sx_s + d[None, :], mask=m2,
+                             other=0.0).to(tl.float32)
+            if MIX:
+                x64 = xk.to(tl.float64)
+                sq += tl.sum(x64 * x64, axis=1)
+                f = tl.load(fn_ptr + j[None, :] * sfn + k * D + d[:, None], mask=dm[:, None] & (j < NMIX)[None, :],
+                            other=0.0).to(tl.float64)
+                acc = tl.dot(x64, f, acc)  # [rows, k-slice] · [k-slice, mix logits], fp64
+    if MIX:
+        base = (rows64 * SPLITS + split) * (NMIX + 1)
+        tl.store(part_ptr + base[:, None] + j[None, :], acc, mask=row_ok[:, None] & (j < NMIX)[None, :])
+        tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
+
+
+def _mix_rows(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcRowsGeometry):
+    """:func:`_mix` on the rows kernel; returns ``(X' or None, partials or None, splits)``."""
+    M, HC, D = _check(X)
+    Xr = X.reshape(M, HC, D)
+    geo = geo.resolve(M, D, X.device)
+    xn = torch.empty_like(Xr) if apply_post else Xr
+    mix = fn is not None
+    part = torch.empty(M, geo.splits, nmix + 1, dtype=torch.float64, device=X.device) if mix else xn
+    if M:
+        outr = out.reshape(M, D) if apply_post else Xr
+        _mhc_mix_rows_kernel[(triton.cdiv(M, geo.block_m), geo.splits)](
+            Xr, outr, post.reshape(M, HC).float().contiguous() if apply_post else Xr,
+            comb.reshape(M, HC, HC).float().contiguous() if apply_post else Xr, xn,
+            fn if mix else Xr, part, M, D, nmix, geo.splits, Xr.stride(0), Xr.stride(1), outr.stride(0),
+            xn.stride(0), xn.stride(1), fn.stride(0) if mix else 0, APPLY_POST=apply_post, MIX=mix,
+            ROUND_BF16=X.dtype == torch.bfloat16, HC=HC, BLOCK_M=geo.block_m, BLOCK_D=geo.block_d,
+            BLOCK_J=max(16, triton.next_power_of_2(max(nmix, 1))), num_warps=geo.num_warps, **LAUNCH_EXACT)
+    return (xn if apply_post else None), (part if mix else None), geo.splits
+
+
+def hc_pre_norm_rows(X, fn, base, scale, norm_weight, iters: int, norm_eps: float, hc_eps: float,
+                     geometry: MhcRowsGeometry | None = None):
+    """:func:`hc_pre_norm` for many rows (the mix on the rows kernel); the same results."""
+    M, HC, D = _check(X)
+    _, part, splits = _mix_rows(X, None, None, None, fn, False, (2 + HC) * HC, geometry or MhcRowsGeometry())
+    return _finish(X.reshape(M, HC, D), part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                   X.shape[:-2], splits)
+
+
+def hc_post_pre_norm_rows(out, X, post, comb, fn, base, scale, norm_weight, iters: int, norm_eps: float,
+                          hc_eps: float, geometry: MhcRowsGeometry | None = None):
+    """:func:`hc_post_pre_norm` for many rows; the same results."""
+    M, HC, D = _check(X)
+    xn, part, splits = _mix_rows(X, out, post, comb, fn, True, (2 + HC) * HC, geometry or MhcRowsGeometry())
+    return (xn.view(X.shape), *_finish(xn, part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                                        X.shape[:-2], splits))
+
+
+def hc_post_rows(out, X, post, comb, geometry: MhcRowsGeometry | None = None):
+    """:func:`hc_post` for many rows; the same results."""
+    xn, _, _ = _mix_rows(X, out, post, comb, None, True, 0, geometry or MhcRowsGeometry())
+    return xn.view(X.shape)
+
+
+_ROWS_STATE: dict[str, object] = {}
+
+
+def rows_kernel_works(device) -> bool:
+    """Whether the rows kernel compiles here (an fp64 ``tl.dot``) and gives the decode mix's partial sums (both
+    fp64: equal to ~1e-15 relative) — checked once per process on a small random case; the interpreter always
+    runs it. The backend falls back to the decode mix where it does not (see :func:`rows_kernel_status`)."""
+    dev = torch.device(device)
+    if interpreting() or dev.type != "cuda":
+        return True
+    key = str(dev)
+    if key not in _ROWS_STATE:
+        g = torch.Generator(device=dev).manual_seed(0)
+        M, HC, D = 70, 4, 160
+        X = torch.randn(M, HC, D, device=dev, generator=g).to(torch.bfloat16)
+        fn = torch.randn((2 + HC) * HC, HC * D, device=dev, generator=g) * (HC * D) ** -0.5
+        try:
+            _, got, splits = _mix_rows(X, None, None, None, fn, False, (2 + HC) * HC,
+                                       MhcRowsGeometry(block_m=32, block_d=32, splits=2))
+            _, want = _mix(X, None, None, None, fn, False, (2 + HC) * HC, MhcGeometry(block_m=1, splits=1))
+            ok = torch.allclose(got.sum(1), want[:, 0], rtol=1e-12, atol=1e-12)
+            _ROWS_STATE[key] = True if ok else "the rows kernel's partial sums differ from the decode mix's"
+        except Exception as err:  # noqa: BLE001 — a compile failure means: use the decode mix
+            _ROWS_STATE[key] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    return _ROWS_STATE[key] is True
+
+
+def rows_kernel_status(device) -> str:
+    """Why :func:`rows_kernel_works` said what it said (for logs and benchmark records)."""
+    if interpreting() or torch.device(device).type != "cuda":
+        return "interpreter"
+    state = _ROWS_STATE.get(str(torch.device(device)))
+    return "not probed" if state is None else ("works" if state is True else str(state))
+
+
 # ============================================================================================ finish
 @triton.jit
 def _partial_sum(part_ptr, row, SPLITS, NPART, offs, mask):

@@ -16,8 +16,10 @@ token rows), then the decode kernels (few rows), then the reference. Decode kern
 The glue between them — row-parallel kernels for any number of rows, prefill chunks included (see
 ``docs/kernels_decode.md``, "The fused decode step"):
 
-* ``hc_pre_norm``, ``hc_post_pre_norm``, ``hc_post``, ``hc_head`` — :mod:`dsv4lab_kernels.mhc`;
-* ``rms_norm``, ``head_rms_rope``, ``kv_norm_rope``, ``indexer_query`` — :mod:`dsv4lab_kernels.norm_rope_quant`;
+* ``hc_pre_norm``, ``hc_post_pre_norm``, ``hc_post``, ``hc_head`` — :mod:`dsv4lab_kernels.mhc` (a prefill chunk's
+  mHC on its rows kernel, through the prefill dispatch);
+* ``rms_norm``, ``rope``, ``head_rms_rope``, ``kv_norm_rope``, ``indexer_query`` —
+  :mod:`dsv4lab_kernels.norm_rope_quant`;
 * ``compressor_step`` — :mod:`dsv4lab_kernels.compressor_decode`; ``router_topk`` — :mod:`dsv4lab_kernels.router`;
   ``indexer_select`` — :mod:`dsv4lab_kernels.indexer_decode`; ``expert_mlp`` (the shared expert) — its projections
   on the GEMV above around :mod:`dsv4lab_kernels.swiglu`.
@@ -70,7 +72,7 @@ act_kernels = kernel_module("swiglu")
 
 # The fused glue ops (row-parallel kernels for any row count).
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
-            "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp")
+            "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
@@ -521,18 +523,37 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.rms_norm(self, x, weight, eps)
         return nrq.rms_norm(x, weight, eps)
 
+    def rope(self, x, cos, sin, inverse=False):
+        why = self._glue_unsupported(x) or (None if cos.dtype == torch.float32 else f"{cos.dtype} angles")
+        out = nrq.rope_rows(x, cos, sin, inverse) if why is None else None
+        if out is None and why is None:
+            why = "angles broadcast other than per leading row"
+        if not self._glue("rope", x, why=why):
+            return ReferenceOps.rope(self, x, cos, sin, inverse)
+        return out
+
     def hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        out = self._prefill("hc_pre_norm", self.prefill_hc_pre_norm(X, fn, base, scale, norm_weight, args))
+        if out is not None:  # many rows: the mix on the rows kernel
+            return out
         if not self._glue("hc_pre_norm", X):
             return ReferenceOps.hc_pre_norm(self, X, fn, base, scale, norm_weight, args)
         return mhc.hc_pre_norm(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps)
 
     def hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        res = self._prefill("hc_post_pre_norm", self.prefill_hc_post_pre_norm(out, X, post, comb, fn, base, scale,
+                                                                             norm_weight, args))
+        if res is not None:
+            return res
         if not self._glue("hc_post_pre_norm", X):
             return ReferenceOps.hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args)
         return mhc.hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
                                     args.norm_eps, args.hc_eps)
 
     def hc_post(self, out, X, post, comb):
+        res = self._prefill("hc_post", self.prefill_hc_post(out, X, post, comb))
+        if res is not None:
+            return res
         if not self._glue("hc_post", X):
             return ReferenceOps.hc_post(self, out, X, post, comb)
         return mhc.hc_post(out, X, post, comb)
