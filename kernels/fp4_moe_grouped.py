@@ -56,6 +56,7 @@ import triton.language as tl
 
 from .formats import e2m1_pair_to_f32_scaled, e8m0_to_f32, pow2
 from .fp8_gemm import interpreting, pow2_exponent, quantize_activations, quantize_block_fp8, to_bf16
+from .rowops import device_key
 from .moe_sort import SortedRouting, sort_by_expert
 
 ROUTES = ("bf16", "fp8", "scaled")
@@ -445,7 +446,7 @@ def asm_decode_works(device) -> bool:
     dev = torch.device(device)
     if dev.type != "cuda" or interpreting():
         return False
-    key = str(dev)
+    key = device_key(dev)
     if key not in _ASM_STATE:
         bn, bk = 32, 128
         w = torch.arange(bn * bk // 2, device=dev).remainder(256).to(torch.uint8).view(bn, bk // 2)
@@ -465,7 +466,7 @@ def asm_decode_works(device) -> bool:
 
 def asm_decode_status(device) -> str:
     """Why :func:`asm_decode_works` said what it said (for logs and benchmark records)."""
-    state = _ASM_STATE.get(str(torch.device(device)))
+    state = _ASM_STATE.get(device_key(device))
     return "not probed" if state is None else ("works" if state is True else str(state))
 
 

@@ -18,6 +18,8 @@ cuBLAS ≥ 12.9 on sm_90): the same products promoted per 128-K block, so the sa
 ``wo_a``): :func:`weight_gemm` computes ``yᵀ = W · xᵀ`` tile by tile — the weight tile is the MMA's first
 operand, so an FP8 weight is upcast in registers (E4M3 × 2^s is exact in bf16) without a trip through shared
 memory, and the activations stream in as the second operand. fp32 accumulation; bf16 (RNE) or fp32 out.
+:func:`cublas_weight_gemm` is the same product on cuBLAS (an FP8 weight dequantized exactly to bf16 first, an
+fp32-output GEMM rounded once), probed once per process by :func:`cublas_bf16_available`.
 
 :func:`quantize_activations` is the reference quantizer as a kernel. Besides ``x_q`` and the per-128 scales (row-
 or column-major: cuBLAS wants the latter) it can emit the layouts the grouped FP4 MoE GEMM consumes
@@ -38,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .formats import e8m0_to_f32, fp8_act_exponent, pow2, round_to_bf16, round_to_e4m3
+from .rowops import device_key
 
 ACT_BLOCK = 128
 FP8_MAX = 448.0
@@ -254,14 +257,14 @@ def cublas_block_fp8_available(device) -> bool:
     Probed once per process with a small product checked against the Triton kernel's."""
     if interpreting() or torch.device(device).type != "cuda":
         return False
-    key = str(torch.device(device))
+    key = device_key(device)
     if key not in _CUBLAS_STATE:
         _CUBLAS_STATE[key] = _probe_cublas(torch.device(device))
     return _CUBLAS_STATE[key] is True
 
 
 def cublas_unavailable_reason(device) -> str:
-    state = _CUBLAS_STATE.get(str(torch.device(device)))
+    state = _CUBLAS_STATE.get(device_key(device))
     return "not probed" if state is None else ("available" if state is True else str(state))
 
 
@@ -269,9 +272,10 @@ def _probe_cublas(device) -> bool | str:
     if torch.cuda.get_device_capability(device) != (9, 0):
         return f"compute capability {torch.cuda.get_device_capability(device)}: the block-scaled path is sm_90's"
     g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(8, 256, device=device, generator=g).to(torch.bfloat16)
-    w = (torch.randn(256, 256, device=device, generator=g) * 32).to(torch.float8_e4m3fn)
-    ws = torch.randint(118, 122, (2, 2), dtype=torch.uint8, device=device)
+    # K = 512: four 128-wide K blocks (see cublas_eligible); N = 384: an odd number of 128-row weight blocks
+    x = torch.randn(8, 512, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(384, 512, device=device, generator=g) * 32).to(torch.float8_e4m3fn)
+    ws = torch.randint(118, 122, (3, 4), dtype=torch.uint8, device=device)
     try:
         qa = quantize_activations(x, scale_cols=True)
         got = _cublas_gemm(qa["q"], qa["scale"], w, weight_scale_f32(ws), torch.float32)
@@ -300,8 +304,11 @@ def _cublas_gemm(xq, x_scale_cols, w, w_scale_f32_t, out_dtype):
 
 
 def cublas_eligible(M: int, N: int, K: int) -> bool:
-    """Shapes cuBLAS's block-scaled path takes without padding the weight: N and K multiples of 128."""
-    return N % 128 == 0 and K % 128 == 0 and M > 0
+    """Shapes cuBLAS's block-scaled path takes as they are: N a multiple of 128 and K of 512. cuBLASLt reads the
+    weight's 128×128 scales K-block-major with that dimension padded to a multiple of 4, which is the unpadded
+    layout exactly when K/128 is a multiple of 4 (every projection of DeepSeek-V4 is: K ∈ {1024, 2048, 4096,
+    8192}). (The first probe used K = 256 and read its 2×2 scales misaligned: "a different product".)"""
+    return N % 128 == 0 and K % 512 == 0 and M > 0
 
 
 # ============================================================================================ FP8 linear
@@ -559,6 +566,91 @@ def weight_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None =
                               BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=gn, W_FP8=w_fp8, UPCAST=interpreting(),
                               OUT_BF16=out_dtype == torch.bfloat16, num_warps=warps, num_stages=stages)
     return y
+
+
+# ============================================================================================ cuBLAS bf16 path
+@triton.jit
+def _dequant_fp8_kernel(w_ptr, ws_ptr, o_ptr, N, K, stride_w, stride_ws, stride_o, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (rn < N)[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :], mask=m, other=0.0).to(tl.float32)
+    sw = e8m0_to_f32(tl.load(ws_ptr + (rn // 128)[:, None] * stride_ws + (rk // 128)[None, :], mask=m,
+                             other=127).to(tl.int32))
+    tl.store(o_ptr + rn[:, None].to(tl.int64) * stride_o + rk[None, :], (w * sw).to(tl.bfloat16), mask=m)
+
+
+def dequant_fp8_weight(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """An E4M3 weight ``[N, K]`` with its E8M0 128×128 block scales as bf16 — exact (3 → 8 mantissa bits, the
+    scale a power of two), the operand of :func:`cublas_weight_gemm`."""
+    N, K = w.shape
+    ws = w_scale.view(torch.uint8) if w_scale.dtype != torch.uint8 else w_scale
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=w.device)
+    if N and K:
+        _dequant_fp8_kernel[(triton.cdiv(N, 64), triton.cdiv(K, 128))](w, ws, out, N, K, w.stride(0), ws.stride(0),
+                                                                       out.stride(0), BLOCK_N=64, BLOCK_K=128)
+    return out
+
+
+def cublas_weight_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.bfloat16, groups: int = 1) -> torch.Tensor:
+    """:func:`weight_gemm` on cuBLAS: the bf16 weight (an FP8 one dequantized exactly first,
+    :func:`dequant_fp8_weight`) in an fp32-output GEMM — ``torch.mm``/``torch.bmm(..., out_dtype=float32)``: bf16
+    tensor cores with an fp32 accumulator, the ``tc_bf16`` bound of the Triton kernel — rounded to ``out_dtype``
+    once. (A bf16-output cuBLAS GEMM may reduce split-K partials in bf16 when torch allows reduced-precision
+    reductions, its default: that would not be the reference's fp32 accumulation.) Same shapes as
+    :func:`weight_gemm`."""
+    wb = dequant_fp8_weight(w, w_scale) if w.dtype == torch.float8_e4m3fn else w
+    if x.ndim == 2:
+        y = torch.mm(x, wb.t(), out_dtype=torch.float32)
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
+    M, G, K = x.shape
+    N = wb.shape[0] // groups
+    y = torch.bmm(x.transpose(0, 1), wb.view(groups, N, K).transpose(1, 2), out_dtype=torch.float32)  # [G, M, N]
+    out = torch.empty(M, G, N, dtype=out_dtype, device=x.device)
+    out.transpose(0, 1).copy_(y)
+    return out
+
+
+_CUBLAS_BF16_STATE: dict[str, object] = {}
+
+
+def cublas_bf16_available(device) -> bool:
+    """Whether :func:`cublas_weight_gemm` runs here (``torch.mm``/``bmm`` with ``out_dtype=float32``) and agrees
+    with :func:`weight_gemm` within twice the ``tc_bf16`` bound — probed once per process on small plain and
+    grouped products with an FP8 weight."""
+    if interpreting() or torch.device(device).type != "cuda":
+        return False
+    key = device_key(device)
+    if key not in _CUBLAS_BF16_STATE:
+        _CUBLAS_BF16_STATE[key] = _probe_cublas_bf16(torch.device(device))
+    return _CUBLAS_BF16_STATE[key] is True
+
+
+def cublas_bf16_reason(device) -> str:
+    state = _CUBLAS_BF16_STATE.get(device_key(device))
+    return "not probed" if state is None else ("available" if state is True else str(state))
+
+
+def _probe_cublas_bf16(device) -> bool | str:
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(40, 3, 256, device=device, generator=g).to(torch.bfloat16)
+    w = (torch.randn(3 * 96, 256, device=device, generator=g) * 32).to(torch.float8_e4m3fn)
+    ws = torch.randint(118, 122, (3, 2), dtype=torch.uint8, device=device)
+    try:
+        got = [cublas_weight_gemm(x, w, ws, torch.float32, 3), cublas_weight_gemm(x[:, 0], w, ws, torch.float32)]
+    except (RuntimeError, TypeError, ValueError) as err:
+        return f"torch.mm/bmm with out_dtype=float32 refused: {' '.join(str(err).split())[:200]}"
+    want = [weight_gemm(x, w, ws, torch.float32, 3, config="small"), weight_gemm(x[:, 0], w, ws, torch.float32,
+                                                                                 config="small")]
+    wd = dequant_fp8_weight(w, ws).float()
+    mags = [torch.einsum("mgk,gnk->mgn", x.float().abs(), wd.abs().view(3, 96, 256)), x[:, 0].float().abs()
+            @ wd.abs().T]
+    for a, b, mag in zip(got, want, mags):  # each within γ(2n, 2^-24)·Σ|terms|: twice that between the two
+        if a.shape != b.shape or not bool(((a - b).abs() <= 4 * 256 * 2.0 ** -24 * mag + 1e-30).all()):
+            return "torch.mm/bmm (bf16 in, fp32 out) gave a different product than the Triton kernel"
+    return True
 
 
 def grouped_bf16_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int,

@@ -9,20 +9,29 @@ computed in the kernel's prologue. Every product is exact in fp32; only the sums
 
 Routes (``route``):
 
-* ``"fma"`` — CUDA cores: each 16-byte row chunk of E4M3 weights converted in registers, fp32 FMAs, both block
-  scales applied once per 128-block; one token row per program (a second row re-reads the weights, from L2).
+* ``"fma"`` — CUDA cores, one token row per program: a ``[block_n, block_k]`` tile of weights per step (16 contiguous
+  bytes per thread and load), each weight converted in registers and multiplied by its activation with both
+  power-of-two block scales folded into the activation (``q·s_x·s_w``: exact, so every product is the reference's
+  term), accumulated element-wise in fp32 and reduced once at the end. About 2.5 instructions per weight byte, no
+  shuffles in the loop: the tile size sets the bytes in flight. A second row re-reads the weights (from L2).
 * ``"dot"`` — tensor cores: one ``[block_n, 128] × [128, 16]`` fp16 MMA per 128-block (E4M3 weights and the
   activation's E4M3 values are exact in fp16; a bf16 activation — ``wo_a`` — meets the weights in bf16), the
   two power-of-two scales applied to the fp32 block product.
   The batch is free up to 16 rows. (Triton's own FP8 MMA is not offered: Hopper accumulates FP8 products in a
   ~13-bit accumulator, outside the fp32 bound below.)
 
-Split-K (``GemvGeometry.split_k``) writes fp32 partials that a second kernel sums in a fixed order:
-deterministic, so graph replay equals eager bit for bit. Grouped projections (``wo_a``: ``x [M, G, K_g]``,
-``W [G·R, K_g]`` → ``[M, G, R]``) are the same kernel with ``groups=G``.
+Split-K (``GemvGeometry.split_k``): each program stores its fp32 partial of the output tile and takes a ticket
+(:mod:`.tickets`); the last program of the tile sums the partials in split order and writes the output — one
+launch, deterministic (the order does not depend on which program finished last), so graph replay equals eager bit
+for bit. Grouped projections (``wo_a``: ``x [M, G, K_g]``, ``W [G·R, K_g]`` → ``[M, G, R]``) are the same kernel
+with ``groups=G``.
 
 Numerics (``ACCUMULATION``): ``fma`` sums in IEEE fp32 (``γ(n)`` over the ``n = K`` terms); ``dot`` accumulates each
-128-block inside tensor cores (aligned, truncated) and the blocks in fp32: ``γ(4n)``.
+128-block inside tensor cores (aligned, truncated) and the blocks in fp32: ``γ(4n)``. cuBLAS's block-scaled FP8 GEMM
+(``torch._scaled_mm``) is another model: measured on an H200 (the benchmark's accumulation probe) it keeps the
+precision of Hopper's FP8 MMA inside each 128-wide K block — a small term after a 2^15-times larger one in the same
+block is lost — so it is judged by the ``fp8_mma`` bound (:data:`dsv4lab.verify.bounds.BLOCKED`), the model of the
+prefill FP8 GEMMs, not by the fp32 one of the own routes.
 """
 from __future__ import annotations
 
@@ -34,23 +43,32 @@ import triton
 import triton.language as tl
 
 from .formats import RNE_MAGIC, e8m0_to_f32, round_to_bf16
+from .tickets import counters, take_ticket
 from dsv4lab import quant
 
 ROUTES = ("fma", "dot")
 ACCUMULATION = {"fma": ("fp32 FMA on CUDA cores, round to nearest", 1.0),
                 "dot": ("fp16 tensor-core products per 128-block (aligned, truncated), blocks summed in fp32", 4.0),
-                "cublas": ("cuBLAS: FP8 block-scaled GEMM or bf16 GEMM with fp32 output", 4.0)}
+                "cublas": ("cuBLAS bf16 GEMM with fp32 output (tensor cores)", 4.0)}
+"""route → (description, ``c`` of the fp32 bound ``γ(c·K)``). cuBLAS's FP8 GEMM is judged by :data:`CUBLAS_FP8_ACC`."""
+CUBLAS_FP8_ACC = "fp8_mma"
+"""The accumulation model (:data:`dsv4lab.verify.bounds.UNIT_ROUNDOFF`) cuBLAS's block-scaled FP8 GEMM is held to."""
 
 
 @dataclass(frozen=True)
 class GemvGeometry:
-    """Launch geometry: output rows per program, K elements per loop step (a multiple of 128), K splits."""
+    """Launch geometry: output rows per program, K elements per tile (a multiple of 128), K splits, warps, stages;
+    ``unroll`` tiles loaded per loop step (``fma``: more bytes in flight for the same accumulator), ``prequant``
+    (``dot`` with activation quantization): the rows quantized once per launch by a small kernel instead of by
+    every program (what a batch costs otherwise: each program quantizes all its rows)."""
 
     block_n: int = 32
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    unroll: int = 1
+    prequant: bool = False
 
 
 def interpreting() -> bool:
@@ -92,6 +110,21 @@ def _x_block(x_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT: tl.constexpr, NB: tl.c
 
 
 @triton.jit
+def _xq_block(q_ptr, sq_ptr, m, m_ok, stride_qm, stride_sk, k0, K, NB: tl.constexpr):
+    """:func:`_x_block` of rows quantized beforehand (:func:`act_quant_fp8`): E4M3 values ``q [M, K]`` and scales
+    ``[K/128, M]`` (``stride_sk`` between 128-blocks)."""
+    b = tl.arange(0, NB)
+    i = tl.arange(0, 128)
+    k = k0 + b[None, :, None] * 128 + i[None, None, :]
+    k_end = tl.where(m_ok, K, 0)
+    q = tl.load(q_ptr + m[:, None, None] * stride_qm + k, mask=k < k_end[:, None, None], other=0.0)
+    kb = k0 // 128 + b
+    sx = tl.load(sq_ptr + kb[None, :] * stride_sk + m[:, None], mask=m_ok[:, None] & (kb * 128 < K)[None, :],
+                 other=0.0)
+    return q.to(tl.float32), sx
+
+
+@triton.jit
 def _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8: tl.constexpr, NB: tl.constexpr):
     """Weight rows ``n`` at K ``k0..k0+128·NB`` as ``[BN, NB, 128]`` (E4M3 or bf16, as stored) and the block
     scales ``[BN, NB]`` fp32 (ones for BF16 weights)."""
@@ -110,11 +143,11 @@ def _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8: tl.const
 
 # ------------------------------------------------------------------------------------------------ kernels
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
-                     M, N, K, n_per_group, stride_xm, stride_xg, stride_wn, stride_sn, SPLIT_K,
-                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, ROUTE: tl.constexpr, OUT_BF16: tl.constexpr,
-                     DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
+                     M, N, K, n_per_group, stride_xm, stride_xg, stride_xs, stride_wn, stride_sn, SPLIT_K, B1, B2, B3,
+                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, PREQUANT: tl.constexpr, ROUTE: tl.constexpr,
+                     OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, BLOCK_S: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -123,6 +156,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
     n_ok = n < N
     group = (pid_n * BN) // n_per_group  # the launcher makes BN divide n_per_group when grouped
     xg_ptr = x_ptr + group * stride_xg
+    xsg_ptr = xs_ptr + (group * stride_xg // 128) * stride_xs  # PREQUANT: the group's first scale block
     m = pid_m * TQ + tl.arange(0, TQ)
     m_ok = m < M
 
@@ -132,22 +166,36 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
     c_hi = tl.minimum(c_lo + per_split, n_chunks)
 
     if ROUTE == 0:
-        # one token row (TQ == 1): 16 contiguous weights of a row per thread step, scales once per 128-block
-        acc = tl.zeros((BN, NB, 8), tl.float32)
-        for c in range(c_lo, c_hi):
-            k0 = c * BK
-            w, sw = _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8, NB)
-            x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT, NB)
-            part = tl.sum(tl.reshape(w.to(tl.float32), (BN, NB, 8, 16)) * tl.reshape(x, (1, NB, 8, 16)), axis=3)
-            acc += part * (sw * tl.reshape(sx, (1, NB)))[:, :, None]  # both scales: powers of two, exact
-        y = tl.reshape(tl.sum(tl.sum(acc, axis=2), axis=1), (BN, 1))
+        # one token row (TQ == 1): a [BN, BK] weight tile per step; both power-of-two scales are folded into the
+        # activation (q·s_x·s_w, exact), each product exact in fp32, accumulated element-wise, reduced once
+        kk = tl.arange(0, BK)
+        acc = tl.zeros((BN, BK), tl.float32)
+        srow = (pid_n * BN) // 128  # FP8: the launcher makes BN divide 128, so the tile has one scale row
+        for c0 in range(c_lo, c_hi, KU):
+            for u in tl.static_range(KU):  # KU independent tiles per step: their loads are in flight together
+                k0 = (c0 + u) * BK
+                k_end = tl.where(c0 + u < c_hi, K, 0)  # a tile past the split's end reads nothing
+                k = k0 + kk
+                w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
+                            other=0.0).to(tl.float32)
+                x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, k_end, ACT_QUANT, NB)
+                if W_FP8:
+                    kb = k0 // 128 + tl.arange(0, NB)
+                    sw = tl.load(s_ptr + srow * stride_sn + kb, mask=kb * 128 < k_end, other=127).to(tl.int32)
+                    sx = sx * e8m0_to_f32(sw)[None, :]
+                xs = tl.reshape(x * sx[:, :, None], (BK,))
+                acc += w * xs[None, :]
+        y = tl.reshape(tl.sum(acc, axis=1), (BN, 1))
     else:
         acc = tl.zeros((BN, TP), tl.float32)
         for c in range(c_lo, c_hi):
             for b in tl.static_range(NB):
                 k0 = c * BK + b * 128
                 w, sw = _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8, 1)
-                x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT, 1)
+                if PREQUANT:
+                    x, sx = _xq_block(xg_ptr, xsg_ptr, m, m_ok, stride_xm, stride_xs, k0, K, 1)
+                else:
+                    x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT, 1)
                 w2 = tl.reshape(w, (BN, 128))
                 x2 = tl.reshape(x, (TQ, 128))
                 sx1 = tl.reshape(sx, (TQ,))
@@ -158,37 +206,44 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr,
                     sx1 = tl.where(tp < TQ, tl.reshape(tl.broadcast_to(sx1[None], (TP // TQ, TQ)), (TP,)), 0.0)
                 if DOT_FP32:  # the interpreter's fp16/bf16 arithmetic is unreliable: the same exact values in fp32
                     blk = tl.dot(w2.to(tl.float32), tl.trans(x2), input_precision="ieee")
-                elif W_FP8 and ACT_QUANT:
+                elif W_FP8 and (ACT_QUANT or PREQUANT):
                     blk = tl.dot(w2.to(tl.float16), tl.trans(x2.to(tl.float16)))  # E4M3 values: exact in fp16
                 else:  # a bf16 activation (wo_a, BF16 weights): bf16 operands, E4M3 weights exact in bf16
                     blk = tl.dot(w2.to(tl.bfloat16), tl.trans(x2.to(tl.bfloat16)))
                 acc += blk * (tl.reshape(sw, (BN,))[:, None] * sx1[None, :])
         y = acc
 
+    # output segments [0, B1), [B1, B2), [B2, B3), [B3, N) (unused boundaries = N), each stored as its own
+    # [M, size] block one after the other; a tile lies in one segment (the launcher's block_n divides them)
+    n0 = pid_n * BN
+    lo = tl.where(n0 >= B3, B3, tl.where(n0 >= B2, B2, tl.where(n0 >= B1, B1, 0)))
+    hi = tl.where(n0 < B1, B1, tl.where(n0 < B2, B2, tl.where(n0 < B3, B3, N)))
+    o_ptr = out_ptr + (M * lo - lo)  # element (r, n) of the segment at o_ptr + r·(hi − lo) + n
     tt = tl.arange(0, y.shape[1])
     rows = pid_m * TQ + tt
     out_mask = n_ok[:, None] & (rows < M)[None, :] & (tt < TQ)[None, :]
     if SPLIT_K == 1:
         if OUT_BF16:
-            tl.store(out_ptr + rows[None, :] * N + n[:, None], round_to_bf16(y).to(tl.bfloat16), mask=out_mask)
+            tl.store(o_ptr + rows[None, :] * (hi - lo) + n[:, None], round_to_bf16(y).to(tl.bfloat16), mask=out_mask)
         else:
-            tl.store(out_ptr + rows[None, :] * N + n[:, None], y, mask=out_mask)
+            tl.store(o_ptr + rows[None, :] * (hi - lo) + n[:, None], y, mask=out_mask)
     else:
         tl.store(part_ptr + (pid_k * M + rows[None, :]) * N + n[:, None], y, mask=out_mask)
-
-
-@triton.jit
-def _sum_partials_kernel(part_ptr, out_ptr, numel, S: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[i] = Σ_s part[s, i]`` in slice order (fp32 partials; fp64 partials summed in fp64)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < numel
-    acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-    for s in tl.static_range(1, S):
-        acc += tl.load(part_ptr + s * numel + i, mask=ok, other=0.0)
-    if OUT_BF16:
-        tl.store(out_ptr + i, round_to_bf16(acc.to(tl.float32)).to(tl.bfloat16), mask=ok)
-    else:
-        tl.store(out_ptr + i, acc.to(tl.float32), mask=ok)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if take_ticket(cnt_ptr + tile) == SPLIT_K - 1:
+            # the tile's last program: the partials in split order (not arrival order), one rounding
+            sp = tl.arange(0, BLOCK_S)
+            r2 = pid_m * TQ + tl.arange(0, TQ)
+            ok2 = n_ok[:, None] & (r2 < M)[None, :]
+            parts = tl.load(part_ptr + (sp[:, None, None] * M + r2[None, None, :]) * N + n[None, :, None],
+                            mask=(sp < SPLIT_K)[:, None, None] & ok2[None], other=0.0, cache_modifier=".cg")
+            total = tl.sum(parts, axis=0)
+            if OUT_BF16:
+                tl.store(o_ptr + r2[None, :] * (hi - lo) + n[:, None], round_to_bf16(total).to(tl.bfloat16),
+                         mask=ok2)
+            else:
+                tl.store(o_ptr + r2[None, :] * (hi - lo) + n[:, None], total, mask=ok2)
+            tl.store(cnt_ptr + tile, 0)
 
 
 @triton.jit
@@ -207,16 +262,6 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, MP, BLOCK_M: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def sum_partials(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Sum ``part [S, ...]`` over its first dim into ``out`` (same trailing numel), in a fixed order."""
-    numel = out.numel()
-    assert part.is_contiguous() and out.is_contiguous() and part.numel() == part.shape[0] * numel
-    BLOCK = 1024
-    _sum_partials_kernel[(triton.cdiv(numel, BLOCK),)](part, out, numel, S=part.shape[0],
-                                                        OUT_BF16=out.dtype == torch.bfloat16, BLOCK=BLOCK)
-    return out
-
-
 def token_blocks(M: int, route: str) -> tuple[int, int]:
     """``(TQ, TP)``: token rows a program quantizes and the rows of its tensor-core operand (≥ 16). The fma
     route takes one row per program (more rows multiply its per-weight work: the dot route's job)."""
@@ -228,11 +273,15 @@ def token_blocks(M: int, route: str) -> tuple[int, int]:
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
              out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, route: str = "fma",
-             geometry: GemvGeometry | None = None) -> torch.Tensor:
+             geometry: GemvGeometry | None = None, segments: tuple[int, ...] | None = None):
     """``x [..., G·K_g] @ Wᵀ`` for an E4M3 (``scale`` given) or BF16/fp32 (``scale=None``) weight ``[N, K_g]``.
 
     ``groups > 1``: ``x`` is ``[..., G, K_g]`` flattened, row block ``g`` of ``W`` (``N/G`` rows) applies to
     group ``g``; the result is ``[..., N]``. Output in ``out_dtype`` (bf16 or fp32).
+
+    ``segments`` (sizes summing to ``N``, at most 4): ``W`` is several projections of the same input stored one
+    after the other (:mod:`dsv4lab.engine.decode_groups`); one launch computes them all and returns a tuple of
+    contiguous ``[..., size]`` outputs, one per projection.
     """
     if route not in ROUTES:
         raise ValueError(f"fp8_gemv: unknown route {route!r}; known: {', '.join(ROUTES)}")
@@ -265,24 +314,49 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
             raise ValueError(f"fp8_gemv: unsupported weight dtype {weight.dtype}")
         s, stride_sn = weight, 0  # unused
     n_per_group = N // groups
+    sizes = tuple(segments) if segments is not None else (N,)
+    if len(sizes) > 4 or sum(sizes) != N or min(sizes) < 1 or (len(sizes) > 1 and groups > 1):
+        raise ValueError(f"fp8_gemv: segments {sizes} must be 1 to 4 positive sizes summing to the weight's {N} "
+                         f"rows (and not with groups)")
+    bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
     block_n = min(g.block_n, triton.next_power_of_2(N))
+    if route == "fma" and w_fp8:
+        block_n = min(triton.next_power_of_2(block_n), 128)  # divides 128: one weight-scale row per tile
     if groups > 1:
         while n_per_group % block_n:
             block_n //= 2
-    if route == "dot":
-        block_n = max(block_n, 16)
+    while block_n > 1 and any(bd % block_n for bd in bounds):  # a tile never straddles two projections
+        block_n //= 2
+    if route == "dot" and block_n < 16:
+        if bounds:
+            raise ValueError(f"fp8_gemv: the dot route needs segment sizes that are multiples of 16, got {sizes}")
+        block_n = 16
     tq, tp = token_blocks(M, route)
-    out = torch.empty(M, N, dtype=out_dtype, device=x.device)
+    out = torch.empty(M * N, dtype=out_dtype, device=x.device)
     split = max(1, min(g.split_k, triton.cdiv(Kg, g.block_k)))
-    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, tq))
-    _fp8_gemv_kernel[grid](x2, weight, s, out, part, M, N, Kg, n_per_group, x2.stride(0), Kg, weight.stride(0),
-                           stride_sn, split, W_FP8=w_fp8, ACT_QUANT=act_quant, ROUTE=ROUTES.index(route),
-                           OUT_BF16=out_dtype == torch.bfloat16, DOT_FP32=interpreting(), TQ=tq, TP=tp,
-                           BN=block_n, BK=g.block_k, num_warps=g.num_warps, num_stages=g.num_stages)
-    if split > 1:
-        sum_partials(part, out)
-    return out.reshape(*lead, N)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = counters(x.device, grid[0] * grid[2]) if split > 1 else out
+    prequant = g.prequant and act_quant and route == "dot"
+    if prequant:
+        if groups > 1 and Kg % 128:
+            raise ValueError(f"fp8_gemv: prequant of a grouped projection needs K per group a multiple of 128 "
+                             f"(got {Kg})")
+        x2, xs = act_quant_fp8(x2)  # q [M, K] E4M3, scales [K/128, M] (a transposed view)
+        xs = xs.t()
+    else:
+        xs = x2
+    b1, b2, b3 = (bounds + [N, N, N])[:3]
+    _fp8_gemv_kernel[grid](x2, xs, weight, s, out, part, cnt, M, N, Kg, n_per_group, x2.stride(0), Kg, M,
+                           weight.stride(0), stride_sn, split, b1, b2, b3, W_FP8=w_fp8, ACT_QUANT=act_quant and not prequant,
+                           PREQUANT=prequant, ROUTE=ROUTES.index(route), OUT_BF16=out_dtype == torch.bfloat16,
+                           DOT_FP32=interpreting(), TQ=tq, TP=tp, BN=block_n, BK=g.block_k, KU=max(1, g.unroll),
+                           BLOCK_S=max(2, triton.next_power_of_2(split)), num_warps=g.num_warps,
+                           num_stages=g.num_stages)
+    if segments is None:
+        return out.view(*lead, N)
+    starts = [0] + bounds + [N]
+    return tuple(out[M * lo:M * hi].view(*lead, hi - lo) for lo, hi in zip(starts[:-1], starts[1:]))
 
 
 def act_quant_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
-"""mHC (manifold-constrained hyper-connections) around every sub-layer, in two launches per site.
+"""mHC (manifold-constrained hyper-connections) around every sub-layer: one launch per site at decode sizes, two
+for many rows.
 
 The residual is ``n`` streams ``X [rows, n, D]``. Before a sub-layer, :func:`hc_pre_norm` mixes them into the
 sub-layer's normed input: the ``(2+n)·n`` mixing logits are a projection of the flattened ``n·D`` values onto
 ``fn``, scaled by their RMS; ``pre``/``post`` are sigmoids of the first ``2n``, ``comb`` is the Sinkhorn
 normalisation of the last ``n·n``; ``u = Σ_j pre_j X_j`` and the sub-layer gets ``RMSNorm(u)``. After it,
-:func:`hc_post` writes ``X'_k = post_k·out + Σ_j comb_jk X_j`` back. The launches:
+:func:`hc_post` writes ``X'_k = post_k·out + Σ_j comb_jk X_j`` back. The launches for many rows (prefill chunks):
 
 * **mix** — grid ``(row blocks, splits of D)``: each program takes ``D/splits`` columns of all ``n`` streams and
   writes their partial projections onto ``fn`` and partial sum of squares (the projection reads ``fn``, 1.6 MB at
@@ -17,6 +18,15 @@ normalisation of the last ``n·n``; ``u = Σ_j pre_j X_j`` and the sub-layer get
 
 :func:`hc_post` alone (the end of a block) is the mix launch without the projection, and :func:`hc_head` (the final
 collapse of the streams) the two launches with only the ``pre`` row group and no norm.
+
+**Decode rows** (at most :data:`SITE_MAX_ROWS`): one launch per site, grid ``(splits of D, rows)``. Each program does
+the mix of its columns of one row (``X'`` with ``post``, then its partial projections onto ``fn`` — the 1.6 MB of
+fp32 mixing weights at Flash width are read by all ~128 programs at once), stores them, and takes a ticket from the
+row's counter (an atomic add after a barrier, so every store of the program is made before it); the program that
+draws the last ticket finishes the row alone (:mod:`.tickets`): it sums the partials in split order (the same order
+whichever program finishes), computes ``pre``/``post``, Sinkhorn and the RMSNorm of ``u`` (``u`` written once, then
+scaled in place from the row it just wrote), and resets the counter. No sum depends on which program came last:
+replay equals eager, bit for bit.
 
 **Numerics and bound.** Every reduction the reference evaluates in float64 (the projection, the sums of squares,
 the stream sums, Sinkhorn's normalisations) is evaluated in float64 here, and every value the reference rounds to
@@ -42,6 +52,31 @@ import triton.language as tl
 
 from .norm_rope_quant import f64_bits
 from .rowops import LAUNCH_EXACT, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
+from .tickets import counters, take_ticket
+
+
+SITE_MAX_ROWS = 16
+"""Rows up to which a site runs as the one-launch decode kernel (above: the two-launch mix/finish pair)."""
+
+
+@dataclass(frozen=True)
+class MhcSiteGeometry:
+    """The one-launch decode kernel: ``splits`` programs across ``D`` per row (each a multiple of ``block_d``
+    columns, stepped ``block_d`` at a time), the finishing program's column step ``block_dn``, warps per program."""
+
+    splits: int = 128
+    block_d: int = 32
+    block_dn: int = 2048
+    num_warps: int = 8
+
+    @classmethod
+    def for_rows(cls, rows: int, D: int) -> "MhcSiteGeometry":
+        if interpreting():  # few, large programs: the interpreter pays per program
+            return cls(splits=2, block_d=64, block_dn=512, num_warps=4)
+        # about 256 programs in all: the fp32 mixing weights are read by every row's programs (from L2 after the
+        # first), so more rows take fewer, wider column slices
+        splits = max(4, min(128, 256 // max(rows, 1)))
+        return cls(splits=splits, block_d=32)
 
 
 @dataclass(frozen=True)
@@ -109,6 +144,167 @@ def _mhc_mix_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr
         tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
 
 
+# ============================================================================================ prefill: many rows
+# The mix above spreads one row's projection over many programs: right for a few decode rows, but at prefill sizes
+# every program of 4 rows re-reads the whole mixing matrix (1.6 MB at Flash width, fp32 → fp64 on every load) and
+# multiplies by broadcasting a [rows, 32, n, d] product through registers. The rows kernel below is the same sum
+# as a GEMM: a block of BLOCK_M rows times the matrix, one fp64 ``tl.dot`` per stream and column step — the matrix
+# is read once per row block — and each program covers a slice of D (``splits``), its partials summed in split
+# order by the same finish kernel. fp64 throughout: the bound of the module docstring is unchanged.
+
+
+@dataclass(frozen=True)
+class MhcRowsGeometry:
+    """Rows per program, columns per step of each stream (the dot's K), programs across ``D`` (0: enough for
+    about two programs per SM), warps."""
+
+    block_m: int = 32
+    block_d: int = 32
+    splits: int = 0
+    num_warps: int = 4
+
+    def resolve(self, rows: int, D: int, device) -> "MhcRowsGeometry":
+        """The geometry with ``splits`` fixed for ``rows`` rows of width ``D``."""
+        if self.splits:
+            return self
+        if interpreting():  # few, large programs: the interpreter pays per program
+            return MhcRowsGeometry(block_m=min(64, max(16, triton.next_power_of_2(rows))), block_d=min(64, max(
+                16, triton.next_power_of_2(D))), splits=1)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(
+            device).type == "cuda" else 1
+        blocks = triton.cdiv(rows, self.block_m)
+        splits = max(1, min(triton.cdiv(D, self.block_d), triton.cdiv(2 * sms, blocks)))
+        return MhcRowsGeometry(self.block_m, self.block_d, splits, self.num_warps)
+
+
+@triton.jit
+def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr, M, D, NMIX, SPLITS,
+                         sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, APPLY_POST: tl.constexpr, MIX: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_J: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    per = tl.cdiv(tl.cdiv(D, SPLITS), BLOCK_D) * BLOCK_D
+    d_lo = split * per
+    d_hi = tl.minimum(d_lo + per, D)
+    s = tl.arange(0, HC)
+    j = tl.arange(0, BLOCK_J)
+    acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float64)
+    sq = tl.zeros((BLOCK_M,), tl.float64)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < d_hi
+        m2 = row_ok[:, None] & dm[None, :]
+        if APPLY_POST:
+            x_all = tl.load(x_ptr + rows64[:, None, None] * sx_m + s[None, :, None] * sx_s + d[None, None, :],
+                            mask=row_ok[:, None, None] & dm[None, None, :], other=0.0).to(tl.float32).to(tl.float64)
+            o = tl.load(out_ptr + rows64[:, None] * so_m + d[None, :], mask=m2, other=0.0).to(tl.float32)
+        for k in tl.static_range(HC):
+            if APPLY_POST:
+                # X'_k = post_k·out + Σ_j comb[j, k]·X_j: exact products, summed in fp64 and rounded once
+                post_k = tl.load(post_ptr + rows64 * HC + k, mask=row_ok, other=0.0)
+                comb_k = tl.load(comb_ptr + rows64[:, None] * (HC * HC) + s[None, :] * HC + k, mask=row_ok[:, None],
+                                 other=0.0).to(tl.float64)
+                mixed = tl.sum(comb_k[:, :, None] * x_all, axis=1).to(tl.float32)
+                xk = to_act(post_k[:, None] * o + mixed, ROUND_BF16)
+                tl.store(xn_ptr + rows64[:, None] * sxn_m + k * sxn_s + d[None, :],
+                         xk.to(xn_ptr.dtype.element_ty), mask=m2)
+            else:
+                xk = tl.load(x_ptr + rows64[:, None] * sx_m + k * sx_s + d[None, :], mask=m2,
+                             other=0.0).to(tl.float32)
+            if MIX:
+                x64 = xk.to(tl.float64)
+                sq += tl.sum(x64 * x64, axis=1)
+                f = tl.load(fn_ptr + j[None, :] * sfn + k * D + d[:, None], mask=dm[:, None] & (j < NMIX)[None, :],
+                            other=0.0).to(tl.float64)
+                acc = tl.dot(x64, f, acc)  # [rows, k-slice] · [k-slice, mix logits], fp64
+    if MIX:
+        base = (rows64 * SPLITS + split) * (NMIX + 1)
+        tl.store(part_ptr + base[:, None] + j[None, :], acc, mask=row_ok[:, None] & (j < NMIX)[None, :])
+        tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
+
+
+def _mix_rows(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcRowsGeometry):
+    """:func:`_mix` on the rows kernel; returns ``(X' or None, partials or None, splits)``."""
+    M, HC, D = _check(X)
+    Xr = X.reshape(M, HC, D)
+    geo = geo.resolve(M, D, X.device)
+    xn = torch.empty_like(Xr) if apply_post else Xr
+    mix = fn is not None
+    part = torch.empty(M, geo.splits, nmix + 1, dtype=torch.float64, device=X.device) if mix else xn
+    if M:
+        outr = out.reshape(M, D) if apply_post else Xr
+        _mhc_mix_rows_kernel[(triton.cdiv(M, geo.block_m), geo.splits)](
+            Xr, outr, post.reshape(M, HC).float().contiguous() if apply_post else Xr,
+            comb.reshape(M, HC, HC).float().contiguous() if apply_post else Xr, xn,
+            fn if mix else Xr, part, M, D, nmix, geo.splits, Xr.stride(0), Xr.stride(1), outr.stride(0),
+            xn.stride(0), xn.stride(1), fn.stride(0) if mix else 0, APPLY_POST=apply_post, MIX=mix,
+            ROUND_BF16=X.dtype == torch.bfloat16, HC=HC, BLOCK_M=geo.block_m, BLOCK_D=geo.block_d,
+            BLOCK_J=max(16, triton.next_power_of_2(max(nmix, 1))), num_warps=geo.num_warps, **LAUNCH_EXACT)
+    return (xn if apply_post else None), (part if mix else None), geo.splits
+
+
+def hc_pre_norm_rows(X, fn, base, scale, norm_weight, iters: int, norm_eps: float, hc_eps: float,
+                     geometry: MhcRowsGeometry | None = None):
+    """:func:`hc_pre_norm` for many rows (the mix on the rows kernel); the same results."""
+    M, HC, D = _check(X)
+    _, part, splits = _mix_rows(X, None, None, None, fn, False, (2 + HC) * HC, geometry or MhcRowsGeometry())
+    return _finish(X.reshape(M, HC, D), part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                   X.shape[:-2], splits)
+
+
+def hc_post_pre_norm_rows(out, X, post, comb, fn, base, scale, norm_weight, iters: int, norm_eps: float,
+                          hc_eps: float, geometry: MhcRowsGeometry | None = None):
+    """:func:`hc_post_pre_norm` for many rows; the same results."""
+    M, HC, D = _check(X)
+    xn, part, splits = _mix_rows(X, out, post, comb, fn, True, (2 + HC) * HC, geometry or MhcRowsGeometry())
+    return (xn.view(X.shape), *_finish(xn, part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                                        X.shape[:-2], splits))
+
+
+def hc_post_rows(out, X, post, comb, geometry: MhcRowsGeometry | None = None):
+    """:func:`hc_post` for many rows; the same results."""
+    xn, _, _ = _mix_rows(X, out, post, comb, None, True, 0, geometry or MhcRowsGeometry())
+    return xn.view(X.shape)
+
+
+_ROWS_STATE: dict[str, object] = {}
+
+
+def rows_kernel_works(device) -> bool:
+    """Whether the rows kernel compiles here (an fp64 ``tl.dot``) and gives the decode mix's partial sums (both
+    fp64: equal to ~1e-15 relative) — checked once per process on a small random case; the interpreter always
+    runs it. The backend falls back to the decode mix where it does not (see :func:`rows_kernel_status`)."""
+    dev = torch.device(device)
+    if interpreting() or dev.type != "cuda":
+        return True
+    key = str(dev)
+    if key not in _ROWS_STATE:
+        g = torch.Generator(device=dev).manual_seed(0)
+        M, HC, D = 70, 4, 160
+        X = torch.randn(M, HC, D, device=dev, generator=g).to(torch.bfloat16)
+        fn = torch.randn((2 + HC) * HC, HC * D, device=dev, generator=g) * (HC * D) ** -0.5
+        try:
+            _, got, splits = _mix_rows(X, None, None, None, fn, False, (2 + HC) * HC,
+                                       MhcRowsGeometry(block_m=32, block_d=32, splits=2))
+            _, want = _mix(X, None, None, None, fn, False, (2 + HC) * HC, MhcGeometry(block_m=1, splits=1))
+            ok = torch.allclose(got.sum(1), want[:, 0], rtol=1e-12, atol=1e-12)
+            _ROWS_STATE[key] = True if ok else "the rows kernel's partial sums differ from the decode mix's"
+        except Exception as err:  # noqa: BLE001 — a compile failure means: use the decode mix
+            _ROWS_STATE[key] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    return _ROWS_STATE[key] is True
+
+
+def rows_kernel_status(device) -> str:
+    """Why :func:`rows_kernel_works` said what it said (for logs and benchmark records)."""
+    if interpreting() or torch.device(device).type != "cuda":
+        return "interpreter"
+    state = _ROWS_STATE.get(str(torch.device(device)))
+    return "not probed" if state is None else ("works" if state is True else str(state))
+
+
 # ============================================================================================ finish
 @triton.jit
 def _partial_sum(part_ptr, row, SPLITS, NPART, offs, mask):
@@ -172,6 +368,142 @@ def _mhc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_
         tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
 
 
+# ============================================================================================ one launch per site
+@triton.jit
+def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr, cnt_ptr, base_ptr, scale_ptr,
+                     w_ptr, y_ptr, post_out_ptr, comb_out_ptr, D, NMIX, SPLITS, PER, ITERS, norm_eps, hc_eps_bits,
+                     sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, sy_m, APPLY_POST: tl.constexpr, HEAD: tl.constexpr,
+                     NORM: tl.constexpr, ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr):
+    split = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    NPART = NMIX + 1
+    s = tl.arange(0, HC)
+    j = tl.arange(0, BLOCK_J)
+    d_lo = split * PER
+    d_hi = tl.minimum(d_lo + PER, D)
+    if APPLY_POST:
+        post = tl.load(post_ptr + row * HC + s)
+        comb = tl.load(comb_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :]).to(tl.float64)  # comb[j, k]
+    # ---- the mix of this program's columns: X' (with post), partial projections and sum of squares (fp64)
+    acc = tl.zeros((BLOCK_J,), tl.float64)
+    sq = tl.zeros((BLOCK_D,), tl.float64)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < d_hi
+        x = tl.load(x_ptr + row * sx_m + s[:, None] * sx_s + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+        if APPLY_POST:
+            o = tl.load(out_ptr + row * so_m + d, mask=dm, other=0.0).to(tl.float32)
+            # Σ_j comb[j, k]·X[j, d]: exact products, summed in fp64 and rounded once (the reference's einsum)
+            mixed = tl.sum(comb[:, :, None] * x.to(tl.float64)[:, None, :], axis=0).to(tl.float32)
+            x = to_act(post[:, None] * o[None, :] + mixed, ROUND_BF16)
+            tl.store(xn_ptr + row * sxn_m + s[:, None] * sxn_s + d[None, :], x.to(xn_ptr.dtype.element_ty),
+                     mask=dm[None, :])
+        x64 = x.to(tl.float64)
+        sq += tl.sum(x64 * x64, axis=0)
+        f = tl.load(fn_ptr + j[:, None, None] * sfn + s[None, :, None] * D + d[None, None, :],
+                    mask=(j < NMIX)[:, None, None] & dm[None, None, :], other=0.0).to(tl.float64)
+        acc += tl.sum(tl.sum(f * x64[None, :, :], axis=2), axis=1)
+    pbase = part_ptr + row * SPLITS * NPART
+    tl.store(pbase + split * NPART + j, acc, mask=j < NMIX)
+    tl.store(pbase + split * NPART + NMIX, tl.sum(sq, axis=0))
+    if take_ticket(cnt_ptr + row) == SPLITS - 1:
+        # ---- the last program of the row: partials summed in split order, gates, Sinkhorn, RMSNorm of u
+        src_ptr = xn_ptr if APPLY_POST else x_ptr
+        s_m = sxn_m if APPLY_POST else sx_m
+        s_s = sxn_s if APPLY_POST else sx_s
+        sp = tl.arange(0, BLOCK_S)
+        sp_ok = sp < SPLITS
+        eps64 = hc_eps_bits.to(tl.float64, bitcast=True)
+        eps32 = eps64.to(tl.float32)
+        ms = tl.sum(tl.load(pbase + sp * NPART + NMIX, mask=sp_ok, other=0.0, cache_modifier=".cg"), axis=0)
+        r = rsqrt_f32((ms / (HC * D)).to(tl.float32), norm_eps)  # logits = projection · rsqrt(mean square + eps)
+        s0 = tl.load(scale_ptr)
+        m_pre = tl.sum(tl.load(pbase + sp[None, :] * NPART + s[:, None], mask=sp_ok[None, :], other=0.0,
+                               cache_modifier=".cg"), axis=1).to(tl.float32) * r
+        pre = sigmoid_f64((m_pre * s0 + tl.load(base_ptr + s)).to(tl.float64)).to(tl.float32) + eps32
+        if NORM:
+            sqn = tl.zeros((BLOCK_DN,), tl.float64)
+            for d0 in range(0, D, BLOCK_DN):  # u rounded as the reference, written, its squares summed
+                d = d0 + tl.arange(0, BLOCK_DN)
+                xs = tl.load(src_ptr + row * s_m + s[:, None] * s_s + d[None, :], mask=(d < D)[None, :], other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                u = f64_to_act(tl.sum((pre[:, None] * xs).to(tl.float64), axis=0), ROUND_BF16)
+                tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
+                u64 = u.to(tl.float64)
+                sqn += u64 * u64
+            rn = rsqrt_f32((tl.sum(sqn, axis=0) / D).to(tl.float32), norm_eps)
+            tl.debug_barrier()  # u of every column written before any thread reads another's back
+            for d0 in range(0, D, BLOCK_DN):
+                d = d0 + tl.arange(0, BLOCK_DN)
+                u = tl.load(y_ptr + row * sy_m + d, mask=d < D, other=0.0).to(tl.float32)
+                yv = to_act(tl.load(w_ptr + d, mask=d < D, other=0.0) * (u * rn), ROUND_BF16)
+                tl.store(y_ptr + row * sy_m + d, yv.to(y_ptr.dtype.element_ty), mask=d < D)
+        else:
+            for d0 in range(0, D, BLOCK_DN):
+                d = d0 + tl.arange(0, BLOCK_DN)
+                xs = tl.load(src_ptr + row * s_m + s[:, None] * s_s + d[None, :], mask=(d < D)[None, :], other=0.0,
+                             cache_modifier=".cg").to(tl.float32)
+                u = f64_to_act(tl.sum((pre[:, None] * xs).to(tl.float64), axis=0), ROUND_BF16)
+                tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
+        if not HEAD:
+            s1 = tl.load(scale_ptr + 1)
+            s2 = tl.load(scale_ptr + 2)
+            m_post = tl.sum(tl.load(pbase + sp[None, :] * NPART + HC + s[:, None], mask=sp_ok[None, :], other=0.0,
+                                    cache_modifier=".cg"), axis=1).to(tl.float32) * r
+            post_n = 2.0 * sigmoid_f64((m_post * s1 + tl.load(base_ptr + HC + s)).to(tl.float64)).to(tl.float32)
+            cc = 2 * HC + s[:, None] * HC + s[None, :]
+            m_comb = tl.sum(tl.load(pbase + sp[None, None, :] * NPART + cc[:, :, None], mask=sp_ok[None, None, :],
+                                    other=0.0, cache_modifier=".cg"), axis=2).to(tl.float32) * r
+            c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
+            # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
+            e = tl.exp(c - tl.max(c, axis=1)[:, None])
+            c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
+            c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+            for _ in range(ITERS - 1):
+                c = c / (tl.sum(c, axis=1)[:, None] + eps64)
+                c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+            tl.store(post_out_ptr + row * HC + s, post_n)
+            tl.store(comb_out_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
+        tl.store(cnt_ptr + row, 0)  # the row's counter, ready for the next launch
+
+
+def site_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """The per-row ticket counters of the one-launch kernel (:mod:`.tickets`' shared workspace)."""
+    return counters(device, rows)
+
+
+def _site(X, out, post, comb, fn, base, scale, norm_weight, head: bool, iters: int, norm_eps: float, hc_eps: float,
+          geo: MhcSiteGeometry):
+    """One launch of :func:`_mhc_site_kernel`: returns ``(X' or None, y [M, D], post [M, n], comb [M, n, n])``."""
+    M, HC, D = _check(X)
+    Xr = X.reshape(M, HC, D)
+    apply_post = out is not None
+    nmix = HC if head else (2 + HC) * HC
+    xn = torch.empty_like(Xr) if apply_post else Xr
+    y = torch.empty(M, D, dtype=X.dtype, device=X.device)
+    post_n = torch.empty(M, HC, dtype=torch.float32, device=X.device)
+    comb_n = torch.empty(M, HC, HC, dtype=torch.float32, device=X.device)
+    if M:
+        block_d = min(geo.block_d, triton.next_power_of_2(D))
+        per = triton.cdiv(triton.cdiv(D, geo.splits), block_d) * block_d
+        splits = triton.cdiv(D, per)
+        part = torch.empty(M, splits, nmix + 1, dtype=torch.float64, device=X.device)
+        outr = out.reshape(M, D) if apply_post else Xr
+        norm = norm_weight is not None
+        _mhc_site_kernel[(splits, M)](
+            Xr, outr, post.reshape(M, HC).float().contiguous() if apply_post else Xr,
+            comb.reshape(M, HC, HC).float().contiguous() if apply_post else Xr, xn, fn, part,
+            site_counters(X.device, M), base.float().contiguous(), scale.float().contiguous(),
+            norm_weight if norm else base, y, post_n, comb_n, D, nmix, splits, per, iters, float(norm_eps),
+            f64_bits(hc_eps), Xr.stride(0), Xr.stride(1), outr.stride(0), xn.stride(0), xn.stride(1), fn.stride(0),
+            y.stride(0), APPLY_POST=apply_post, HEAD=head, NORM=norm, ROUND_BF16=X.dtype == torch.bfloat16, HC=HC,
+            BLOCK_D=block_d, BLOCK_J=max(2, triton.next_power_of_2(nmix)),
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DN=min(geo.block_dn, triton.next_power_of_2(D)),
+            num_warps=geo.num_warps, **LAUNCH_EXACT)
+    return (xn if apply_post else None), y, post_n, comb_n
+
+
 # ============================================================================================ launchers
 def _check(X: torch.Tensor) -> tuple[int, int, int]:
     if X.dtype not in (torch.bfloat16, torch.float32):
@@ -218,12 +550,25 @@ def _finish(Xr, part, base, scale, norm_weight, head: bool, iters: int, norm_eps
     return y.view(*lead, D), post.view(*lead, HC), comb.view(*lead, HC, HC)
 
 
+def _one_launch(rows: int, geometry) -> bool:
+    """The one-launch site kernel: decode row counts, unless the caller asked for the mix/finish pair."""
+    return isinstance(geometry, MhcSiteGeometry) or (geometry is None and 0 < rows <= SITE_MAX_ROWS)
+
+
+def _site_geometry(rows: int, D: int, geometry) -> MhcSiteGeometry:
+    return geometry if isinstance(geometry, MhcSiteGeometry) else MhcSiteGeometry.for_rows(rows, D)
+
+
 def hc_pre_norm(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 norm_weight: torch.Tensor, iters: int, norm_eps: float, hc_eps: float,
-                geometry: MhcGeometry | None = None):
+                geometry: MhcGeometry | MhcSiteGeometry | None = None):
     """``X [..., n, D]`` → ``(RMSNorm(Σ_j pre_j X_j) [..., D], post [..., n], comb [..., n, n])`` for one site's
     ``fn [(2+n)·n, n·D]``, ``base``, ``scale [3]`` and the sub-layer's norm weight."""
     M, HC, D = _check(X)
+    if _one_launch(M, geometry):
+        _, y, post, comb = _site(X, None, None, None, fn, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
+                                 _site_geometry(M, D, geometry))
+        return y.view(*X.shape[:-2], D), post.view(*X.shape[:-2], HC), comb.view(*X.shape[:-2], HC, HC)
     geo = geometry or MhcGeometry.for_rows(M, D)
     _, part = _mix(X, None, None, None, fn, False, (2 + HC) * HC, geo)
     return _finish(X.reshape(M, HC, D), part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
@@ -232,9 +577,14 @@ def hc_pre_norm(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 
 def hc_post_pre_norm(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                      base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, iters: int,
-                     norm_eps: float, hc_eps: float, geometry: MhcGeometry | None = None):
+                     norm_eps: float, hc_eps: float, geometry: MhcGeometry | MhcSiteGeometry | None = None):
     """:func:`hc_post` of one sub-layer and :func:`hc_pre_norm` of the next: ``(X', x, post', comb')``."""
     M, HC, D = _check(X)
+    if _one_launch(M, geometry):
+        xn, y, post_n, comb_n = _site(X, out, post, comb, fn, base, scale, norm_weight, False, iters, norm_eps,
+                                      hc_eps, _site_geometry(M, D, geometry))
+        lead = X.shape[:-2]
+        return xn.view(X.shape), y.view(*lead, D), post_n.view(*lead, HC), comb_n.view(*lead, HC, HC)
     geo = geometry or MhcGeometry.for_rows(M, D)
     xn, part = _mix(X, out, post, comb, fn, True, (2 + HC) * HC, geo)
     return (xn.view(X.shape), *_finish(xn, part, base, scale, norm_weight, False, iters, norm_eps, hc_eps,
@@ -251,13 +601,18 @@ def hc_post(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.
 
 
 def hc_head(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-            hc_eps: float, geometry: MhcGeometry | None = None) -> torch.Tensor:
+            hc_eps: float, geometry: MhcGeometry | MhcSiteGeometry | None = None) -> torch.Tensor:
     """The final collapse ``Σ_j (sigmoid(m_j·scale + base_j) + eps)·X_j`` with ``fn [n, n·D]`` → ``X.dtype``."""
     M, HC, D = _check(X)
+    if _one_launch(M, geometry):
+        y = _site(X, None, None, None, fn, base, scale, None, True, 1, norm_eps, hc_eps,
+                  _site_geometry(M, D, geometry))[1]
+        return y.view(*X.shape[:-2], D)
     geo = geometry or MhcGeometry.for_rows(M, D)
     _, part = _mix(X, None, None, None, fn, False, HC, geo)
     return _finish(X.reshape(M, HC, D), part, base, scale, None, True, 1, norm_eps, hc_eps, X.shape[:-2],
                    geo.splits)[0]
 
 
-__all__ = ["MhcGeometry", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head"]
+__all__ = ["MhcGeometry", "MhcSiteGeometry", "SITE_MAX_ROWS", "site_counters", "hc_pre_norm", "hc_post_pre_norm",
+           "hc_post", "hc_head"]

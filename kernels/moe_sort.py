@@ -17,8 +17,11 @@ Outputs (all on the device, no host synchronisation):
 ``max_blocks = ceil(T·k / rows) + min(E, T·k)`` bounds ``Σ_e ceil(count_e / rows)``, so the grid is known
 without reading the counts back. Slots routed to experts this rank does not own (expert parallelism) are left out.
 
-Two passes, one program per expert each: count, then (after a prefix sum of the padded counts) scatter, where a
-running ``cumsum`` over the slot-ordered match mask gives each slot its rank — deterministic, no atomics.
+How: one stable sort of the slots by local expert (other ranks' experts last), the per-expert counts by an integer
+scatter-add, their prefix sums, and each sorted slot's destination ``first_block[e]·rows + (i − first_index[e])``
+— a handful of device ops, parallel over the slots, deterministic (a stable sort; integer sums), no host read.
+(The previous form, one Triton program per expert scanning every slot twice, was a serial scan per expert: its
+benchmark row measured 0.50–0.59 ms at 4,096 tokens on an H200, launcher included.)
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 
 @dataclass
@@ -47,61 +49,42 @@ class SortedRouting:
         return self.block_expert.shape[0]
 
 
-@triton.jit
-def _count_kernel(idx_ptr, counts_ptr, n_slots, expert_offset, BLOCK: tl.constexpr):
-    e = tl.program_id(0)
-    total = tl.zeros((BLOCK,), dtype=tl.int32)
-    for s0 in range(0, n_slots, BLOCK):
-        s = s0 + tl.arange(0, BLOCK)
-        ids = tl.load(idx_ptr + s, mask=s < n_slots, other=-1)
-        total += (ids == e + expert_offset).to(tl.int32)
-    tl.store(counts_ptr + e, tl.sum(total, axis=0))
-
-
-@triton.jit
-def _scatter_kernel(idx_ptr, padded_start_ptr, counts_ptr, sorted_ptr, block_expert_ptr, n_slots, expert_offset,
-                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    e = tl.program_id(0)
-    start = tl.load(padded_start_ptr + e)
-    base = start
-    for s0 in range(0, n_slots, BLOCK):
-        s = s0 + tl.arange(0, BLOCK)
-        ids = tl.load(idx_ptr + s, mask=s < n_slots, other=-1)
-        hit = (ids == e + expert_offset).to(tl.int32)
-        rank = tl.cumsum(hit, axis=0) - hit
-        tl.store(sorted_ptr + base + rank, s.to(tl.int32), mask=hit != 0)
-        base += tl.sum(hit, axis=0)
-    n_blocks = (tl.load(counts_ptr + e) + ROWS - 1) // ROWS
-    for b in range(0, n_blocks):
-        tl.store(block_expert_ptr + start // ROWS + b, e)
-
-
-def sort_by_expert(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: int = 0,
-                   block: int = 1024) -> SortedRouting:
+def sort_by_expert(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: int = 0) -> SortedRouting:
     """Group the slots of ``idx [T, k]`` (global expert ids) by the local experts ``[offset, offset+E)``.
 
     Args:
         rows: sorter rows (block height of the grouped GEMM), a power of two >= 16.
-        block: slots each program scans per step (launch geometry).
     """
     assert idx.ndim == 2, f"sort_by_expert: idx must be [T, k], got {list(idx.shape)}"
     assert rows >= 16 and rows & (rows - 1) == 0, f"sort_by_expert: rows={rows} must be a power of two >= 16"
     T, k = idx.shape
     n_slots = T * k
     dev = idx.device
-    flat = idx.reshape(-1).to(torch.int32).contiguous()
     max_blocks = triton.cdiv(n_slots, rows) + min(n_experts, n_slots)
-    sorted_slots = torch.full((max_blocks * rows,), -1, dtype=torch.int32, device=dev)
-    block_expert = torch.full((max_blocks,), -1, dtype=torch.int32, device=dev)
-    counts = torch.zeros(n_experts, dtype=torch.int32, device=dev)
     if n_slots == 0:
-        return _with_block_ranges(SortedRouting(sorted_slots, block_expert, counts, rows, k))
-    _count_kernel[(n_experts,)](flat, counts, n_slots, expert_offset, BLOCK=block)
-    padded = (counts + rows - 1) // rows * rows
-    padded_start = (torch.cumsum(padded, 0) - padded).to(torch.int32)
-    _scatter_kernel[(n_experts,)](flat, padded_start, counts, sorted_slots, block_expert, n_slots, expert_offset,
-                                  ROWS=rows, BLOCK=block)
-    return _with_block_ranges(SortedRouting(sorted_slots, block_expert, counts, rows, k))
+        return _with_block_ranges(SortedRouting(torch.full((max_blocks * rows,), -1, dtype=torch.int32, device=dev),
+                                                torch.full((max_blocks,), -1, dtype=torch.int32, device=dev),
+                                                torch.zeros(n_experts, dtype=torch.int32, device=dev), rows, k))
+    local = idx.reshape(-1).to(torch.int64) - expert_offset
+    key = torch.where((local >= 0) & (local < n_experts), local, n_experts)  # other ranks' experts: key E, last
+    order = torch.sort(key, stable=True).indices  # slot ids grouped by expert, in slot order within each
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev).index_add_(0, key, torch.ones_like(key))
+    blocks = (counts + rows - 1) // rows
+    blocks[n_experts] = 0
+    first_block = torch.cumsum(blocks, 0) - blocks
+    first_index = torch.cumsum(counts, 0) - counts
+    sorted_key = key[order]
+    i = torch.arange(n_slots, device=dev)
+    dest = first_block[sorted_key] * rows + (i - first_index[sorted_key])
+    # other ranks' slots go to a scratch tail (one entry each: no duplicate index), cut off below
+    dest = torch.where(sorted_key < n_experts, dest, max_blocks * rows + i)
+    sorted_slots = torch.full((max_blocks * rows + n_slots,), -1, dtype=torch.int32, device=dev)
+    sorted_slots.scatter_(0, dest, order.to(torch.int32))
+    ends = torch.cumsum(blocks[:n_experts], 0)
+    b = torch.arange(max_blocks, device=dev)
+    block_expert = torch.where(b < ends[-1], torch.searchsorted(ends, b, right=True), -1).to(torch.int32)
+    return _with_block_ranges(SortedRouting(sorted_slots[:max_blocks * rows], block_expert,
+                                            counts[:n_experts].to(torch.int32), rows, k))
 
 
 def _with_block_ranges(r: SortedRouting) -> SortedRouting:

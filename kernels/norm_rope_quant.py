@@ -6,6 +6,7 @@ rows.
 launcher                  reference (:class:`dsv4lab.model.ops.ReferenceOps`)        where
 ========================= ========================================================== ===============================
 :func:`rms_norm`          ``rms_norm``                                               q_norm, final norm, MTP norms
+:func:`rope_rows`         ``rope``                                                   the attention output (inverse)
 :func:`head_rms_rope`     ``head_rms_rope`` = ``rope(head_rms(q))``                  the query heads
 :func:`kv_norm_rope`      ``kv_norm_rope`` = RMSNorm → RoPE → FP8 sim (→ ring)       the window KV row
 :func:`indexer_query`     ``indexer_query`` = RoPE → Hadamard → FP4 sim              the indexer's query heads
@@ -100,6 +101,54 @@ def _rope_tail(y, cos_ptr, sin_ptr, pos, s_cos, D, R, INVERSE: tl.constexpr, ROU
     r0 = tl.where(is_rope[None, :], to_act(r0, ROUND_BF16), y0)
     r1 = tl.where(is_rope[None, :], to_act(r1, ROUND_BF16), y1)
     return tl.reshape(tl.join(r0, r1), (ROWS, BLOCK_D))
+
+
+# ============================================================================================ RoPE alone
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, H, D, R, sx_r, sx_h, so_r, so_h, s_cos, INVERSE: tl.constexpr,
+                 ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (h < H)[:, None] & (d < D)[None, :]
+    y = tl.load(x_ptr + row * sx_r + h[:, None] * sx_h + d[None, :], mask=m, other=0.0).to(tl.float32)
+    y = _rope_tail(y, cos_ptr, sin_ptr, row, s_cos, D, R, INVERSE, ROUND_BF16, BLOCK_H, BLOCK_D)
+    tl.store(o_ptr + row * so_r + h[:, None] * so_h + d[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor | None:
+    """``ReferenceOps.rope``: the last ``R = 2·cos.shape[-1]`` dims of ``x [..., D]`` rotated (interleaved pairs),
+    the others copied, into a new tensor of ``x.dtype``. ``cos, sin`` hold one row of angles per leading index of
+    ``x`` up to some dim and broadcast (size 1) over the dims after it (e.g. the attention output ``[b, n, H, d]``
+    with ``cos [b, n, 1, R/2]``: every head of a token shares its angles). Returns None for any other broadcast
+    pattern (the caller runs the reference)."""
+    D, R = x.shape[-1], 2 * cos.shape[-1]
+    lead, c_lead = tuple(x.shape[:-1]), tuple(cos.shape[:-1])
+    if cos.shape != sin.shape or len(c_lead) != len(lead) or R > D or D % 2:
+        return None
+    k = len(c_lead)
+    while k and c_lead[k - 1] == 1:
+        k -= 1
+    if c_lead[:k] != lead[:k]:
+        return None
+    rows = 1
+    for n in lead[:k]:
+        rows *= n
+    xr = x.reshape(rows, -1, D)
+    if xr.stride(-1) != 1:
+        xr = xr.contiguous()
+    c = cos.reshape(rows, R // 2).float().contiguous()
+    s = sin.reshape(rows, R // 2).float().contiguous()
+    out = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    H = xr.shape[1]
+    block_d = triton.next_power_of_2(D)
+    block_h = max(1, min(triton.next_power_of_2(H), 8192 // block_d))
+    if rows and H:
+        _rope_kernel[(rows, triton.cdiv(H, block_h))](
+            xr, c, s, out, H, D, R, xr.stride(0), xr.stride(1), out.stride(0), out.stride(1), c.stride(0),
+            INVERSE=inverse, ROUND_BF16=_round_bf16(x), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+            **LAUNCH_EXACT)
+    return out.view(x.shape)
 
 
 # ============================================================================================ query heads
@@ -231,4 +280,4 @@ def indexer_query(qi: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positi
     return out.view(qi.shape)
 
 
-__all__ = ["rms_norm", "head_rms_rope", "kv_norm_rope", "indexer_query", "f64_bits"]
+__all__ = ["rms_norm", "rope_rows", "head_rms_rope", "kv_norm_rope", "indexer_query", "f64_bits"]

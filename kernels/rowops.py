@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -29,6 +30,15 @@ LAUNCH_EXACT = dict(enable_fp_fusion=False)
 def interpreting() -> bool:
     """Whether kernels run in Triton's CPU interpreter (launch geometry then favours few, large programs)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def device_key(device) -> str:
+    """One name per GPU for the once-per-process probes: ``"cuda"`` and ``"cuda:0"`` are the same device when 0 is
+    the current one (a probe run through one spelling must be found through the other)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return str(dev)
 
 
 @triton.jit
@@ -111,5 +121,5 @@ def fp4_qdq_blocks(v):
     return tl.where(has_nan[:, :, None], float("nan"), out)
 
 
-__all__ = ["LAUNCH_EXACT", "interpreting", "to_act", "f64_to_act", "rsqrt_f32", "sigmoid_f64", "log1p_f64", "rotate_pair",
+__all__ = ["LAUNCH_EXACT", "interpreting", "device_key", "to_act", "f64_to_act", "rsqrt_f32", "sigmoid_f64", "log1p_f64", "rotate_pair",
            "fwht_rows", "fp4_qdq_blocks", "round_to_bf16"]

@@ -13,7 +13,7 @@
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30)
 #   prefill (150)   bench kernels --suite prefill --quick
 #   prefill_full    bench kernels --suite prefill (full)
-#   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options)
+#   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the decode part's dispatch if it ran)
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
 set -u
 cd "$(dirname "$0")/.."
@@ -69,7 +69,9 @@ for spec in "$@"; do
             --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json" ;;
         prefill_full) part prefill_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite prefill \
             --budget-s $(( ${limit:-420} - 30 )) --out "$R/prefill_kernels.json" ;;
-        e2e) part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
+        e2e) [ -f "$R/decode_dispatch.json" ] && [ -z "${DSV4LAB_DECODE_DISPATCH:-}" ] \
+                && export DSV4LAB_DECODE_DISPATCH="$PWD/$R/decode_dispatch.json"  # this visit's decode part measured it
+            part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
         spec) part spec "${limit:-150}" python3 scripts/measure_speculative.py --gpu-step-cost --layers 30 \
             --out "$R/speculative_steps.json" ;;

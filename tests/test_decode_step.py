@@ -54,6 +54,25 @@ def test_static_step_equals_reference_decode_at_every_context(prompt, steps, max
         assert torch.equal(g, w), f"step {i} after a {prompt}-token prompt: max |Δ| {(g - w).abs().max():.3g}"
 
 
+@pytest.mark.parametrize("prompt", [12, 20, 31])
+def test_young_window_is_listed_oldest_first_like_the_reference(prompt):
+    """A window wider than the attention's online-softmax block (Flash: 128 rows, blocks of 64): before the sequence
+    fills it, the reference lists positions ``0 … p`` first and the unfilled slots (−1) after them, and which block a
+    row falls in decides its probability's rounding. The static step listed the −1 first (a real difference, seen
+    only while ``p < W − 1``); with blocks of 8 over the tiny model's window of 32 the two paths must agree bit for
+    bit at every young position."""
+    from dsv4lab.model.numerics import Numerics
+    nm = Numerics(attention_block=8)
+    ids = _ids(prompt + 2, seed=prompt)
+    outs = []
+    for path in ("eager", "static"):
+        m = dsv4lab.load(TINY, max_batch=1, max_seq_len=64, backend=lambda _: ReferenceOps(nm), decode_path=path)
+        m.forward(ids[:, :prompt], 0)
+        outs.append([m.forward(ids[:, p:p + 1], p) for p in (prompt, prompt + 1)])
+    for got, want in zip(outs[1], outs[0]):
+        assert torch.equal(got, want), f"after {prompt} tokens: max |Δ| {(got - want).abs().max():.3g}"
+
+
 def test_the_multiple_of_ratio_crash_is_fixed_and_pinned():
     """The reproduction: 64 = 4 × 16 prompt tokens, caches for 72 positions (4 HCA rows), then decode."""
     m = dsv4lab.load(TINY, max_batch=1, max_seq_len=72, decode_path="static")

@@ -68,6 +68,48 @@ def test_fp8_gemv_within_bound_and_never_reads_padding(route, case):
     assert res.ok, res.line()
 
 
+@pytest.mark.parametrize("route,geo", [("fma", dict(unroll=2)), ("fma", dict(unroll=3, block_n=8)),
+                                       ("dot", dict(prequant=True)), ("dot", dict(prequant=True, block_n=64))],
+                         ids=["fma-unroll2", "fma-unroll3", "dot-prequant", "dot-prequant-n64"])
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: "M{M}N{N}K{K}s{split}".format(**c))
+def test_fp8_gemv_unrolled_and_prequantized_within_bound(route, geo, case):
+    """``unroll`` (several tiles per loop step, the last ones past a split's end reading nothing) and ``prequant``
+    (the rows quantized once by :func:`act_quant_fp8`, then read by every program) — same bound, padding unread."""
+    M, N, K = case["M"], case["N"], case["K"]
+    g = torch.Generator().manual_seed(M * N + 7)
+    lin = make_linear("fp8", N, K, g)
+    x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    w, s = _in_poisoned(lin.weight, FP8_NAN), _in_poisoned(lin.scale, E8M0_NAN)
+    kw = dict(block_n=32, block_k=128, split_k=case["split"]) | geo
+    out = gemv.fp8_gemv(x, w, s, act_quant=True, route=route, geometry=gemv.GemvGeometry(**kw))
+    res = within_bound(out, x, lin.weight, lin.scale, route)
+    assert res.ok, res.line()
+
+
+@pytest.mark.parametrize("route", gemv.ROUTES)
+@pytest.mark.parametrize("fmt,sizes,split", [("fp8", (256, 128, 384), 2), ("bf16", (96, 32, 64, 160), 1)])
+def test_segments_are_the_projections_side_by_side(route, fmt, sizes, split):
+    """Projections of one input stored one after the other (``segments``): one launch returns each projection as
+    its own contiguous output, bit for bit what the projection alone gives with the same geometry, at 1 and 3 rows."""
+    g = torch.Generator().manual_seed(len(sizes) + split)
+    K = 320
+    lins = [make_linear(fmt, n, K, g) for n in sizes]
+    w = _in_poisoned(torch.cat([lin.weight for lin in lins]), FP8_NAN if fmt == "fp8" else 0xFF)
+    s = _in_poisoned(torch.cat([lin.scale for lin in lins]), E8M0_NAN) if fmt == "fp8" else None
+    geo = gemv.GemvGeometry(block_n=32, block_k=128, split_k=split)
+    out_dtype = torch.bfloat16 if fmt == "fp8" else torch.float32
+    for M in (1, 3):
+        x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+        outs = gemv.fp8_gemv(x, w, s, fmt == "fp8", out_dtype, route=route, geometry=geo, segments=sizes)
+        assert len(outs) == len(sizes)
+        for o, lin in zip(outs, lins):
+            alone = gemv.fp8_gemv(x, lin.weight, lin.scale if fmt == "fp8" else None, fmt == "fp8", out_dtype,
+                                  route=route, geometry=geo)
+            assert o.is_contiguous() and o.shape == alone.shape and torch.equal(o, alone)
+    with pytest.raises(ValueError, match="segments"):
+        gemv.fp8_gemv(x, w, s, fmt == "fp8", out_dtype, route=route, geometry=geo, segments=(1,) * 5)
+
+
 @pytest.mark.parametrize("route", gemv.ROUTES)
 def test_grouped_wo_a_and_bf16_weights(route):
     g = torch.Generator().manual_seed(1)
@@ -120,7 +162,8 @@ def test_split_k_is_deterministic_and_split_independent_in_bound():
     x = (torch.randn(2, 640, generator=g)).to(torch.bfloat16)
     outs = [gemv.fp8_gemv(x, lin.weight, lin.scale, route="fma",
                           geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=s)) for s in (1, 2, 5, 5)]
-    assert torch.equal(outs[2], outs[3])  # same split: the same bits, always
+    assert torch.equal(outs[2], outs[3])  # same split: the same bits, always (whichever program finishes)
+    assert not gemv.counters(x.device, 1).any(), "a split launch left a ticket counter non-zero"
     for o in outs:
         res = within_bound(o, x, lin.weight, lin.scale, "fma")
         assert res.ok, res.line()
@@ -226,12 +269,12 @@ def test_bench_writes_the_dispatch_it_measured():
     from dsv4lab.engine.decode_dispatch import DecodeDispatch
     from dsv4lab.bench.decode import build_dispatch
     a = get_preset("flash")
-    rows = [dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
+    rows = [dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
                  choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
                              num_stages=3)),
-            dict(kernel="fp8_gemv_wq_a", variant="cublas_scaled_mm_blockwise", batch=1, time_us=6.0, pct_copy_bw=25,
+            dict(kernel="fp8_gemv_wq_a+wkv", variant="cublas_scaled_mm_blockwise", batch=1, time_us=6.0, pct_copy_bw=25,
                  impl="cublas", choice=dict(impl="cublas")),
-            dict(kernel="fp8_gemv_wq_a", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, impl="triton",
+            dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, impl="triton",
                  choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
                              num_stages=3)),
             dict(kernel="moe_decode", variant="dot:n32", batch=1, time_us=40.0, pct_copy_bw=45, route="dot",
@@ -241,8 +284,8 @@ def test_bench_writes_the_dispatch_it_measured():
                  route="baseline")]
     doc = dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc", rows=rows)
     d = DecodeDispatch(build_dispatch(doc, a), "test")
-    assert d.gemv(1024, 4096, 1, "fp8", True, 1).impl == "cublas"  # faster and passed
-    assert d.gemv(1024, 4096, 1, "fp8", True, 4).route == "dot"  # batch 8's choice
+    assert d.gemv(1536, 4096, 1, "fp8", True, 1).impl == "cublas"  # faster and passed
+    assert d.gemv(1536, 4096, 1, "fp8", True, 4).route == "dot"  # batch 8's choice
     assert d.moe(1).route == "dot" and d.moe(1).block_n_up == 32  # never the baseline
 
 

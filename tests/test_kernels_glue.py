@@ -211,6 +211,33 @@ def test_mhc_split_geometries_agree():
         assert all(torch.equal(u, v) for u, v in zip(o, outs[0]))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_mhc_one_launch_site_equals_the_two_launch_pair(rows):
+    """The decode form (one launch per site: every program mixes its columns, the last one to take a ticket
+    finishes the row) against the prefill form (mix, then finish) over irregular D and uneven column splits: only
+    the fp64 summation order of the partials differs, so the bits are the same — for pre, post+pre and the head; the
+    ticket counters are left at zero, so a second launch (a graph replay) gives the same bits again."""
+    g = torch.Generator().manual_seed(rows)
+    a, X, fn, base, scale, w = _mhc_inputs(rows, 160, g)
+    h = _poisoned(torch.randn(rows, 1, 160, generator=g).to(torch.bfloat16))
+    it, ne, he = a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps
+    pair = mhc.MhcGeometry(block_m=2, block_d=32, splits=2)
+    fh = _poisoned(torch.randn(a.hc_mult, a.hc_dim, generator=g) * a.hc_dim ** -0.5)
+    want_pre = mhc.hc_pre_norm(X, fn, base, scale, w, it, ne, he, geometry=pair)
+    want_post = mhc.hc_post_pre_norm(h, X, want_pre[1], want_pre[2], fn, base, scale, w, it, ne, he, geometry=pair)
+    want_head = mhc.hc_head(X, fh, base[:4], scale[:1], ne, he, geometry=pair)
+    for geo in (mhc.MhcSiteGeometry(splits=1, block_d=64, block_dn=256, num_warps=4),
+                mhc.MhcSiteGeometry(splits=3, block_d=16, block_dn=64, num_warps=2),
+                mhc.MhcSiteGeometry(splits=7, block_d=16, block_dn=32, num_warps=8)):
+        for _ in range(2):
+            got = mhc.hc_pre_norm(X, fn, base, scale, w, it, ne, he, geometry=geo)
+            assert all(torch.equal(u, v) for u, v in zip(got, want_pre)), geo
+            got = mhc.hc_post_pre_norm(h, X, want_pre[1], want_pre[2], fn, base, scale, w, it, ne, he, geometry=geo)
+            assert all(torch.equal(u, v) for u, v in zip(got, want_post)), geo
+            assert torch.equal(mhc.hc_head(X, fh, base[:4], scale[:1], ne, he, geometry=geo), want_head), geo
+        assert not mhc.site_counters(X.device, rows).any(), "a launch left a ticket counter non-zero"
+
+
 # ------------------------------------------------------------------------------------------ compressor
 @pytest.mark.parametrize("ratio,channels,indexer", [(4, 96, False), (4, 64, True), (16, 96, False)])
 def test_compressor_step_over_block_boundaries(ratio, channels, indexer):

@@ -103,7 +103,7 @@ def test_sorter_groups_slots_by_expert(rows):
     T, E, k = 29, 12, 3
     idx, _ = routing(g, T, E, k, skip=3)  # the last 3 experts get no token
     for offset, n_local in ((0, E), (4, 6)):  # whole bank, and an expert-parallel slice
-        got = ms.sort_by_expert(idx, n_local, rows, offset, block=32)
+        got = ms.sort_by_expert(idx, n_local, rows, offset)
         want = ms.sort_by_expert_reference(idx, n_local, rows, offset)
         assert torch.equal(got.sorted_slots, want.sorted_slots)
         assert torch.equal(got.block_expert, want.block_expert)

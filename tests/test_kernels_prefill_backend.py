@@ -21,9 +21,10 @@ pytest.importorskip("triton")
 
 NM = Numerics()
 REF = ReferenceOps(NM)
-# the ops this branch owns: a prefill chunk must never run them on the reference (the glue ops — mHC, norms, RoPE,
-# head RMS, router scores — are the decode-step kernels' and are added to this list when they land)
-PREFILL_KERNEL_OPS = set(PREFILL_OPS)
+# a prefill chunk must never run these on the reference: the prefill kernels' ops (mHC included) and the glue
+# kernels' (norms, RoPE, head RMS, router, indexer queries), which run on the decode step's row-parallel kernels
+PREFILL_KERNEL_OPS = set(PREFILL_OPS) | {"rope", "rms_norm", "head_rms_rope", "kv_norm_rope", "indexer_query",
+                                         "router_topk", "hc_head"}
 
 
 def _floor(checkpoint: str) -> dict:
@@ -51,7 +52,8 @@ def test_prefill_chunk_of_tiny_py_runs_none_of_the_prefill_ops_on_the_reference(
     assert not fell_back & PREFILL_KERNEL_OPS, ops.report()
     ran = set(ops.calls.prefill)
     assert {"linear", "linear_f32", "grouped_wo_a", "expert_mlp", "routed_experts", "sparse_attention",
-            "indexer_select", "compressor_pool"} <= ran, ops.report()
+            "indexer_select", "compressor_pool", "hc_pre_norm", "hc_post_pre_norm", "hc_post"} <= ran, ops.report()
+    assert set(ops.calls.reference) == set(), ops.report()  # nothing at all on the reference
     ref = dsv4lab.load(ROOT / "data" / "tiny-py", max_batch=1).forward(ids, 0)[0]
     kl = kl_per_position(ref, logits)
     floor = _floor("tiny-py")
@@ -125,6 +127,20 @@ def test_choices_are_read_only_on_the_gpu_they_were_measured_on(tmp_path):
     assert load_choices(tmp_path / "absent.json", gpu="NVIDIA H200") == PrefillChoices()
 
 
+def test_choices_from_the_file_the_environment_names(tmp_path, monkeypatch):
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    path = _result_file(fresh, "NVIDIA H200", dict(moe_route="fp8", moe_tag="w16", weight_gemm_backend="cublas",
+                                                   mhc_rows=True))
+    monkeypatch.setenv("DSV4LAB_PREFILL_CHOICES", str(path))
+    got = load_choices(gpu="NVIDIA H200")
+    assert (got.moe_route, got.moe_tag, got.weight_gemm_backend, got.mhc_rows) == ("fp8", "w16", "cublas", True)
+    monkeypatch.setenv("DSV4LAB_PREFILL_CHOICES", str(tmp_path / "absent.json"))  # absent: not read
+    assert load_choices(gpu="NVIDIA H200").source != got.source
+    unknown = _result_file(tmp_path, "NVIDIA H200", dict(moe_tag="no-such-variant"))
+    assert load_choices(unknown, gpu="NVIDIA H200").moe_tag is None  # an unknown variant: the default geometry
+
+
 def test_prefill_chunk_per_prompt_length():
     measured = PrefillChoices(chunk_by_prompt=((2048, 0), (4604, 4096), (8192, 2048)))
     assert prefill_chunk(100, measured) == 100  # one shot
@@ -147,6 +163,11 @@ def test_backend_settings_default_to_the_measured_choices():
     assert ops._gemm_backend() == "triton"
     ops.prefill_moe_rows = 16  # an explicit setting wins
     assert ops._moe_geometry(3000).rows == 16
+    ops.prefill_moe_tag = "w16p"  # a measured launch variant: its fields, the explicit settings over them
+    geo = ops._moe_geometry(3000)
+    assert (geo.warps1, geo.persistent, geo.decode) == (16, True, "f16")
+    ops.prefill_moe_persistent = False
+    assert not ops._moe_geometry(3000).persistent
 
 
 def test_benchmark_choices_and_targets_from_rows():
@@ -168,6 +189,10 @@ def test_benchmark_choices_and_targets_from_rows():
     assert c["gemm_backend"] == "cublas" and c["chunk_by_prompt"] == [[4604, 4096]]
     t = targets(b, 4096)
     assert t["moe_best_pct"]["variant"] == "bf16+persistent:total" and not t["moe_best_pct"]["met"]
+    # the layers of the same run use that variant whole, not the committed file's scheduling
+    from dsv4lab.bench.prefill import measured_moe_settings
+    assert measured_moe_settings(b, 4096) == dict(moe_route="bf16", moe_tag="persistent", moe_decode="auto",
+                                                  moe_persistent=True, moe_scale_per_byte=False, moe_rows=128)
     assert t["fp8_gemm_vs_cublas"] == [dict(projection="wq_b", cublas_us=500.0, triton_best_us=700.0,
                                             triton_over_cublas=1.4, met=False)]
 

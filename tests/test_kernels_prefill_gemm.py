@@ -133,6 +133,15 @@ def test_grouped_weight_gemm_is_the_reference_wo_a():
         fg.weight_gemm(o.reshape(M, G, K), lin.weight, lin.scale, groups=2)
 
 
+def test_fp8_weight_dequantized_exactly_for_cublas():
+    """The bf16 copy cuBLAS multiplies (an FP8 weight times its 128×128 scales) is the reference's, bit for bit —
+    partial blocks in both dims included."""
+    g = torch.Generator().manual_seed(10)
+    lin = make_linear("fp8", 200, 300, g, act_quant=False)
+    assert torch.equal(fg.dequant_fp8_weight(lin.weight, lin.scale), lin.dequantized(torch.bfloat16))
+    assert fg.cublas_eligible(64, 1024, 4096) and not fg.cublas_eligible(64, 1024, 256)  # K/128 a multiple of 4
+
+
 # ------------------------------------------------------------------------------------------ shared expert
 def test_fused_shared_expert_is_the_reference_and_its_stages_check_alone():
     g = torch.Generator().manual_seed(11)
@@ -195,3 +204,28 @@ def test_gpu_weight_gemm_and_shared_expert_at_real_widths():
                               backend=backend)
         _within(f"gpu shared fused [{backend}]", y, composed, linear_magnitude(h, w2, True), 2048, "tc_fp8",
                 torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_paths_are_available_and_within_bound():
+    """Both cuBLAS paths the prefill dispatch may take pass their probes on this GPU (the block-scaled FP8 GEMM:
+    its first probe's K = 256 misread the scales; the bf16 GEMM with fp32 output) and agree with the reference at
+    real widths within the bound of their accumulation."""
+    dev = "cuda"
+    assert fg.cublas_block_fp8_available(dev), fg.cublas_unavailable_reason(dev)
+    assert fg.cublas_bf16_available(dev), fg.cublas_bf16_reason(dev)
+    g = torch.Generator().manual_seed(14)
+    G, R, K, M = 8, 1024, 4096, 301
+    lin = make_linear("fp8", G * R, K, g, dev, act_quant=False)
+    o = torch.randn(1, M, G, K, generator=g).to(dev, torch.bfloat16)
+    ref = REF.grouped_wo_a(o, lin, G)
+    mag = torch.einsum("bsgd,grd->bsgr", o.double().abs(), lin.dequantized(torch.float64).view(G, R, K).abs())
+    y = fg.cublas_weight_gemm(o.reshape(M, G, K), lin.weight, lin.scale, torch.bfloat16, G)
+    _within("gpu wo_a cublas", y.view(ref.shape), ref, mag, K, "tc_bf16", torch.bfloat16)
+    head = make_linear("bf16", 4099, 4096, g, dev)
+    x = (torch.randn(M, 4096, generator=g) * 2).to(dev, torch.bfloat16)
+    _within("gpu linear_f32 cublas", fg.cublas_weight_gemm(x, head.weight, None, torch.float32),
+            REF.linear_f32(x, head), linear_magnitude(x, head, False), 4096, "tc_bf16", torch.float32)
+    wq = make_linear("fp8", 1024, 4096, g, dev)
+    _within("gpu fp8 cublas wq_a", fg.fp8_linear(x, wq.weight, wq.scale, backend="cublas"), REF.linear(x, wq),
+            linear_magnitude(x, wq, True), 4096, "tc_fp8", torch.bfloat16)

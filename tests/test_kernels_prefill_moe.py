@@ -32,7 +32,7 @@ def test_sorter_block_ranges_match_the_blocks():
     g = torch.Generator().manual_seed(1)
     idx, _ = routing(g, 41, 10, 3, skip=3)
     for rows in (16, 32):
-        r = ms.sort_by_expert(idx, 10, rows, block=32)
+        r = ms.sort_by_expert(idx, 10, rows)
         want = ms.sort_by_expert_reference(idx, 10, rows)
         for name in ("expert_first_block", "expert_blocks", "used_blocks"):
             assert torch.equal(getattr(r, name), getattr(want, name)), name
@@ -41,6 +41,14 @@ def test_sorter_block_ranges_match_the_blocks():
         for e in range(10):  # each expert's blocks are the contiguous run the work order relies on
             first, n = int(r.expert_first_block[e]), int(r.expert_blocks[e])
             assert torch.equal(be[first:first + n], torch.full((n,), e, dtype=be.dtype))
+
+
+def test_sorter_edge_cases_own_nothing_or_get_nothing():
+    idx = torch.tensor([[0, 1], [1, 2]])
+    r = ms.sort_by_expert(idx, 4, 16, expert_offset=8)  # every slot is another rank's
+    assert int(r.used_blocks) == 0 and bool((r.block_expert == -1).all()) and bool((r.sorted_slots == -1).all())
+    empty = ms.sort_by_expert(torch.zeros(0, 6, dtype=torch.long), 4, 16)
+    assert empty.max_blocks == 0 and int(empty.used_blocks) == 0
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -79,6 +87,19 @@ def _within(name, out, ref, mag, terms, accumulation, out_dtype, rounded_terms=F
         kw["c"] += 2.0 ** -7 / 2.0 ** -24
     res = check_within_bound(out, ref, mag, out_dtype=out_dtype, name=name, **kw)
     assert res.ok, res.line()
+
+
+@pytest.mark.gpu
+def test_gpu_sorter_at_flash_size_equals_the_reference():
+    """4,100 tokens, top-6 of 256 experts (the whole bank and an expert-parallel slice): the device sort (a stable
+    sort, integer counts) gives the reference sorter's outputs exactly."""
+    g = torch.Generator().manual_seed(5)
+    idx, _ = routing(g, 4100, 256, 6, skip=5)
+    for offset, n_local, rows in ((0, 256, 128), (64, 32, 64)):
+        got = ms.sort_by_expert(idx.cuda(), n_local, rows, offset)
+        want = ms.sort_by_expert_reference(idx, n_local, rows, offset)
+        for name in ("sorted_slots", "block_expert", "counts", "expert_first_block", "expert_blocks", "used_blocks"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 
 
 @pytest.mark.gpu

@@ -83,6 +83,28 @@ def test_ragged_batch_equals_per_sequence_runs():
         assert _rel(step[i, 0][None], full[0, -1][None]) <= 1e-9
 
 
+def test_last_logits_are_the_last_rows_of_all_logits():
+    """``logits="last"``: each row's logits at its last valid token, bit for bit those of the all-positions form
+    (the head and ``hc_head`` are row-independent), NaN for an empty row; the MTP form picks the same greedy token."""
+    m = load_tiny(dtype=torch.bfloat16, max_batch=3)
+    lens = [19, 7, 0]
+    batch = _prompt(19, 21).repeat(3, 1)
+    full = m.forward(batch, 0, slots=[0, 1, 2], lengths=lens)
+    m.reset()
+    last = m.forward(batch, 0, slots=[0, 1, 2], lengths=lens, logits="last")
+    assert last.shape == (3, 1, full.shape[-1])
+    assert torch.equal(last[0, 0], full[0, 18]) and torch.equal(last[1, 0], full[1, 6])
+    assert torch.isnan(last[2]).all()
+    m.reset()
+    ids = _prompt(12, 22)
+    all_pos, mtp_all = m.forward(ids, 0, mtp=True)
+    m.reset()
+    last_pos, mtp_last = m.forward(ids, 0, mtp=True, logits="last")
+    assert torch.equal(last_pos[:, 0], all_pos[:, -1]) and torch.equal(mtp_last, mtp_all)
+    with pytest.raises(ValueError, match="logits must be 'all' or 'last'"):
+        m.forward(ids, 12, logits="first")
+
+
 def test_slots_are_independent_and_reset():
     m = load_tiny(dtype=torch.float64, max_batch=2)
     a, b = _prompt(40, 3), _prompt(40, 4)

@@ -20,17 +20,19 @@ One command, in this order (a watchdog stops at ``--budget-s`` and writes what w
    each route's best (and every ``dot`` geometry) at 2/4/8; baselines ``torch_sum_read`` (a plain read of the
    same bytes) and, in a full run, ``bf16_resident`` and ``torch_dequant_matmul``. Bytes = unique experts ×
    13,369,344.
-4. **FP8 GEMV** (``fp8_gemv_<proj>``) for wq_a, wq_b, wkv, wo_a (grouped, bf16 activation), wo_b, the shared
-   expert and indexer.wq_b; **BF16 GEMV** (``bf16_gemv_<proj>``, fp32 output) for the router gate, compressor and
-   indexer weights and the LM head: own routes × geometries (K split to about two programs per SM) and
-   ``cublas`` side by side, weights rotating among copies totalling ≥ 256 MB.
+4. **FP8 GEMV** (``fp8_gemv_<proj>``) for the projections as the decode step launches them — ``wq_a+wkv``,
+   ``wq_b`` (HCA) and ``wq_b+idx_wq_b`` (CSA), wo_a (grouped, bf16 activation), wo_b, ``shared_w1+w3`` and
+   shared_w2 (stacked sets: :mod:`dsv4lab.engine.decode_groups`); **BF16 GEMV** (``bf16_gemv_<proj>``, fp32
+   output) for the LM head, the router gate, the compressors' stacked wkv/wgate (CSA, HCA) and the indexer
+   weights: own code paths (:class:`GemvVariant`: route, tile, unroll, prequant) × geometries (K split to about
+   two programs per SM) and ``cublas`` side by side, weights rotating among copies totalling ≥ 256 MB.
 5. (full run) **Sparse attention decode** and **one real-dims CSA layer decode step** (graph-replayed, the static
    step on the Triton backend, with a per-kernel breakdown from the profiler).
 
 Timing: every measured call is captured in a CUDA graph with its rotated inputs (decode runs graph-replayed, so
 no Python launch cost is timed), replayed after a warm-up; CUDA events; the median replay divided by the calls.
-``--quick`` (about 2 minutes, a first probe; most of it compiling ~35 kernels): checks and times each route's
-first variant only, batch 1 and 8.
+``--quick`` (about 2 minutes, a first probe; most of it compiling kernels): the MoE routes' first variants and
+five GEMV variants (:func:`gemv_variants`), batch 1 and 8.
 ``--smoke`` runs the same code at tiny shapes (the CPU interpreter included, plain timing). The harness is
 shared with the prefill suite: :mod:`dsv4lab.bench.common`.
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import statistics
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -150,30 +153,71 @@ def moe_variants(smoke: bool, quick: bool) -> list[tuple[str, str, object]]:
     return full
 
 
-def gemv_variants(smoke: bool, quick: bool) -> list[tuple[str, int, int, int, int]]:
-    """``(route, block_n, block_k, num_warps, num_stages)`` of the own GEMV (K split to ~2 programs per SM)."""
+@dataclass(frozen=True)
+class GemvVariant:
+    """One own-GEMV configuration timed on every projection (K split to ~2 programs per SM at each shape)."""
+
+    route: str
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 3
+    unroll: int = 1
+    prequant: bool = False
+
+    @property
+    def structure(self) -> str:
+        """What the bound check covers: the code path (geometries of one path differ only in fp32 order)."""
+        return self.route + (f"-u{self.unroll}" if self.unroll > 1 else "") + ("-pq" if self.prequant else "")
+
+    def name(self, bn: int, split: int) -> str:
+        return (f"{self.route}:n{bn}k{self.block_k}s{split}w{self.num_warps}p{self.num_stages}"
+                + (f"u{self.unroll}" if self.unroll > 1 else "") + (":pq" if self.prequant else ""))
+
+    def applies(self, batch: int, aq: bool) -> bool:
+        """``prequant`` only quantizes rows once where there are several rows to quantize."""
+        return not self.prequant or (aq and batch > 1)
+
+
+def gemv_variants(smoke: bool, quick: bool) -> list[GemvVariant]:
+    """The own GEMV's configurations: the ``fma`` route's tile shapes and unrolls (batch 1: bytes in flight per SM
+    is what they trade), the ``dot`` route plain and with the rows quantized once (``prequant``, batch > 1)."""
+    V = GemvVariant
     if smoke:
-        return [("dot", 16, 128, 1, 1), ("fma", 32, 128, 4, 1)]
-    full = [("dot", 16, 256, 1, 3), ("dot", 32, 256, 2, 3), ("dot", 64, 256, 4, 4), ("dot", 32, 512, 2, 3),
-            ("fma", 32, 256, 4, 3), ("fma", 64, 256, 4, 3)]
-    return full[:1] + full[4:5] if quick else full
+        return [V("dot", 16, 128, 1, 1), V("fma", 32, 128, 4, 1), V("fma", 16, 128, 4, 1, unroll=2),
+                V("dot", 16, 128, 1, 1, prequant=True)]
+    quick_set = [V("fma", 32, 256, 4), V("fma", 16, 256, 4, unroll=2), V("fma", 64, 256, 8),
+                 V("dot", 16, 256, 1), V("dot", 64, 256, 4, prequant=True)]
+    if quick:  # five: the quick run (≤ 140 s with the MoE) times each on 12 projections at batches 1 and 8
+        return quick_set
+    return quick_set + [V("fma", 32, 512, 4), V("fma", 32, 256, 4, unroll=2), V("fma", 16, 512, 4),
+                        V("fma", 64, 256, 4, unroll=2),
+                        V("dot", 32, 256, 2), V("dot", 64, 256, 4, 4), V("dot", 32, 256, 2, prequant=True)]
 
 
 def projections(a) -> dict[str, tuple[int, int, int, bool]]:
-    """name → (N, K per group, groups, act_quant) of the decode step's FP8 projections."""
+    """name → (N, K per group, groups, act_quant) of the decode step's FP8 projections, as it launches them: the
+    sets of one input stacked (:mod:`dsv4lab.engine.decode_groups`; ``wq_b`` alone in HCA layers)."""
     G = a.o_groups
-    return {"wq_a": (a.q_lora_rank, a.dim, 1, True), "wq_b": (a.n_heads * a.head_dim, a.q_lora_rank, 1, True),
-            "wkv": (a.head_dim, a.dim, 1, True), "wo_a": (G * a.o_lora_rank, a.wo_a_in_per_group, G, False),
-            "wo_b": (a.dim, G * a.o_lora_rank, 1, True), "shared_w13": (a.moe_inter_dim, a.dim, 1, True),
-            "shared_w2": (a.dim, a.moe_inter_dim, 1, True),
-            "idx_wq_b": (a.index_n_heads * a.index_head_dim, a.q_lora_rank, 1, True)}
+    idx_q = a.index_n_heads * a.index_head_dim
+    return {"wq_a+wkv": (a.q_lora_rank + a.head_dim, a.dim, 1, True),
+            "wq_b": (a.n_heads * a.head_dim, a.q_lora_rank, 1, True),
+            "wq_b+idx_wq_b": (a.n_heads * a.head_dim + idx_q, a.q_lora_rank, 1, True),
+            "wo_a": (G * a.o_lora_rank, a.wo_a_in_per_group, G, False),
+            "wo_b": (a.dim, G * a.o_lora_rank, 1, True),
+            "shared_w1+w3": (2 * a.moe_inter_dim, a.dim, 1, True),
+            "shared_w2": (a.dim, a.moe_inter_dim, 1, True)}
 
 
 def bf16_projections(a) -> dict[str, tuple[int, int]]:
-    """name → (N, K) of the decode step's BF16 weights projected to fp32 (``linear_f32``)."""
-    return {"router": (a.n_routed_experts, a.dim), "compressor_r4": (2 * a.head_dim, a.dim),
-            "compressor_r128": (a.head_dim, a.dim), "idx_compressor": (2 * a.index_head_dim, a.dim),
-            "idx_weights": (a.index_n_heads, a.dim), "head": (a.vocab_size, a.dim)}
+    """name → (N, K) of the decode step's BF16 weights projected to fp32: the router, every compressor's
+    ``wkv``/``wgate`` of a CSA layer (main ratio 4 and the indexer's, stacked) and of an HCA layer, the indexer's
+    head weights (a bf16 output, the same GEMV) and the LM head (first: the largest, measured before any budget
+    cut)."""
+    csa = 2 * (2 * a.head_dim) + 2 * (2 * a.index_head_dim)  # ratio 4 overlaps: 2× the channels, kv and score
+    hca = 2 * a.head_dim
+    return {"head": (a.vocab_size, a.dim), "router": (a.n_routed_experts, a.dim), "compressors_csa": (csa, a.dim),
+            "compressors_hca": (hca, a.dim), "idx_weights": (a.index_n_heads, a.dim)}
 
 
 def split_for(n: int, k: int, bn: int, bk: int, programs: int) -> int:
@@ -186,13 +230,18 @@ def split_for(n: int, k: int, bn: int, bk: int, programs: int) -> int:
 def gemv_bound(out, x, weight, scale, route: str, act_quant: bool = True, groups: int = 1, out_dtype=None,
                name: str = ""):
     """``out`` of a projection (own kernel route ``"fma"``/``"dot"``, or ``"cublas"``) against the exact
-    reference within ``γ(c·K)·Σ|xq·w| + 1 ulp(out dtype)``, K per group, fp32 accumulation, the route's ``c``."""
+    reference within ``γ(c·K)·Σ|xq·w| + 1 ulp(out dtype)``, K per group, fp32 accumulation, the route's ``c`` —
+    except cuBLAS's FP8 GEMM, held to the blocked ``fp8_mma`` model (``γ_128`` of a ~14-bit accumulator inside
+    each 128-wide K block, the blocks in fp32: :data:`~dsv4lab.verify.bounds.BLOCKED`)."""
     from dsv4lab_kernels import fp8_gemv as gemv
     out_dtype = out_dtype or out.dtype
     x = x.to(weight.device)  # the exact reference where the weight lives (fp64 on the GPU: the head is 0.5 G terms)
     ref = gemv.reference_fp8_gemv(x, weight, scale, act_quant, torch.float64, groups)
     mag = gemv.reference_magnitude(x, weight, scale, act_quant, groups)
     K = weight.shape[1]
+    if route == "cublas" and scale is not None:
+        return check_within_bound(out.cpu(), ref.to(torch.float32).to(out_dtype), mag, terms=K,
+                                  acc_dtype=gemv.CUBLAS_FP8_ACC, out_dtype=out_dtype, name=name or "gemv[cublas fp8]")
     c = gemv.ACCUMULATION[route][1]
     return check_within_bound(out.cpu(), ref.to(torch.float32).to(out_dtype), mag, terms=K, c=c * K,
                               acc_dtype=torch.float32, out_dtype=out_dtype, name=name or f"gemv[{route}]")
@@ -291,16 +340,18 @@ def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
 
 
 def check_gemv(b: DecodeBench, a, gen, variants) -> dict[str, bool]:
-    """Every FP8 and BF16 projection at 1 and 8 rows with each own route and with cuBLAS, plus the accumulation
-    probe, within the bound of the route (cuBLAS: the tensor-core route's ``γ(4K)``). Returns ``{"<proj>:<impl>":
-    passed}``; also records which block-scale layout ``torch._scaled_mm`` accepted (``b.cublas``)."""
+    """Every FP8 and BF16 projection at 1 and 8 rows with each own code path (route × unroll × prequant: its
+    first geometry; others of the path differ only in the order of fp32 sums) and with cuBLAS, plus the
+    accumulation probe, within the bound of its arithmetic (own routes: fp32, ``γ(c·K)``; cuBLAS bf16: ``γ(4K)``;
+    cuBLAS FP8: ``fp8_mma``). Returns ``{"<proj>:<structure>": passed}``; also records which block-scale layout
+    ``torch._scaled_mm`` accepted (``b.cublas``)."""
     from dsv4lab_kernels import fp8_gemv as gemv
     dev = b.device
     ok: dict[str, bool] = {}
     shapes = [(name, N, Kg, G, aq, True) for name, (N, Kg, G, aq) in projections(a).items()]
     shapes += [(name, N, K, 1, False, False) for name, (N, K) in bf16_projections(a).items()]
     if b.smoke:
-        shapes = [(n, min(N, 200), min(K, 320), G, aq, f8) for n, N, K, G, aq, f8 in shapes[:2]]
+        shapes = [(n, min(N, 256), min(K, 384), G, aq, f8) for n, N, K, G, aq, f8 in shapes[:2]]
     for name, N, Kg, G, aq, f8 in shapes:
         if b.over_budget(f"gemv checks {name}"):
             break
@@ -311,31 +362,36 @@ def check_gemv(b: DecodeBench, a, gen, variants) -> dict[str, bool]:
             weight = (torch.randn(N, Kg, device=dev, generator=gen) * Kg ** -0.5).to(torch.bfloat16)
             scale = None
         out_dtype = torch.bfloat16 if f8 else torch.float32
-        first = {}
-        for route, bn, bk, warps, stages in variants:  # each route's first timed geometry: its compile is reused
-            first.setdefault(route, gemv.GemvGeometry(block_n=min(bn, N // G), block_k=bk, split_k=4,
-                                                      num_warps=warps, num_stages=stages))
+        first: dict[str, GemvVariant] = {}
+        for v in variants:  # each path's first timed geometry: its compile is reused
+            if v.applies(8, aq and f8):
+                first.setdefault(v.structure, v)
         cublas_ok = b.cuda and G == 1 and (not f8 or (aq and b.cublas.get("used")))
         impls = list(first) + (["cublas"] if cublas_ok else [])
         for impl in impls:
             key = f"{name}:{impl}"
+            v = first.get(impl)
+            geo = None if v is None else gemv.GemvGeometry(block_n=min(v.block_n, N // G), block_k=v.block_k,
+                                                           split_k=4, num_warps=v.num_warps,
+                                                           num_stages=v.num_stages, unroll=v.unroll,
+                                                           prequant=v.prequant)
             results = []
-            for rows in (1, 8):
+            for rows in (1, 8) if v is None or not v.prequant else (8,):
                 x = (torch.randn(rows, Kg * G, device=dev, generator=gen) * 2).to(torch.bfloat16)
                 results.append((x, weight, scale, rows))
             px, pw, ps = accumulation_probe(N, Kg * G if G == 1 else Kg, 1, dev, bf16_weight=not f8)
-            probe_ok = G == 1 and (aq or not f8)  # the probe needs quantized ones or a bf16 activation of ones
-            if probe_ok:
+            if G == 1 and (aq or not f8) and (v is None or not v.prequant):  # quantized ones, or a bf16 one
                 results.append((px, pw, ps, "probe"))
             good = True
             for x, w_, s_, tag in results:
                 label = f"gemv:{key}:{'M' + str(tag) if tag != 'probe' else 'probe'}"
 
-                def run(x=x, w_=w_, s_=s_):
-                    if impl == "cublas":
+                def run(x=x, w_=w_, s_=s_, v=v, geo=geo):
+                    if v is None:
                         return gemv.cublas_linear(x, w_, s_, aq, out_dtype, mm_out_dtype=cublas_mm_out(b))
-                    return gemv.fp8_gemv(x, w_, s_, aq, out_dtype, G, impl, first[impl])
-                res = b.guard(label, lambda: gemv_bound(run(), x, w_, s_, impl, aq, G, out_dtype, label))
+                    return gemv.fp8_gemv(x, w_, s_, aq, out_dtype, G, v.route, geo)
+                route = "cublas" if v is None else v.route
+                res = b.guard(label, lambda: gemv_bound(run(), x, w_, s_, route, aq, G, out_dtype, label))
                 good &= res is not None and b.record_bound(res, shape=[N, Kg, G], impl=impl)
             ok[key] = good
         del weight, scale
@@ -554,7 +610,7 @@ def bench_gemv(b: DecodeBench, a, gen, checks: dict[str, bool], batches, variant
     shapes = [(f"fp8_gemv_{name}", N, Kg, G, aq, True) for name, (N, Kg, G, aq) in projections(a).items()]
     shapes += [(f"bf16_gemv_{name}", N, K, 1, False, False) for name, (N, K) in bf16_projections(a).items()]
     if b.smoke:
-        shapes = [(n, min(N, 200), min(K, 320), G, aq, f8) for n, N, K, G, aq, f8 in shapes[:2]]
+        shapes = [(n, min(N, 256), min(K, 384), G, aq, f8) for n, N, K, G, aq, f8 in shapes[:2]]
     for kernel, N, Kg, G, aq, f8 in shapes:
         name = kernel.split("_gemv_")[1]
         if b.over_budget(f"gemv {name}"):
@@ -573,19 +629,21 @@ def bench_gemv(b: DecodeBench, a, gen, checks: dict[str, bool], batches, variant
         for T in batches:
             xs = [(torch.randn(T, K, device=dev, generator=gen) * 2).to(torch.bfloat16) for _ in range(n_rot)]
             nbytes = w_bytes + T * K * 2 + T * N * (2 if f8 else 4)
-            for route, bn, bk, warps, stages in variants:
-                if not checks.get(f"{name}:{route}"):
+            for v in variants:
+                if not checks.get(f"{name}:{v.structure}") or not v.applies(T, aq and f8):
                     continue
-                bn_ = min(bn, N // G) if G > 1 else bn
-                split = split_for(N, Kg, bn_, bk, 2 * sms)
-                geo = gemv.GemvGeometry(block_n=bn_, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
-                calls = [lambda r=r, geo=geo, route=route: gemv.fp8_gemv(xs[r], ws[r][0], ws[r][1], aq, out_dtype, G,
-                                                                         route, geo) for r in range(n_rot)]
-                t = b.guard(f"gemv {name} {route} b{T}", lambda: b.time_graph_us(calls))
+                bn_ = min(v.block_n, N // G) if G > 1 else v.block_n
+                split = split_for(N, Kg, bn_, v.block_k, 2 * sms)
+                geo = gemv.GemvGeometry(block_n=bn_, block_k=v.block_k, split_k=split, num_warps=v.num_warps,
+                                        num_stages=v.num_stages, unroll=v.unroll, prequant=v.prequant)
+                calls = [lambda r=r, geo=geo, route=v.route: gemv.fp8_gemv(xs[r], ws[r][0], ws[r][1], aq, out_dtype,
+                                                                           G, route, geo) for r in range(n_rot)]
+                t = b.guard(f"gemv {name} {v.name(bn_, split)} b{T}", lambda: b.time_graph_us(calls))
                 if t is not None:
-                    b.add(kernel, f"{route}:n{bn_}k{bk}s{split}w{warps}p{stages}", T, t, nbytes, route=route,
-                          impl="triton", choice=dict(impl="triton", route=route, block_n=bn_, block_k=bk,
-                                                     split_k=split, num_warps=warps, num_stages=stages))
+                    b.add(kernel, v.name(bn_, split), T, t, nbytes, route=v.route, impl="triton",
+                          choice=dict(impl="triton", route=v.route, block_n=bn_, block_k=v.block_k, split_k=split,
+                                      num_warps=v.num_warps, num_stages=v.num_stages, unroll=v.unroll,
+                                      prequant=v.prequant))
             if checks.get(f"{name}:cublas"):
                 if f8:
                     calls = [lambda r=r: gemv.cublas_linear(xs[r], ws[r][0], ws[r][1], aq, out_dtype,

@@ -344,7 +344,8 @@ def decode_round(runner, batch: int, n: int, prompt: list[int]) -> tuple[float, 
     path); returns (decode seconds, row 0's ids)."""
     slots = list(range(batch))
     runner.reset()
-    logits = runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots)[:, -1]
+    logits = runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots,
+                            logits="last")[:, -1]
     nxt = logits.argmax(-1)
     ids = []
     if runner.device.type == "cuda":
@@ -409,7 +410,7 @@ def context_row(runner, clock, n: int, o: dict, copy_gbps: float | None) -> dict
 
     def prefill():
         for p in range(0, n, chunk):
-            last.append(runner.forward(ids[:, p:p + chunk], p)[:, -1])
+            last.append(runner.forward(ids[:, p:p + chunk], p, logits="last")[:, -1])
     last: list = []
     prefill_s = clock.time(prefill)
     row = dict(context=n, prefill_s=round(prefill_s, 3), prefill_chunk=chunk, path=runner.decode_path)
@@ -459,7 +460,7 @@ def prefill_rows(runner, clock, o: dict) -> list[dict]:
         def once():
             runner.reset()
             for p in range(0, n, chunk):
-                logits = runner.forward(ids[:, p:p + chunk], p)
+                logits = runner.forward(ids[:, p:p + chunk], p, logits="last")  # the head on the last token only
             first.append(int(logits[0, -1].argmax()))
         times = [clock.time(once) for _ in range(o["rounds"] + 1)][1:]
         rows.append(dict(chunk=chunk, prompt_tokens=n, ttft_s=round(statistics.median(times), 4),
@@ -574,7 +575,7 @@ def breakdown(runner, o: dict, device) -> dict:
 
     prompt = _prompt(runner.args, 16, seed=2)
     runner.reset()
-    nxt = runner.forward(torch.tensor([prompt], device=device), 0)[:, -1].argmax(-1)
+    nxt = runner.forward(torch.tensor([prompt], device=device), 0, logits="last")[:, -1].argmax(-1)
     runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
     graphs = runner.decoder.graphs if runner.decoder is not None else None
     if graphs is not None and 1 in graphs.graphs:

@@ -13,23 +13,30 @@ headline cases only, < 2 min):
    reference's re-quantization then amplifies), their fused epilogues against the reference composed from the
    kernel's own g and u.
 3. **Grouped FP4 MoE** at 4,096 tokens (256 experts, top-6, uniform random routing): every route, the bf16
-   route's decodes (``asm``/``f16``) and scheduling (``persistent``), sorter rows 64 and 128, then the **sorter-
-   rows ablation** 16/32/64/128 at 2,048 (the paper's microbenchmark) and 4,096 tokens; total, gate/up, down, sort.
-4. **Dense GEMMs side by side** at 4,096 tokens: for each FP8 projection the activation quantizer alone, the
+   route's decodes (``asm``/``f16``) and launch variants (``persistent``, 16 warps for gate/up: the names of
+   :data:`~dsv4lab.engine.triton_prefill.MOE_GEOMETRY_TAGS`) at 128 sorter rows, sorter rows 64 and 128, then the
+   **sorter-rows ablation** 16/32/64/128 at 2,048 (the paper's microbenchmark) and 4,096 tokens; total, gate/up,
+   down, sort.
+4. **Chunk size by measurement**: one real-dims CSA layer (and an HCA layer in a full run), random weights,
+   ``TritonOps`` with the MoE variant just measured fastest, prefilling each prompt length in chunks of 512 …
+   4,096 tokens and in one shot; **every op inside timed** (CUDA events; ``untimed_us`` is what lies between the
+   ops: torch glue and waits for the host) and the attention / indexer roofline shares. The fastest chunk per
+   prompt length becomes ``choices.chunk_by_prompt``.
+5. **Dense GEMMs side by side** at 4,096 tokens: for each FP8 projection the activation quantizer alone, the
    Triton block GEMM per configuration, cuBLAS ``_scaled_mm`` with the same block scales, and the whole projection
    on each backend; the weight-stationary GEMM (grouped ``wo_a``, ``linear_f32`` of the head, compressor and
-   router, the indexer's ``weights_proj``) beside cuBLAS bf16 on the same (dequantized) weights; the fused shared
-   expert beside its three projections.
-5. **Sparse attention and the indexer** (CSA: window 128 + top-512; HCA: window + every visible 1/128 entry;
+   router, the indexer's ``weights_proj``) beside cuBLAS as the backend runs it (bf16 weights, fp32 output); the
+   fused shared expert.
+6. **Glue** of a 4,096-row chunk: mHC pre/post on the decode step's kernels and on the rows kernel (checked against
+   each other first), the attention output's RoPE on its kernel beside torch.
+7. **Sparse attention and the indexer** (CSA: window 128 + top-512; HCA: window + every visible 1/128 entry;
    the causal indexer selection per configuration and the full score matrix), one chunk from position 0.
-6. **Chunk size by measurement**: one real-dims CSA layer (and an HCA layer in a full run), random weights,
-   ``TritonOps``, prefilling each prompt length in chunks of 512 … 4,096 tokens and in one shot; the op times
-   inside (CUDA events) and the attention / indexer roofline shares. The fastest chunk per prompt length becomes
-   ``choices.chunk_by_prompt``.
-7. (full run) every family at the other token counts.
+8. (full run) every family at the other token counts.
 
-``choices`` in the JSON (chunk per prompt length, MoE route/decode/scheduling/rows, FP8 GEMM backend) are read by
-:func:`~dsv4lab.engine.triton_prefill.load_choices` on the GPU they were measured on; ``targets`` states the
+``choices`` in the JSON (chunk per prompt length, MoE route/variant/rows, FP8 and bf16 GEMM backends, the mHC rows
+kernel) are read by :func:`~dsv4lab.engine.triton_prefill.load_choices` on the GPU they were measured on (from the
+committed file, or the file ``$DSV4LAB_PREFILL_CHOICES`` names: a visit that measures and then runs ``bench e2e``
+points it at the fresh result); ``targets`` states the
 issue's targets as measured. Timing: CUDA events, median of repetitions after a warm-up (which compiles); the
 256-expert weights (3.2 GB) are far larger than L2, the dense ones are flushed from L2 before every repetition.
 FLOPs are the useful ones (rows padded by the sorter and masked attention slots are not counted). ``--smoke``
@@ -44,8 +51,8 @@ import torch
 
 from ..config import get_preset
 from ..engine.kernel_loader import kernel_module
-from ..engine.triton_prefill import (TritonPrefillBackend, accumulation_bound, expert_stage_magnitude,
-                                     linear_magnitude)
+from ..engine.triton_prefill import (MOE_GEOMETRY_TAGS, TritonPrefillBackend, accumulation_bound,
+                                     expert_stage_magnitude, linear_magnitude)
 from ..errors import UserError
 from ..model.block import Block
 from ..model.linear import ExpertBank, Linear
@@ -71,9 +78,11 @@ ATTENTION_CONFIGS = ("h64n32", "h64n32x", "h64n32d2")
 INDEXER_CONFIGS = ("q2t64", "q2t64x8", "q2t128x4", "q4t64x8")
 PEAK_OF_ROUTE = {"bf16": "bf16", "fp8": "fp8", "scaled": "bf16"}  # sm_90 has no MX cores: dot_scaled runs in bf16
 ACCUMULATION_OF_ROUTE = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}
-# tag: MoEGeometry changes (the bf16 route's decode and scheduling, launch geometry)
-MOE_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=True),
-            "sbyte": dict(scale_per_byte=True), "w4": dict(warps1=4, warps2=4), "k64": dict(block_k1=64, block_k2=64)}
+# tag: MoEGeometry changes (the bf16 route's decode and scheduling, launch geometry), named as the backend reads them
+MOE_TAGS = MOE_GEOMETRY_TAGS
+QUICK_TAGS = ("f16", "persistent", "w16")  # the launch variants a --quick run times
+TAG_ROWS = 128  # sorter rows of the launch variants: the fastest at 4,096 tokens (probe 1: 9.72 ms vs 10.76 at 64)
+QUICK_ROUTES = ("bf16", "fp8")  # dot_scaled measured 2.2× slower than bf16 (probe 1): full runs only
 
 
 def plan_variants(mode: str, routes, ablation_route: str) -> dict:
@@ -81,11 +90,12 @@ def plan_variants(mode: str, routes, ablation_route: str) -> dict:
     variants (every route, the bf16 route's decodes and scheduling, 64 and 128 rows, the default geometries)."""
     full = mode == "full"
     rows = {"quick": (64, 128), "smoke": (16, 64)}.get(mode, SORTER_ROWS)
-    tags = [t for t in route_tags(ablation_route)
-            if t and (full or (mode == "quick" and t in ("f16", "persistent", "sbyte")))]
+    tags = [t for t in route_tags(ablation_route) if t and (full or (mode == "quick" and t in QUICK_TAGS))]
+    tag_rows = 64 if mode == "smoke" else TAG_ROWS
     moe = sorted({(r, 64, "") for r in routes} | {(ablation_route, n, "") for n in rows}
-                 | ({("bf16", 128, "")} if "bf16" in routes else set()) | {(ablation_route, 64, t) for t in tags})
-    return dict(moe=moe, rows=rows, tags=tags,
+                 | ({("bf16", 128, "")} if "bf16" in routes else set())
+                 | {(ablation_route, tag_rows, t) for t in tags})
+    return dict(moe=moe, rows=rows, tags=tags, tag_rows=tag_rows,
                 gemm=GEMM_CONFIGS if full else GEMM_CONFIGS[:1],
                 weight=WEIGHT_GEMM_CONFIGS if full else WEIGHT_GEMM_CONFIGS[:1],
                 attention=ATTENTION_CONFIGS if full else ("h64n32", "h64n32x"),
@@ -94,7 +104,8 @@ def plan_variants(mode: str, routes, ablation_route: str) -> dict:
 
 def add_suite_arguments(p) -> None:
     """Options of this suite beyond the dispatcher's common ``--out --quick --smoke --budget-s --commit``."""
-    p.add_argument("--moe-routes", default=",".join(MOE_ROUTES), help="prefill: grouped-MoE routes to check and time")
+    p.add_argument("--moe-routes", default=None, help="prefill: grouped-MoE routes to check and time (default: all; "
+                   f"--quick: {','.join(QUICK_ROUTES)})")
     p.add_argument("--ablation-route", default="bf16", help="prefill: route of the sorter-rows ablation (and of the "
                    "launch-geometry variants)")
 
@@ -124,6 +135,17 @@ class PrefillBench(BenchRun):
     def check_record(self, c, gating: bool) -> dict:
         return dict(name=c.name, ok=c.ok, gating=gating, max_abs=c.max_abs, rel_l2=c.rel_l2, cosine=c.cosine,
                     n_bad=c.n_bad, numel=c.numel, line=c.line())
+
+    def check_ulps(self, name: str, out, ref, out_dtype, ulps: float) -> bool:
+        """``|out − ref| ≤ ulps · ulp(out_dtype)`` element-wise (two evaluations of the same formula that differ
+        only where a value lies on a rounding boundary), recorded as a check."""
+        c = check_within_bound(out, ref, 0.0, terms=1, acc_dtype=torch.float32, out_dtype=out_dtype, ulps=ulps,
+                               name=name)
+        self.checks.append(dict(name=name, ok=c.ok, gating=True, kind="bound", max_ratio=c.max_ratio,
+                                n_violations=c.n_violations, nan_mismatch=c.nan_mismatch, numel=c.numel,
+                                bitwise_equal=c.bitwise_equal, rule=c.rule, line=c.line()))
+        self.log(c.line())
+        return c.ok
 
     def check_bound(self, name: str, out, ref, magnitude, terms: int, accumulation: str, out_dtype,
                     gating: bool = True, rounded_terms: bool = False) -> bool:
@@ -222,7 +244,7 @@ def check_moe_variants(b: PrefillBench, a, gen, passed: set[str], plan: dict) ->
 
     for route, rows, tag in plan["moe"]:
         name = moe_variant_name(route, rows, tag)
-        if tag in ("f16", "persistent", "sbyte") and route != "bf16":
+        if tag in ("f16", "persistent", "sbyte", "w16p") and route != "bf16":
             continue
         if b.guard(name, lambda: check(route, rows, tag)):
             passed.add(name)
@@ -264,9 +286,22 @@ def check_dense(b: PrefillBench, a, gen, passed: set[str], plan: dict) -> None:
     # linear_f32 of a BF16 weight (fp32 out)
     lb = random_bf16_linear(2 * a.head_dim, a.dim, dev, gen)
     name = "weight_gemm_f32"
-    if b.guard(name, lambda: b.check_bound(name, fg.weight_gemm(x, lb.weight, None, torch.float32), ref.linear_f32(
-            x, lb), linear_magnitude(x, lb, False), a.dim, "tc_bf16", torch.float32)):
+    want_f32, mag_f32 = ref.linear_f32(x, lb), linear_magnitude(x, lb, False)
+    if b.guard(name, lambda: b.check_bound(name, fg.weight_gemm(x, lb.weight, None, torch.float32), want_f32,
+                                           mag_f32, a.dim, "tc_bf16", torch.float32)):
         passed.add(name)
+    # both on cuBLAS (bf16 tensor cores, fp32 output rounded once), as the backend dispatches them
+    if b.cuda and fg.cublas_bf16_available(dev):
+        def check_cublas_bf16() -> bool:
+            y = fg.cublas_weight_gemm(o.reshape(M, G, -1), wo_a.weight, wo_a.scale, torch.bfloat16, G)
+            ok = b.check_bound("weight_gemm:cublas:wo_a", y.view(want.shape), want, mag, a.wo_a_in_per_group,
+                               "tc_bf16", torch.bfloat16)
+            return b.check_bound("weight_gemm:cublas:f32", fg.cublas_weight_gemm(x, lb.weight, None, torch.float32),
+                                 want_f32, mag_f32, a.dim, "tc_bf16", torch.float32) and ok
+        if b.guard("weight_gemm:cublas", check_cublas_bf16):
+            passed.add("weight_gemm:cublas")
+    elif b.cuda:
+        b.log(f"cuBLAS bf16 with fp32 output: {fg.cublas_bf16_reason(dev)}")
     # the fused shared expert, stage by stage
     w1, w3_, w2 = (random_fp8_linear(n, k, dev, gen) for n, k in ((a.moe_inter_dim, a.dim), (a.moe_inter_dim, a.dim),
                                                                   (a.dim, a.moe_inter_dim)))
@@ -346,7 +381,7 @@ def moe_variant_name(route: str, rows: int, tag: str = "") -> str:
 def route_tags(route: str) -> list[str]:
     """The variants a route can run: decode and scheduling belong to bf16; the fp8 route's K tile must divide its
     128-wide scale block."""
-    return [t for t in MOE_TAGS if not (route != "bf16" and t in ("f16", "persistent", "sbyte"))
+    return [t for t in MOE_TAGS if not (route != "bf16" and t in ("f16", "persistent", "sbyte", "w16p"))
             and not (route == "fp8" and MOE_TAGS[t].get("block_k1", 128) > 128)]
 
 
@@ -402,7 +437,7 @@ def bench_moe_headline(b: PrefillBench, moe: MoEBench, routes, headline: int, pl
     """Every route at the headline token count, the bf16 route's variants and 128 rows, then the sorter-rows
     ablation at the paper's M = 2048 and at the headline count."""
     cases = [(r, 64, "") for r in routes] + [("bf16", 128, "")] * ("bf16" in routes)
-    cases += [(ablation_route, 64, t) for t in plan["tags"]]
+    cases += [(ablation_route, plan["tag_rows"], t) for t in plan["tags"]]
     rows_list = plan["rows"]
     for route, rows, tag in cases:
         if not b.over_budget(f"moe {moe_variant_name(route, rows, tag)} @{headline}"):
@@ -471,6 +506,10 @@ def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int) -> None:
         ot = o.transpose(0, 1)
         t = b.time_events_us(lambda: torch.bmm(ot, wd.transpose(1, 2)), flush_l2=True)
         b.add("weight_gemm", "wo_a:cublas_bf16", t, flops, "bf16", tokens=T)
+    if "weight_gemm:cublas" in passed:  # what the backend runs: dequantize, fp32-output bmm, round once
+        t = b.time_events_us(lambda: fg.cublas_weight_gemm(o, wo_a.weight, wo_a.scale, torch.bfloat16, G),
+                             name="weight:cublas", flush_l2=True)
+        b.add("weight_gemm", "wo_a:cublas", t, flops, "bf16", tokens=T)
     x = torch.randn(T, a.dim, device=dev, generator=gen).to(torch.bfloat16)
     for name, (n, k) in bf16_projections(a).items():
         if b.over_budget(f"bf16 {name} @{T}"):
@@ -483,6 +522,9 @@ def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int) -> None:
         if b.cuda:
             t = b.time_events_us(lambda: torch.mm(x, lb.weight.t()), flush_l2=True)
             b.add("weight_gemm", f"{name}:cublas_bf16", t, flops, "bf16", tokens=T, n=n, k=k)
+        if "weight_gemm:cublas" in passed:
+            t = b.time_events_us(lambda: fg.cublas_weight_gemm(x, lb.weight, None, out), flush_l2=True)
+            b.add("weight_gemm", f"{name}:cublas", t, flops, "bf16", tokens=T, n=n, k=k)
     if "shared_expert" in passed and not b.over_budget(f"shared expert @{T}"):
         w1, w3, w2 = (random_fp8_linear(n, k, dev, gen) for n, k in ((a.moe_inter_dim, a.dim),
                                                                      (a.moe_inter_dim, a.dim),
@@ -492,6 +534,63 @@ def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int) -> None:
             t = b.time_events_us(lambda: fg.fp8_swiglu_mlp(x, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight,
                                                            w2.scale, a.swiglu_limit, backend=backend), flush_l2=True)
             b.add("shared_expert", f"fused:{backend}", t, flops, "fp8", tokens=T)
+
+
+# ============================================================================================ glue
+MHC_OPS = ("hc_pre_norm", "hc_post_pre_norm", "hc_post")
+
+
+def bench_glue(b: PrefillBench, a, gen, T: int) -> None:
+    """The glue of a ``T``-token prefill chunk: mHC on the decode step's kernels and on the rows kernel (checked
+    against each other first — both evaluate the reference's sums in fp64, so at most one output ulp apart where a
+    value lies on a rounding boundary; a failed check keeps the rows kernel untimed), and the RoPE of the attention
+    output on its kernel beside the reference's torch ops."""
+    from dsv4lab_kernels import mhc
+    from dsv4lab_kernels import norm_rope_quant as nrq
+    dev = b.device
+    X = (torch.randn(T, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+    fn = torch.randn(a.mix_hc, a.hc_dim, device=dev, generator=gen) * a.hc_dim ** -0.5
+    base = torch.randn(a.mix_hc, device=dev, generator=gen) * 0.5
+    scale = torch.rand(3, device=dev, generator=gen) + 0.5
+    w = 1 + 0.1 * torch.randn(a.dim, device=dev, generator=gen)
+    h = torch.randn(T, a.dim, device=dev, generator=gen).to(torch.bfloat16)
+    it, ne, he = a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps
+    _, post, comb = mhc.hc_pre_norm(X, fn, base, scale, w, it, ne, he)
+    kernels = {
+        "hc_pre_norm": (lambda: mhc.hc_pre_norm(X, fn, base, scale, w, it, ne, he),
+                        lambda: mhc.hc_pre_norm_rows(X, fn, base, scale, w, it, ne, he)),
+        "hc_post_pre_norm": (lambda: mhc.hc_post_pre_norm(h, X, post, comb, fn, base, scale, w, it, ne, he),
+                             lambda: mhc.hc_post_pre_norm_rows(h, X, post, comb, fn, base, scale, w, it, ne, he)),
+        "hc_post": (lambda: (mhc.hc_post(h, X, post, comb),), lambda: (mhc.hc_post_rows(h, X, post, comb),)),
+    }
+    rows_ok = mhc.rows_kernel_works(dev)
+    if not rows_ok:
+        b.log(f"mHC rows kernel not used: {mhc.rows_kernel_status(dev)}")
+    for op, (decode_fn, rows_fn) in kernels.items():
+        t = b.time_events_us(decode_fn, name=f"{op}:decode")
+        b.add("glue", f"{op}:decode_kernel", t, 0.0, "copy", tokens=T)
+
+        def check() -> bool:
+            ok = True
+            for i, (o, r) in enumerate(zip(rows_fn(), decode_fn())):
+                od = torch.float32 if o.dtype == torch.float32 else torch.bfloat16
+                ok = b.check_ulps(f"mhc_rows:{op}.{i}", o, r, od, 3.0 if (op != "hc_post" and o.ndim == 2
+                                                                         and od != torch.float32) else 1.0) and ok
+            return ok
+        if rows_ok and b.guard(f"mhc rows {op}", check):
+            t = b.time_events_us(rows_fn, name=f"{op}:rows")
+            b.add("glue", f"{op}:rows_kernel", t, 0.0, "copy", tokens=T)
+    # the attention output's inverse RoPE: [T, heads, head_dim], angles per token
+    o = torch.randn(T, a.n_heads, a.head_dim, device=dev, generator=gen).to(torch.bfloat16)
+    ang = torch.rand(T, 1, a.rope_head_dim // 2, device=dev, generator=gen) * 6.28
+    c, sn = ang.cos(), ang.sin()
+    ref = ReferenceOps(Numerics(exact_reductions=False))
+    if b.guard("rope", lambda: b.check_ulps("rope", nrq.rope_rows(o, c, sn, True), ref.rope(o, c, sn, True),
+                                            torch.bfloat16, 1.0)):
+        t = b.time_events_us(lambda: nrq.rope_rows(o, c, sn, True), name="rope")
+        b.add("glue", "rope:kernel", t, 0.0, "copy", tokens=T, gbps=round(2 * o.numel() * 2 / (t * 1e-6) / 1e9, 1))
+    t = b.time_events_us(lambda: ref.rope(o, c, sn, True))
+    b.add("glue", "rope:torch", t, 0.0, "copy", tokens=T)
 
 
 # ============================================================================================ attention side
@@ -576,8 +675,9 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens) -> Non
 
 
 # ============================================================================================ chunked layers
-TIMED_OPS = ("sparse_attention", "indexer_select", "routed_experts", "expert_mlp", "linear", "linear_f32",
-             "grouped_wo_a", "compressor_pool")
+# the ops of the interface a layer's forward calls (helpers and state hygiene are not ops of their own)
+LAYER_OPS = tuple(n for n, v in vars(ReferenceOps).items() if callable(v) and not n.startswith("_")
+                  and n not in ("elementwise", "compressed_rope_position", "reset_compressor_state"))
 
 
 def layer_roofline(a, tokens: int, chunk: int, peaks: dict, ratio: int) -> dict:
@@ -604,9 +704,14 @@ def layer_roofline(a, tokens: int, chunk: int, peaks: dict, ratio: int) -> dict:
 
 
 class LayerBench:
-    """One real-dims layer (random weights) through ``TritonOps``, prefilled in chunks, op times by CUDA event."""
+    """One real-dims layer (random weights) through ``TritonOps``, prefilled in chunks, op times by CUDA event.
 
-    def __init__(self, b: PrefillBench, args, gen, ratio: int, max_tokens: int):
+    Every op call the layer makes is timed (an op called inside another — a composite's parts — counts in its
+    caller's time), so ``untimed_us`` = the layer's time − the ops' is the torch glue between the ops (index
+    arithmetic, concatenations, cache writes) and any time the GPU waited for the host; ``host_us`` is how long
+    the host took to issue the layer (near the layer's time: the host is the limit)."""
+
+    def __init__(self, b: PrefillBench, args, gen, ratio: int, max_tokens: int, settings: dict | None = None):
         self.b, self.torch = b, torch
         self.a = args.replace(max_seq_len=-(-max(max_tokens, args.max_seq_len) // 128) * 128)
         a, dev = self.a, b.device
@@ -617,25 +722,34 @@ class LayerBench:
         nm = Numerics(exact_reductions=False)  # production semantics; torch's fp32 reductions for the glue ops
         from ..engine.triton_backend import TritonOps  # imports triton
         self.ops = TritonOps(nm)
+        for key, value in (settings or {}).items():  # prefill settings measured earlier in this run
+            setattr(self.ops, f"prefill_{key}", value)
         self.blk.attn.allocate(1, a.max_seq_len, nm.act, nm.acc, dev)
         self.X = (torch.randn(1, max_tokens, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
         self.ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
         self.events: dict[str, list] = {}
-        for name in TIMED_OPS:
+        self.depth = 0
+        self.host_us = 0.0
+        for name in LAYER_OPS:
             setattr(self.ops, name, self._timed(name, getattr(self.ops, name)))
 
     def _timed(self, name, fn):
         torch, b = self.torch, self.b
 
         def run(*xs, **kw):
-            if not b.cuda:
-                return fn(*xs, **kw)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            r = fn(*xs, **kw)
-            e.record()
-            self.events.setdefault(name, []).append((s, e))
-            return r
+            outer = b.cuda and self.depth == 0
+            self.depth += 1
+            try:
+                if not outer:
+                    return fn(*xs, **kw)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                r = fn(*xs, **kw)
+                e.record()
+                self.events.setdefault(name, []).append((s, e))
+                return r
+            finally:
+                self.depth -= 1
         return run
 
     def prefill(self, total: int, chunk: int) -> None:
@@ -646,30 +760,50 @@ class LayerBench:
             self.blk(self.X[:, p:p + c], torch.tensor([p], device=dev), torch.tensor([c], device=dev),
                      torch.tensor([0], device=dev), self.ids[:, p:p + c], self.ops)
 
-    def time(self, total: int, chunk: int) -> tuple[float, dict]:
-        """One prefill of ``total`` tokens: its time in µs and the time of each timed op inside it."""
+    def time(self, total: int, chunk: int) -> tuple[float, dict, float]:
+        """One prefill of ``total`` tokens: its time in µs, the time of each op inside it, and the host's time to
+        issue it (µs)."""
         torch, b = self.torch, self.b
         self.events.clear()
         if not b.cuda:
             t = time.perf_counter()
             self.prefill(total, chunk)
-            return (time.perf_counter() - t) * 1e6, {}
+            return (time.perf_counter() - t) * 1e6, {}, (time.perf_counter() - t) * 1e6
         b.l2_flush_buffer().zero_()
+        b.sync()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
+        t_host = time.perf_counter()
         self.prefill(total, chunk)
+        self.host_us = (time.perf_counter() - t_host) * 1e6
         e.record()
         b.sync()
         return s.elapsed_time(e) * 1e3, {k: sum(s2.elapsed_time(e2) for s2, e2 in v) * 1e3
-                                         for k, v in self.events.items()}
+                                         for k, v in self.events.items()}, self.host_us
 
 
-def bench_chunks(b: PrefillBench, args, gen, prompts, chunks, ratios, reps: int) -> None:
+def measured_moe_settings(b: PrefillBench, headline: int) -> dict:
+    """The grouped-MoE settings the rows measured so far pick (route, launch variant, sorter rows), as
+    ``TritonPrefillOps`` settings: the layers of this run use them before the choices are written."""
+    c = choices(b, headline)
+    if "moe_route" not in c:
+        return {}
+    rows = dict(c.get("moe_rows_by_tokens", [])).get(headline)
+    # the variant's decode/scheduling/scale fields too: unset, they would come from the committed choices
+    return dict(moe_route=c["moe_route"], moe_tag=c["moe_tag"], moe_decode=c["moe_decode"],
+                moe_persistent=c["moe_persistent"], moe_scale_per_byte=c["moe_scale_per_byte"],
+                **({"moe_rows": rows} if rows else {}))
+
+
+def bench_chunks(b: PrefillBench, args, gen, prompts, chunks, ratios, reps: int, headline: int) -> None:
     """Each prompt length in each chunk size (0: one shot) through one layer per compression ratio."""
+    settings = measured_moe_settings(b, headline)
+    if settings:
+        b.log(f"layers with the MoE settings measured above: {settings}")
     for ratio in ratios:
         if b.over_budget(f"chunked layer ratio {ratio}"):
             return
-        lb = LayerBench(b, args, gen, ratio, max(prompts))
+        lb = LayerBench(b, args, gen, ratio, max(prompts), settings)
         kind = {4: "csa", 0: "swa"}.get(ratio, "hca")
         for total in prompts:
             for chunk in chunks:
@@ -683,9 +817,11 @@ def bench_chunks(b: PrefillBench, args, gen, prompts, chunks, ratios, reps: int)
                 runs = sorted((r for r in runs if r is not None), key=lambda r: r[0])
                 if not runs:
                     continue
-                t, per_op = runs[len(runs) // 2]
+                t, per_op, host = runs[len(runs) // 2]
                 row = b.add("chunked_prefill", f"{kind}_layer{lb.layer}", t, 0.0, "bf16", tokens=total, chunk=chunk,
-                            tok_per_s=round(total / (t * 1e-6)), op_us={k: round(v, 1) for k, v in per_op.items()})
+                            tok_per_s=round(total / (t * 1e-6)), host_us=round(host, 1),
+                            untimed_us=round(t - sum(per_op.values()), 1),
+                            op_us={k: round(v, 1) for k, v in sorted(per_op.items(), key=lambda kv: -kv[1])})
                 if b.peaks.get("copy_gbps"):
                     roof = layer_roofline(args, total, c, b.peaks, ratio)
                     att = per_op.get("sparse_attention", 0.0)
@@ -695,8 +831,9 @@ def bench_chunks(b: PrefillBench, args, gen, prompts, chunks, ratios, reps: int)
                                attention_roofline_share=round(roof["attention_share"], 4),
                                indexer_share=round(idx_t / t, 4),
                                indexer_roofline_share=round(roof["indexer_share"], 4))
-                b.log(f"{kind} layer, {total} tokens in chunks of {c}: {t / 1e3:.2f} ms; ops (µs): "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in sorted(per_op.items())))
+                b.log(f"{kind} layer, {total} tokens in chunks of {c}: {t / 1e3:.2f} ms (host {host / 1e3:.2f} ms); "
+                      f"between the ops {row['untimed_us']:.0f} µs; ops (µs): "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in row["op_us"].items()))
         b.log("backend report:\n" + lb.ops.report())
         del lb
         if b.cuda:
@@ -723,7 +860,8 @@ def run_suite(args) -> int:
     else:
         tokens, abl, prompts, chunks, headline, reps = TOKENS, 2048, PROMPTS, CHUNKS, 4096, 3
     doc = run_header(b, args, smoke)
-    routes = tuple(r for r in getattr(args, "moe_routes", ",".join(MOE_ROUTES)).split(",") if r)
+    routes_arg = getattr(args, "moe_routes", None) or ",".join(QUICK_ROUTES if quick else MOE_ROUTES)
+    routes = tuple(r for r in routes_arg.split(",") if r)
     abl_route = getattr(args, "ablation_route", "bf16")
     if abl_route not in routes:
         raise UserError(f"--ablation-route {abl_route!r} is not among --moe-routes {','.join(routes)}")
@@ -751,10 +889,11 @@ def run_suite(args) -> int:
     sections = [
         ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, plan, abl, abl_route,
                                            quick or smoke)),
-        ("dense gemms", lambda: bench_dense(b, a, gen, passed, headline)),
-        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,))),
         ("release", release_moe),
-        ("chunk choice", lambda: bench_chunks(b, a, gen, prompts, chunks, ratios, reps)),
+        ("chunk choice", lambda: bench_chunks(b, a, gen, prompts, chunks, ratios, reps, headline)),
+        ("dense gemms", lambda: bench_dense(b, a, gen, passed, headline)),
+        ("glue", lambda: bench_glue(b, a, gen, headline)),
+        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,))),
     ]
     if not (quick or smoke):
         sections += [
@@ -782,7 +921,9 @@ def diagnostics(b: PrefillBench) -> dict:
         return dict(note="CPU interpreter: the inline-PTX decode and cuBLAS are GPU-only")
     from dsv4lab_kernels import fp4_moe_grouped as fm
     from dsv4lab_kernels import fp8_gemm as fg
-    return dict(moe_asm_decode=fm.asm_decode_status(b.device), cublas_block_fp8=fg.cublas_unavailable_reason(b.device))
+    from dsv4lab_kernels import mhc
+    return dict(moe_asm_decode=fm.asm_decode_status(b.device), cublas_block_fp8=fg.cublas_unavailable_reason(b.device),
+                cublas_bf16_fp32_out=fg.cublas_bf16_reason(b.device), mhc_rows_kernel=mhc.rows_kernel_status(b.device))
 
 
 def _rows(b: PrefillBench, kernel: str, **match) -> list[dict]:
@@ -797,8 +938,9 @@ def choices(b: PrefillBench, headline: int) -> dict:
         best = min(moe, key=lambda r: r["time_us"])
         route_tag = best["variant"].split(":")[0]
         route, _, tag = route_tag.partition("+")
-        out.update(moe_route=route, moe_decode="f16" if tag == "f16" else "auto", moe_persistent=tag == "persistent",
-                   moe_scale_per_byte=tag == "sbyte")
+        out.update(moe_route=route, moe_tag=tag, moe_decode=MOE_TAGS[tag].get("decode", "auto"),
+                   moe_persistent=MOE_TAGS[tag].get("persistent", False),
+                   moe_scale_per_byte=MOE_TAGS[tag].get("scale_per_byte", False))
         out["why"]["moe"] = f"fastest at {headline} tokens: {best['variant']} rows {best['sorter_rows']} " \
                             f"{best['time_us'] / 1e3:.2f} ms"
     rows_table = []
@@ -819,6 +961,26 @@ def choices(b: PrefillBench, headline: int) -> dict:
         out["gemm_backend"] = min(lin, key=lin.get)
         out["why"]["gemm_backend"] = ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in lin.items()) + \
             f" for the FP8 projections of a layer at {headline} tokens"
+    # bf16-activation GEMMs: cuBLAS (as the backend runs it) against the first Triton configuration, in total over
+    # the projections both timed
+    wg: dict[str, dict[str, float]] = {}
+    for r in _rows(b, "weight_gemm", tokens=headline):
+        name, _, impl = r["variant"].partition(":")
+        if impl == "cublas" or impl == WEIGHT_GEMM_CONFIGS[0]:
+            wg.setdefault(name, {})["cublas" if impl == "cublas" else "triton"] = r["time_us"]
+    both = {k: v for k, v in wg.items() if len(v) == 2}
+    if both:
+        tot = {impl: sum(v[impl] for v in both.values()) for impl in ("cublas", "triton")}
+        out["weight_gemm_backend"] = min(tot, key=tot.get)
+        out["why"]["weight_gemm_backend"] = ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in tot.items()) + \
+            f" for {', '.join(sorted(both))} at {headline} tokens"
+    glue = {r["variant"]: r["time_us"] for r in _rows(b, "glue", tokens=headline)}
+    dec = [glue.get(f"{op}:decode_kernel") for op in MHC_OPS]
+    rws = [glue.get(f"{op}:rows_kernel") for op in MHC_OPS]
+    if all(v is not None for v in dec + rws):
+        out["mhc_rows"] = sum(rws) < sum(dec)
+        out["why"]["mhc_rows"] = f"mHC of a {headline}-row chunk: rows kernel {sum(rws) / 1e3:.2f} ms, decode " \
+                                 f"kernels {sum(dec) / 1e3:.2f} ms"
     chunk_rows = _rows(b, "chunked_prefill")
     table = []
     for total in sorted({r["tokens"] for r in chunk_rows}):

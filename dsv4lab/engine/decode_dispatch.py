@@ -49,6 +49,8 @@ class GemvChoice:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    unroll: int = 1
+    prequant: bool = False
     cublas_out: str = "float32"
 
 

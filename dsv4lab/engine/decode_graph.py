@@ -5,16 +5,21 @@ Python loops and ``int()`` / ``.tolist()`` reads of positions; a CUDA graph cann
 the *decode* step over the same modules, weights and caches, written with tensors only and with the backend's fused
 ops (:class:`~dsv4lab.model.ops.ReferenceOps` defines each as the composition it replaces):
 
-* per layer: ``hc_pre_norm`` (fused with the previous layer's last ``hc_post``) → ``linear`` (wq_a, wkv) → ``rms_norm`` → ``linear`` (wq_b) → ``head_rms_rope``;
-  ``kv_norm_rope`` writes the new KV row into the window ring; each compressor: its two projections and
+* per layer: ``hc_pre_norm`` (fused with the previous layer's last ``hc_post``) → ``linear_group`` (wq_a, wkv) →
+  ``rms_norm`` → ``linear_group`` (wq_b and the indexer's wq_b) → ``head_rms_rope``; ``kv_norm_rope`` writes the new
+  KV row into the window ring; the compressors' projections (``linear_f32_group``), then per compressor
   ``compressor_step`` (ring update, pooling, entry finish and write where the token completes a block — the
   candidate block is pooled only then, and written only then, so the last partial block of ``max_seq_len``, which
   has no cache row, is never touched); CSA: ``indexer_query`` and ``indexer_select_decode`` (scores and top-k over the
   visible keys only); ``attention_from_caches`` reads the window ring and the compressed cache in place and
   applies the inverse RoPE; ``grouped_wo_a``, ``wo_b``; ``hc_post_pre_norm``; the router (``linear_f32``,
   ``router_topk``), ``routed_experts``, the shared expert; ``hc_post`` (with the next layer's ``hc_pre_norm``);
-* per step: the window rows ``p−W+1 … p`` (−1 where negative) and HCA's visible prefix ``j < (p+1)//r`` are
-  computed once and shared by every layer.
+* per step: the window rows ``max(0, p−W+1) … p`` oldest first (−1 after them) and HCA's visible prefix
+  ``j < (p+1)//r`` are computed once and shared by every layer.
+
+Projections of one input are computed by one op (``linear_group``, ``linear_f32_group``; the shared expert's w1 and
+w3 inside ``expert_mlp``): the step stacks their weights once (:mod:`dsv4lab.engine.decode_groups`, views of the
+same memory) so that a backend runs each set in one launch.
 
 With :class:`~dsv4lab.engine.triton_backend.TritonOps` every op is a kernel and the step is sync-free:
 :class:`DecodeGraphs` captures it per batch tier (1, 2, 4, 8, …) with ``torch.cuda.CUDAGraph`` (a HIP graph on
@@ -35,8 +40,8 @@ import torch
 
 from ..model.attention import Attention
 from ..model.block import Block
-from ..model.compressor import Compressor
 from ..model.moe import MoE
+from .decode_groups import group, step_groups
 
 TIERS = (1, 2, 4, 8)
 log = logging.getLogger("dsv4lab.decode")
@@ -54,14 +59,16 @@ def tiers_for(max_batch: int, tiers: Sequence[int] = TIERS) -> tuple[int, ...]:
 
 class _StepRows:
     """Cache rows every layer of one step reads, computed once per step from the positions: the window ring rows
-    of positions ``p−W+1 … p`` (−1 before the sequence start) and, per compression ratio, the visible prefix of the
-    compressed cache (HCA reads every completed entry)."""
+    of positions ``max(0, p−W+1) … p`` oldest first, then −1 for the slots a young sequence has not filled (the
+    reference's order: it decides which ``attention_block`` of the online softmax each row falls in, so a window
+    wider than the block must list them alike), and, per compression ratio, the visible prefix of the compressed
+    cache (HCA reads every completed entry)."""
 
     def __init__(self, positions: torch.Tensor, window: int):
         self.positions = positions
         u = torch.arange(window, device=positions.device)
-        window_pos = positions[:, None] - (window - 1) + u[None, :]
-        self.window = torch.where(window_pos >= 0, window_pos % window, -1)
+        window_pos = (positions - (window - 1)).clamp(min=0)[:, None] + u[None, :]
+        self.window = torch.where(window_pos <= positions[:, None], window_pos % window, -1)
         self._compressed: dict[tuple[int, int], torch.Tensor] = {}
 
     def compressed(self, ratio: int, rows: int) -> torch.Tensor:
@@ -84,6 +91,9 @@ class StaticDecodeStep:
     def __init__(self, runner):
         self.runner = runner
         self.model, self.args = runner.model, runner.args
+        for blk in self.model.layers:  # projections of one input side by side (same values, same memory)
+            for lins in step_groups(blk):
+                group(lins)
         # under tensor/expert parallelism: the same cross-rank sums, at the same sites, as Block.forward
         reduce = getattr(runner, "_all_reduce", None)
         self.attn_reduce = getattr(reduce, "attention", reduce)
@@ -152,20 +162,28 @@ class StaticDecodeStep:
         d, H, eps = a.head_dim, attn.n_local_heads, a.norm_eps
         pos = positions[:, None]  # [b, 1]: the query positions, as the reference's [b, n]
 
-        qr = ops.rms_norm(ops.linear(x, attn.wq_a), attn.q_norm.weight, eps)
-        q = ops.head_rms_rope(ops.linear(qr, attn.wq_b).view(b, 1, H, d), attn.cos, attn.sin, pos, eps)
+        q_a, kv = ops.linear_group(x, (attn.wq_a, attn.wkv))
+        qr = ops.rms_norm(q_a, attn.q_norm.weight, eps)
+        idx = attn.indexer
+        if idx is not None:
+            q, qi = ops.linear_group(qr, (attn.wq_b, idx.wq_b))
+        else:
+            q = ops.linear(qr, attn.wq_b)
+        q = ops.head_rms_rope(q.view(b, 1, H, d), attn.cos, attn.sin, pos, eps)
         # the new KV row goes into the window ring before the query reads it
-        ops.kv_norm_rope(ops.linear(x, attn.wkv), attn.kv_norm.weight, eps, attn.cos, attn.sin, pos,
-                         ring=attn.win_kv, slots=slots)
-        if attn.indexer is not None:
-            self._compress(attn.indexer.compressor, x[:, 0], positions, slots, attn.ikv, attn.cos, attn.sin)
-        if attn.compressor is not None:
-            self._compress(attn.compressor, x[:, 0], positions, slots, attn.ckv, attn.cos, attn.sin)
+        ops.kv_norm_rope(kv, attn.kv_norm.weight, eps, attn.cos, attn.sin, pos, ring=attn.win_kv, slots=slots)
+        # each compressor's kv and score projections, all of them from one op; then its step (indexer keys first)
+        comps = [(c, cache) for c, cache in ((idx.compressor if idx is not None else None, attn.ikv),
+                                            (attn.compressor, attn.ckv)) if c is not None]
+        if comps:
+            proj = ops.linear_f32_group(x[:, 0], tuple(lin for c, _ in comps for lin in (c.wkv, c.wgate)))
+            for i, (c, cache) in enumerate(comps):
+                ops.compressor_step(c, proj[2 * i], proj[2 * i + 1], positions, slots, cache, attn.cos, attn.sin)
 
         cmp_rows = None
-        if attn.indexer is not None:
-            qi = attn.indexer.queries(qr, attn.cos, attn.sin, pos, ops)[:, 0]
-            w = ops.linear(x[:, 0], attn.indexer.weights_proj)  # Indexer.head_weights, its scale applied in the op
+        if idx is not None:  # Indexer.queries and head_weights on the projections above
+            qi = ops.indexer_query(qi.view(b, 1, idx.n_local_heads, idx.head_dim), attn.cos, attn.sin, pos)[:, 0]
+            w = ops.linear(x[:, 0], idx.weights_proj)  # its scale is applied in the op
             cmp_rows = ops.indexer_select_decode(qi, w, attn.ikv, slots, positions, a.index_topk,
                                           all_reduce=self.attn_reduce, w_scale=a.index_scale)
         elif attn.ratio:
@@ -176,12 +194,6 @@ class StaticDecodeStep:
                                       cmp_ratio=attn.ratio)
         o = ops.grouped_wo_a(o.reshape(b, 1, attn.n_local_groups, -1), attn.wo_a, attn.n_local_groups)
         return ops.linear(o.flatten(2), attn.wo_b, all_reduce=self.attn_reduce)  # wo_b: column-split under TP
-
-    def _compress(self, comp: Compressor, x, positions, slots, cache, cos, sin) -> None:
-        """Feed one token per row into ``comp`` and write the entry of every block it completes."""
-        ops = self.ops
-        ops.compressor_step(comp, ops.linear_f32(x, comp.wkv), ops.linear_f32(x, comp.wgate), positions, slots, cache,
-                            cos, sin)
 
 
 class DecodeGraphs:

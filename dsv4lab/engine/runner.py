@@ -158,8 +158,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, tokens, start_pos=0, slots=None, lengths=None, trace=None, mtp: bool = False,
-                next_tokens=None, return_hidden: bool = False):
+                next_tokens=None, return_hidden: bool = False, logits: str = "all"):
         """Run ``tokens [b, n]`` and return fp32 logits for **every** position ``[b, n, vocab]``.
+
+        ``logits="last"`` returns ``[b, 1, vocab]``: each row's logits at its last valid token only (NaN for a row
+        of length 0) — all a prefill needs to pick the first token, and the head then runs on one row per sequence
+        instead of ``n`` (``generate``, the server's prefill and ``bench e2e``'s TTFT use it; verification keeps
+        the all-positions form).
 
         ``start_pos``: int or ``[b]`` — absolute position of ``tokens[:, 0]`` per row (0 for a prefill, the
         slot's current length for a continuation/decode). ``slots``: ``[b]`` cache slots (default ``0..b-1``).
@@ -174,6 +179,8 @@ class ModelRunner:
         ``return_hidden`` appends the main model's final streams ``[b, n, hc, D]`` (and with ``mtp`` the MTP
         block's output streams) — the inputs of :meth:`forward_mtp`.
         """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         tokens = torch.as_tensor(tokens, dtype=torch.long)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, n], got shape {list(tokens.shape)}")
@@ -205,31 +212,37 @@ class ModelRunner:
             return logits
         if mtp:
             self._check_mtp(slots_t, start)
+        ragged = int(lengths_t.min()) < n  # (host copies: no device read-back to decide the padding mask)
         dev = self.device
         slots_t, start, lengths_t = slots_t.to(dev), start.to(dev), lengths_t.to(dev)
         tokens = tokens.to(dev)
         if mtp and next_tokens is not None:
             next_tokens = self._token_rows(next_tokens, b, "next_tokens", greedy_marker=True)
-        logits, X = self.model(tokens, start, lengths_t, slots_t, self.ops, self._all_reduce, trace,
-                               return_hidden=True)
-        pad = torch.arange(n, device=self.device)[None, :] >= lengths_t[:, None]
-        if pad.any():
-            logits = logits.masked_fill(pad[..., None], float("nan"))
+        last_only = logits == "last"
+        out, X = self.model(tokens, start, lengths_t, slots_t, self.ops, self._all_reduce, trace,
+                            return_hidden=True, last_only=last_only)
+        if last_only:
+            pad = (lengths_t == 0)[:, None]  # a row with no token has no last position
+        else:
+            pad = torch.arange(n, device=self.device)[None, :] >= lengths_t[:, None]
+        if ragged:
+            out = out.masked_fill(pad[..., None], float("nan"))
         self.positions[slots_t.cpu()] += lengths_t.cpu()
         if not mtp:
-            return (logits.float(), X) if return_hidden else logits.float()
+            return (out.float(), X) if return_hidden else out.float()
         # the MTP block's input at position i is the token of position i+1: the next tokens of the row
         last = (lengths_t - 1).clamp(min=0)
         rows = torch.arange(b, device=self.device)
-        greedy = logits.float()[rows, last].argmax(-1)
+        greedy = (out.float()[:, 0] if last_only else out.float()[rows, last]).argmax(-1)
         next_tokens = greedy if next_tokens is None else torch.where(next_tokens >= 0, next_tokens, greedy)
         next_ids = torch.cat((tokens[:, 1:], tokens[:, -1:]), 1)
         next_ids[rows, last] = next_tokens
         mtp_logits, Xm = self.model.forward_mtp(X, next_ids, start, lengths_t, slots_t, self.ops, self._all_reduce)
-        if pad.any():
-            mtp_logits = mtp_logits.masked_fill(pad[..., None], float("nan"))
+        if ragged:
+            mtp_pad = torch.arange(n, device=self.device)[None, :] >= lengths_t[:, None]
+            mtp_logits = mtp_logits.masked_fill(mtp_pad[..., None], float("nan"))
         self.mtp_positions[slots_t.cpu()] += lengths_t.cpu()
-        return (logits.float(), mtp_logits.float()) + ((X, Xm) if return_hidden else ())
+        return (out.float(), mtp_logits.float()) + ((X, Xm) if return_hidden else ())
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: torch.Tensor, next_tokens, start_pos, slots=None, lengths=None):
@@ -307,7 +320,7 @@ class ModelRunner:
         chunk = prefill_chunk or len(ids)
         for s in range(0, len(ids), chunk):
             piece = torch.tensor([ids[s:s + chunk]])
-            logits = self.forward(piece, start_pos=s, slots=[slot])
+            logits = self.forward(piece, start_pos=s, slots=[slot], logits="last")
         out: list[int] = []
         for _ in range(max_new_tokens):
             nxt = int(sample(logits[:, -1], temperature, top_p, gen)[0])

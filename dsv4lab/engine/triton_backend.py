@@ -6,7 +6,9 @@ token rows), then the decode kernels (few rows), then the reference. Decode kern
 
 * ``linear`` (FP8 and BF16 weights), ``linear_f32`` (BF16/fp32 weights), ``grouped_wo_a`` (FP8 weight read
   directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`, or cuBLAS where the measured dispatch
-  (:mod:`dsv4lab.engine.decode_dispatch`) says it is faster within the same error bound;
+  (:mod:`dsv4lab.engine.decode_dispatch`) says it is faster within its error bound; ``linear_group`` and
+  ``linear_f32_group`` (projections of one input whose weights the decode step stacked,
+  :mod:`dsv4lab.engine.decode_groups`) in one launch;
 * ``routed_experts``, ``moe_stage1``, ``moe_stage2`` — packed FP4 experts, :mod:`dsv4lab_kernels.fp4_moe_decode`;
 * ``sparse_attention`` — :mod:`dsv4lab_kernels.attention_decode` (plus :meth:`TritonOps.attention_from_caches`,
   the two-cache form the static decode step uses, with the inverse RoPE of the output in its epilogue).
@@ -14,8 +16,10 @@ token rows), then the decode kernels (few rows), then the reference. Decode kern
 The glue between them — row-parallel kernels for any number of rows, prefill chunks included (see
 ``docs/kernels_decode.md``, "The fused decode step"):
 
-* ``hc_pre_norm``, ``hc_post_pre_norm``, ``hc_post``, ``hc_head`` — :mod:`dsv4lab_kernels.mhc`;
-* ``rms_norm``, ``head_rms_rope``, ``kv_norm_rope``, ``indexer_query`` — :mod:`dsv4lab_kernels.norm_rope_quant`;
+* ``hc_pre_norm``, ``hc_post_pre_norm``, ``hc_post``, ``hc_head`` — :mod:`dsv4lab_kernels.mhc` (a prefill chunk's
+  mHC on its rows kernel, through the prefill dispatch);
+* ``rms_norm``, ``rope``, ``head_rms_rope``, ``kv_norm_rope``, ``indexer_query`` —
+  :mod:`dsv4lab_kernels.norm_rope_quant`;
 * ``compressor_step`` — :mod:`dsv4lab_kernels.compressor_decode`; ``router_topk`` — :mod:`dsv4lab_kernels.router`;
   ``indexer_select`` — :mod:`dsv4lab_kernels.indexer_decode`; ``expert_mlp`` (the shared expert) — its projections
   on the GEMV above around :mod:`dsv4lab_kernels.swiglu`.
@@ -46,6 +50,7 @@ from ..model.linear import ExpertBank, Linear
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from .decode_dispatch import DecodeDispatch
+from .decode_groups import ProjectionGroup, group_of
 from .kernel_loader import kernel_module
 from .triton_prefill import TritonPrefillOps
 
@@ -67,9 +72,9 @@ act_kernels = kernel_module("swiglu")
 
 # The fused glue ops (row-parallel kernels for any row count).
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
-            "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp")
+            "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
-KERNEL_OPS = ("linear", "linear_f32", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
+KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
               "indexer_select") + GLUE_OPS
 # Helpers other ops call (counting them would count one op twice) and state hygiene, not compute.
@@ -97,6 +102,16 @@ def loosest(*models: str) -> str:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _cublas_scale_of(grp) -> torch.Tensor:
+    """:func:`_cublas_scale` of a stacked group's scales."""
+    key = grp.scale.data_ptr()
+    hit = grp.members[0].__dict__.get("_cublas_group_scale")
+    if hit is None or hit[0] != key:
+        hit = (key, gemv.e8m0_scales_f32(grp.scale))
+        grp.members[0].__dict__["_cublas_group_scale"] = hit
+    return hit[1]
 
 
 def _cublas_scale(lin: Linear) -> torch.Tensor:
@@ -160,12 +175,18 @@ class DecodeConfig:
         if c is not None:
             impl = c.impl if c.impl != "cublas" or c.cublas_out == "float32" else f"cublas:{c.cublas_out}"
             return impl, c.route, gemv.GemvGeometry(block_n=c.block_n, block_k=c.block_k, split_k=c.split_k,
-                                                    num_warps=c.num_warps, num_stages=c.num_stages)
+                                                    num_warps=c.num_warps, num_stages=c.num_stages,
+                                                    unroll=c.unroll, prequant=c.prequant)
+        return "triton", self.gemv_route, self.default_gemv_geometry(n, k)
+
+    def default_gemv_geometry(self, n: int, k: int):
+        """The own GEMV's geometry where nothing was measured: the fields above, K split until the grid has about
+        ``gemv_target_programs`` programs."""
         bn = min(self.gemv_block_n, 1 << max(n - 1, 1).bit_length())
         bk = min(self.gemv_block_k, 128 * -(-k // 128))
         row_blocks = -(-n // bn)
         split = max(1, min(-(-self.gemv_target_programs // row_blocks), -(-k // bk)))
-        return "triton", self.gemv_route, gemv.GemvGeometry(block_n=bn, block_k=bk, split_k=split)
+        return gemv.GemvGeometry(block_n=bn, block_k=bk, split_k=split)
 
     def moe_choice(self, rows: int):
         """``(route, geometry)`` of the routed MoE at ``rows`` rows (measured, else the fields above)."""
@@ -294,6 +315,48 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return gemv.cublas_linear(x, lin.weight, None, False, self.numerics.acc)
         return gemv.fp8_gemv(x, lin.weight, None, act_quant=False, out_dtype=self.numerics.acc, route=route or r,
                              geometry=geo)
+
+    def _stacked(self, op: str, x: torch.Tensor, lins: tuple[Linear, ...]) -> ProjectionGroup | None:
+        """The stacked weights of ``lins`` when one decode launch can compute them; else None — then each member
+        runs on its own (its op counts itself)."""
+        grp = group_of(tuple(lins))
+        rows = x.numel() // max(x.shape[-1], 1)
+        if grp is None or self._unsupported(rows, x, lins[0].weight) is not None:
+            return None
+        self._decode(op)
+        return grp
+
+    def _stacked_gemv(self, x: torch.Tensor, grp: ProjectionGroup, out_dtype: torch.dtype, act_quant: bool):
+        """One launch over a group's stacked weight: each member's output as its own contiguous tensor."""
+        lin = grp.members[0]
+        rows = x.numel() // max(x.shape[-1], 1)
+        fp8 = lin.fmt == "fp8"
+        N = sum(grp.sizes)
+        impl, r, geo = self.config.gemv_geometry(N, lin.in_features, rows, weight="fp8" if fp8 else "bf16",
+                                                 act_quant=act_quant)
+        if impl.startswith("cublas") and rows == 1 and (not fp8 or act_quant):  # one row: [1, N] is the segments
+            mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
+            y = gemv.cublas_linear(x, grp.weight, grp.scale, act_quant, out_dtype, mm_out_dtype=mm_out,
+                                   weight_scale_f32=_cublas_scale_of(grp) if fp8 else None)
+            starts = [sum(grp.sizes[:i]) for i in range(len(grp.sizes) + 1)]
+            return tuple(y[..., lo:hi] for lo, hi in zip(starts[:-1], starts[1:]))
+        if impl.startswith("cublas"):  # several rows: the own kernel writes each member's block
+            impl, r, geo = "triton", self.config.gemv_route, self.config.default_gemv_geometry(N, lin.in_features)
+        return gemv.fp8_gemv(x, grp.weight, grp.scale, act_quant=act_quant, out_dtype=out_dtype, route=r,
+                             geometry=geo, segments=grp.sizes)
+
+    def linear_group(self, x: torch.Tensor, lins: tuple[Linear, ...]) -> tuple[torch.Tensor, ...]:
+        grp = self._stacked("linear_group", x, lins)
+        lin = lins[0]
+        if grp is None or lin.fmt not in ("fp8", "bf16", "f32"):
+            return tuple(self.linear(x, l_) for l_ in lins)
+        return self._stacked_gemv(x, grp, self.numerics.act, self.numerics.act_quant and lin.act_quant)
+
+    def linear_f32_group(self, x: torch.Tensor, lins: tuple[Linear, ...]) -> tuple[torch.Tensor, ...]:
+        grp = self._stacked("linear_f32_group", x, lins)
+        if grp is None or lins[0].fmt not in ("bf16", "f32"):
+            return tuple(self.linear_f32(x, l_) for l_ in lins)
+        return self._stacked_gemv(x, grp, self.numerics.acc, False)
 
     def grouped_wo_a(self, o: torch.Tensor, lin: Linear, groups: int, route: str | None = None) -> torch.Tensor:
         if route is None:
@@ -460,18 +523,37 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.rms_norm(self, x, weight, eps)
         return nrq.rms_norm(x, weight, eps)
 
+    def rope(self, x, cos, sin, inverse=False):
+        why = self._glue_unsupported(x) or (None if cos.dtype == torch.float32 else f"{cos.dtype} angles")
+        out = nrq.rope_rows(x, cos, sin, inverse) if why is None else None
+        if out is None and why is None:
+            why = "angles broadcast other than per leading row"
+        if not self._glue("rope", x, why=why):
+            return ReferenceOps.rope(self, x, cos, sin, inverse)
+        return out
+
     def hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        out = self._prefill("hc_pre_norm", self.prefill_hc_pre_norm(X, fn, base, scale, norm_weight, args))
+        if out is not None:  # many rows: the mix on the rows kernel
+            return out
         if not self._glue("hc_pre_norm", X):
             return ReferenceOps.hc_pre_norm(self, X, fn, base, scale, norm_weight, args)
         return mhc.hc_pre_norm(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps)
 
     def hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        res = self._prefill("hc_post_pre_norm", self.prefill_hc_post_pre_norm(out, X, post, comb, fn, base, scale,
+                                                                             norm_weight, args))
+        if res is not None:
+            return res
         if not self._glue("hc_post_pre_norm", X):
             return ReferenceOps.hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args)
         return mhc.hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
                                     args.norm_eps, args.hc_eps)
 
     def hc_post(self, out, X, post, comb):
+        res = self._prefill("hc_post", self.prefill_hc_post(out, X, post, comb))
+        if res is not None:
+            return res
         if not self._glue("hc_post", X):
             return ReferenceOps.hc_post(self, out, X, post, comb)
         return mhc.hc_post(out, X, post, comb)
@@ -527,8 +609,13 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return out
         if not self._glue("expert_mlp", x):
             return ReferenceOps.expert_mlp(self, x, w1, w2, w3, limit, weight, shared)
-        h = act_kernels.swiglu(self.linear(x, w1), self.linear(x, w3), limit, weight)
-        return self.linear(h, w2)
+        grp = group_of((w1, w3))
+        rows = x.numel() // max(x.shape[-1], 1)
+        if grp is not None and rows <= self.config.max_rows and w1.fmt == "fp8":  # w1 and w3 in one launch
+            g, u = self._stacked_gemv(x, grp, self.numerics.act, self.numerics.act_quant and w1.act_quant)
+        else:
+            g, u = self.linear(x, w1), self.linear(x, w3)
+        return self.linear(act_kernels.swiglu(g, u, limit, weight), w2)
 
     # ------------------------------------------------------------------ accumulation models (for verification)
     def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,9 +57,17 @@ from .kernel_loader import kernel_module as _kernels  # on first use: triton is 
 log = logging.getLogger("dsv4lab.triton")
 
 PREFILL_OPS = ("linear", "linear_f32", "grouped_wo_a", "expert_mlp", "routed_experts", "moe_stage1", "moe_stage2",
-               "sparse_attention", "indexer_select", "indexer_scores", "indexer_topk", "compressor_pool")
+               "sparse_attention", "indexer_select", "indexer_scores", "indexer_topk", "compressor_pool",
+               "hc_pre_norm", "hc_post_pre_norm", "hc_post")
 CHOICES_FILE = RESULTS_DIR / "h200" / "prefill_kernels.json"
+CHOICES_ENV = "DSV4LAB_PREFILL_CHOICES"  # another result file to read the choices from (a fresh measurement)
 DEFAULT_MAX_CHUNK = 4096  # measured: one real-dims CSA layer prefills fastest in 4,096-token chunks (docs)
+# Grouped-MoE launch variants by name: the benchmark times each (``bf16+<tag>`` rows) and the fastest becomes the
+# measured choice ``moe_tag``, which the backend applies to its MoEGeometry
+MOE_GEOMETRY_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=True),
+                     "sbyte": dict(scale_per_byte=True), "w4": dict(warps1=4, warps2=4),
+                     "k64": dict(block_k1=64, block_k2=64), "w16": dict(warps1=16),
+                     "w16p": dict(warps1=16, persistent=True)}
 
 
 def _can_launch(t: torch.Tensor) -> bool:
@@ -112,6 +121,9 @@ class PrefillChoices:
         moe_rows_by_tokens: ``((tokens up to, sorter rows), …)`` ascending.
         moe_route, moe_decode, moe_persistent, moe_scale_per_byte, gemm_backend: the grouped MoE route, decode,
             scheduling and scale loads, and the FP8 GEMM backend that measured fastest (None: the class default).
+        moe_tag: the fastest MoE launch variant (a key of :data:`MOE_GEOMETRY_TAGS`).
+        weight_gemm_backend: ``"cublas"`` or ``"triton"`` for the bf16-activation GEMMs, the faster in total.
+        mhc_rows: whether the mHC rows kernel beat the decode step's mix at the headline token count.
         source: where these came from (a file and its commit, or "defaults").
     """
 
@@ -121,7 +133,10 @@ class PrefillChoices:
     moe_decode: str | None = None
     moe_persistent: bool | None = None
     moe_scale_per_byte: bool | None = None
+    moe_tag: str | None = None
     gemm_backend: str | None = None
+    weight_gemm_backend: str | None = None
+    mhc_rows: bool | None = None
     source: str = "defaults"
 
     @staticmethod
@@ -136,9 +151,12 @@ _CHOICES: dict[str, PrefillChoices] = {}
 
 
 def load_choices(path: Path | None = None, gpu: str | None = None) -> PrefillChoices:
-    """The ``choices`` of a prefill benchmark result (default: the committed H200 file) if it was measured on
-    ``gpu`` (default: this process's GPU; a CPU matches nothing), else the defaults. Cached per (path, gpu)."""
-    path = Path(path or CHOICES_FILE)
+    """The ``choices`` of a prefill benchmark result if it was measured on ``gpu`` (default: this process's GPU; a
+    CPU matches nothing), else the defaults. The file: ``path``, else ``$DSV4LAB_PREFILL_CHOICES`` when that file
+    exists (a run that measures and then uses its choices in one GPU visit points it at its fresh result), else
+    the committed H200 file. Cached per (path, gpu)."""
+    env = os.environ.get(CHOICES_ENV)
+    path = Path(path or (env if env and Path(env).is_file() else CHOICES_FILE))
     if gpu is None:
         gpu = _gpu_name()
     key = f"{path}|{gpu}"
@@ -164,8 +182,9 @@ def _read_choices(path: Path, gpu: str) -> PrefillChoices:
                           moe_rows_by_tokens=tuple(tuple(p) for p in c.get("moe_rows_by_tokens", ())),
                           moe_route=c.get("moe_route"), moe_decode=c.get("moe_decode"),
                           moe_persistent=c.get("moe_persistent"), moe_scale_per_byte=c.get("moe_scale_per_byte"),
-                          gemm_backend=c.get("gemm_backend"),
-                          source=f"{path.name} at {doc.get('commit')}")
+                          moe_tag=c.get("moe_tag") if c.get("moe_tag") in MOE_GEOMETRY_TAGS else None,
+                          gemm_backend=c.get("gemm_backend"), weight_gemm_backend=c.get("weight_gemm_backend"),
+                          mhc_rows=c.get("mhc_rows"), source=f"{path.name} at {doc.get('commit')}")
 
 
 def prefill_chunk(prompt_tokens: int, choices: PrefillChoices | None = None) -> int:
@@ -193,8 +212,15 @@ class TritonPrefillOps:
         prefill_moe_rows: sorter rows (the grouped GEMM's block height); None: by token count.
         prefill_moe_decode / prefill_moe_persistent / prefill_moe_scale_per_byte: the bf16 route's weight decode,
             scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
+        prefill_moe_tag: a launch variant of :data:`MOE_GEOMETRY_TAGS` (e.g. ``"w16"``: 16 warps for gate/up); the
+            three settings above override its fields.
         prefill_gemm_backend: FP8 GEMM on ``"triton"``, ``"cublas"`` (``torch._scaled_mm`` with the same block
             scales, where it takes them) or ``"auto"`` (cuBLAS where available).
+        prefill_weight_gemm_backend: the bf16-activation GEMMs (``linear_f32``, grouped ``wo_a``, bf16 ``linear``)
+            on ``"triton"`` (:func:`fp8_gemm.weight_gemm`), ``"cublas"`` (``fp8_gemm.cublas_weight_gemm``, where
+            its probe passed) or ``"auto"`` (cuBLAS where available).
+        prefill_mhc_rows: mHC pre/post of a prefill chunk on the rows kernel (``mhc.hc_pre_norm_rows``: the
+            mixing matrix read once per row block) instead of the decode step's (default True).
         prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
             launch geometry names (see the kernel modules).
     """
@@ -206,6 +232,9 @@ class TritonPrefillOps:
     prefill_moe_persistent: bool | None = None
     prefill_moe_scale_per_byte: bool | None = None
     prefill_gemm_backend: str | None = None
+    prefill_moe_tag: str | None = None
+    prefill_mhc_rows: bool | None = None
+    prefill_weight_gemm_backend: str | None = None
     prefill_gemm_config: str = "m128n128"
     prefill_weight_gemm_config: str = "n128m128"
     prefill_attention_config: str = "h64n32x"
@@ -233,9 +262,11 @@ class TritonPrefillOps:
         fm = _kernels("fp4_moe_grouped")
         if rows is None:
             rows = self.prefill_moe_rows or PrefillChoices._lookup(self._choices().moe_rows_by_tokens, tokens, 64)
-        return fm.MoEGeometry(rows=rows, decode=self._setting("moe_decode", "auto"),
-                              persistent=bool(self._setting("moe_persistent", False)),
-                              scale_per_byte=bool(self._setting("moe_scale_per_byte", False)))
+        tagged = MOE_GEOMETRY_TAGS.get(self._setting("moe_tag", "") or "", {})
+        return fm.MoEGeometry(rows=rows, **tagged).replace(
+            decode=self._setting("moe_decode", tagged.get("decode", "auto")),
+            persistent=bool(self._setting("moe_persistent", tagged.get("persistent", False))),
+            scale_per_byte=bool(self._setting("moe_scale_per_byte", tagged.get("scale_per_byte", False))))
 
     def _moe_route(self, bank, route: str | None = None) -> str:
         fm = _kernels("fp4_moe_grouped")
@@ -276,8 +307,7 @@ class TritonPrefillOps:
                               out_dtype=out_dtype, w_scale_f32=self._scale_f32(lin) if backend == "cublas" and
                               x.is_cuda else None)
         elif lin.fmt == "fp8" or (lin.fmt == "bf16" and not lin.act_quant):
-            y = fg.weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, lin.scale if lin.fmt == "fp8" else None,
-                               out_dtype, config=self.prefill_weight_gemm_config).view(*x.shape[:-1], -1)
+            y = self._weight_gemm(x.reshape(-1, x.shape[-1]), lin, out_dtype).view(*x.shape[:-1], -1)
         else:
             return None
         if all_reduce is not None:
@@ -288,17 +318,31 @@ class TritonPrefillOps:
         rows = x.numel() // max(1, x.shape[-1])
         if lin.fmt != "bf16" or x.dtype != torch.bfloat16 or not self._prefill_applies(x, rows):
             return None
-        y = _kernels("fp8_gemm").weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, None, torch.float32,
-                                             config=self.prefill_weight_gemm_config)
-        return y.view(*x.shape[:-1], -1)
+        return self._weight_gemm(x.reshape(-1, x.shape[-1]), lin, torch.float32).view(*x.shape[:-1], -1)
 
     def prefill_grouped_wo_a(self, o: torch.Tensor, lin, groups: int) -> torch.Tensor | None:
         rows = o.numel() // max(1, o.shape[-1] * groups)
         if not (lin.fmt == "fp8" and o.dtype == torch.bfloat16 and self._prefill_applies(o, rows)):
             return None
-        y = _kernels("fp8_gemm").weight_gemm(o.reshape(rows, groups, o.shape[-1]), lin.weight, lin.scale,
-                                             torch.bfloat16, groups, config=self.prefill_weight_gemm_config)
+        y = self._weight_gemm(o.reshape(rows, groups, o.shape[-1]), lin, torch.bfloat16, groups)
         return y.view(*o.shape[:-1], -1)
+
+    def _weight_gemm_backend(self, x: torch.Tensor) -> str:
+        """``"cublas"`` or ``"triton"`` for a bf16-activation GEMM: the setting (``auto``: cuBLAS where its probe
+        passed), never cuBLAS where it is not available."""
+        backend = self._setting("weight_gemm_backend", "auto")
+        if backend in ("auto", "cublas"):
+            return "cublas" if x.is_cuda and _kernels("fp8_gemm").cublas_bf16_available(x.device) else "triton"
+        return backend
+
+    def _weight_gemm(self, x: torch.Tensor, lin, out_dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+        """``x [M, K]`` (or ``[M, G, K]``) times a bf16 or FP8 weight (bf16 activations, fp32 accumulation): the
+        Triton weight-stationary GEMM or cuBLAS (:meth:`_weight_gemm_backend`)."""
+        fg = _kernels("fp8_gemm")
+        scale = lin.scale if lin.fmt == "fp8" else None
+        if self._weight_gemm_backend(x) == "cublas":
+            return fg.cublas_weight_gemm(x, lin.weight, scale, out_dtype, groups)
+        return fg.weight_gemm(x, lin.weight, scale, out_dtype, groups, config=self.prefill_weight_gemm_config)
 
     def prefill_expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
         rows = x.numel() // max(1, x.shape[-1])
@@ -312,6 +356,32 @@ class TritonPrefillOps:
             config=self.prefill_gemm_config, backend=backend,
             w2_scale_f32=self._scale_f32(w2) if backend == "cublas" and x.is_cuda else None)
         return y.view(*x.shape[:-1], -1)
+
+    # ------------------------------------------------------------------ mHC (the glue with a matrix product)
+    def _mhc_rows_apply(self, X: torch.Tensor) -> bool:
+        """Whether the mHC rows kernel takes ``X [..., n, D]``: enough rows, bf16 or fp32 streams (the glue kernels'
+        numerics), a GPU or the interpreter, not switched off by measurement, and the kernel works here."""
+        rows = X.numel() // max(1, X.shape[-1] * X.shape[-2])
+        return (rows >= self.prefill_min_tokens and self.numerics.dtype in (torch.bfloat16, torch.float32)
+                and _can_launch(X) and bool(self._setting("mhc_rows", True))
+                and _kernels("mhc").rows_kernel_works(X.device))
+
+    def prefill_hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        if not self._mhc_rows_apply(X):
+            return None
+        return _kernels("mhc").hc_pre_norm_rows(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
+                                                args.norm_eps, args.hc_eps)
+
+    def prefill_hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        if not self._mhc_rows_apply(X):
+            return None
+        return _kernels("mhc").hc_post_pre_norm_rows(out, X, post, comb, fn, base, scale, norm_weight,
+                                                     args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps)
+
+    def prefill_hc_post(self, out, X, post, comb):
+        if not self._mhc_rows_apply(X):
+            return None
+        return _kernels("mhc").hc_post_rows(out, X, post, comb)
 
     # ------------------------------------------------------------------ experts
     def prefill_routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route=None,
@@ -626,6 +696,20 @@ class TritonPrefillBackend(TritonPrefillOps, ReferenceOps):
     def compressor_pool(self, kv_slots, sc_slots):
         return self._dispatch("compressor_pool", self.prefill_compressor_pool(kv_slots, sc_slots),
                               lambda: ReferenceOps.compressor_pool(self, kv_slots, sc_slots))
+
+    def hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
+        return self._dispatch("hc_pre_norm", self.prefill_hc_pre_norm(X, fn, base, scale, norm_weight, args),
+                              lambda: ReferenceOps.hc_pre_norm(self, X, fn, base, scale, norm_weight, args))
+
+    def hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
+        return self._dispatch("hc_post_pre_norm",
+                              self.prefill_hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args),
+                              lambda: ReferenceOps.hc_post_pre_norm(self, out, X, post, comb, fn, base, scale,
+                                                                    norm_weight, args))
+
+    def hc_post(self, out, X, post, comb):
+        return self._dispatch("hc_post", self.prefill_hc_post(out, X, post, comb),
+                              lambda: ReferenceOps.hc_post(self, out, X, post, comb))
 
 
 # ============================================================================================ Σ|terms| of the ops

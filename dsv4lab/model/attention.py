@@ -104,6 +104,8 @@ class Attention(nn.Module):
         if trace is not None:
             trace("input", x)
         d, W, H = a.head_dim, a.window_size, self.n_local_heads
+        # (length, first position, cache slot) per row, read back once per layer for the host-side loops and sizes
+        rows = list(zip(*torch.stack((lengths, start, slots)).long().tolist()))
         positions = start[:, None] + torch.arange(n, device=x.device)[None, :]
         pos_c = positions.clamp(max=self.cos.shape[0] - 1)  # padded tail may run past the table
         cos_q, sin_q = self.cos[pos_c], self.sin[pos_c]
@@ -116,8 +118,7 @@ class Attention(nn.Module):
 
         # compressed entries completed by these tokens (written before attention: an entry completed by the
         # current token is visible to it)
-        for i in range(b):
-            L, p0, slot = int(lengths[i]), int(start[i]), int(slots[i])
+        for i, (L, p0, slot) in enumerate(rows):
             if L == 0:
                 continue
             if self.indexer is not None:
@@ -143,14 +144,14 @@ class Attention(nn.Module):
         win_rows = win_pos - (start[:, None, None] - W)
         idx = [torch.where(win_pos <= positions[:, :, None], win_rows, -1)]
         if self.ratio:
-            n_entries = int(((start + lengths) // self.ratio).max())
+            n_entries = max((p0 + L) // self.ratio for L, p0, _ in rows)
             base = W + n
             parts.append(self.ckv[slots, :n_entries])
             visible_n = (positions + 1) // self.ratio  # [b, n]
             if self.indexer is not None:
                 qi = self.indexer.queries(qr, self.cos, self.sin, pos_c, ops)
                 w = self.indexer.head_weights(x, ops)
-                n_keys = int(((start + lengths) // 4).max())
+                n_keys = max((p0 + L) // 4 for L, p0, _ in rows)
                 sel = ops.indexer_select(qi, w, self.ikv[slots, :n_keys], positions, 4, a.index_topk,
                                          all_reduce=all_reduce)
                 if trace is not None:
@@ -166,8 +167,7 @@ class Attention(nn.Module):
         y = ops.linear(o.flatten(2), self.wo_b, all_reduce=all_reduce)  # wo_b is split by columns under TP
 
         # window ring: the last min(L, W) tokens of each row
-        for i in range(b):
-            L, p0, slot = int(lengths[i]), int(start[i]), int(slots[i])
+        for i, (L, p0, slot) in enumerate(rows):
             keep = min(L, W)
             if keep:
                 p = torch.arange(p0 + L - keep, p0 + L, device=x.device)

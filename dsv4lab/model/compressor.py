@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import quant
 from ..config import ModelArgs
 from .linear import Linear
 from .norm import RMSNorm
@@ -97,16 +96,16 @@ class Compressor(nn.Module):
         return j_lo, entries
 
     def finish(self, pooled: torch.Tensor, blocks: torch.Tensor, ops, cos: torch.Tensor, sin: torch.Tensor):
-        """Norm, RoPE at the block's first position, and the KV/indexer quantization simulation."""
+        """Norm, RoPE at the block's first position, and the KV/indexer quantization simulation: ``pooled [nb, c]``
+        (acc) → entries ``[nb, c]`` in act.
+
+        The same compositions as the window KV row (``ops.kv_norm_rope``: RMSNorm, RoPE, the FP8 simulation of the
+        non-rope dims) and, for the indexer keys, the indexer queries (``ops.rms_norm`` then ``ops.indexer_query``:
+        RoPE, Hadamard, the FP4 simulation) — so a fast backend runs them on its fused kernels."""
         nm = ops.numerics
-        e = ops.rms_norm(pooled.to(nm.act), self.norm.weight, self.args.norm_eps)
         rpos = ops.compressed_rope_position(blocks, self.ratio)
-        e = ops.rope(e, cos[rpos], sin[rpos])
-        nope = self.channels - self.args.rope_head_dim
+        e = pooled.to(nm.act)
         if self.is_indexer:
-            e = quant.hadamard_transform(e)
-            if nm.indexer_fp4_sim:
-                e = quant.fp4_qdq(e, 32)
-        elif nm.kv_fp8_sim:
-            e = torch.cat((quant.fp8_qdq(e[..., :nope], 64), e[..., nope:]), -1)
-        return e
+            e = ops.rms_norm(e, self.norm.weight, self.args.norm_eps)
+            return ops.indexer_query(e[:, None], cos, sin, rpos)[:, 0]
+        return ops.kv_norm_rope(e, self.norm.weight, self.args.norm_eps, cos, sin, rpos)

@@ -52,6 +52,15 @@ class ReferenceOps:
         """An fp32 projection (router gate, compressor wkv/wgate, head): ``x.float() @ W.float()ᵀ`` in ``acc``."""
         return self._matmul(x, lin.dequantized(self.numerics.calc))
 
+    def linear_group(self, x: torch.Tensor, lins: tuple[Linear, ...]) -> tuple[torch.Tensor, ...]:
+        """Several projections of one input, :meth:`linear` each — one op, so that a fast backend may compute them
+        in one launch (their weights stored side by side: :mod:`dsv4lab.engine.decode_groups`)."""
+        return tuple(self.linear(x, lin) for lin in lins)
+
+    def linear_f32_group(self, x: torch.Tensor, lins: tuple[Linear, ...]) -> tuple[torch.Tensor, ...]:
+        """:meth:`linear_f32` of one input by several weights (the compressors' ``wkv``/``wgate``), as one op."""
+        return tuple(self.linear_f32(x, lin) for lin in lins)
+
     def grouped_wo_a(self, o: torch.Tensor, lin: Linear, groups: int) -> torch.Tensor:
         """``o [b,s,G,in_g] → [b,s,G,rank]`` with ``wo_a`` viewed as ``[G, rank, in_g]`` (bf16 einsum in the
         reference: no activation quantization, fp32 accumulation, bf16 output)."""

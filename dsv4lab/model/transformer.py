@@ -81,9 +81,17 @@ class Transformer(nn.Module):
         yn = ops.rms_norm(y, (norm or self.norm).weight, self.args.norm_eps)
         return ops.linear_f32(yn, self.head)
 
-    def forward(self, tokens, start, lengths, slots, ops, all_reduce=None, trace=None, return_hidden=False):
+    def forward(self, tokens, start, lengths, slots, ops, all_reduce=None, trace=None, return_hidden=False,
+                last_only=False):
+        """Logits ``[b, n, vocab]`` (acc) of every position, or with ``last_only`` ``[b, 1, vocab]`` of each row's
+        last valid token (``lengths − 1``): what a prefill needs to sample the first token, without the head's
+        ``n``-row GEMM."""
         X = self.hidden(tokens, start, lengths, slots, ops, all_reduce, trace)
-        y = ops.hc_head(X, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args)
+        Xh = X
+        if last_only:
+            rows = torch.arange(X.shape[0], device=X.device)
+            Xh = X[rows, (lengths - 1).clamp(min=0)][:, None]
+        y = ops.hc_head(Xh, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args)
         logits = self.logits(y, ops)
         if trace:
             trace("final_hidden", y)

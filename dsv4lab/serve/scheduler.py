@@ -270,13 +270,18 @@ class Scheduler:
             ragged = len(set(lengths)) > 1
             slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=device)
             lengths_t = torch.tensor(lengths, dtype=torch.long, device=device) if ragged else None
+            # the head on each row's last token only, unless a request wants its prompt's log-probabilities
+            last_only = all(seq.params.prompt_logprobs is None for seq in group)
             if self.speculative is not None:
                 logits, _ = self.speculative.prefill(tokens.to(device), slots.tolist(), lengths=lengths_t)
+                last_only = False
             else:
-                logits = self.model.forward(tokens.to(device), 0, slots=slots, lengths=lengths_t)
+                logits = self.model.forward(tokens.to(device), 0, slots=slots, lengths=lengths_t,
+                                            logits="last" if last_only else "all")
             self.counters["prefill_forwards"] += 1
             self.counters["prefill_tokens"] += sum(lengths)
-            last = torch.stack([logits[row, lengths[row] - 1] for row in range(len(group))])
+            last = logits[:, 0] if last_only else torch.stack([logits[row, lengths[row] - 1]
+                                                               for row in range(len(group))])
             prompt_logprobs = [self._prompt_logprobs(seq, logits[row, :lengths[row]])
                                if seq.params.prompt_logprobs is not None else None
                                for row, seq in enumerate(group)]

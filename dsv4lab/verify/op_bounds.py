@@ -202,6 +202,15 @@ def linear_f32(nm, acc, x, lin):
     return _point(x).matmul(lin.dequantized(F64), acc).round(nm.acc)
 
 
+def linear_group(nm, acc, x, lins):
+    """Each projection's :func:`linear` bound (one input, several weights)."""
+    return tuple(linear(nm, acc, x, lin) for lin in lins)
+
+
+def linear_f32_group(nm, acc, x, lins):
+    return tuple(linear_f32(nm, acc, x, lin) for lin in lins)
+
+
 def grouped_wo_a(nm, acc, o, lin, groups):
     w = lin.dequantized(F64).view(groups, -1, o.shape[-1])
     parts = [_point(o[..., g, :]).matmul(w[g], acc) for g in range(groups)]
@@ -820,7 +829,8 @@ def compressed_rope_position(nm, acc, block, ratio):
 
 
 OP_BOUNDS = {
-    "linear": linear, "linear_f32": linear_f32, "grouped_wo_a": grouped_wo_a,
+    "linear": linear, "linear_f32": linear_f32, "grouped_wo_a": grouped_wo_a, "linear_group": linear_group,
+    "linear_f32_group": linear_f32_group,
     "moe_stage1": moe_stage1, "moe_activation": moe_activation, "moe_stage2": moe_stage2,
     "moe_combine": moe_combine, "routed_experts": routed_experts, "expert_mlp": expert_mlp,
     "swiglu": swiglu, "rms_norm": rms_norm, "head_rms": head_rms, "rope": rope, "router_scores": router_scores,

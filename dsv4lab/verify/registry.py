@@ -20,6 +20,7 @@ import torch
 
 from .. import quant
 from ..config import get_preset
+from ..engine.decode_groups import group
 from ..model.compressor import Compressor
 from ..model.linear import ExpertBank, Linear
 from ..model.moe import Gate
@@ -95,6 +96,15 @@ def _linear_case(fmt):
     def make(s, gen, device, nm):
         lin = make_linear(fmt, s["N"], s["K"], gen, device)
         return (_x(gen, (s["M"], s["K"]), nm, device, 3.0), lin)
+    return make
+
+
+def _group_case(fmt):
+    """Projections of one input whose weights are stacked as the decode step stacks them (one launch)."""
+    def make(s, gen, device, nm):
+        lins = tuple(make_linear(fmt, n, s["K"], gen, device) for n in s["N"])
+        assert group(lins) is not None, f"registry shape {s} cannot be grouped"
+        return (_x(gen, (s["M"], s["K"]), nm, device, 3.0), lins)
     return make
 
 
@@ -406,6 +416,12 @@ OPS: list[OpCase] = [
            "dot", "BF16 weight (indexer weights_proj)"),
     OpCase("linear_f32", "linear_f32", _make_f32, [dict(M=1, N=16, K=256), dict(M=7, N=129, K=96)],
            "dot", "fp32 projection of a BF16 weight (router, compressor, head)"),
+    OpCase("linear_group", "linear_group", _group_case("fp8"),
+           [dict(M=1, N=(256, 128), K=256), dict(M=3, N=(128, 384, 128), K=384)],
+           "dot", "FP8 projections of one input, weights stacked (wq_a+wkv, wq_b+indexer wq_b, shared w1+w3)"),
+    OpCase("linear_f32_group", "linear_f32_group", _group_case("bf16"),
+           [dict(M=1, N=(16, 16, 32, 32), K=256), dict(M=2, N=(72, 72), K=96)],
+           "dot", "fp32 projections of one input by stacked BF16 weights (the compressors' wkv/wgate)"),
     OpCase("grouped_wo_a", "grouped_wo_a", _make_wo_a, [dict(b=1, s=1, G=4, R=64, in_g=192),
                                                        dict(b=2, s=5, G=2, R=32, in_g=96)],
            "dot", "grouped output projection (bf16 einsum over groups)"),

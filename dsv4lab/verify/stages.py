@@ -73,6 +73,11 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("head_rms", "attn.wq_b", "q per-head RMS"),
     ("rope", "attn.wq_b", "q after norm + RoPE"),
     ("linear", "attn.wkv", "kv projection (wkv)"),
+    # projections of one input in one launch (dsv4lab.engine.decode_groups), named by their first member
+    ("linear_group", "attn.wq_a", "q and kv projections (wq_a + wkv, one launch)"),
+    ("linear_group", "attn.wq_b", "q and indexer q projections (wq_b + indexer wq_b, one launch)"),
+    ("linear_group", "ffn.shared_experts*.w1", "shared expert w1 + w3 (one launch)"),
+    ("linear_f32_group", "attn*compressor.wkv", "compressors' kv and gate projections (one launch)"),
     ("kv_norm_rope", "attn.kv_norm", "kv norm + RoPE + FP8 sim, ring write (fused)"),
     ("rope", "attn.kv_norm", "kv after norm + RoPE"),
     ("linear_f32", "attn.compressor.wkv", "compressor kv projection"),
@@ -197,7 +202,8 @@ class OpRecorder:
         self.calls: list[OpCall] = []
         self.forward_index = 0
         self.path = "prefill"
-        self._names = _module_names(model)
+        self._model = model
+        self.refresh_names()
         self._context = "model"
         self._stack: list[int] = []
         self._saved: dict[str, Any] = {}
@@ -213,8 +219,17 @@ class OpRecorder:
                 setattr(self.ops, op, prev)
         self._saved = {}
 
+    def refresh_names(self) -> None:
+        """Name the model's modules and buffers as they are now. The static decode step regroups projections (new
+        buffer views) when it is first built; the named objects are held so that no later tensor can take the
+        ``id`` of a freed one and be named after it."""
+        self._names = _module_names(self._model)
+        self._named = [m for _, m in self._model.named_modules()] + list(self._model.buffers())
+
     def _owner(self, args, kwargs) -> str | None:
         for v in list(args) + list(kwargs.values()):
+            if isinstance(v, tuple) and v and isinstance(v[0], nn.Module):
+                v = v[0]  # a group of projections is named by its first member
             name = self._names.get(id(v)) if isinstance(v, (nn.Module, torch.Tensor)) else None
             if name is not None:
                 return name[: -len(".weight")] if name.endswith(".weight") else name
@@ -237,6 +252,7 @@ class OpRecorder:
                 out = fn(*args, **kwargs)
             finally:
                 self._stack.pop()
+                self._context = owner  # the parts of a composite op do not set the context of the calls after it
             call.out = _clone(written(op, args, kwargs, out) if op in IN_PLACE else out)
             return out
         recorded.__name__ = op
@@ -265,6 +281,7 @@ def record_reference(runner, input_ids: list[int], decode_steps: int = len(DECOD
         for i, p in enumerate(range(n_prefill, len(ids))):
             rec.forward_index += 1
             rec.path = runner.decode_path = decode_paths[i % len(decode_paths)]
+            rec.refresh_names()
             runner.forward(torch.tensor([ids[p:p + 1]]), p, slots=[0])
     finally:
         runner.decode_path = saved
