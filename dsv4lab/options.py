@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 from .config import PRESETS
+from .errors import UserError
 from .engine import BACKENDS
 from .perf.hardware import list_hardware
 
@@ -164,3 +165,14 @@ SHARED_OPTIONS = ("backend", "dtype", "device", "preset", "hardware")
 __all__ = ["DTYPES", "add_backend", "add_dtype", "add_device", "add_preset", "add_hardware", "torch_dtype",
            "resolve_device", "dtype_name", "device_name", "hardware_name", "int_range", "float_range",
            "SHARED_OPTIONS"]
+
+
+def positive_ints(text: str, flag: str) -> list[int]:
+    """A comma-separated list of integers ≥ 1 (``--batches 1,2,4``), or a one-line error naming ``flag``."""
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} {text!r}: values must be >= 1")
+    return values

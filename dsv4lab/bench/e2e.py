@@ -45,7 +45,7 @@ from ..config import get_preset
 from ..engine.decode_graph import FastDecoder
 from ..engine.loader import load
 from ..errors import UserError
-from ..options import add_backend, add_preset
+from ..options import add_backend, add_preset, positive_ints
 from ..parallel import init_distributed, load_parallel, make_site_reducer, run_parallel
 from ..perf.costmodel import decode_step
 from ..perf.hardware import load_hardware
@@ -54,7 +54,6 @@ from ..provenance import short_commit
 from ..random_checkpoint import RandomCheckpoint
 from ..verify.model import fixed_sequence, trajectory_hash
 from .common import KERNEL_FAMILIES, median_copy_us, write_json
-from .engine import _ints
 
 HELP = ("end-to-end: decode tok/s and MBU at batch 1/2/4/8 and after long prompts, TTFT, oracle hash, graph checks, "
         "ABBA, kernel breakdown")
@@ -97,11 +96,11 @@ def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
     tp = args.tp if args.tp is not None else max(1, args.nproc // max(args.ep, 1))
     o = dict(preset=args.preset, layers=args.layers, seed=args.seed, nproc=args.nproc, tp=tp, ep=args.ep,
-             backend=args.backend, collective=args.collective, batches=_ints(args.batches, "--batches"),
+             backend=args.backend, collective=args.collective, batches=positive_ints(args.batches, "--batches"),
              decode_tokens=args.decode_tokens, rounds=args.rounds,
-             contexts=_ints(args.contexts, "--contexts") if args.contexts.strip() else [],
+             contexts=positive_ints(args.contexts, "--contexts") if args.contexts.strip() else [],
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
-             prompt_tokens=args.prompt_tokens, chunks=_ints(args.chunks, "--chunks"),
+             prompt_tokens=args.prompt_tokens, chunks=positive_ints(args.chunks, "--chunks"),
              abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
              commit=args.commit)
     if args.smoke:

@@ -24,7 +24,7 @@ import torch
 
 from ..checkpoint import expected_tensors
 from ..errors import UserError
-from ..options import add_backend, add_device, add_dtype, int_range, resolve_device
+from ..options import add_backend, add_device, add_dtype, int_range, positive_ints, resolve_device
 from ..provenance import identity, result_path, write_json
 from ..serve.server import ServerOptions, load_model
 
@@ -43,14 +43,6 @@ def add_arguments(p):
     p.add_argument("--out", default=None, help="JSON result path (default runs/bench_engine/<time>.json)")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag} {text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{flag} {text!r}: values must be >= 1")
-    return values
 
 
 def decode_weight_bytes(args, batch_size: int) -> int:
@@ -125,8 +117,8 @@ def format_table(results: list[dict]) -> str:
 
 
 def run(args) -> int:
-    batches = _ints(args.batch_size, "--batch-size")
-    lengths = _ints(args.input_len, "--input-len")
+    batches = positive_ints(args.batch_size, "--batch-size")
+    lengths = positive_ints(args.input_len, "--input-len")
     if args.output_len < 2:
         raise UserError("--output-len must be >= 2 (one prefill token and at least one decode step)")
     device = resolve_device(args.device)
