@@ -79,6 +79,8 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("linear_group", "ffn.shared_experts*.w1", "shared expert w1 + w3 (one launch)"),
     ("linear_f32_group", "attn*compressor.wkv", "compressors' kv and gate projections (one launch)"),
     ("kv_norm_rope", "attn.kv_norm", "kv norm + RoPE + FP8 sim, ring write (fused)"),
+    ("kv_norm_rope", "attn.compressor.norm", "compressor entries norm + RoPE + FP8 sim (fused)"),
+    ("kv_norm_rope", "attn.indexer.compressor.norm", "indexer keys norm + RoPE (fused)"),
     ("rope", "attn.kv_norm", "kv after norm + RoPE"),
     ("linear_f32", "attn.compressor.wkv", "compressor kv projection"),
     ("linear_f32", "attn.compressor.wgate", "compressor gate projection"),
