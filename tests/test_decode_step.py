@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import dsv4lab
-from conftest import TINY
+from conftest import TINY, calibrated_max_kl
 from dsv4lab.engine.decode_graph import FastDecoder, GraphDecoder, StaticDecodeStep, tiers_for
 from dsv4lab.model.ops import ReferenceOps
+from dsv4lab.verify.model import kl_per_position
 
 GPU = torch.cuda.is_available()
 
@@ -165,8 +166,10 @@ def test_fused_static_step_on_the_triton_kernels(capsys):
 def test_gpu_graph_replay_equals_eager_step_and_reference(prompt, steps, max_len):
     """On the GPU: the runner's graph path (tiers, batch 3 padded to 4) against the eager static step on the same
     kernels (bit for bit: the property graphs must have), and against the reference decode as a gross-error guard
-    (a wrong row, layout or mask moves the logits by O(1); the precision of the kernels against the reference is the
-    verification tiers' subject, ``dsv4lab verify model --backend triton``), at every context class."""
+    at every context class: each row's KL within the per-position bound of ``verify model``'s calibrated rule for
+    ``data/tiny`` (4× its rounding floor's max; on this random checkpoint a rounding-only change of the reference
+    moves single positions by KL 0.3, so relative logit distances say nothing here). The precision of each kernel
+    against the reference is the stage tier's subject (``dsv4lab verify model --backend triton``)."""
     ids = _ids(prompt + steps, rows=3, seed=prompt)
     graph = dsv4lab.load(TINY, device="cuda", backend="triton", max_batch=3, max_seq_len=max_len)
     static = dsv4lab.load(TINY, device="cuda", backend="triton", max_batch=3, max_seq_len=max_len,
@@ -178,7 +181,8 @@ def test_gpu_graph_replay_equals_eager_step_and_reference(prompt, steps, max_len
     s = _teacher_forced(static, ids, prompt, steps, slots)
     r = _teacher_forced(ref, ids, prompt, steps, slots)
     assert graph.decode_info()["captured"], graph.decode_info()
+    bound = calibrated_max_kl("tiny")
     for i in range(steps):
         assert torch.equal(g[i], s[i]), f"step {i}: graph replay differs from the eager step"
-        rel = float((g[i] - r[i]).norm() / r[i].norm())
-        assert rel < 1e-2, f"step {i}: logits {rel:.2e} (relative) from the reference decode"
+        kl = kl_per_position(r[i].reshape(-1, r[i].shape[-1]).float(), g[i].reshape(-1, g[i].shape[-1]).float())
+        assert max(kl) <= bound, f"step {i}: KL per row {[round(k, 4) for k in kl]} from the reference (≤ {bound:.3g})"

@@ -19,7 +19,9 @@ import torch
 from dsv4lab import quant
 from dsv4lab.model.numerics import Numerics
 from dsv4lab.model.ops import ReferenceOps
+from conftest import calibrated_max_kl
 from dsv4lab.verify.compare import compare
+from dsv4lab.verify.model import kl_per_position
 from dsv4lab.verify.op_bounds import OP_BOUNDS, check_expectation, moe_stage1_int8, routed_experts_int8
 from dsv4lab.verify.registry import _make_attention, make_bank, make_linear, routing
 from dsv4lab.verify.stages import default_accumulation
@@ -300,8 +302,9 @@ def _static_step_stage_by_stage(tiny_path, device):
     pins the wiring) and every call is replayed on the Triton backend with the reference's inputs, judged by the op's
     analytic bound under the accumulation model of the kernel the call takes (``TritonOps.accumulation_for``:
     tensor-core and cuBLAS sums on a GPU, fp32 in the interpreter). Then the Triton static step itself runs, and its
-    logits are held to the reference's only as a gross-error guard (a wrong row, layout or mask moves them by O(1);
-    rounding differences propagated through 6 layers are the stage replay's subject, not a tolerance's)."""
+    logits are held to the reference's only as a gross-error guard — under the interpreter to 1e-2 relative, on a GPU
+    each row within the per-position KL bound of ``verify model``'s calibrated rule for ``data/tiny`` (rounding
+    differences propagated through 6 layers are the stage replay's subject, not a tolerance's)."""
     import dsv4lab
     from dsv4lab.engine.decode_graph import GraphDecoder
     from dsv4lab.verify.stages import OpRecorder, replay
@@ -329,8 +332,13 @@ def _static_step_stage_by_stage(tiny_path, device):
     assert {"attention_from_caches", "compressor_step", "kv_norm_rope", "indexer_select_decode", "router_topk",
             "hc_post_pre_norm", "routed_experts"} <= ops
     got = GraphDecoder(tri, graphs=False)(tok, [0, 1])  # the replay wrote nothing: the caches are the prefill's
-    rel = float((got.cpu() - want.cpu()).norm() / want.cpu().norm())
-    assert rel < 1e-2, f"the Triton static step's logits are {rel:.2e} (relative) from the reference decode"
+    if device == "cpu":  # the interpreter sums in fp32 like the reference: agreement to ~1e-7 relative
+        rel = float((got.cpu() - want.cpu()).norm() / want.cpu().norm())
+        assert rel < 1e-2, f"the Triton static step's logits are {rel:.2e} (relative) from the reference decode"
+    else:  # tensor-core sums: rounding amplified through 6 random layers, judged as verify model judges it
+        kl = kl_per_position(want.cpu().float(), got.cpu().float())
+        bound = calibrated_max_kl("tiny")
+        assert max(kl) <= bound, f"the static step's rows are KL {kl} from the reference decode (bound {bound:.3g})"
     assert tri.ops.calls.decode["routed_experts"] > 0 and tri.ops.calls.glue["compressor_step"] > 0
 
 

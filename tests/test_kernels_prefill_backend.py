@@ -200,12 +200,12 @@ def test_benchmark_choices_and_targets_from_rows():
 @pytest.mark.gpu
 def test_gpu_tiny_prefill_runs_no_prefill_op_on_the_reference():
     """On the GPU: no prefill op on the reference; chunks (100 rows) agree with one shot as the chunked-prefill
-    verification requires; and the logits stay within the model-level KL bound ``verify model`` applies to a
-    non-reference backend (``kl_bound`` 1e-2). The CPU-measured rounding floor is printed beside it: FP8 tensor
-    cores accumulate with about 14 bits, so the floor of fp32-vs-exact reductions is information here, not a bound."""
+    verification requires; and the logits stay within the calibrated KL rule ``verify model`` applies to a backend
+    that is not bit-exact: mean ≤ 10× and every position ≤ 4× the rounding floor measured in the same run on this GPU
+    (the calibration covers FP8-MMA-like accumulation: docs/verification.md)."""
     import dsv4lab
     from conftest import ROOT
-    from dsv4lab.verify.model import fixed_sequence, kl_per_position
+    from dsv4lab.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor
     m = dsv4lab.load(ROOT / "data" / "tiny-py", device="cuda", backend="triton", max_batch=1)
     m.ops.prefill_min_tokens = 32
     ids = torch.tensor([fixed_sequence(m.args, 300, seed=0)], device="cuda")
@@ -214,9 +214,12 @@ def test_gpu_tiny_prefill_runs_no_prefill_op_on_the_reference():
     out = torch.cat([m.forward(ids[:, p:p + 100], p)[0] for p in range(0, 300, 100)])
     assert not {op for op, _ in m.ops.calls.reference} & PREFILL_KERNEL_OPS, m.ops.report()
     assert max(kl_per_position(one, out)) < 1e-3  # row-independent kernels; cuBLAS may pick per-M algorithms
-    ref = dsv4lab.load(ROOT / "data" / "tiny-py", device="cuda", max_batch=1).forward(ids, 0)[0]
+    reference = dsv4lab.load(ROOT / "data" / "tiny-py", device="cuda", max_batch=1)
+    ref = reference.forward(ids, 0)[0]
     kl = kl_per_position(ref, out)
-    floor = _floor("tiny-py")
-    print(f"mean KL vs reference {sum(kl) / len(kl):.3g} (CPU rounding floor {floor['mean_kl']:.3g}), max "
-          f"{max(kl):.3g} (floor {floor['max_kl']:.3g})")
-    assert max(kl) < 1e-2, m.ops.report()
+    rule = kl_rule(rounding_noise_floor(reference, ids[0].tolist(), ref), None)
+    verdict = judge_kl(kl, m.args, rule)
+    print(f"mean KL vs reference {verdict['mean_kl']:.3g} (bound {rule['mean_kl']:.3g}), max {verdict['max_kl']:.3g} "
+          f"(bound {rule['max_kl']:.3g}); rounding floor on this GPU: mean {rule['floor_mean']:.3g}, max "
+          f"{rule['floor_max']:.3g}")
+    assert verdict["ok"], m.ops.report()
