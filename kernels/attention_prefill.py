@@ -271,7 +271,7 @@ def _topk_kernel(scores_ptr, pos_ptr, out_ptr, ROWS, S, T, KOUT, ratio, ss_b, ss
     b = row // S
     s = row % S
     p = tl.load(pos_ptr + row, mask=row_ok, other=0)
-    visible = ((p + 1) // ratio).to(tl.int32)
+    visible = tl.minimum((p + 1) // ratio, T).to(tl.int32)  # never past the cache: padding lanes tie with 0 scores
     t = tl.arange(0, BLOCK_T)
     base = b.to(tl.int64) * ss_b + s.to(tl.int64) * ss_s
     seen = row_ok[:, None] & (t < T)[None, :] & (t[None, :] < visible[:, None])  # invisible: never read

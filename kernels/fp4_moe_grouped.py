@@ -90,7 +90,8 @@ def _load_weight_halves(w_ptr, s_ptr, e, rn, n_ok, k0, K, stride_we, stride_wn, 
 # low nibbles' values ($0: elements 0-1, $1: 2-3) and the high nibbles' ($2, $3). prmt spreads the bytes to the
 # two 16-bit halves; each nibble's magnitude goes to bits 6-8 and its sign to bit 15 of its half (value · 2^-126 as
 # bf16, subnormal 0.5 included), and one mul.bf16x2 applies the scale (exact: a power of two).
-_DECODE_BF16_PTX = """
+# (a tl.constexpr: a @jit function may read no other global)
+_DECODE_BF16_PTX = tl.constexpr("""
 {
 .reg .b32 z, w0, w1, t0, t1;
 mov.b32 z, 0;
@@ -121,7 +122,7 @@ shl.b32 t1, t1, 8;
 or.b32 t0, t0, t1;
 mul.rn.bf16x2 $3, t0, $6;
 }
-"""
+""")
 
 
 @triton.jit

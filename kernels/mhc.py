@@ -219,7 +219,7 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
                 sq += tl.sum(x64 * x64, axis=1)
                 f = tl.load(fn_ptr + j[None, :] * sfn + k * D + d[:, None], mask=dm[:, None] & (j < NMIX)[None, :],
                             other=0.0).to(tl.float64)
-                acc = tl.dot(x64, f, acc)  # [rows, k-slice] · [k-slice, mix logits], fp64
+                acc = tl.dot(x64, f, acc, out_dtype=tl.float64)  # [rows, k-slice] · [k-slice, mix logits], fp64
     if MIX:
         base = (rows64 * SPLITS + split) * (NMIX + 1)
         tl.store(part_ptr + base[:, None] + j[None, :], acc, mask=row_ok[:, None] & (j < NMIX)[None, :])

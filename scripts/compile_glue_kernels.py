@@ -1,6 +1,7 @@
 """Compile every glue kernel of the decode step for a GPU target on a machine without one.
 
-Each launcher of ``kernels/{mhc,norm_rope_quant,compressor_decode,router,indexer_decode,attention_decode}.py`` is
+Each launcher of ``kernels/{mhc,norm_rope_quant,compressor_decode,router,indexer_decode,attention_decode}.py`` (and the
+prefill kernels that are probed at run time: the mHC rows mix, the inline-PTX FP4 decode) is
 called at DeepSeek-V4-Flash widths on small CPU tensors; its Triton launch is intercepted and the kernel compiled
 (``triton.compile``, the wheel's own ptxas) for ``--target`` instead of run — so a kernel that the interpreter
 accepts but the GPU compiler rejects (a type mismatch, an op the backend lacks) fails here, in CI, not in a scarce
@@ -176,6 +177,17 @@ def flash_calls():
                           torch.zeros(3, 2 * ratio, width), torch.zeros(3, 2 * ratio, width),
                           torch.zeros(3, 16, ch, dtype=bf), torch.ones(ch), cos, cos, ratio, ratio == 4, 1e-6, idx,
                           True)))
+    # prefill-side kernels with a run-time probe and a fallback: a compile error here is a silent loss on the GPU
+    from dsv4lab_kernels import fp4_moe_grouped
+    rows = torch.zeros(64, hc, D, dtype=bf)
+    calls.append(("mHC mix rows (prefill, fp64 dot)", lambda: mhc._mix_rows(
+        rows, None, None, None, fn, False, a.mix_hc, mhc.MhcRowsGeometry(block_m=32, block_d=32, splits=2))))
+    bn, bk = 32, 128
+    for asm in (True, False):
+        calls.append((f"FP4 decode probe asm={asm}", lambda asm=asm: fp4_moe_grouped._decode_probe_kernel[(1,)](
+            torch.zeros(bn, bk // 2, dtype=torch.uint8), torch.full((bn, bk // 32), 100, dtype=torch.uint8),
+            torch.empty(bn, bk // 2, dtype=bf), torch.empty(bn, bk // 2, dtype=bf), BLOCK_N=bn, BLOCK_K=bk,
+            ASM=asm)))
     return calls
 
 

@@ -39,6 +39,18 @@ def test_select_is_the_reference_at_chunk_offsets_and_with_ties(config):
     assert torch.equal(ap.indexer_select(qi, w, keys, positions, ratio, topk, config=config), want)
 
 
+def test_select_never_picks_beyond_the_key_cache_when_positions_see_more_entries_than_it_holds():
+    """Queries whose positions would see more entries than ``keys`` holds (``(p+1)//ratio > T``: a cache cut short,
+    the H200 real-width test's positions) pick among the ``T`` entries only — an index ≥ T is an out-of-bounds
+    read downstream (it was, on the GPU, where the ReLU'd zero scores tie with the unloaded padding)."""
+    b, s, h, d, T, ratio, topk = 1, 9, 4, 64, 30, 4, 48
+    qi, w, keys = _case(b, s, h, d, T, seed=4)
+    positions = (torch.arange(s) * 13 + 100)[None]  # sees 25 … 51 entries of 30
+    got = ap.indexer_select(qi, w, keys, positions, ratio, topk)
+    assert int(got.max()) < T
+    assert torch.equal(got, REF.indexer_select(qi, w, keys, positions, ratio, topk))
+
+
 def test_causal_scores_skip_the_keys_no_query_of_a_block_sees():
     b, s, h, d, T, ratio = 1, 12, 4, 64, 80, 4
     qi, w, keys = _case(b, s, h, d, T, seed=2)
