@@ -20,20 +20,22 @@ may also name another file.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..errors import DSV4LabError
+from ..paths import RESULTS_DIR, read_json
+
 log = logging.getLogger("dsv4lab.triton")
 
 FORMAT = "dsv4lab.decode-dispatch/1"
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "data" / "results" / "h200" / "decode_dispatch.json"
+DEFAULT_PATH = RESULTS_DIR / "h200" / "decode_dispatch.json"
 ENV = "DSV4LAB_DECODE_DISPATCH"
 
 
-class DispatchError(ValueError):
+class DispatchError(DSV4LabError, ValueError):
     """A dispatch file is malformed; the message names the file and the field."""
 
 
@@ -149,10 +151,7 @@ class DecodeDispatch:
             if path or env:
                 raise DispatchError(f"decode dispatch file {p} does not exist")
             return cls(None, f"no {p.name}")
-        try:
-            doc = json.loads(p.read_text())
-        except json.JSONDecodeError as err:
-            raise DispatchError(f"{p}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        doc = read_json(p, DispatchError)
         if device_name is not None and doc.get("gpu") and doc["gpu"] != device_name:
             log.info("decode dispatch %s was measured on %s, this is %s: using the defaults", p, doc["gpu"],
                      device_name)
