@@ -56,7 +56,7 @@ import triton.language as tl
 
 from .formats import e2m1_pair_to_f32_scaled, e8m0_to_f32, pow2
 from .fp8_gemm import interpreting, pow2_exponent, quantize_activations, quantize_block_fp8, to_bf16
-from .rowops import device_key
+from .rowops import DeviceProbe
 from .moe_sort import SortedRouting, sort_by_expert
 
 ROUTES = ("bf16", "fp8", "scaled")
@@ -438,37 +438,33 @@ def _decode_probe_kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, BLOCK_N: tl.constexpr, BL
     tl.store(hi_ptr + rn[:, None] * (BLOCK_K // 2) + kj[None, :], hi)
 
 
-_ASM_STATE: dict[str, object] = {}
+def _probe_asm_decode(dev: torch.device) -> bool | str:
+    bn, bk = 32, 128
+    w = torch.arange(bn * bk // 2, device=dev).remainder(256).to(torch.uint8).view(bn, bk // 2)
+    sc = torch.linspace(2, ASM_MAX_SCALE_BYTE, bn * bk // 32, device=dev).round().to(torch.uint8).view(bn, -1)
+    outs = []
+    for asm in (True, False):
+        lo, hi = (torch.empty(bn, bk // 2, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        _decode_probe_kernel[(1,)](w, sc, lo, hi, BLOCK_N=bn, BLOCK_K=bk, ASM=asm)
+        outs.append(torch.cat((lo, hi), 1))
+    ok = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    return True if ok else "the inline-PTX decode differs from the portable decode"
+
+
+_ASM_PROBE = DeviceProbe(_probe_asm_decode)
 
 
 def asm_decode_works(device) -> bool:
     """Whether the inline-PTX decode compiles and reproduces the portable decode bit for bit on ``device``: every
     byte value under scale bytes 2 … 128, checked once per process (never in the CPU interpreter)."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or interpreting():
+    if torch.device(device).type != "cuda" or interpreting():
         return False
-    key = device_key(dev)
-    if key not in _ASM_STATE:
-        bn, bk = 32, 128
-        w = torch.arange(bn * bk // 2, device=dev).remainder(256).to(torch.uint8).view(bn, bk // 2)
-        sc = torch.linspace(2, ASM_MAX_SCALE_BYTE, bn * bk // 32, device=dev).round().to(torch.uint8).view(bn, -1)
-        outs = []
-        try:
-            for asm in (True, False):
-                lo, hi = (torch.empty(bn, bk // 2, dtype=torch.bfloat16, device=dev) for _ in range(2))
-                _decode_probe_kernel[(1,)](w, sc, lo, hi, BLOCK_N=bn, BLOCK_K=bk, ASM=asm)
-                outs.append(torch.cat((lo, hi), 1))
-            ok = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
-            _ASM_STATE[key] = True if ok else "the inline-PTX decode differs from the portable decode"
-        except Exception as err:  # noqa: BLE001 — a compile failure means: use the portable decode
-            _ASM_STATE[key] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
-    return _ASM_STATE[key] is True
+    return _ASM_PROBE.works(device)
 
 
 def asm_decode_status(device) -> str:
     """Why :func:`asm_decode_works` said what it said (for logs and benchmark records)."""
-    state = _ASM_STATE.get(device_key(device))
-    return "not probed" if state is None else ("works" if state is True else str(state))
+    return _ASM_PROBE.status(device)
 
 
 def _decode_asm(route: str, geo: "MoEGeometry", bank, device) -> bool:

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .formats import e8m0_to_f32, fp8_act_exponent, pow2, round_to_bf16, round_to_e4m3
-from .rowops import device_key
+from .rowops import DeviceProbe
 
 ACT_BLOCK = 128
 FP8_MAX = 448.0
@@ -249,23 +249,16 @@ def fp8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_s
 
 
 # ============================================================================================ cuBLAS FP8 path
-_CUBLAS_STATE: dict[str, object] = {}
-
-
 def cublas_block_fp8_available(device) -> bool:
     """Whether ``torch._scaled_mm`` takes DeepSeek's 1×128 / 128×128 block scales here (cuBLAS ≥ 12.9, sm_90).
     Probed once per process with a small product checked against the Triton kernel's."""
     if interpreting() or torch.device(device).type != "cuda":
         return False
-    key = device_key(device)
-    if key not in _CUBLAS_STATE:
-        _CUBLAS_STATE[key] = _probe_cublas(torch.device(device))
-    return _CUBLAS_STATE[key] is True
+    return _CUBLAS_PROBE.works(device)
 
 
 def cublas_unavailable_reason(device) -> str:
-    state = _CUBLAS_STATE.get(device_key(device))
-    return "not probed" if state is None else ("available" if state is True else str(state))
+    return _CUBLAS_PROBE.status(device)
 
 
 def _probe_cublas(device) -> bool | str:
@@ -288,6 +281,9 @@ def _probe_cublas(device) -> bool | str:
     if not bool(((got - want).abs() <= 2 ** -5 * (xd.abs() @ wd.abs().T)).all()):
         return "torch._scaled_mm block scales gave a different product than the Triton kernel"
     return True
+
+
+_CUBLAS_PROBE = DeviceProbe(_probe_cublas, ok_word="available")
 
 
 def weight_scale_f32(w_scale: torch.Tensor) -> torch.Tensor:
@@ -613,24 +609,17 @@ def cublas_weight_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor |
     return out
 
 
-_CUBLAS_BF16_STATE: dict[str, object] = {}
-
-
 def cublas_bf16_available(device) -> bool:
     """Whether :func:`cublas_weight_gemm` runs here (``torch.mm``/``bmm`` with ``out_dtype=float32``) and agrees
     with :func:`weight_gemm` within twice the ``tc_bf16`` bound — probed once per process on small plain and
     grouped products with an FP8 weight."""
     if interpreting() or torch.device(device).type != "cuda":
         return False
-    key = device_key(device)
-    if key not in _CUBLAS_BF16_STATE:
-        _CUBLAS_BF16_STATE[key] = _probe_cublas_bf16(torch.device(device))
-    return _CUBLAS_BF16_STATE[key] is True
+    return _CUBLAS_BF16_PROBE.works(device)
 
 
 def cublas_bf16_reason(device) -> str:
-    state = _CUBLAS_BF16_STATE.get(device_key(device))
-    return "not probed" if state is None else ("available" if state is True else str(state))
+    return _CUBLAS_BF16_PROBE.status(device)
 
 
 def _probe_cublas_bf16(device) -> bool | str:
@@ -651,6 +640,9 @@ def _probe_cublas_bf16(device) -> bool | str:
         if a.shape != b.shape or not bool(((a - b).abs() <= 4 * 256 * 2.0 ** -24 * mag + 1e-30).all()):
             return "torch.mm/bmm (bf16 in, fp32 out) gave a different product than the Triton kernel"
     return True
+
+
+_CUBLAS_BF16_PROBE = DeviceProbe(_probe_cublas_bf16, ok_word="available")
 
 
 def grouped_bf16_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, groups: int,

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from .norm_rope_quant import f64_bits
-from .rowops import LAUNCH_EXACT, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
+from .rowops import LAUNCH_EXACT, DeviceProbe, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
 from .tickets import counters, take_ticket
 
 
@@ -270,39 +270,35 @@ def hc_post_rows(out, X, post, comb, geometry: MhcRowsGeometry | None = None):
     return xn.view(X.shape)
 
 
-_ROWS_STATE: dict[str, object] = {}
+def _probe_rows_kernel(dev: torch.device) -> bool | str:
+    g = torch.Generator(device=dev).manual_seed(0)
+    M, HC, D = 70, 4, 160
+    X = torch.randn(M, HC, D, device=dev, generator=g).to(torch.bfloat16)
+    fn = torch.randn((2 + HC) * HC, HC * D, device=dev, generator=g) * (HC * D) ** -0.5
+    _, got, splits = _mix_rows(X, None, None, None, fn, False, (2 + HC) * HC,
+                               MhcRowsGeometry(block_m=32, block_d=32, splits=2))
+    _, want = _mix(X, None, None, None, fn, False, (2 + HC) * HC, MhcGeometry(block_m=1, splits=1))
+    ok = torch.allclose(got.sum(1), want[:, 0], rtol=1e-12, atol=1e-12)
+    return True if ok else "the rows kernel's partial sums differ from the decode mix's"
+
+
+_ROWS_PROBE = DeviceProbe(_probe_rows_kernel)
 
 
 def rows_kernel_works(device) -> bool:
     """Whether the rows kernel compiles here (an fp64 ``tl.dot``) and gives the decode mix's partial sums (both
     fp64: equal to ~1e-15 relative) — checked once per process on a small random case; the interpreter always
     runs it. The backend falls back to the decode mix where it does not (see :func:`rows_kernel_status`)."""
-    dev = torch.device(device)
-    if interpreting() or dev.type != "cuda":
+    if interpreting() or torch.device(device).type != "cuda":
         return True
-    key = str(dev)
-    if key not in _ROWS_STATE:
-        g = torch.Generator(device=dev).manual_seed(0)
-        M, HC, D = 70, 4, 160
-        X = torch.randn(M, HC, D, device=dev, generator=g).to(torch.bfloat16)
-        fn = torch.randn((2 + HC) * HC, HC * D, device=dev, generator=g) * (HC * D) ** -0.5
-        try:
-            _, got, splits = _mix_rows(X, None, None, None, fn, False, (2 + HC) * HC,
-                                       MhcRowsGeometry(block_m=32, block_d=32, splits=2))
-            _, want = _mix(X, None, None, None, fn, False, (2 + HC) * HC, MhcGeometry(block_m=1, splits=1))
-            ok = torch.allclose(got.sum(1), want[:, 0], rtol=1e-12, atol=1e-12)
-            _ROWS_STATE[key] = True if ok else "the rows kernel's partial sums differ from the decode mix's"
-        except Exception as err:  # noqa: BLE001 — a compile failure means: use the decode mix
-            _ROWS_STATE[key] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
-    return _ROWS_STATE[key] is True
+    return _ROWS_PROBE.works(device)
 
 
 def rows_kernel_status(device) -> str:
     """Why :func:`rows_kernel_works` said what it said (for logs and benchmark records)."""
     if interpreting() or torch.device(device).type != "cuda":
         return "interpreter"
-    state = _ROWS_STATE.get(str(torch.device(device)))
-    return "not probed" if state is None else ("works" if state is True else str(state))
+    return _ROWS_PROBE.status(device)
 
 
 # ============================================================================================ finish

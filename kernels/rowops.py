@@ -41,6 +41,31 @@ def device_key(device) -> str:
     return str(dev)
 
 
+class DeviceProbe:
+    """A capability checked once per process and GPU (:func:`device_key`): ``probe(device)`` returns True, or a
+    sentence saying why not; an exception it raises (a kernel the GPU compiler rejects) is recorded as the reason.
+    The caller falls back to a slower path wherever :meth:`works` is False."""
+
+    def __init__(self, probe, ok_word: str = "works"):
+        self._probe = probe
+        self._ok_word = ok_word
+        self._state: dict[str, object] = {}
+
+    def works(self, device) -> bool:
+        key = device_key(device)
+        if key not in self._state:
+            try:
+                self._state[key] = self._probe(torch.device(key))
+            except Exception as err:  # noqa: BLE001 — any failure means: use the fallback, and say why
+                self._state[key] = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        return self._state[key] is True
+
+    def status(self, device) -> str:
+        """Why :meth:`works` said what it said (for logs and benchmark records)."""
+        state = self._state.get(device_key(device))
+        return "not probed" if state is None else (self._ok_word if state is True else str(state))
+
+
 @triton.jit
 def to_act(v, ROUND_BF16: tl.constexpr):
     """Round fp32 ``v`` where the reference rounds to its activation dtype (bf16); unchanged for fp32 activations."""

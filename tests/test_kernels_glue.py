@@ -546,3 +546,17 @@ def test_glue_kernels_compile_for_gpu_targets(target):
                          capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert out.stdout.count("ok ") >= 20
+
+
+def test_device_probe_runs_once_per_device_and_records_why_not():
+    """The once-per-process capability probes (cuBLAS block FP8, the mHC rows kernel, the inline-PTX decode): one
+    run per device, a failure or an exception kept as the reason the fallback is taken."""
+    from dsv4lab_kernels.rowops import DeviceProbe
+    runs = []
+    refusing = DeviceProbe(lambda dev: runs.append(dev) or "the product differs", ok_word="available")
+    assert refusing.status("cpu") == "not probed"
+    assert not refusing.works("cpu") and not refusing.works("cpu") and len(runs) == 1
+    assert refusing.status("cpu") == "the product differs"
+    crashing = DeviceProbe(lambda dev: 1 / 0)
+    assert not crashing.works("cpu") and crashing.status("cpu").startswith("ZeroDivisionError")
+    assert DeviceProbe(lambda dev: True, ok_word="available").works("cpu")
