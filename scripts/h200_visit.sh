@@ -54,7 +54,9 @@ for spec in "$@"; do
     [ "$limit" = "$spec" ] && limit=""
     case $name in
         tests) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")  # compilation is the cost
-            part tests "${limit:-300}" python3 -m pytest -m gpu -v -rs -p no:cacheprovider $workers --timeout=240 tests ;;
+            # SIGINT 20 s before the limit: pytest stops and still prints its failures (a killed run prints none)
+            part tests "${limit:-300}" timeout -s INT -k 10 $(( ${limit:-300} - 20 )) python3 -m pytest -m gpu -v \
+                -rfs --tb=short -p no:cacheprovider $workers --timeout=240 tests ;;
         verify) part verify "${limit:-300}" bash scripts/h200_verify.sh "$R/verify" models faults ;;
         generate) part generate "${limit:-90}" bash -c "python3 -m dsv4lab generate --checkpoint data/tiny-py \
             --backend triton --device cuda --prompt 'def __init__(self' --max-new-tokens 48 --json && \
