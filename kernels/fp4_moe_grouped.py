@@ -48,6 +48,7 @@ quantization block), written per sorted row in the layout stage 2 reads. Stage 2
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -388,41 +389,46 @@ def _check_bank(bank) -> None:
         assert t.is_contiguous(), f"expert bank {name} must be contiguous"
 
 
-_EXACT_CACHE: dict[tuple, bool] = {}
+_EXACT_CACHE: dict[tuple, tuple[list, bool]] = {}
+_SCALES = ("w1_scale", "w3_scale", "w2_scale")
+
+
+def _per_bank(kind, bank, compute) -> bool:
+    """``compute(scales)`` once per bank's scale tensors. Keyed by address and shape, and valid only while those
+    very tensors are alive (weak references): memory freed by one bank and reused by the next must not answer for
+    it — a stale "exact" sent a later bank down a route its scales do not allow."""
+    scales = [getattr(bank, n) for n in _SCALES]
+    key = (kind,) + tuple((t.data_ptr(), tuple(t.shape)) for t in scales)
+    hit = _EXACT_CACHE.get(key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], scales)):
+        return hit[1]
+    ok = compute(scales)
+    _EXACT_CACHE[key] = ([weakref.ref(t) for t in scales], ok)
+    return ok
 
 
 def fp8_route_exact(bank, block_k: int = 128) -> bool:
     """Whether every ``block_k``-wide K tile of every expert weight has 1×32 scales within
     :data:`FP8_ROUTE_MAX_SPREAD` binades, so the ``fp8`` route's upcast to E4M3 is exact."""
-    key = tuple((getattr(bank, n).data_ptr(), tuple(getattr(bank, n).shape)) for n in ("w1_scale", "w3_scale",
-                                                                                    "w2_scale")) + (block_k,)
-    hit = _EXACT_CACHE.get(key)
-    if hit is not None:
-        return hit
-    ok = True
     per = block_k // 32
-    for name in ("w1_scale", "w3_scale", "w2_scale"):
-        s = _u8(getattr(bank, name)).to(torch.int16)
-        g = s.shape[-1]
-        pad = -g % per
-        hi = torch.nn.functional.pad(s, (0, pad), value=0).view(*s.shape[:-1], -1, per).amax(-1)
-        lo = torch.nn.functional.pad(s, (0, pad), value=255).view(*s.shape[:-1], -1, per).amin(-1)
-        ok = ok and bool(((hi - lo) <= FP8_ROUTE_MAX_SPREAD).all())
-    _EXACT_CACHE[key] = ok
-    return ok
+
+    def spread_ok(scales) -> bool:
+        for t in scales:
+            s = _u8(t).to(torch.int16)
+            pad = -s.shape[-1] % per
+            hi = torch.nn.functional.pad(s, (0, pad), value=0).view(*s.shape[:-1], -1, per).amax(-1)
+            lo = torch.nn.functional.pad(s, (0, pad), value=255).view(*s.shape[:-1], -1, per).amin(-1)
+            if not bool(((hi - lo) <= FP8_ROUTE_MAX_SPREAD).all()):
+                return False
+        return True
+    return _per_bank(("fp8", block_k), bank, spread_ok)
 
 
 def asm_decode_exact(bank) -> bool:
     """Whether every 1×32 scale byte of ``bank`` lies in [2, :data:`ASM_MAX_SCALE_BYTE`], where the ``asm``
     decode's bf16 multiply by 2^(s−1) is exact (no overflow above, no bf16 subnormal result below)."""
-    key = ("asm",) + tuple((getattr(bank, n).data_ptr(), tuple(getattr(bank, n).shape))
-                           for n in ("w1_scale", "w3_scale", "w2_scale"))
-    hit = _EXACT_CACHE.get(key)
-    if hit is None:
-        hit = all(bool(((_u8(getattr(bank, n)) >= 2) & (_u8(getattr(bank, n)) <= ASM_MAX_SCALE_BYTE)).all())
-                  for n in ("w1_scale", "w3_scale", "w2_scale"))
-        _EXACT_CACHE[key] = hit
-    return hit
+    return _per_bank("asm", bank, lambda scales: all(
+        bool(((_u8(t) >= 2) & (_u8(t) <= ASM_MAX_SCALE_BYTE)).all()) for t in scales))
 
 
 @triton.jit

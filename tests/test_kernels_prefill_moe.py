@@ -130,3 +130,19 @@ def test_gpu_grouped_moe_stage_by_stage_within_bounds(route, geo):
     mag = torch.nan_to_num(expert_stage_magnitude(hk, idx, bank, "w2", True)).sum(1)
     _within("fused", y, REF.moe_combine(REF.moe_stage2(hk, idx, bank), idx), mag, 2048, acc, torch.float32,
             rounded_terms=True)
+
+
+def test_the_exactness_checks_never_answer_for_a_bank_they_did_not_see():
+    """``fp8_route_exact`` / ``asm_decode_exact`` remember their answer per bank. A new scale tensor at the address
+    and shape of one already checked (memory freed and reused; here a view of the same memory) is checked again:
+    a remembered "exact" once sent a later test's bank down a route its scales do not allow (outputs ~1e11)."""
+    bank = make_bank(4, 256, 128, torch.Generator().manual_seed(3))
+    for name in ("w1_scale", "w3_scale", "w2_scale"):
+        fm._u8(getattr(bank, name)).fill_(127)
+    assert fm.fp8_route_exact(bank) and fm.asm_decode_exact(bank)
+    for name in ("w1_scale", "w3_scale", "w2_scale"):  # same address and shape, other tensors, other values
+        t = getattr(bank, name).view(getattr(bank, name).shape)
+        fm._u8(t)[0, 0, 0] = 127 + fm.FP8_ROUTE_MAX_SPREAD + 1 if name == "w1_scale" else 127
+        fm._u8(t)[0, 0, 1] = 255 if name == "w3_scale" else 127
+        bank._buffers[name] = t
+    assert not fm.fp8_route_exact(bank) and not fm.asm_decode_exact(bank)

@@ -311,6 +311,11 @@ def test_the_triton_backend_names_the_accumulation_of_the_kernel_each_call_takes
         moe=[dict(batch=1, choice=dict(route="fma"))])
     ops = tb.TritonOps(Numerics(), tb.DecodeConfig(moe_route="dot", gemv_route="dot", dispatch=DecodeDispatch(doc)))
     assert ops.accumulation_for("linear", x1, lin) == "fp32"  # the interpreter: numpy's fp32
+    # every kernel module the calls below may load is loaded first: a module imported while `interpreting` is
+    # patched binds the patch for good (`from .fp8_gemm import interpreting`) and runs the later tests compiled
+    for name in ("fp8_gemm", "fp4_moe_grouped", "attention_prefill", "moe_sort", "mhc", "rowops", "fp8_gemv",
+                 "fp4_moe_decode"):
+        tp._kernels(name)
     monkeypatch.setattr(tb, "interpreting", lambda: False)
     monkeypatch.setattr(tp, "_can_launch", lambda t: True)
     monkeypatch.setattr(tp._kernels("fp8_gemm"), "interpreting", lambda: False)
