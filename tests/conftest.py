@@ -81,3 +81,20 @@ def calibrated_max_kl(checkpoint: str) -> float:
     floor = next(r for r in rows if r["checkpoint"] == checkpoint)["rounding_floor"]
     return KL_FLOOR_FACTOR_MAX * floor["max_kl"]
 
+
+def in_poisoned(t, poison_byte: int, extra: int = 256):
+    """``t`` at the front of a larger buffer whose tail bytes are ``poison_byte`` (a read past ``t`` sees NaN)."""
+    import torch
+    raw = t.contiguous().view(torch.uint8).flatten()
+    buf = torch.full((raw.numel() + extra,), poison_byte, dtype=torch.uint8, device=t.device)
+    buf[: raw.numel()] = raw
+    return buf[: raw.numel()].view(t.dtype).view(t.shape)
+
+
+def poisoned_x(x):
+    """A bf16 activation at the front of a buffer of NaNs (a read past its rows or columns sees NaN)."""
+    import torch
+    nan = int(torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16))
+    buf = torch.full((x.numel() + 128,), nan, dtype=torch.int16, device=x.device)
+    buf[: x.numel()] = x.contiguous().view(torch.int16).flatten()
+    return buf[: x.numel()].view(torch.bfloat16).view(x.shape)

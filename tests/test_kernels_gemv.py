@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 
+from conftest import in_poisoned, poisoned_x
 from dsv4lab import quant
 from dsv4lab.model.numerics import Numerics
 from dsv4lab.model.ops import ReferenceOps
@@ -29,18 +30,6 @@ REF = ReferenceOps(Numerics())
 FP8_NAN, E8M0_NAN = 0x7F, 0xFF
 
 
-def _in_poisoned(t: torch.Tensor, poison_byte: int, extra: int = 256) -> torch.Tensor:
-    raw = t.contiguous().view(torch.uint8).flatten()
-    buf = torch.full((raw.numel() + extra,), poison_byte, dtype=torch.uint8, device=t.device)
-    buf[: raw.numel()] = raw
-    return buf[: raw.numel()].view(t.dtype).view(t.shape)
-
-
-def _poisoned_x(x: torch.Tensor) -> torch.Tensor:
-    nan = int(torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16))
-    buf = torch.full((x.numel() + 128,), nan, dtype=torch.int16, device=x.device)
-    buf[: x.numel()] = x.contiguous().view(torch.int16).flatten()
-    return buf[: x.numel()].view(torch.bfloat16).view(x.shape)
 
 
 def within_bound(out, x, weight, scale, route, act_quant=True, groups=1, out_dtype=torch.bfloat16, name=""):
@@ -59,9 +48,9 @@ def test_fp8_gemv_within_bound_and_never_reads_padding(route, case):
     M, N, K = case["M"], case["N"], case["K"]
     g = torch.Generator().manual_seed(M * N + len(route))
     lin = make_linear("fp8", N, K, g)
-    x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
-    w = _in_poisoned(lin.weight, FP8_NAN)
-    s = _in_poisoned(lin.scale, E8M0_NAN)
+    x = poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    w = in_poisoned(lin.weight, FP8_NAN)
+    s = in_poisoned(lin.scale, E8M0_NAN)
     geo = gemv.GemvGeometry(block_n=32, block_k=128, split_k=case["split"])
     out = gemv.fp8_gemv(x, w, s, act_quant=True, route=route, geometry=geo)
     res = within_bound(out, x, lin.weight, lin.scale, route)
@@ -78,8 +67,8 @@ def test_fp8_gemv_unrolled_and_prequantized_within_bound(route, geo, case):
     M, N, K = case["M"], case["N"], case["K"]
     g = torch.Generator().manual_seed(M * N + 7)
     lin = make_linear("fp8", N, K, g)
-    x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
-    w, s = _in_poisoned(lin.weight, FP8_NAN), _in_poisoned(lin.scale, E8M0_NAN)
+    x = poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    w, s = in_poisoned(lin.weight, FP8_NAN), in_poisoned(lin.scale, E8M0_NAN)
     kw = dict(block_n=32, block_k=128, split_k=case["split"]) | geo
     out = gemv.fp8_gemv(x, w, s, act_quant=True, route=route, geometry=gemv.GemvGeometry(**kw))
     res = within_bound(out, x, lin.weight, lin.scale, route)
@@ -94,12 +83,12 @@ def test_segments_are_the_projections_side_by_side(route, fmt, sizes, split):
     g = torch.Generator().manual_seed(len(sizes) + split)
     K = 320
     lins = [make_linear(fmt, n, K, g) for n in sizes]
-    w = _in_poisoned(torch.cat([lin.weight for lin in lins]), FP8_NAN if fmt == "fp8" else 0xFF)
-    s = _in_poisoned(torch.cat([lin.scale for lin in lins]), E8M0_NAN) if fmt == "fp8" else None
+    w = in_poisoned(torch.cat([lin.weight for lin in lins]), FP8_NAN if fmt == "fp8" else 0xFF)
+    s = in_poisoned(torch.cat([lin.scale for lin in lins]), E8M0_NAN) if fmt == "fp8" else None
     geo = gemv.GemvGeometry(block_n=32, block_k=128, split_k=split)
     out_dtype = torch.bfloat16 if fmt == "fp8" else torch.float32
     for M in (1, 3):
-        x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+        x = poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
         outs = gemv.fp8_gemv(x, w, s, fmt == "fp8", out_dtype, route=route, geometry=geo, segments=sizes)
         assert len(outs) == len(sizes)
         for o, lin in zip(outs, lins):

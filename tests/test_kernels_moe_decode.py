@@ -20,6 +20,7 @@ import struct
 import pytest
 import torch
 
+from conftest import in_poisoned, poisoned_x
 from dsv4lab import quant
 from dsv4lab.model.numerics import Numerics
 from dsv4lab.model.ops import ReferenceOps
@@ -39,19 +40,6 @@ def _dev():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _in_poisoned(t: torch.Tensor, poison_byte: int, extra: int = 256) -> torch.Tensor:
-    """``t`` at the front of a larger buffer whose tail bytes are ``poison_byte`` (a read past ``t`` sees NaN)."""
-    raw = t.contiguous().view(torch.uint8).flatten()
-    buf = torch.full((raw.numel() + extra,), poison_byte, dtype=torch.uint8, device=t.device)
-    buf[: raw.numel()] = raw
-    return buf[: raw.numel()].view(t.dtype).view(t.shape)
-
-
-def _poisoned_x(x: torch.Tensor) -> torch.Tensor:
-    nan = int(torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16))
-    buf = torch.full((x.numel() + 128,), nan, dtype=torch.int16, device=x.device)
-    buf[: x.numel()] = x.contiguous().view(torch.int16).flatten()
-    return buf[: x.numel()].view(torch.bfloat16).view(x.shape)
 
 
 def moe_case(T, E=10, k=3, D=160, I=96, seed=0, offset=0, n_local=None, share=True, device="cpu"):
@@ -69,9 +57,9 @@ def moe_case(T, E=10, k=3, D=160, I=96, seed=0, offset=0, n_local=None, share=Tr
     for which in ("w1", "w2", "w3"):
         s = getattr(bank, which + "_scale").view(torch.uint8).clone()
         s[~used] = E8M0_NAN
-        bank._buffers[which + "_scale"] = _in_poisoned(s.to(device), E8M0_NAN).view(torch.float8_e8m0fnu)
-        bank._buffers[which] = _in_poisoned(getattr(bank, which).to(device), 0x77)
-    return _poisoned_x(x.to(device)), idx.to(device), w.float().to(device), bank
+        bank._buffers[which + "_scale"] = in_poisoned(s.to(device), E8M0_NAN).view(torch.float8_e8m0fnu)
+        bank._buffers[which] = in_poisoned(getattr(bank, which).to(device), 0x77)
+    return poisoned_x(x.to(device)), idx.to(device), w.float().to(device), bank
 
 
 def _bound(out, oracle, route, name):
