@@ -148,7 +148,8 @@ def _mhc_mix_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr
 # The mix above spreads one row's projection over many programs: right for a few decode rows, but at prefill sizes
 # every program of 4 rows re-reads the whole mixing matrix (1.6 MB at Flash width, fp32 → fp64 on every load) and
 # multiplies by broadcasting a [rows, 32, n, d] product through registers. The rows kernel below is the same sum
-# as a GEMM: a block of BLOCK_M rows times the matrix, one fp64 ``tl.dot`` per stream and column step — the matrix
+# as a GEMM: a block of BLOCK_M rows times the matrix, one fp64 product-and-sum per stream and column step (by
+# broadcasting: triton 3.6 cannot lower an fp64 ``tl.dot``) — the matrix
 # is read once per row block — and each program covers a slice of D (``splits``), its partials summed in split
 # order by the same finish kernel. fp64 throughout: the bound of the module docstring is unchanged.
 
@@ -158,10 +159,10 @@ class MhcRowsGeometry:
     """Rows per program, columns per step of each stream (the dot's K), programs across ``D`` (0: enough for
     about two programs per SM), warps."""
 
-    block_m: int = 32
-    block_d: int = 32
+    block_m: int = 16
+    block_d: int = 16
     splits: int = 0
-    num_warps: int = 4
+    num_warps: int = 8
 
     def resolve(self, rows: int, D: int, device) -> "MhcRowsGeometry":
         """The geometry with ``splits`` fixed for ``rows`` rows of width ``D``."""
@@ -219,7 +220,9 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
                 sq += tl.sum(x64 * x64, axis=1)
                 f = tl.load(fn_ptr + j[None, :] * sfn + k * D + d[:, None], mask=dm[:, None] & (j < NMIX)[None, :],
                             other=0.0).to(tl.float64)
-                acc = tl.dot(x64, f, acc, out_dtype=tl.float64)  # [rows, k-slice] · [k-slice, mix logits], fp64
+                # [rows, k-slice] · [k-slice, mix logits] in fp64 by broadcasting: an fp64 ``tl.dot`` does not
+                # lower to LLVM on triton 3.6 (the probe caught it on the H200), and these FLOPs are few
+                acc += tl.sum(x64[:, :, None] * f[None, :, :], axis=1)
     if MIX:
         base = (rows64 * SPLITS + split) * (NMIX + 1)
         tl.store(part_ptr + base[:, None] + j[None, :], acc, mask=row_ok[:, None] & (j < NMIX)[None, :])
@@ -286,7 +289,7 @@ _ROWS_PROBE = DeviceProbe(_probe_rows_kernel)
 
 
 def rows_kernel_works(device) -> bool:
-    """Whether the rows kernel compiles here (an fp64 ``tl.dot``) and gives the decode mix's partial sums (both
+    """Whether the rows kernel compiles here (fp64 throughout) and gives the decode mix's partial sums (both
     fp64: equal to ~1e-15 relative) — checked once per process on a small random case; the interpreter always
     runs it. The backend falls back to the decode mix where it does not (see :func:`rows_kernel_status`)."""
     if interpreting() or torch.device(device).type != "cuda":
