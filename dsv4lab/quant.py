@@ -130,9 +130,16 @@ def ceil_pow2_exponent(v: torch.Tensor) -> torch.Tensor:
     return torch.where(mant == 0.5, exp - 1, exp).to(torch.int32)
 
 
+def div_exact(x: torch.Tensor, d: float) -> torch.Tensor:
+    """``x / d`` correctly rounded on every device. (PyTorch's CUDA division by a Python scalar multiplies by the
+    scalar's reciprocal: one ulp off for about 5% of ``amax/127`` — enough to flip an INT8 activation by one step
+    and to make the GPU oracle disagree with a kernel that divides, as the paper's route does.)"""
+    return x / torch.full((), d, dtype=x.dtype, device=x.device)
+
+
 def pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     """The reference's power-of-two scale ``2**ceil(log2(amax/qmax))`` (same dtype as ``amax``)."""
-    e = ceil_pow2_exponent(amax / qmax)
+    e = ceil_pow2_exponent(div_exact(amax, qmax))
     return torch.ldexp(torch.ones_like(amax), e.to(amax.dtype))
 
 
@@ -161,7 +168,7 @@ def fp4_quantize(w: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor,
         raise QuantError(f"fp4_quantize: K={k} is not a multiple of the group size {block}")
     wf = w.to(torch.float32).reshape(n, k // block, block)
     amax = wf.abs().amax(-1).clamp_min(E2M1_MAX * 2.0 ** -126)
-    exp = ceil_pow2_exponent(amax / E2M1_MAX).clamp(-127, 127)
+    exp = ceil_pow2_exponent(div_exact(amax, E2M1_MAX)).clamp(-127, 127)
     s = torch.ldexp(torch.ones_like(amax), exp.to(torch.float32))
     codes = e2m1_encode((wf / s[..., None]).reshape(n, k))
     return pack_fp4(codes).view(torch.int8), e8m0_from_exponent(exp)
@@ -189,7 +196,7 @@ def fp8_block_quantize(w: torch.Tensor, block: int = FP8_WEIGHT_BLOCK) -> tuple[
     wf[:n, :k] = w.to(torch.float32)
     blocks = wf.reshape(nb, block, kb, block)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)
-    exp = ceil_pow2_exponent(amax / FP8_E4M3_MAX).clamp(-127, 127)
+    exp = ceil_pow2_exponent(div_exact(amax, FP8_E4M3_MAX)).clamp(-127, 127)
     s = torch.ldexp(torch.ones_like(amax), exp.to(torch.float32))
     q = (blocks / s[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.reshape(nb * block, kb * block)[:n, :k].to(torch.float8_e4m3fn)
@@ -262,7 +269,7 @@ def act_quant_int8(x: torch.Tensor, block: int = FP4_BLOCK, pow2: bool = False) 
     """
     xb = _blocked(x.to(torch.float32), block)
     amax = xb.abs().amax(-1).clamp_min(1e-8)
-    s = pow2_scale(amax, 127.0) if pow2 else amax / 127.0
+    s = pow2_scale(amax, 127.0) if pow2 else div_exact(amax, 127.0)
     q = torch.round(xb / s[..., None]).clamp(-127, 127).to(torch.int8)
     return q.flatten(-2), s
 

@@ -339,7 +339,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: 
 # ============================================================================================ shared expert
 @triton.jit
 def _fp8_gate_up_kernel(x_ptr, xs_ptr, w1_ptr, ws1_ptr, w3_ptr, ws3_ptr, h_ptr, hs_ptr, M, N, K, limit,
-                        stride_x, stride_xs, stride_w, stride_ws, stride_h, stride_hs,
+                        stride_x, stride_xs, stride_w, stride_ws, stride_h, stride_hs, stride_hs_n,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         FUSE: tl.constexpr, UPCAST: tl.constexpr):
     """g = x·W1ᵀ and u = x·W3ᵀ for a 128-column tile, then the reference's SwiGLU and the FP8 quantization of h
@@ -396,10 +396,10 @@ def _fp8_gate_up_kernel(x_ptr, xs_ptr, w1_ptr, ws1_ptr, w3_ptr, ws3_ptr, h_ptr, 
         e = pow2_exponent(tl.max(tl.abs(h), axis=1))
         tl.store(h_ptr + rm[:, None].to(tl.int64) * stride_h + rn[None, :], quantize_block_fp8(h, e[:, None]),
                  mask=keep)
-        tl.store(hs_ptr + rm.to(tl.int64) * stride_hs + pid_n, pow2(e), mask=m_ok)
+        tl.store(hs_ptr + rm.to(tl.int64) * stride_hs + pid_n * stride_hs_n, pow2(e), mask=m_ok)
     else:
         tl.store(h_ptr + rm[:, None].to(tl.int64) * stride_h + rn[None, :], g, mask=keep)
-        tl.store(hs_ptr + rm[:, None].to(tl.int64) * stride_hs + rn[None, :], u, mask=keep)
+        tl.store(hs_ptr + rm[:, None].to(tl.int64) * stride_hs + rn[None, :] * stride_hs_n, u, mask=keep)
 
 
 def fp8_gate_up(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
@@ -437,7 +437,7 @@ def fp8_gate_up(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.T
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, 128),)
     _fp8_gate_up_kernel[grid](qa["q"], qa["scale"], w1, u8[0], w3, u8[1], h, hs, M, N, D, float(limit),
                               qa["q"].stride(0), qa["scale"].stride(0), w1.stride(0), u8[0].stride(0), h.stride(0),
-                              hs.stride(0), BLOCK_M=bm, BLOCK_K=bk, GROUP_M=gm, FUSE=fuse, UPCAST=interpreting(),
+                              hs.stride(0), hs.stride(1), BLOCK_M=bm, BLOCK_K=bk, GROUP_M=gm, FUSE=fuse, UPCAST=interpreting(),
                               num_warps=warps, num_stages=stages)
     return h, hs
 

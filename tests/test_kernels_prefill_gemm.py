@@ -155,6 +155,21 @@ def test_fused_shared_expert_is_the_reference_and_its_stages_check_alone():
     assert torch.equal(gk, REF.linear(x, w1).float()) and torch.equal(uk, REF.linear(x, w3).float())
 
 
+def test_shared_expert_h_scales_in_cublas_layout_are_the_row_major_ones():
+    # the cuBLAS down projection reads h's scales column-major with padded rows; the kernel once wrote them with the
+    # row-major column stride (1) into that layout — a wrong product only the H200 showed (no cuBLAS on a CPU)
+    g = torch.Generator().manual_seed(12)
+    M, D, I = 33, 256, 384
+    w1, w3 = make_linear("fp8", I, D, g), make_linear("fp8", I, D, g)
+    x = (torch.randn(M, D, generator=g) * 3).to(torch.bfloat16)
+    h, hs = fg.fp8_gate_up(x, w1.weight, w1.scale, w3.weight, w3.scale, 2.0, config="small")
+    hc, hsc = fg.fp8_gate_up(x, w1.weight, w1.scale, w3.weight, w3.scale, 2.0, config="small", scale_cols=True,
+                             rows_out=36)
+    assert hsc.stride() == (1, 36) and hsc.shape == (36, 3)
+    assert torch.equal(hc[:M].view(torch.uint8), h.view(torch.uint8)) and torch.equal(hsc[:M], hs)
+    assert torch.equal(hsc[M:], torch.ones(3, 3)) and not hc[M:].view(torch.uint8).any()
+
+
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 2048), (512, 4096)])

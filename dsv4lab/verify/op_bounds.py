@@ -150,8 +150,8 @@ def act_int8_interval(iv: Interval, block: int = quant.FP4_BLOCK) -> Interval:
     straddles = (lo <= 0) & (hi >= 0)
     mag_lo = torch.where(straddles, torch.zeros_like(lo), torch.minimum(lo.abs(), hi.abs())).nan_to_num(0.0)
     mag_hi = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0)
-    s_lo = (mag_lo.amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-8) / 127.0).to(F64)
-    s_hi = (mag_hi.amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-8) / 127.0).to(F64)
+    s_lo = quant.div_exact(mag_lo.amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-8), 127.0).to(F64)
+    s_hi = quant.div_exact(mag_hi.amax(-1, keepdim=True).to(torch.float32).clamp_min(1e-8), 127.0).to(F64)
 
     def n(v, sc):
         return torch.round(v.to(torch.float32) / sc.to(torch.float32)).clamp(-127, 127).to(F64)
