@@ -902,7 +902,10 @@ def run_suite(args) -> int:
             ("dense sweep", lambda: [bench_dense(b, a, gen, passed, T) for T in tokens if T != headline]),
             ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != headline])),
         ]
-    b.run_sections(sections)
+    # forward-only, as the engine runs: tensors one section caches (made in inference mode by the layer timings)
+    # are updated in place by the next (on the H200 the dense GEMMs failed on such an inference tensor)
+    with torch.inference_mode():
+        b.run_sections(sections)
     doc.update(mode=mode, peaks=b.peaks, checks=b.checks,
                rows=b.rows, skipped=b.skipped, errors=b.errors, compile_s=b.compile_s,
                elapsed_s=round(b.elapsed(), 1), diagnostics=diagnostics(b), choices=choices(b, headline),
