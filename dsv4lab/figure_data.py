@@ -146,8 +146,9 @@ KERNEL_NAMES = {"moe_decode": "routed MoE (6 experts)", "attn_decode": "attentio
 
 
 def kernel_name(kernel: str) -> str:
-    """A readable name for a benchmarked kernel (``fp8_gemv_wq_a`` → ``FP8 GEMV wq_a``)."""
-    return KERNEL_NAMES.get(kernel, kernel.replace("fp8_gemv_", "FP8 GEMV "))
+    """A readable name for a benchmarked kernel (``fp8_gemv_wq_a`` → ``FP8 GEMV wq_a``, ``bf16_gemv_head`` →
+    ``BF16 GEMV head``)."""
+    return KERNEL_NAMES.get(kernel, kernel.replace("fp8_gemv_", "FP8 GEMV ").replace("bf16_gemv_", "BF16 GEMV "))
 
 
 def _doc_path(doc: Mapping[str, Any]) -> Path:

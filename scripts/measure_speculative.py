@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import torch
 import dsv4lab
 from dsv4lab.config import get_preset
 from dsv4lab.engine.speculative import generate_speculative
+from dsv4lab.provenance import short_commit
 from dsv4lab.random_checkpoint import RandomCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +48,9 @@ DRAFTS = (1, 2, 3)
 
 
 def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=ROOT).stdout.strip()
+    # the package's provenance: honours DSV4LAB_COMMIT on a GPU machine's copy, whose git history is not this tree's
+    # (a plain `git rev-parse` there once recorded an older commit than the one that ran)
+    return short_commit() or "unknown"
 
 
 # ============================================================================================ CPU: tiny-py

@@ -626,11 +626,17 @@ def targets(doc: dict) -> dict:
     mbu = rows[1]["mbu"] if 1 in rows else None
     scale = round(rows[8]["tok_s"] / rows[1]["tok_s"], 2) if 1 in rows and 8 in rows else None
     ttft = doc["ttft"]["ttft_s"] if doc.get("ttft", {}).get("prompt_tokens") == 4604 else None
-    launches = (doc.get("breakdown") or {}).get("launches_per_layer")
+    bd = doc.get("breakdown") or {}
+    launches = bd.get("launches_per_layer")
+    us = bd.get("measured_gpu_us") or {}
+    # the small torch kernels (element-wise and reductions) the decode issue counted at 61% of the eager step
+    torch_share = round(us.get("torch_elementwise", 0.0) / bd["measured_total_us"], 4) if us else None
     return dict(batch1_mbu=dict(value=mbu, target=0.40, met=None if mbu is None else mbu >= 0.40),
                 batch8_over_batch1=dict(value=scale, target=5.0, met=None if scale is None else scale >= 5.0),
                 launches_per_layer=dict(value=launches, target=15, met=None if launches is None else launches <= 15),
-                ttft_4604=dict(value=ttft, target=0.4, met=None if ttft is None else ttft <= 0.4))
+                torch_kernel_share=dict(value=torch_share, target=0.20,
+                                        met=None if torch_share is None else torch_share <= 0.20),
+                ttft_4604=dict(value=ttft, target=0.30, met=None if ttft is None else ttft <= 0.30))
 
 
 def format_summary(doc: dict) -> str:
