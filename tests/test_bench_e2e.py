@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -47,6 +48,10 @@ def test_bench_e2e_smoke_on_two_ranks_writes_the_fields_and_the_single_process_o
     assert {r["chunk"] for r in doc["prefill"]} == {16, 40} and all(r["ttft_s"] > 0 for r in doc["prefill"])
     assert doc["ttft"]["chunk"] in (16, 40) and doc["ranks"] == 2 and doc["commit"]
     assert len({r["first_token"] for r in doc["prefill"]}) == 1  # chunking does not change the first token
+    pb = doc["prefill_breakdown"]  # the fastest chunk's prefill, op by op, beside the cost model
+    assert pb["chunk"] == doc["ttft"]["chunk"] and pb["measured_total_us"] > 0 and pb["predicted_total_us"] > 0
+    assert {"linear", "routed_experts", "sparse_attention"} <= set(pb["measured_op_us"])
+    assert sum(pb["measured_op_us"].values()) + pb["untimed_us"] == pytest.approx(pb["measured_total_us"], abs=1.0)
     # the two-rank split of the generated model is the same model as one process
     one = dsv4lab.load(RandomCheckpoint(TINY, 0), max_batch=1, validate=False)
     assert doc["oracle_hash"] == trajectory_hash(one.generate(doc["oracle"]["prompt_ids"], 32, stop_at_eos=False))
@@ -61,3 +66,24 @@ def test_bench_e2e_smoke_on_two_ranks_writes_the_fields_and_the_single_process_o
 def test_bench_e2e_refuses_bad_splits(capsys):
     assert cli.main(["bench", "e2e", "--smoke", "--nproc", "3", "--tp", "2"]) == 2
     assert "--nproc 3" in capsys.readouterr().err
+
+
+def test_op_timer_times_outermost_calls_and_puts_the_ops_back():
+    from dsv4lab.bench.common import OpTimer
+
+    class Ops:
+        def inner(self, x):
+            time.sleep(0.002)
+            return x + 1
+
+        def outer(self, x):
+            return self.inner(x) * 2
+
+    ops = Ops()
+    with OpTimer(ops, ("outer", "inner", "absent"), cuda=False) as timer:
+        assert ops.outer(1) == 4 and ops.inner(1) == 2
+        assert "outer" in vars(ops) and "inner" in vars(ops)  # wrapped on the instance
+    t = timer.totals_us()
+    assert set(t) == {"outer", "inner"} and len(timer.events["inner"]) == 1  # the nested call counts in "outer"
+    assert t["outer"] >= 2000 and t["inner"] >= 2000
+    assert "outer" not in vars(ops) and "inner" not in vars(ops) and ops.outer(1) == 4  # the class methods again

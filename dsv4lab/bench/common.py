@@ -25,6 +25,7 @@ import torch
 
 from ..errors import UserError
 from ..model.linear import ExpertBank, Linear
+from ..model.ops import ReferenceOps
 from ..provenance import short_commit, write_json  # noqa: F401 — write_json: the suites' result writer
 from ..verify.compare import compare, tolerance
 
@@ -340,6 +341,82 @@ def output_path(args, suite: str) -> Path:
     out = Path(args.out) if getattr(args, "out", None) else Path(f"runs/bench/{suite}_kernels.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+# The backend ops a forward calls (``ReferenceOps``' public methods, less the helpers that are not kernels).
+OP_NAMES = tuple(n for n, v in vars(ReferenceOps).items() if callable(v) and not n.startswith("_")
+                 and n not in ("elementwise", "compressed_rope_position", "reset_compressor_state"))
+
+
+class OpTimer:
+    """Times every call of the named ops of an ops object: CUDA events on a GPU (read after a synchronize), the
+    host clock on a CPU. Only outermost calls are timed — an op called inside another (a composite's parts) counts
+    in its caller's time — so the ops' sum and the forward's time differ by the torch glue between them.
+
+        with OpTimer(runner.ops, OP_NAMES, cuda=True) as timer:
+            runner.forward(...)
+        torch.cuda.synchronize(); timer.totals_us()
+    """
+
+    def __init__(self, ops, names=OP_NAMES, cuda: bool = True):
+        self.ops, self.names, self.cuda = ops, tuple(n for n in names if hasattr(ops, n)), cuda
+        self.events: dict[str, list] = {}
+        self.depth = 0
+        self._saved: dict[str, object] = {}
+
+    def install(self) -> "OpTimer":
+        for name in self.names:
+            self._saved[name] = self.ops.__dict__.get(name, _UNSET)  # an instance attribute to put back, or none
+            setattr(self.ops, name, self._wrap(name, getattr(self.ops, name)))
+        return self
+
+    def remove(self) -> None:
+        for name, saved in self._saved.items():
+            if saved is _UNSET:
+                delattr(self.ops, name)
+            else:
+                setattr(self.ops, name, saved)
+        self._saved.clear()
+
+    def __enter__(self) -> "OpTimer":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def clear(self) -> None:
+        self.events.clear()
+
+    def totals_us(self) -> dict[str, float]:
+        """µs per op name, summed over its calls (call after the device is synchronised)."""
+        if self.cuda:
+            return {k: sum(s.elapsed_time(e) for s, e in v) * 1e3 for k, v in self.events.items()}
+        return {k: sum(v) * 1e6 for k, v in self.events.items()}
+
+    def _wrap(self, name, fn):
+        def run(*xs, **kw):
+            outer = self.depth == 0
+            self.depth += 1
+            try:
+                if not outer:
+                    return fn(*xs, **kw)
+                if self.cuda:
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    r = fn(*xs, **kw)
+                    e.record()
+                    self.events.setdefault(name, []).append((s, e))
+                    return r
+                t = time.perf_counter()
+                r = fn(*xs, **kw)
+                self.events.setdefault(name, []).append(time.perf_counter() - t)
+                return r
+            finally:
+                self.depth -= 1
+        return run
+
+
+_UNSET = object()
 
 
 # Substrings of GPU kernel names → the op family a profile is summarised by (first match wins).

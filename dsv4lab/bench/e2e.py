@@ -19,7 +19,9 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   first step through the graph against the eager static step (bitwise, from a snapshot of the slot's caches) and
   against the eager per-op forward and the reference's per-op forward (relative error, greedy token); the per-op
   forward's own distance from the reference says how far rounding alone moves these random weights' logits.
-* **TTFT**: a ``--prompt-tokens`` prompt prefilled in chunks of each ``--chunks`` size until the first token.
+* **TTFT**: a ``--prompt-tokens`` prompt prefilled in chunks of each ``--chunks`` size until the first token;
+  then, at the fastest chunk, one more prefill with every backend op timed (summed over the layers, the glue
+  between them apart) beside the cost model's prediction of that prefill (``prefill_breakdown``).
 * **ABBA** (more than one rank): batch-1 decode rounds alternating two all-reduce strategies A B B A.
 * **breakdown** (CUDA): one graph replay of the batch-1 step under the profiler — GPU time by kernel family and
   the number of kernel launches per step and per layer — beside the roofline model's prediction on the H200
@@ -50,12 +52,13 @@ from ..errors import UserError
 from ..options import add_backend, add_preset, positive_ints
 from ..parallel import init_distributed, load_parallel, make_site_reducer, run_parallel
 from ..perf.costmodel import decode_step
+from ..perf.costmodel import prefill as prefill_cost  # the bench's own prefill_rows keep the short name
 from ..perf.hardware import load_hardware
 from ..perf.roofline import time_step
 from ..provenance import short_commit
 from ..random_checkpoint import RandomCheckpoint
 from ..verify.model import fixed_sequence, trajectory_hash
-from .common import KERNEL_FAMILIES, median_copy_us, write_json
+from .common import KERNEL_FAMILIES, OP_NAMES, OpTimer, median_copy_us, write_json
 
 HELP = ("end-to-end: decode tok/s and MBU at batch 1/2/4/8 and after long prompts, TTFT, oracle hash, graph checks, "
         "ABBA, kernel breakdown")
@@ -253,6 +256,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         best = min(doc["prefill"], key=lambda r: r["ttft_s"])
         doc["ttft"] = dict(prompt_tokens=o["prompt_tokens"], ttft_s=best["ttft_s"], chunk=best["chunk"])
         log(rank, f"TTFT {best['ttft_s']:.3f} s for {o['prompt_tokens']} tokens (chunk {best['chunk']})")
+        doc["prefill_breakdown"] = parts.run("prefill_breakdown",
+                                             lambda: prefill_breakdown(runner, o, best["chunk"]))
     if world > 1 and o["abba"]:
         doc["abba"] = parts.run("abba", lambda: abba(runner, clock, o, device))
     if device.type == "cuda":
@@ -481,6 +486,45 @@ def prefill_rows(runner, clock, o: dict) -> list[dict]:
     return rows
 
 
+def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
+    """One chunked prefill of the TTFT prompt with every backend op timed (:class:`~dsv4lab.bench.common.OpTimer`:
+    CUDA events, outermost calls, summed over the layers), the time between the ops (``untimed_us``: torch glue,
+    cache writes, host waits), beside the cost model's prediction of the same prefill on the H200 catalogue entry
+    (µs per op kind, and its terms)."""
+
+    ids = torch.tensor([_prompt(runner.args, o["prompt_tokens"], seed=7)], device=runner.device)
+    n = ids.shape[1]
+    cuda = runner.device.type == "cuda"
+    runner.reset()
+    with OpTimer(runner.ops, OP_NAMES, cuda=cuda) as timer:
+        for p in range(0, n, chunk):  # one untimed pass: compiles and autotuning stay out of the numbers
+            runner.forward(ids[:, p:p + chunk], p, logits="last")
+        runner.reset()
+        timer.clear()
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        t0 = time.perf_counter()
+        for p in range(0, n, chunk):
+            runner.forward(ids[:, p:p + chunk], p, logits="last")
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        wall_us = (time.perf_counter() - t0) * 1e6
+        ops_us = timer.totals_us()
+    runner.reset()
+    st = time_step(prefill_cost(runner.args, tokens=n, chunk=chunk, tp=o["tp"], ep=o["ep"]), load_hardware("h200-sxm"))
+    by_kind: dict[str, float] = {}
+    for op in st.ops:
+        by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.total_us
+    by_kind["collective"] = sum(c.total_us for c in st.collectives)
+    timed = sum(ops_us.values())
+    return dict(chunk=chunk, prompt_tokens=n, measured_total_us=round(wall_us, 1),
+                measured_op_us={k: round(v, 1) for k, v in sorted(ops_us.items(), key=lambda kv: -kv[1])},
+                untimed_us=round(wall_us - timed, 1),
+                predicted_us_by_kind={k: round(v, 1) for k, v in by_kind.items()},
+                predicted_total_us=round(st.step_us, 1),
+                predicted_terms_us={k: round(v, 1) for k, v in st.terms_us().items()})
+
+
 def abba(runner, clock, o: dict, device) -> dict:
     """Batch-1 decode rounds in the order A B B A for two all-reduce strategies: the switch's effect with drift
     cancelled. Every rank swaps its strategy together (the reducers are collective to create); each strategy has its
@@ -657,6 +701,12 @@ def format_summary(doc: dict) -> str:
         t = doc["ttft"]
         lines.append(f"TTFT {t['ttft_s']:.3f} s for {t['prompt_tokens']} tokens (chunk {t['chunk']}; "
                      + ", ".join(f"{r['chunk']}: {r['ttft_s']:.3f} s" for r in doc["prefill"]) + ")")
+    if doc.get("prefill_breakdown"):
+        pb = doc["prefill_breakdown"]
+        top = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in list(pb["measured_op_us"].items())[:6])
+        lines.append(f"prefill of {pb['prompt_tokens']} tokens in chunks of {pb['chunk']}: "
+                     f"{pb['measured_total_us'] / 1e3:.1f} ms measured (ops, ms: {top}; between the ops "
+                     f"{pb['untimed_us'] / 1e3:.1f}), {pb['predicted_total_us'] / 1e3:.1f} ms modelled")
     if doc.get("graph_check"):
         lines.append(f"graph check: {doc['graph_check']}")
     if doc.get("breakdown"):

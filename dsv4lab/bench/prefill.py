@@ -61,8 +61,8 @@ from ..model.ops import ReferenceOps
 from ..perf import costmodel
 from ..verify.bounds import check_within_bound
 from ..verify.registry import _make_attention
-from .common import (BenchRun, materialize_random, measure_ceilings, output_path, random_bank, random_fp8_linear,
-                     random_routing, run_header, select_device, write_json)
+from .common import (OP_NAMES, BenchRun, OpTimer, materialize_random, measure_ceilings, output_path, random_bank,
+                     random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = ("prefill kernels: grouped FP4 MoE, FP8/BF16 GEMMs beside cuBLAS, sparse attention, indexer, chunk choice "
         "(writes JSON)")
@@ -676,8 +676,7 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens) -> Non
 
 # ============================================================================================ chunked layers
 # the ops of the interface a layer's forward calls (helpers and state hygiene are not ops of their own)
-LAYER_OPS = tuple(n for n, v in vars(ReferenceOps).items() if callable(v) and not n.startswith("_")
-                  and n not in ("elementwise", "compressed_rope_position", "reset_compressor_state"))
+LAYER_OPS = OP_NAMES  # every op a layer calls is timed
 
 
 def layer_roofline(a, tokens: int, chunk: int, peaks: dict, ratio: int) -> dict:
@@ -727,30 +726,8 @@ class LayerBench:
         self.blk.attn.allocate(1, a.max_seq_len, nm.act, nm.acc, dev)
         self.X = (torch.randn(1, max_tokens, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
         self.ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
-        self.events: dict[str, list] = {}
-        self.depth = 0
         self.host_us = 0.0
-        for name in LAYER_OPS:
-            setattr(self.ops, name, self._timed(name, getattr(self.ops, name)))
-
-    def _timed(self, name, fn):
-        torch, b = self.torch, self.b
-
-        def run(*xs, **kw):
-            outer = b.cuda and self.depth == 0
-            self.depth += 1
-            try:
-                if not outer:
-                    return fn(*xs, **kw)
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                r = fn(*xs, **kw)
-                e.record()
-                self.events.setdefault(name, []).append((s, e))
-                return r
-            finally:
-                self.depth -= 1
-        return run
+        self.timer = OpTimer(self.ops, LAYER_OPS, cuda=b.cuda).install()  # for the layer's lifetime
 
     def prefill(self, total: int, chunk: int) -> None:
         torch, dev = self.torch, self.b.device
@@ -764,7 +741,7 @@ class LayerBench:
         """One prefill of ``total`` tokens: its time in µs, the time of each op inside it, and the host's time to
         issue it (µs)."""
         torch, b = self.torch, self.b
-        self.events.clear()
+        self.timer.clear()
         if not b.cuda:
             t = time.perf_counter()
             self.prefill(total, chunk)
@@ -778,8 +755,7 @@ class LayerBench:
         self.host_us = (time.perf_counter() - t_host) * 1e6
         e.record()
         b.sync()
-        return s.elapsed_time(e) * 1e3, {k: sum(s2.elapsed_time(e2) for s2, e2 in v) * 1e3
-                                         for k, v in self.events.items()}, self.host_us
+        return s.elapsed_time(e) * 1e3, self.timer.totals_us(), self.host_us
 
 
 def measured_moe_settings(b: PrefillBench, headline: int) -> dict:
