@@ -194,7 +194,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, o_ptr, S, H, DIM, T, ra
         if UPCAST:
             keys = keys.to(tl.float32)
         dots = to_bf16(tl.dot(q, tl.trans(keys))).to(tl.float32)  # each head's dot rounded to bf16, as the reference
-        weighted = to_bf16(tl.maximum(dots, 0.0) * w[:, None]).to(tl.float64)
+        # relu as torch's: a NaN (a poisoned, not yet written cache entry) stays NaN, as in the reference
+        weighted = to_bf16(tl.maximum(dots, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]).to(tl.float64)
         # the head sum of bf16 terms is exact in fp64, then rounded to fp32 and bf16 as the reference does
         score = tl.sum(tl.reshape(weighted, (BLOCK_Q, BLOCK_H, BLOCK_T)), axis=1).to(tl.float32)
         o = o_ptr + b.to(tl.int64) * so_b + oq[:, None].to(tl.int64) * so_s + rt[None, :]

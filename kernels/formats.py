@@ -63,7 +63,8 @@ def round_to_bf16(v):
     following ``.to(tl.bfloat16)`` is exact. (The interpreter's fp32 → bf16 cast truncates.)"""
     bits = v.to(tl.int32, bitcast=True)
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return bits.to(tl.float32, bitcast=True)
+    # a NaN stays a NaN (the bias would carry a NaN with a high payload — CUDA's 0x7FFFFFFF — into −0)
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -180,8 +180,19 @@ def flash_calls():
     # prefill-side kernels with a run-time probe and a fallback: a compile error here is a silent loss on the GPU
     from dsv4lab_kernels import fp4_moe_grouped
     rows = torch.zeros(64, hc, D, dtype=bf)
-    calls.append(("mHC mix rows (prefill, fp64 dot)", lambda: mhc._mix_rows(
-        rows, None, None, None, fn, False, a.mix_hc, mhc.MhcRowsGeometry(block_m=32, block_d=32, splits=2))))
+    calls.append(("mHC mix rows (prefill, fp64)", lambda: mhc._mix_rows(
+        rows, None, None, None, fn, False, a.mix_hc, mhc.MhcRowsGeometry(splits=2))))
+    # the indexer's scores / causal selection and the compressor's pooling: the per-op path runs them at any row
+    # count (a speculative verify step's 2–4 rows), so they are compiled at such a shape too
+    from dsv4lab_kernels import attention_prefill
+    qi = torch.zeros(1, 3, a.index_n_heads, a.index_head_dim, dtype=bf)
+    wi = torch.zeros(1, 3, a.index_n_heads, dtype=bf)
+    keys = torch.zeros(1, 40, a.index_head_dim, dtype=bf)
+    calls.append(("indexer scores (prefill kernel, 3 rows)", lambda: attention_prefill.indexer_scores(qi, wi, keys)))
+    calls.append(("indexer select (prefill kernel, 3 rows)", lambda: attention_prefill.indexer_select(
+        qi, wi, keys, torch.tensor([[160, 161, 162]]), 4, a.index_topk)))
+    calls.append(("compressor pool (prefill kernel, 1 entry)", lambda: attention_prefill.compressor_pool(
+        torch.zeros(1, 8, 2 * d), torch.zeros(1, 8, 2 * d))))
     bn, bk = 32, 128
     for asm in (True, False):
         calls.append((f"FP4 decode probe asm={asm}", lambda asm=asm: fp4_moe_grouped._decode_probe_kernel[(1,)](

@@ -60,6 +60,32 @@ def test_prefill_chunk_of_tiny_py_runs_none_of_the_prefill_ops_on_the_reference(
     assert sum(kl) / len(kl) <= floor["mean_kl"] and max(kl) <= floor["max_kl"], (sum(kl) / len(kl), max(kl))
 
 
+@pytest.mark.slow
+def test_a_few_token_forward_runs_the_indexer_and_the_compressor_pool_on_kernels():
+    """Three tokens after a 41-token prompt — a speculative verify step's shape — through ``TritonOps``: the
+    indexer's scores and top-k and the compressor's pooling, which have no decode kernel in the per-op path, run
+    their prefill kernels at this row count (on the H200 their reference fallbacks made a 2-token verify step 17×
+    a 1-token step), and the logits agree with the reference's within the checkpoint's rounding floor."""
+    import dsv4lab
+    from conftest import ROOT
+    from dsv4lab.verify.model import fixed_sequence, kl_per_position
+    ids = torch.tensor([fixed_sequence(dsv4lab.load(ROOT / "data" / "tiny-py", max_batch=1).args, 44, seed=1)])
+    out = {}
+    for backend in ("triton", "reference"):
+        m = dsv4lab.load(ROOT / "data" / "tiny-py", backend=backend, max_batch=1)
+        kernels, m.ops = m.ops, ReferenceOps(m.ops.numerics)  # the prompt on the reference: the same state for both
+        m.forward(ids[:, :41], 0)
+        m.ops = kernels
+        out[backend] = m.forward(ids[:, 41:], 41)[0]
+        if backend == "triton":
+            fell_back = {op for op, _ in m.ops.calls.reference}
+            assert not fell_back & {"indexer_scores", "indexer_topk", "indexer_select", "compressor_pool"}, \
+                m.ops.report()
+            assert "compressor_pool" in m.ops.calls.prefill, m.ops.report()  # position 43 completes an entry
+    kl = kl_per_position(out["reference"], out["triton"])
+    assert max(kl) <= _floor("tiny-py")["max_kl"], kl
+
+
 @pytest.mark.parametrize("fmt,act_quant", [("bf16", False), ("fp8", False), ("fp8", True)])
 def test_linear_dispatch_covers_every_weight_format_the_model_uses(fmt, act_quant):
     g = torch.Generator().manual_seed(3)

@@ -17,12 +17,13 @@ routed_experts      ``moe_sort`` + ``fp4_moe_grouped`` (fused)            FP4 ba
 moe_stage1/2        ``fp4_moe_grouped.moe_stage1/2``                      as above
 sparse_attention    ``attention_prefill.sparse_attention``                bf16 q and kv
 indexer_select      ``attention_prefill.indexer_select`` (causal scores)  ≤ TOPK_MAX_ENTRIES entries, no TP split
-indexer_scores/topk ``attention_prefill.indexer_scores/topk``             as above
-compressor_pool     ``attention_prefill.compressor_pool``                 ≥ 2 entries (one entry: a decode step's)
+indexer_scores/topk ``attention_prefill.indexer_scores/topk``             as above, any number of rows
+compressor_pool     ``attention_prefill.compressor_pool``                 any number of entries
 =================== ===================================================== =========================================
 
 Every kernel needs ``numerics.act == bf16`` (they round where the reference rounds to bf16), fp32 ``acc``, and at
-least ``prefill_min_tokens`` rows (64; the decode kernels take up to 63). A tensor-parallel partial sum
+least ``prefill_min_tokens`` rows (64; the decode kernels take up to 63) — except the indexer's scores and
+top-k and the compressor's pooling, which the per-op path has no decode kernel for: they run at any row count. A tensor-parallel partial sum
 (``all_reduce``) of a projection is computed in fp32 and rounded after the reduction, as the reference does.
 
 The settings (class attributes ``prefill_*``) default to what ``dsv4lab bench kernels --suite prefill`` measured
@@ -248,6 +249,12 @@ class TritonPrefillOps:
     def _prefill_applies(self, t: torch.Tensor, rows: int) -> bool:
         return rows >= self.prefill_min_tokens and self._prefill_numerics_ok() and _can_launch(t)
 
+    def _any_rows_applies(self, t: torch.Tensor) -> bool:
+        """For the ops the per-op path has no decode kernel for (the indexer's scores and top-k, the compressor's
+        pooling): their prefill kernel at any row count beats the reference fallback — a speculative verify step
+        or a short prompt would otherwise run them on the reference."""
+        return self._prefill_numerics_ok() and _can_launch(t)
+
     def _choices(self) -> PrefillChoices:
         return load_choices()
 
@@ -426,8 +433,8 @@ class TritonPrefillOps:
     def _indexer_ok(self, qi, w, keys, all_reduce) -> bool:
         b, s = qi.shape[:2]
         # split heads (all_reduce) must be summed before rounding: the reference's job
-        return all_reduce is None and qi.dtype == keys.dtype == w.dtype == torch.bfloat16 and \
-            self._prefill_applies(qi, b * s)
+        return all_reduce is None and qi.dtype == keys.dtype == w.dtype == torch.bfloat16 and b * s > 0 and \
+            self._any_rows_applies(qi)
 
     def prefill_indexer_select(self, qi, w, keys, positions, ratio, topk, all_reduce=None):
         ap = _kernels("attention_prefill")
@@ -444,14 +451,14 @@ class TritonPrefillOps:
     def prefill_indexer_topk(self, scores, positions, ratio, topk):
         ap = _kernels("attention_prefill")
         b, s, T = scores.shape
-        if T > ap.TOPK_MAX_ENTRIES or not self._prefill_applies(scores, b * s):
+        if T > ap.TOPK_MAX_ENTRIES or b * s == 0 or not self._any_rows_applies(scores):
             return None
         return ap.indexer_topk(scores.contiguous(), positions, ratio, topk)
 
     def prefill_compressor_pool(self, kv_slots, sc_slots):
-        # one entry is what a decode step completes; a prefill chunk completes several at once
-        if not (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 2
-                and self._prefill_numerics_ok() and _can_launch(kv_slots)):
+        # any number of completed entries: a prefill chunk completes several, an eager decode step at most one
+        if not (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 1
+                and self._any_rows_applies(kv_slots)):
             return None
         return _kernels("attention_prefill").compressor_pool(kv_slots, sc_slots)
 
@@ -499,12 +506,12 @@ class TritonPrefillOps:
         if op == "indexer_topk":
             scores = args[0]
             b, s, T = scores.shape
-            ok = T <= _kernels("attention_prefill").TOPK_MAX_ENTRIES and self._prefill_applies(scores, b * s)
+            ok = T <= _kernels("attention_prefill").TOPK_MAX_ENTRIES and b * s > 0 and self._any_rows_applies(scores)
             return "fp32" if ok else None
         if op == "compressor_pool":
             kv_slots, sc_slots = args[:2]
-            ok = (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 2
-                  and self._prefill_numerics_ok() and _can_launch(kv_slots))
+            ok = (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 1
+                  and self._any_rows_applies(kv_slots))
             return "fp32" if ok else None
         return None
 
