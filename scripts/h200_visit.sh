@@ -5,11 +5,12 @@
 #     DSV4LAB_COMMIT=<sha> bash scripts/h200_visit.sh PART[:SECONDS] ...   # repository root, GPU machine
 #
 # PART (default limit in seconds):
-#   tests (300)     pytest -m gpu over the whole suite (4 workers: compilation is the cost; TESTS= narrows it)
+#   tests (300)     pytest -m gpu over the whole suite (4 workers: compilation is the cost; TESTS= narrows it);
+#                   give it 420 for the whole suite: the speculative tests build the model twice
 #   verify (300)    verify model with the Triton backend on data/tiny-py and data/tiny (must PASS), and the three
 #                   faulted runs (must FAIL naming the stage) — scripts/h200_verify.sh models faults
 #   generate (90)   dsv4lab generate (triton, graph-captured decode) on the golden trajectory's prompt: its hash
-#                   must be the golden's; then the same with the reference backend on the GPU
+#                   must be the golden's
 #   decode (180)    bench kernels --suite decode --quick (writes the measured dispatch too)
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30)
 #   prefill (150)   bench kernels --suite prefill --quick
@@ -59,7 +60,8 @@ for spec in "$@"; do
             part tests "${limit:-300}" timeout -s INT -k 10 $(( ${limit:-300} - 20 )) python3 -m pytest -m gpu -v \
                 -rfs --tb=short -p no:cacheprovider $workers --timeout=240 ${TESTS:-tests} ;;
         verify) part verify "${limit:-300}" bash scripts/h200_verify.sh "$R/verify" models faults ;;
-        generate) part generate "${limit:-90}" python3 scripts/generate_golden.py --checkpoint data/tiny-py ;;
+        generate) part generate "${limit:-90}" python3 scripts/generate_golden.py --checkpoint data/tiny-py \
+            --backends triton ;;  # the reference leg (256 tokens at full precision) does not fit a short part
         decode) part decode "${limit:-180}" python3 -m dsv4lab bench kernels --suite decode --quick \
             --out "$R/decode_kernels_quick.json" --dispatch-out "$R/decode_dispatch.json"
             # the measured dispatch is what the backend reads from here on (e2e after this part uses it)
