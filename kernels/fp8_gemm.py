@@ -437,8 +437,8 @@ def fp8_gate_up(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.T
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, 128),)
     _fp8_gate_up_kernel[grid](qa["q"], qa["scale"], w1, u8[0], w3, u8[1], h, hs, M, N, D, float(limit),
                               qa["q"].stride(0), qa["scale"].stride(0), w1.stride(0), u8[0].stride(0), h.stride(0),
-                              hs.stride(0), hs.stride(1), BLOCK_M=bm, BLOCK_K=bk, GROUP_M=gm, FUSE=fuse, UPCAST=interpreting(),
-                              num_warps=warps, num_stages=stages)
+                              hs.stride(0), hs.stride(1), BLOCK_M=bm, BLOCK_K=bk, GROUP_M=gm, FUSE=fuse,
+                              UPCAST=interpreting(), num_warps=warps, num_stages=stages)
     return h, hs
 
 

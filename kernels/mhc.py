@@ -221,7 +221,9 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
                 f = tl.load(fn_ptr + j[None, :] * sfn + k * D + d[:, None], mask=dm[:, None] & (j < NMIX)[None, :],
                             other=0.0).to(tl.float64)
                 # [rows, k-slice] · [k-slice, mix logits] in fp64 by broadcasting: an fp64 ``tl.dot`` does not
-                # lower to LLVM on triton 3.6 (the probe caught it on the H200), and these FLOPs are few
+                # lower to LLVM on triton 3.6. Exact but slow on the H200 (26.9 ms per 4,096-row chunk against
+                # 8.85 ms on the decode kernels, data/results/h200/prefill_kernels.json): the measured choice
+                # keeps prefill on the decode kernels until this is rewritten
                 acc += tl.sum(x64[:, :, None] * f[None, :, :], axis=1)
     if MIX:
         base = (rows64 * SPLITS + split) * (NMIX + 1)

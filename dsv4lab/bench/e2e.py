@@ -47,12 +47,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from ..config import get_preset
 from ..engine.decode_graph import FastDecoder
 from ..engine.loader import load
-from ..model.ops import ReferenceOps
 from ..errors import UserError
+from ..model.ops import ReferenceOps
 from ..options import add_backend, add_preset, positive_ints
 from ..parallel import init_distributed, load_parallel, make_site_reducer, run_parallel
 from ..perf.costmodel import decode_step
-from ..perf.costmodel import prefill as prefill_cost  # the bench's own prefill_rows keep the short name
+from ..perf.costmodel import prefill as prefill_cost  # context_row has a local prefill()
 from ..perf.hardware import load_hardware
 from ..perf.roofline import time_step
 from ..provenance import short_commit
@@ -495,12 +495,8 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
     ids = torch.tensor([_prompt(runner.args, o["prompt_tokens"], seed=7)], device=runner.device)
     n = ids.shape[1]
     cuda = runner.device.type == "cuda"
-    runner.reset()
+    runner.reset()  # the TTFT rounds at this chunk ran just before: compiles and autotuning are done
     with OpTimer(runner.ops, OP_NAMES, cuda=cuda) as timer:
-        for p in range(0, n, chunk):  # one untimed pass: compiles and autotuning stay out of the numbers
-            runner.forward(ids[:, p:p + chunk], p, logits="last")
-        runner.reset()
-        timer.clear()
         if cuda:
             torch.cuda.synchronize(runner.device)
         t0 = time.perf_counter()
@@ -511,18 +507,22 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
         wall_us = (time.perf_counter() - t0) * 1e6
         ops_us = timer.totals_us()
     runner.reset()
-    st = time_step(prefill_cost(runner.args, tokens=n, chunk=chunk, tp=o["tp"], ep=o["ep"]), load_hardware("h200-sxm"))
+    pred = _predicted(prefill_cost(runner.args, tokens=n, chunk=chunk, tp=o["tp"], ep=o["ep"]))
+    return dict(chunk=chunk, prompt_tokens=n, measured_total_us=round(wall_us, 1),
+                measured_op_us={k: round(v, 1) for k, v in sorted(ops_us.items(), key=lambda kv: -kv[1])},
+                untimed_us=round(wall_us - sum(ops_us.values()), 1), predicted_us_by_kind=pred["by_kind"],
+                predicted_total_us=pred["total"], predicted_terms_us=pred["terms"])
+
+
+def _predicted(step) -> dict:
+    """The cost model's time of ``step`` on the H200 catalogue entry: µs by op kind, in total and by term."""
+    st = time_step(step, load_hardware("h200-sxm"))
     by_kind: dict[str, float] = {}
     for op in st.ops:
         by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.total_us
     by_kind["collective"] = sum(c.total_us for c in st.collectives)
-    timed = sum(ops_us.values())
-    return dict(chunk=chunk, prompt_tokens=n, measured_total_us=round(wall_us, 1),
-                measured_op_us={k: round(v, 1) for k, v in sorted(ops_us.items(), key=lambda kv: -kv[1])},
-                untimed_us=round(wall_us - timed, 1),
-                predicted_us_by_kind={k: round(v, 1) for k, v in by_kind.items()},
-                predicted_total_us=round(st.step_us, 1),
-                predicted_terms_us={k: round(v, 1) for k, v in st.terms_us().items()})
+    return dict(by_kind={k: round(v, 1) for k, v in by_kind.items()}, total=round(st.step_us, 1),
+                terms={k: round(v, 1) for k, v in st.terms_us().items()})
 
 
 def abba(runner, clock, o: dict, device) -> dict:
@@ -649,19 +649,12 @@ def breakdown(runner, o: dict, device) -> dict:
     runner.reset()
     measured, launches = kernel_profile(prof, reps)
     total_launches = sum(launches.values())
-    st = time_step(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=1, context=len(prompt)),
-                   load_hardware("h200-sxm"))
-    by_kind: dict[str, float] = {}
-    for op in st.ops:
-        by_kind[op.kind] = by_kind.get(op.kind, 0.0) + op.total_us
-    by_kind["collective"] = sum(c.total_us for c in st.collectives)
+    pred = _predicted(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=1, context=len(prompt)))
     return dict(source="graph replay" if graphs is not None else "eager step",
                 measured_gpu_us=measured, measured_total_us=round(sum(measured.values()), 1),
                 kernel_launches=launches, launches_per_step=round(total_launches, 1),
                 launches_per_layer=round(total_launches / runner.args.n_layers, 1),
-                predicted_us_by_kind={k: round(v, 1) for k, v in by_kind.items()},
-                predicted_step_us=round(st.step_us, 1), predicted_terms_us={k: round(v, 1) for k, v in
-                                                                           st.terms_us().items()})
+                predicted_us_by_kind=pred["by_kind"], predicted_step_us=pred["total"], predicted_terms_us=pred["terms"])
 
 
 def targets(doc: dict) -> dict:

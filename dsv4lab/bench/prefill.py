@@ -676,9 +676,6 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens) -> Non
 
 # ============================================================================================ chunked layers
 # the ops of the interface a layer's forward calls (helpers and state hygiene are not ops of their own)
-LAYER_OPS = OP_NAMES  # every op a layer calls is timed
-
-
 def layer_roofline(a, tokens: int, chunk: int, peaks: dict, ratio: int) -> dict:
     """Roofline time of each op of one layer's prefill (cost model), and the attention / indexer shares."""
     one = a.replace(n_layers=1, n_mtp_layers=0, n_hash_layers=0, compress_ratios=(ratio,))
@@ -727,7 +724,7 @@ class LayerBench:
         self.X = (torch.randn(1, max_tokens, a.hc_mult, a.dim, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
         self.ids = torch.zeros(1, max_tokens, dtype=torch.long, device=dev)
         self.host_us = 0.0
-        self.timer = OpTimer(self.ops, LAYER_OPS, cuda=b.cuda).install()  # for the layer's lifetime
+        self.timer = OpTimer(self.ops, OP_NAMES, cuda=b.cuda).install()  # every op, for the layer's lifetime
 
     def prefill(self, total: int, chunk: int) -> None:
         torch, dev = self.torch, self.b.device
@@ -786,10 +783,9 @@ def bench_chunks(b: PrefillBench, args, gen, prompts, chunks, ratios, reps: int,
                 c = total if chunk == 0 else chunk
                 if (chunk and chunk >= total) or b.over_budget(f"layer {kind} {total} chunk {chunk}"):
                     continue
-                with torch.inference_mode():
-                    if b.guard(f"layer warm-up {kind} {total}/{c}", lambda: lb.time(total, c)) is None:
-                        continue
-                    runs = [b.guard(f"layer {kind} {total}/{c}", lambda: lb.time(total, c)) for _ in range(reps)]
+                if b.guard(f"layer warm-up {kind} {total}/{c}", lambda: lb.time(total, c)) is None:
+                    continue
+                runs = [b.guard(f"layer {kind} {total}/{c}", lambda: lb.time(total, c)) for _ in range(reps)]
                 runs = sorted((r for r in runs if r is not None), key=lambda r: r[0])
                 if not runs:
                     continue

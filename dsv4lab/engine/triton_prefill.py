@@ -23,8 +23,8 @@ compressor_pool     ``attention_prefill.compressor_pool``                 any nu
 
 Every kernel needs ``numerics.act == bf16`` (they round where the reference rounds to bf16), fp32 ``acc``, and at
 least ``prefill_min_tokens`` rows (64; the decode kernels take up to 63) — except the indexer's scores and
-top-k and the compressor's pooling, which the per-op path has no decode kernel for: they run at any row count. A tensor-parallel partial sum
-(``all_reduce``) of a projection is computed in fp32 and rounded after the reduction, as the reference does.
+top-k and the compressor's pooling, which the per-op path has no decode kernel for: they run at any row count.
+A tensor-parallel partial sum (``all_reduce``) of a projection is computed in fp32 and rounded after the reduction, as the reference does.
 
 The settings (class attributes ``prefill_*``) default to what ``dsv4lab bench kernels --suite prefill`` measured
 best on the H200 when its result file carries ``choices`` (:func:`load_choices`); :func:`prefill_chunk` is the
@@ -448,17 +448,22 @@ class TritonPrefillOps:
             return None
         return _kernels("attention_prefill").indexer_scores(qi.contiguous(), w.contiguous(), keys.contiguous())
 
-    def prefill_indexer_topk(self, scores, positions, ratio, topk):
-        ap = _kernels("attention_prefill")
+    def _topk_ok(self, scores) -> bool:
         b, s, T = scores.shape
-        if T > ap.TOPK_MAX_ENTRIES or b * s == 0 or not self._any_rows_applies(scores):
+        return T <= _kernels("attention_prefill").TOPK_MAX_ENTRIES and b * s > 0 and self._any_rows_applies(scores)
+
+    def _pool_ok(self, kv_slots, sc_slots) -> bool:
+        # any number of completed entries: a prefill chunk completes several, an eager decode step at most one
+        return (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 1
+                and self._any_rows_applies(kv_slots))
+
+    def prefill_indexer_topk(self, scores, positions, ratio, topk):
+        if not self._topk_ok(scores):
             return None
-        return ap.indexer_topk(scores.contiguous(), positions, ratio, topk)
+        return _kernels("attention_prefill").indexer_topk(scores.contiguous(), positions, ratio, topk)
 
     def prefill_compressor_pool(self, kv_slots, sc_slots):
-        # any number of completed entries: a prefill chunk completes several, an eager decode step at most one
-        if not (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 1
-                and self._any_rows_applies(kv_slots)):
+        if not self._pool_ok(kv_slots, sc_slots):
             return None
         return _kernels("attention_prefill").compressor_pool(kv_slots, sc_slots)
 
@@ -504,15 +509,9 @@ class TritonPrefillOps:
                 return None
             return "tc_bf16" if self._indexer_ok(qi, w, keys, all_reduce) else None
         if op == "indexer_topk":
-            scores = args[0]
-            b, s, T = scores.shape
-            ok = T <= _kernels("attention_prefill").TOPK_MAX_ENTRIES and b * s > 0 and self._any_rows_applies(scores)
-            return "fp32" if ok else None
+            return "fp32" if self._topk_ok(args[0]) else None
         if op == "compressor_pool":
-            kv_slots, sc_slots = args[:2]
-            ok = (kv_slots.dtype == sc_slots.dtype == torch.float32 and kv_slots.shape[0] >= 1
-                  and self._any_rows_applies(kv_slots))
-            return "fp32" if ok else None
+            return "fp32" if self._pool_ok(*args[:2]) else None
         return None
 
     def prefill_accumulation_for(self, op: str, *args, **kwargs) -> str | None:
