@@ -5,7 +5,8 @@
 #     DSV4LAB_COMMIT=<sha> bash scripts/h200_visit.sh PART[:SECONDS] ...   # repository root, GPU machine
 #
 # PART (default limit in seconds):
-#   tests (300)     pytest -m gpu over the whole suite (4 workers: compilation is the cost; TESTS= narrows it);
+#   tests (300)     pytest -m gpu over the whole suite (WORKERS=8 processes: Triton compilation on the CPU is the
+#                   cost; TESTS= narrows it);
 #                   give it 420 for the whole suite: the speculative tests build the model twice
 #   verify (300)    verify model with the Triton backend on data/tiny-py and data/tiny (must PASS), and the three
 #                   faulted runs (must FAIL naming the stage) — scripts/h200_verify.sh models faults
@@ -55,10 +56,10 @@ for spec in "$@"; do
     limit=${spec#*:}
     [ "$limit" = "$spec" ] && limit=""
     case $name in
-        tests) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")  # compilation is the cost
+        tests) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")  # compilation (CPU) is the cost
             # SIGINT 20 s before the limit: pytest stops and still prints its failures (a killed run prints none)
             part tests "${limit:-300}" timeout -s INT -k 10 $(( ${limit:-300} - 20 )) python3 -m pytest -m gpu -v \
-                -rfs --tb=short -p no:cacheprovider $workers --timeout=240 ${TESTS:-tests} ;;
+                -rfs --tb=short -p no:cacheprovider $workers --timeout=360 ${TESTS:-tests} ;;
         verify) part verify "${limit:-300}" bash scripts/h200_verify.sh "$R/verify" models faults ;;
         generate) part generate "${limit:-90}" python3 scripts/generate_golden.py --checkpoint data/tiny-py \
             --backends triton ;;  # the reference leg (256 tokens at full precision) does not fit a short part
