@@ -16,8 +16,10 @@
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30)
 #   prefill (150)   bench kernels --suite prefill --quick
 #   prefill_full    bench kernels --suite prefill (full)
-#   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the decode part's dispatch if it ran)
+#   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the dispatch of a decode part and the
+#                   choices of a prefill_full part that ran before it in the same visit)
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
+#   diag_gemm (90)  scripts/diag_gemm_determinism.py: the prefill GEMM configurations called 20 times each
 set -u
 cd "$(dirname "$0")/.."
 R=runs/h200
@@ -75,8 +77,12 @@ for spec in "$@"; do
             --budget-s $(( ${limit:-420} - 30 )) --out "$R/prefill_kernels.json" ;;
         e2e) [ -f "$R/decode_dispatch.json" ] && [ -z "${DSV4LAB_DECODE_DISPATCH:-}" ] \
                 && export DSV4LAB_DECODE_DISPATCH="$PWD/$R/decode_dispatch.json"  # this visit's decode part measured it
+            [ -f "$R/prefill_kernels.json" ] && [ -z "${DSV4LAB_PREFILL_CHOICES:-}" ] \
+                && export DSV4LAB_PREFILL_CHOICES="$PWD/$R/prefill_kernels.json"  # and its prefill_full part
             part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
+        diag_gemm) part diag_gemm "${limit:-90}" python3 scripts/diag_gemm_determinism.py \
+            --out "$R/gemm_determinism.json" ;;
         spec) part spec "${limit:-150}" python3 scripts/measure_speculative.py --gpu-step-cost --layers 30 \
             --out "$R/speculative_steps.json" ;;
         *) echo "unknown part $name" >&2 ;;

@@ -15,7 +15,8 @@ from dsv4lab.engine.sampling import trajectory_hash
 from dsv4lab.engine.speculative import SpeculativeDecoder, generate_speculative, max_draft_tokens
 from dsv4lab.random_checkpoint import RandomCheckpoint
 from dsv4lab.train.trainer import TrainingOps, lm_losses
-from dsv4lab.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor
+from dsv4lab.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor, \
+    rounding_noise_floors_with_mtp
 from dsv4lab.verify.speculative import critical_positions, rollback_vs_recompute
 
 TINY_PY = ROOT / "data" / "tiny-py"
@@ -73,6 +74,16 @@ def test_rollbacks_across_window_ratio4_ratio16_and_topk_are_bit_exact():
     for full, cycled in (rb["main"], rb["mtp"]):
         assert not torch.isnan(cycled).any()
         assert torch.equal(full, cycled)
+
+
+def test_the_mtp_heads_rounding_floor_is_measured_beside_the_main_heads():
+    m = _model("tiny-py", 1)
+    ids = fixed_sequence(m.args, 40)
+    floors = rounding_noise_floors_with_mtp(m, ids)
+    assert len(floors["main"]) == len(floors["mtp"]) == len(ids) - 1
+    assert floors["main"] == rounding_noise_floor(m, ids[:-1])  # the MTP block does not touch the main logits
+    # fp32 reductions do move the MTP logits (a floor of zero would make any difference fail)
+    assert 0 < sum(floors["mtp"]) and floors["mtp"] != floors["main"]
 
 
 def test_verify_tiers_pass_and_catch_a_rollback_that_misses_the_ring_caches(monkeypatch):
@@ -230,8 +241,9 @@ def test_gpu_triton_speculative_equals_its_plain_greedy(k):
     ids = fixed_sequence(m.args, 70)
     rb = rollback_vs_recompute(m, ids, draft_tokens=3)
     # the one-shot forward of 69 tokens runs the prefill kernels, the cycles the decode kernels: rounding only,
-    # judged by verify model's calibrated rule (the rounding floor of these ids measured on this GPU)
-    rule = kl_rule(rounding_noise_floor(dsv4lab.load(TINY_PY, device="cuda", max_batch=1), ids), None)
+    # judged by verify model's calibrated rule — each head by its own rounding floor of these ids on this GPU
+    floors = rounding_noise_floors_with_mtp(dsv4lab.load(TINY_PY, device="cuda", max_batch=1), ids)
     for head in ("main", "mtp"):
+        rule = kl_rule(floors[head], None)
         verdict = judge_kl(kl_per_position(*rb[head]), m.args, rule)
         assert verdict["ok"], (head, verdict["mean_kl"], verdict["max_kl"], rule["mean_kl"], rule["max_kl"])

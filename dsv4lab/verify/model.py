@@ -219,6 +219,29 @@ def rounding_noise_floor(reference_runner, ids: list[int], exact: torch.Tensor |
     return kl_per_position(exact, reordered)
 
 
+@torch.inference_mode()
+def rounding_noise_floors_with_mtp(reference_runner, ids: list[int]) -> dict[str, list[float]]:
+    """:func:`rounding_noise_floor` of the main and of the MTP head: ``{"main": kl, "mtp": kl}`` over positions
+    ``0..len(ids)−2`` (the last id only feeds the MTP block of the position before it). The MTP logits sit one
+    block deeper than the main ones and amplify a change of summation order differently, so a comparison of MTP
+    logits is judged by the MTP head's own floor, measured the same way."""
+    n = len(ids) - 1
+    t = torch.tensor([ids[:n]])
+    exact_ops = reference_runner.ops
+    runs = []
+    try:
+        for ops in (exact_ops, ReferenceOps(dataclasses.replace(exact_ops.numerics, exact_reductions=False))):
+            reference_runner.ops = ops
+            reference_runner.reset([0])
+            main, mtp = reference_runner.forward(t, 0, slots=[0], mtp=True, next_tokens=[ids[n]])
+            runs.append((main[0], mtp[0]))
+    finally:
+        reference_runner.ops = exact_ops
+        reference_runner.reset([0])
+    (main_exact, mtp_exact), (main_fp32, mtp_fp32) = runs
+    return dict(main=kl_per_position(main_exact, main_fp32), mtp=kl_per_position(mtp_exact, mtp_fp32))
+
+
 def kl_per_position(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[float]:
     lp = torch.log_softmax(p_logits.double(), -1)
     lq = torch.log_softmax(q_logits.double(), -1)
