@@ -237,7 +237,7 @@ class TritonPrefillOps:
     prefill_mhc_rows: bool | None = None
     prefill_weight_gemm_backend: str | None = None
     prefill_gemm_config: str = "m128n128"
-    prefill_weight_gemm_config: str = "n128m128"
+    prefill_weight_gemm_config: str = "n128m64"
     prefill_attention_config: str = "h64n32x"
     prefill_indexer_config: str = "q2t64x8"
 
