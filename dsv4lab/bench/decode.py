@@ -144,6 +144,8 @@ def moe_variants(smoke: bool, quick: bool) -> list[tuple[str, str, object]]:
         # a deeper pipeline or longer K steps trade bytes in flight against instructions per byte
         ("fma", "n8k256w1s2", geo(8, 256, 1, 2)), ("fma", "n16k256w2s2", geo(16, 256, 2, 2)),
         ("fma", "n16k256w1s3", geo(16, 256, 1, 3)), ("fma", "n16k512w1s2", geo(16, 512, 1, 2)),
+        # 8 rows measured fastest (af2b4dc): 4 rows and a deeper pipeline continue that direction
+        ("fma", "n4k256w1s2", geo(4, 256, 1, 2)), ("fma", "n8k256w1s3", geo(8, 256, 1, 3)),
         ("int8", "n16k256w1s2", geo(16, 256, 1, 2)), ("int8", "n32k256w2s2", geo(32, 256, 2, 2)),
         ("dot_scaled", "n16k256w1s2", geo(16, 256, 1, 2)), ("dot_scaled", "n32k256w2s3", geo(32, 256, 2, 3)),
     ]
