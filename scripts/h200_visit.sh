@@ -66,11 +66,13 @@ for spec in "$@"; do
         generate) part generate "${limit:-90}" python3 scripts/generate_golden.py --checkpoint data/tiny-py \
             --backends triton ;;  # the reference leg (256 tokens at full precision) does not fit a short part
         decode) part decode "${limit:-180}" python3 -m dsv4lab bench kernels --suite decode --quick \
-            --out "$R/decode_kernels_quick.json" --dispatch-out "$R/decode_dispatch.json"
+            --out "$R/decode_kernels_quick.json" --dispatch-out "$R/decode_dispatch.json" \
+            --dispatch-base data/results/h200/decode_dispatch.json
             # the measured dispatch is what the backend reads from here on (e2e after this part uses it)
             [ -s "$R/decode_dispatch.json" ] && cp "$R/decode_dispatch.json" data/results/h200/decode_dispatch.json ;;
         decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
-            --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" ;;
+            --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" \
+            --dispatch-base data/results/h200/decode_dispatch.json ;;  # entries a budget-cut run misses are kept
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
             --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json" ;;
         prefill_full) part prefill_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite prefill \

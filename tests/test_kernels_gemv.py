@@ -278,6 +278,37 @@ def test_bench_writes_the_dispatch_it_measured():
     assert d.moe(1).route == "dot" and d.moe(1).block_n_up == 32  # never the baseline
 
 
+def test_a_dispatch_cut_short_keeps_the_base_entries_it_did_not_measure():
+    """``--dispatch-base``: the fresh run's entries win, the others come from the base with the commit they were
+    measured at; a base from another GPU model is refused with the file's name."""
+    from dsv4lab.bench.decode import merge_dispatch
+    from dsv4lab.engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
+    from dsv4lab.errors import UserError
+
+    def entry(shape, batch, split, **kw):
+        return dict(shape=shape, batch=batch, choice=dict(impl="triton", route="fma", block_n=32, block_k=256,
+                                                          split_k=split, num_warps=4, num_stages=3), **kw)
+
+    def moe(batch, bn, **kw):
+        return dict(batch=batch, choice=dict(route="fma", block_n_up=bn, block_n_down=bn), **kw)
+
+    a, b = shape_key(1536, 4096, 1, "fp8", True), shape_key(4096, 8192, 1, "fp8", True)
+    base = dict(format=FORMAT, gpu="NVIDIA H200", commit="old", source="quick",
+                gemv=[entry(a, 1, 3), entry(b, 1, 5), entry(b, 8, 7, commit="older")], moe=[moe(1, 16), moe(8, 16)])
+    fresh = dict(format=FORMAT, gpu="NVIDIA H200", commit="new", source="full",
+                 gemv=[entry(a, 1, 6, commit="new")], moe=[moe(1, 8, commit="new")])
+    m = merge_dispatch(base, fresh, "base.json")
+    by = {(e["shape"], e["batch"]): e for e in m["gemv"]}
+    assert by[(a, 1)]["choice"]["split_k"] == 6 and by[(a, 1)]["commit"] == "new"  # the fresh run wins
+    assert by[(b, 1)]["commit"] == "old" and by[(b, 8)]["commit"] == "older"  # carried, each with its commit
+    assert {e["batch"]: (e["choice"]["block_n_up"], e["commit"]) for e in m["moe"]} == {1: (8, "new"), 8: (16, "old")}
+    assert [f["entries"] for f in m["merged_from"]] == [2, 3] and m["commit"] == "new"
+    d = DecodeDispatch(m, "merged")
+    assert d.gemv(4096, 8192, 1, "fp8", True, 8).split_k == 7 and d.moe(1).block_n_up == 8
+    with pytest.raises(UserError, match="base.json: measured on 'NVIDIA H100'"):
+        merge_dispatch(dict(base, gpu="NVIDIA H100"), fresh, "base.json")
+
+
 # ------------------------------------------------------------------------------------------ GPU, real widths
 def _projections():
     from dsv4lab.config import get_preset

@@ -52,10 +52,11 @@ from ..config import get_preset
 from ..engine.decode_dispatch import FORMAT, shape_key
 from ..engine.decode_graph import DecodeGraphs, StaticDecodeStep
 from ..engine.loader import load
+from ..errors import UserError
 from ..model.block import Block
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
-from ..paths import DATA_DIR
+from ..paths import DATA_DIR, read_json
 from ..verify.bounds import BoundCheck, check_within_bound, gamma, ulp
 from ..verify.registry import _make_attention
 from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path, random_bank,
@@ -73,6 +74,9 @@ QUICK_BUDGET_S = 140.0
 def add_suite_arguments(p) -> None:
     p.add_argument("--dispatch-out", default=None,
                    help="where the measured dispatch goes (default: decode_dispatch.json beside --out)")
+    p.add_argument("--dispatch-base", default=None,
+                   help="a dispatch file (same GPU) whose entries this run does not measure are kept in the one it "
+                        "writes, each naming its commit — for a run its budget cuts short")
 
 
 # ============================================================================================ rows and checks
@@ -828,10 +832,38 @@ def build_dispatch(doc: dict, a) -> dict:
             moe_entries.append(dict(batch=T, choice=dict(route=best["route"], **best["geometry_fields"]),
                                     us=best["time_us"], pct_copy_bw=best["pct_copy_bw"],
                                     alternatives={r["variant"]: r["time_us"] for r in cands}))
+    for e in gemv_entries + moe_entries:
+        e["commit"] = doc["commit"]  # what a merge (merge_dispatch) carries with each entry
     return dict(format=FORMAT, gpu=doc["gpu"], torch=doc["torch"], triton=doc["triton"], commit=doc["commit"],
                 source="dsv4lab bench kernels --suite decode" + (" --quick" if doc.get("quick") else ""),
                 copy_bw_gbps=doc.get("copy_bw_gbps"), cublas_scaled_mm=doc.get("cublas_scaled_mm"),
                 gemv=gemv_entries, moe=moe_entries)
+
+
+def merge_dispatch(base: dict, fresh: dict, base_name: str = "the base dispatch") -> dict:
+    """``fresh`` (a run's :func:`build_dispatch`) completed by the entries of ``base`` it did not measure — the
+    projection shapes and batch tiers a run cut short by its budget never reached. Every entry names the commit it
+    was measured at (``commit``; a base entry without one gets the base file's); ``merged_from`` lists both files'
+    commits and how many entries each gave. Both must come from the same GPU model."""
+    if base.get("format") != FORMAT:
+        raise UserError(f"{base_name}: format {base.get('format')!r}, expected {FORMAT!r}")
+    if base.get("gpu") != fresh.get("gpu"):
+        raise UserError(f"{base_name}: measured on {base.get('gpu')!r}, this run on {fresh.get('gpu')!r}: "
+                        "a dispatch only holds for the GPU it was measured on")
+    out = dict(fresh, gemv=list(fresh["gemv"]), moe=list(fresh["moe"]))
+    have_gemv = {(e["shape"], int(e["batch"])) for e in fresh["gemv"]}
+    have_moe = {int(e["batch"]) for e in fresh["moe"]}
+    carried = [dict(e, commit=e.get("commit", base.get("commit"))) for e in base.get("gemv", [])
+               if (e["shape"], int(e["batch"])) not in have_gemv]
+    carried_moe = [dict(e, commit=e.get("commit", base.get("commit"))) for e in base.get("moe", [])
+                   if int(e["batch"]) not in have_moe]
+    out["gemv"] += carried
+    out["moe"] += carried_moe
+    out["merged_from"] = [dict(commit=fresh.get("commit"), source=fresh.get("source"),
+                               entries=len(fresh["gemv"]) + len(fresh["moe"])),
+                          dict(commit=base.get("commit"), source=base.get("source"),
+                               entries=len(carried) + len(carried_moe))]
+    return out
 
 
 # ============================================================================================ driver
@@ -849,7 +881,12 @@ def run_suite(args) -> int:
     batches = (1,) if smoke else (QUICK_BATCHES if quick else BATCHES)
     mv = moe_variants(smoke, quick)
     gv = gemv_variants(smoke, quick)
+    base_path = getattr(args, "dispatch_base", None)
+    base = read_json(base_path, UserError) if base_path else None  # read now: --dispatch-out may be the same file
     doc = run_header(b, args, smoke) | dict(quick=quick)
+    if base is not None and b.cuda and base.get("gpu") != doc["gpu"]:  # refused before the run, not after it
+        raise UserError(f"{base_path}: measured on {base.get('gpu')!r}, this GPU is {doc['gpu']!r}: a dispatch "
+                        "only holds for the GPU it was measured on")
     out = output_path(args, "decode")
     dispatch_out = Path(getattr(args, "dispatch_out", None) or out.with_name("decode_dispatch.json"))
 
@@ -859,7 +896,8 @@ def run_suite(args) -> int:
         doc["targets"] = targets(doc)
         write_json(out, doc)
         if b.cuda:
-            write_json(dispatch_out, build_dispatch(doc, a))
+            fresh = build_dispatch(doc, a)
+            write_json(dispatch_out, merge_dispatch(base, fresh, base_path) if base is not None else fresh)
 
     def after_section() -> None:
         if b.cuda:
