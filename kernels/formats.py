@@ -10,6 +10,8 @@ Host-side twins of these codecs (the oracles) are in :mod:`dsv4lab.quant`.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -127,3 +129,10 @@ def quantize_int8(x, s):
 
 __all__ = ["RNE_MAGIC", "pow2", "round_to_bf16", "e8m0_to_f32", "e2m1_pair_to_f32_scaled", "e2m1_pair_times2_int",
            "fp8_act_exponent", "round_to_e4m3", "quantize_fp8_block", "int8_group_scale", "quantize_int8"]
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``): bf16/fp8 dots must then be fed fp32 operands,
+    launch geometries favour few large programs, and device-only paths (inline PTX, cuBLAS) are off. The one
+    definition for the kernel modules (the engine, which must import without Triton, keeps its own)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -33,23 +33,16 @@ Exact device-side codecs come from ``kernels/formats.py``; :func:`pow2_exponent`
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .formats import e8m0_to_f32, fp8_act_exponent, pow2, round_to_bf16, round_to_e4m3
+from .formats import e8m0_to_f32, fp8_act_exponent, interpreting, pow2, round_to_bf16, round_to_e4m3
 from .rowops import DeviceProbe
 
 ACT_BLOCK = 128
 FP8_MAX = 448.0
 BACKENDS = ("triton", "cublas")
-
-
-def interpreting() -> bool:
-    """True under Triton's CPU interpreter, where bf16/fp8 dots must be fed fp32 operands."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ============================================================================================ shared helpers

@@ -35,14 +35,13 @@ prefill FP8 GEMMs, not by the fp32 one of the own routes.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .formats import RNE_MAGIC, e8m0_to_f32, round_to_bf16
+from .formats import RNE_MAGIC, e8m0_to_f32, interpreting, round_to_bf16
 from .tickets import counters, take_ticket
 from dsv4lab import quant
 
@@ -69,10 +68,6 @@ class GemvGeometry:
     num_stages: int = 3
     unroll: int = 1
     prequant: bool = False
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ------------------------------------------------------------------------------------------------ device helpers

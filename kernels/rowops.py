@@ -15,21 +15,14 @@ launched with ``enable_fp_fusion=False`` so no multiply–add is contracted into
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .formats import round_to_bf16
+from .formats import interpreting, round_to_bf16
 
 LAUNCH_EXACT = dict(enable_fp_fusion=False)
 """Launch options of kernels whose fp32 element-wise arithmetic must round like torch's (no FMA contraction)."""
-
-
-def interpreting() -> bool:
-    """Whether kernels run in Triton's CPU interpreter (launch geometry then favours few, large programs)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def device_key(device) -> str:

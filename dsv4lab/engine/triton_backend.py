@@ -101,6 +101,8 @@ def loosest(*models: str) -> str:
 
 
 def interpreting() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter — the engine's twin of ``dsv4lab_kernels.formats.
+    interpreting`` (this module must import where Triton is absent, so it does not import the kernels' one)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
