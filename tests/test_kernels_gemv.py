@@ -307,6 +307,8 @@ def test_a_dispatch_cut_short_keeps_the_base_entries_it_did_not_measure():
     assert d.gemv(4096, 8192, 1, "fp8", True, 8).split_k == 7 and d.moe(1).block_n_up == 8
     with pytest.raises(UserError, match="base.json: measured on 'NVIDIA H100'"):
         merge_dispatch(dict(base, gpu="NVIDIA H100"), fresh, "base.json")
+    with pytest.raises(ValueError, match=r"base.json: gemv\[0\]: needs 'shape'"):  # a malformed base, named
+        merge_dispatch(dict(base, gemv=[dict(batch=1)]), fresh, "base.json")
 
 
 # ------------------------------------------------------------------------------------------ GPU, real widths

@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .. import quant
 from ..config import get_preset
-from ..engine.decode_dispatch import FORMAT, shape_key
+from ..engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
 from ..engine.decode_graph import DecodeGraphs, StaticDecodeStep
 from ..engine.loader import load
 from ..errors import UserError
@@ -847,8 +847,9 @@ def merge_dispatch(base: dict, fresh: dict, base_name: str = "the base dispatch"
     projection shapes and batch tiers a run cut short by its budget never reached. Every entry names the commit it
     was measured at (``commit``; a base entry without one gets the base file's); ``merged_from`` lists both files'
     commits and how many entries each gave. Both must come from the same GPU model."""
-    if base.get("format") != FORMAT:
-        raise UserError(f"{base_name}: format {base.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(base, dict):
+        raise UserError(f"{base_name}: not a decode dispatch (a JSON object of format {FORMAT!r})")
+    DecodeDispatch(base, base_name)  # a malformed file is refused naming its field
     if base.get("gpu") != fresh.get("gpu"):
         raise UserError(f"{base_name}: measured on {base.get('gpu')!r}, this run on {fresh.get('gpu')!r}: "
                         "a dispatch only holds for the GPU it was measured on")

@@ -29,7 +29,8 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
 
 The parts run in the order decode rows, breakdown, TTFT (and its per-op breakdown), ABBA, contexts — what a tight
 budget should keep first. Every part's wall time is recorded (``timing_s``); parts that would start after
-``--budget-s`` are skipped and listed (``skipped``). ``--smoke`` runs the same code on the tiny preset on a CPU (gloo between ranks) in seconds.
+``--budget-s`` are skipped and listed (``skipped``). ``--smoke`` runs the same code on the tiny preset on a CPU
+(gloo between ranks) in seconds.
 """
 from __future__ import annotations
 

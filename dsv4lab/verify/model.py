@@ -10,6 +10,7 @@ semantics — and re-recording reproduces it byte for byte.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -198,6 +199,20 @@ def chunked_vs_recompute(runner, ids: list[int], chunk: int) -> dict:
     return dict(kl=kl_per_position(full, torch.cat(parts)), chunk=chunk)
 
 
+@contextlib.contextmanager
+def _fp32_reductions(reference_runner):
+    """The runner's reference with fp32 instead of exact (fp64) reductions for the block; its own ops and a reset
+    slot 0 afterwards."""
+    exact_ops = reference_runner.ops
+    reference_runner.ops = ReferenceOps(dataclasses.replace(exact_ops.numerics, exact_reductions=False))
+    try:
+        reference_runner.reset([0])
+        yield reference_runner
+    finally:
+        reference_runner.ops = exact_ops
+        reference_runner.reset([0])
+
+
 @torch.inference_mode()
 def rounding_noise_floor(reference_runner, ids: list[int], exact: torch.Tensor | None = None) -> list[float]:
     """Teacher-forced per-position KL between the reference and the same reference with fp32 instead of exact
@@ -205,17 +220,11 @@ def rounding_noise_floor(reference_runner, ids: list[int], exact: torch.Tensor |
     bit-exact backend can drift on this checkpoint is of this order; a layout fault is orders of magnitude above.
     ``exact``: the reference's logits of ``ids`` when the caller already has them."""
     t = torch.tensor([ids])
-    exact_ops = reference_runner.ops
     if exact is None:
         reference_runner.reset([0])
         exact = reference_runner.forward(t, 0, slots=[0])[0]
-    reference_runner.ops = ReferenceOps(dataclasses.replace(exact_ops.numerics, exact_reductions=False))
-    try:
-        reference_runner.reset([0])
-        reordered = reference_runner.forward(t, 0, slots=[0])[0]
-    finally:
-        reference_runner.ops = exact_ops
-        reference_runner.reset([0])
+    with _fp32_reductions(reference_runner) as fp32:
+        reordered = fp32.forward(t, 0, slots=[0])[0]
     return kl_per_position(exact, reordered)
 
 
@@ -227,19 +236,11 @@ def rounding_noise_floors_with_mtp(reference_runner, ids: list[int]) -> dict[str
     logits is judged by the MTP head's own floor, measured the same way."""
     n = len(ids) - 1
     t = torch.tensor([ids[:n]])
-    exact_ops = reference_runner.ops
-    runs = []
-    try:
-        for ops in (exact_ops, ReferenceOps(dataclasses.replace(exact_ops.numerics, exact_reductions=False))):
-            reference_runner.ops = ops
-            reference_runner.reset([0])
-            main, mtp = reference_runner.forward(t, 0, slots=[0], mtp=True, next_tokens=[ids[n]])
-            runs.append((main[0], mtp[0]))
-    finally:
-        reference_runner.ops = exact_ops
-        reference_runner.reset([0])
-    (main_exact, mtp_exact), (main_fp32, mtp_fp32) = runs
-    return dict(main=kl_per_position(main_exact, main_fp32), mtp=kl_per_position(mtp_exact, mtp_fp32))
+    reference_runner.reset([0])
+    main, mtp = reference_runner.forward(t, 0, slots=[0], mtp=True, next_tokens=[ids[n]])
+    with _fp32_reductions(reference_runner) as fp32:
+        main32, mtp32 = fp32.forward(t, 0, slots=[0], mtp=True, next_tokens=[ids[n]])
+    return dict(main=kl_per_position(main[0], main32[0]), mtp=kl_per_position(mtp[0], mtp32[0]))
 
 
 def kl_per_position(p_logits: torch.Tensor, q_logits: torch.Tensor) -> list[float]:
