@@ -15,16 +15,11 @@ import sys
 
 import torch
 
-from dsv4lab.engine.triton_prefill import accumulation_bound, linear_magnitude
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
+from dsv4lab.engine.triton_prefill import accumulation_bound
 from dsv4lab.provenance import short_commit
 from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.verify.registry import make_linear
+from dsv4lab.verify.registry import fp8_linear_case, grouped_wo_a_case
 from dsv4lab_kernels import fp8_gemm as fg
-
-REF = ReferenceOps(Numerics())
-
 
 def repeat(name: str, call, ref, mag, terms: int, accumulation: str, repeats: int) -> dict:
     first = call()
@@ -55,22 +50,15 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("diag_gemm_determinism: needs a CUDA GPU", file=sys.stderr)
         return 0
-    dev = "cuda"
-    g = torch.Generator().manual_seed(13)
-    G, R, K, M = 8, 1024, 4096, 300
-    lin = make_linear("fp8", G * R, K, g, dev, act_quant=False)
-    o = torch.randn(1, M, G, K, generator=g).to(dev, torch.bfloat16)
-    ref = REF.grouped_wo_a(o, lin, G)
-    mag = torch.einsum("bsgd,grd->bsgr", o.double().abs(), lin.dequantized(torch.float64).view(G, R, K).abs())
+    g = torch.Generator().manual_seed(13)  # the inputs of tests/test_kernels_prefill_gemm.py's GPU wo_a case
+    o, lin, ref, mag = grouped_wo_a_case(g, "cuda")
+    M, G, K = o.shape
     rows = []
     for cfg in fg.WEIGHT_GEMM_CONFIGS:
-        rows.append(repeat(f"weight_gemm wo_a {cfg}", lambda: fg.weight_gemm(o.reshape(M, G, K), lin.weight,
-                                                                             lin.scale, torch.bfloat16, G,
-                                                                             config=cfg),
+        rows.append(repeat(f"weight_gemm wo_a {cfg}", lambda: fg.weight_gemm(o, lin.weight, lin.scale,
+                                                                             torch.bfloat16, G, config=cfg),
                            ref, mag, K, "tc_bf16", a.repeats))
-    x = (torch.randn(301, K, generator=g) * 2).to(dev, torch.bfloat16)
-    w = make_linear("fp8", 1024, K, g, dev)
-    ref2, mag2 = REF.linear(x, w), linear_magnitude(x, w, True)
+    x, w, ref2, mag2 = fp8_linear_case(g, 1024, K, "cuda")
     for cfg in fg.FP8_GEMM_CONFIGS:
         rows.append(repeat(f"fp8_linear {cfg}", lambda: fg.fp8_linear(x, w.weight, w.scale, config=cfg),
                            ref2, mag2, K, "tc_fp8", a.repeats))

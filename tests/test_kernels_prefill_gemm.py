@@ -16,7 +16,7 @@ from dsv4lab.engine.triton_prefill import accumulation_bound, linear_magnitude
 from dsv4lab.model.numerics import Numerics
 from dsv4lab.model.ops import ReferenceOps
 from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.verify.registry import make_linear
+from dsv4lab.verify.registry import fp8_linear_case, grouped_wo_a_case, make_linear
 
 pytest.importorskip("triton")
 fg = pytest.importorskip("dsv4lab_kernels.fp8_gemm")
@@ -175,10 +175,7 @@ def test_shared_expert_h_scales_in_cublas_layout_are_the_row_major_ones():
 @pytest.mark.parametrize("N,K", [(1024, 4096), (4096, 2048), (512, 4096)])
 def test_gpu_fp8_linear_triton_and_cublas_within_bound(N, K):
     dev = "cuda"
-    g = torch.Generator().manual_seed(N)
-    lin = make_linear("fp8", N, K, g, dev)
-    x = (torch.randn(301, K, generator=g) * 2).to(dev, torch.bfloat16)  # 301: cuBLAS's row padding
-    ref, mag = REF.linear(x, lin), linear_magnitude(x, lin, True)
+    x, lin, ref, mag = fp8_linear_case(torch.Generator().manual_seed(N), N, K, dev)
     for cfg in fg.FP8_GEMM_CONFIGS:
         _within(f"gpu fp8 {cfg}", fg.fp8_linear(x, lin.weight, lin.scale, config=cfg), ref, mag, K, "tc_fp8",
                 torch.bfloat16)
@@ -193,13 +190,10 @@ def test_gpu_fp8_linear_triton_and_cublas_within_bound(N, K):
 def test_gpu_weight_gemm_and_shared_expert_at_real_widths():
     dev = "cuda"
     g = torch.Generator().manual_seed(13)
-    G, R, K, M = 8, 1024, 4096, 300
-    lin = make_linear("fp8", G * R, K, g, dev, act_quant=False)
-    o = torch.randn(1, M, G, K, generator=g).to(dev, torch.bfloat16)
-    ref = REF.grouped_wo_a(o, lin, G)
-    mag = torch.einsum("bsgd,grd->bsgr", o.double().abs(), lin.dequantized(torch.float64).view(G, R, K).abs())
+    o, lin, ref, mag = grouped_wo_a_case(g, dev)
+    M, G, K = o.shape
     for cfg in fg.WEIGHT_GEMM_CONFIGS:
-        y = fg.weight_gemm(o.reshape(M, G, K), lin.weight, lin.scale, torch.bfloat16, G, config=cfg)
+        y = fg.weight_gemm(o, lin.weight, lin.scale, torch.bfloat16, G, config=cfg)
         _within(f"gpu wo_a {cfg}", y.view(ref.shape), ref, mag, K, "tc_bf16", torch.bfloat16)
     head = make_linear("bf16", 4099, 4096, g, dev)
     x = (torch.randn(M, 4096, generator=g) * 2).to(dev, torch.bfloat16)

@@ -66,6 +66,27 @@ def make_linear(fmt: str, out_f: int, in_f: int, gen: torch.Generator, device="c
     return lin
 
 
+def fp8_linear_case(gen: torch.Generator, n: int, k: int, device="cpu", rows: int = 301):
+    """A real-width FP8 projection case of the prefill GEMM checks: ``(x [rows, k] bf16, lin, ref, Σ|terms|)`` —
+    the reference's output and the fp64 magnitude its error bound scales with (301 rows: cuBLAS's row padding)."""
+    from ..engine.triton_prefill import linear_magnitude
+    lin = make_linear("fp8", n, k, gen, device)
+    x = (torch.randn(rows, k, generator=gen) * 2).to(device, torch.bfloat16)
+    return x, lin, ReferenceOps(Numerics()).linear(x, lin), linear_magnitude(x, lin, True)
+
+
+def grouped_wo_a_case(gen: torch.Generator, device="cpu", groups: int = 8, rows_per_group: int = 1024,
+                      k: int = 4096, tokens: int = 300):
+    """The grouped ``wo_a`` projection at Flash width: ``(o [tokens, groups, k] bf16, lin, ref [1, tokens, groups,
+    rows_per_group], Σ|terms|)`` — FP8 weights, bf16 activations (not quantized, as the reference applies it)."""
+    lin = make_linear("fp8", groups * rows_per_group, k, gen, device, act_quant=False)
+    o = torch.randn(1, tokens, groups, k, generator=gen).to(device, torch.bfloat16)
+    ref = ReferenceOps(Numerics()).grouped_wo_a(o, lin, groups)
+    mag = torch.einsum("bsgd,grd->bsgr", o.double().abs(),
+                       lin.dequantized(torch.float64).view(groups, rows_per_group, k).abs())
+    return o.reshape(tokens, groups, k), lin, ref, mag
+
+
 def make_bank(n_experts: int, dim: int, inter: int, gen: torch.Generator, device="cpu", offset: int = 0) -> ExpertBank:
     bank = ExpertBank(n_experts, dim, inter, "fp4", offset)
     for which, (n, k) in (("w1", (inter, dim)), ("w3", (inter, dim)), ("w2", (dim, inter))):
