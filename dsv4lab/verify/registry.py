@@ -21,6 +21,7 @@ import torch
 from .. import quant
 from ..config import get_preset
 from ..engine.decode_groups import group
+from ..engine.triton_prefill import linear_magnitude
 from ..model.compressor import Compressor
 from ..model.linear import ExpertBank, Linear
 from ..model.moe import Gate
@@ -69,7 +70,6 @@ def make_linear(fmt: str, out_f: int, in_f: int, gen: torch.Generator, device="c
 def fp8_linear_case(gen: torch.Generator, n: int, k: int, device="cpu", rows: int = 301):
     """A real-width FP8 projection case of the prefill GEMM checks: ``(x [rows, k] bf16, lin, ref, Σ|terms|)`` —
     the reference's output and the fp64 magnitude its error bound scales with (301 rows: cuBLAS's row padding)."""
-    from ..engine.triton_prefill import linear_magnitude
     lin = make_linear("fp8", n, k, gen, device)
     x = (torch.randn(rows, k, generator=gen) * 2).to(device, torch.bfloat16)
     return x, lin, ReferenceOps(Numerics()).linear(x, lin), linear_magnitude(x, lin, True)
