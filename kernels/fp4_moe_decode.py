@@ -83,6 +83,11 @@ class MoeGeometry:
         prequant: quantize ``x`` and ``h`` once per step in a small kernel each (exact bf16 values) instead of
             in every program's loop — two more launches, a third fewer instructions per byte at batch 8 (the
             FP8-activation routes only).
+        fma_sums: the ``fma`` route's accumulators — ``"group"``: each chunk's 32-element group dots summed by
+            a tree, then added to one accumulator per group; ``"element"``: one accumulator per weight position
+            of the tile, two FFMAs per weight pair and no tree in the loop, reduced once after the last chunk
+            (fewer instructions per weight byte — the route is issue-bound at batch 1 — for 32 more registers
+            per matrix at 8 rows × 256). Either is an fp32 sum of the same exact products in another order.
     """
 
     block_n_up: int = 32
@@ -93,6 +98,10 @@ class MoeGeometry:
     num_stages: int = 3
     decode: str = "auto"
     prequant: bool = False
+    fma_sums: str = "group"
+
+
+FMA_SUMS = ("group", "element")
 
 
 # ------------------------------------------------------------------------------------------------ E2M1 decode
@@ -249,6 +258,14 @@ def _chunk_fma(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.c
 
 
 @triton.jit
+def _chunk_fma_elements(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+    """``acc [BN, G, 16] +=`` the products of one token's chunk, position by position (no reduction here)."""
+    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
+    acc = acc + lo.to(tl.float32) * tl.reshape(xe, (1, G, 16))
+    return acc + hi.to(tl.float32) * tl.reshape(xo, (1, G, 16))
+
+
+@triton.jit
 def _chunk_int8(acc, wb, sb, q, sx, BN: tl.constexpr, G: tl.constexpr, TP: tl.constexpr):
     """The paper's route: ``acc [BN, TP] += Σ_g dot_g · 2^(s-127) · sx / 2`` with ``dot_g`` the exact int32 dot
     of the 32-group ``g`` (``2·E2M1`` int8 weights × int8 activations)."""
@@ -294,11 +311,13 @@ def _chunk_dot_scaled(acc_t, xq, w_base, s_base, n_ok, stride_wn, stride_sn, k0,
 @triton.jit
 def _project(a_ptr, rows, row_ok, w_base, s_base, v_base, t_base, n_ok, stride_wn, stride_sn, K,
              TWO: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr,
-             DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+             DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             FMA_ELEM: tl.constexpr):
     """``[BN, TP]`` fp32: the ``BN`` weight rows at ``w_base`` (scales ``s_base``) times the activation rows
     ``rows`` (``[TQ]`` element offsets, ``row_ok`` masks padding) over all of K, by ``ROUTE`` (0 dot, 1 fma,
     2 int8, 3 dot_scaled); with ``TWO`` also the rows at ``v_base`` (scales ``t_base``) in the same loop,
-    sharing each activation chunk (w1 and w3). The fma route reads its tiles once per valid row."""
+    sharing each activation chunk (w1 and w3). The fma route reads its tiles once per valid row, summing by
+    32-element groups or (``FMA_ELEM``) position by position (:attr:`MoeGeometry.fma_sums`)."""
     G: tl.constexpr = BK // 32
     acc = tl.zeros((BN, TP), tl.float32)
     acc2 = tl.zeros((BN, TP), tl.float32)
@@ -314,15 +333,28 @@ def _project(a_ptr, rows, row_ok, w_base, s_base, v_base, t_base, n_ok, stride_w
         for r in range(0, tl.sum(row_ok.to(tl.int32), axis=0)):
             pick = (tl.cumsum(row_ok.to(tl.int32), axis=0) == r + 1) & row_ok  # the r-th valid row
             row = tl.zeros((1,), rows.dtype) + tl.sum(tl.where(pick, rows, 0), axis=0)
-            acc_g = tl.zeros((BN, G), tl.float32)
-            acc_g2 = tl.zeros((BN, G), tl.float32)
-            for c in range(0, tl.cdiv(K, BK)):
-                xe, xo = _act_chunk_fp8(a_ptr, row, tl.arange(0, 1) == 0, c * BK, K, ACT_QUANT, 1, 1, BK)
-                wb, sb = _weight_chunk(w_base, s_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                acc_g = _chunk_fma(acc_g, wb, sb, xe, xo, ASM, BN, G)
-                if TWO:
-                    wb, sb = _weight_chunk(v_base, t_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                    acc_g2 = _chunk_fma(acc_g2, wb, sb, xe, xo, ASM, BN, G)
+            if FMA_ELEM:
+                acc_e = tl.zeros((BN, G, 16), tl.float32)
+                acc_e2 = tl.zeros((BN, G, 16), tl.float32)
+                for c in range(0, tl.cdiv(K, BK)):
+                    xe, xo = _act_chunk_fp8(a_ptr, row, tl.arange(0, 1) == 0, c * BK, K, ACT_QUANT, 1, 1, BK)
+                    wb, sb = _weight_chunk(w_base, s_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
+                    acc_e = _chunk_fma_elements(acc_e, wb, sb, xe, xo, ASM, BN, G)
+                    if TWO:
+                        wb, sb = _weight_chunk(v_base, t_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
+                        acc_e2 = _chunk_fma_elements(acc_e2, wb, sb, xe, xo, ASM, BN, G)
+                acc_g = tl.sum(acc_e, axis=2)
+                acc_g2 = tl.sum(acc_e2, axis=2)
+            else:
+                acc_g = tl.zeros((BN, G), tl.float32)
+                acc_g2 = tl.zeros((BN, G), tl.float32)
+                for c in range(0, tl.cdiv(K, BK)):
+                    xe, xo = _act_chunk_fp8(a_ptr, row, tl.arange(0, 1) == 0, c * BK, K, ACT_QUANT, 1, 1, BK)
+                    wb, sb = _weight_chunk(w_base, s_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
+                    acc_g = _chunk_fma(acc_g, wb, sb, xe, xo, ASM, BN, G)
+                    if TWO:
+                        wb, sb = _weight_chunk(v_base, t_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
+                        acc_g2 = _chunk_fma(acc_g2, wb, sb, xe, xo, ASM, BN, G)
             acc += tl.where(pick[None, :], tl.sum(acc_g, axis=1)[:, None], 0.0)
             acc2 += tl.where(pick[None, :], tl.sum(acc_g2, axis=1)[:, None], 0.0)
     elif ROUTE == 2:
@@ -378,7 +410,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
                    TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
                    ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr, WRITE_GU: tl.constexpr,
                    ROUND_ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr):
+                   BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr):
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, local, works = _expert_of_pair(idx_ptr, pid_p, T, expert_offset, n_local, TOPK, PP)
@@ -391,7 +423,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
         s_off = local.to(tl.int64) * stride_se + pid_n * BN * stride_sn
         g, u = _project(x_ptr, tl.arange(0, TQ).to(tl.int64) * D, has_q, w1_ptr + w_off, s1_ptr + s_off,
                         w3_ptr + w_off, s3_ptr + s_off, n_ok, stride_wn, stride_sn, D,
-                        True, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK)  # [BN, TP] each
+                        True, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK, FMA_ELEM)  # [BN, TP] each
         if ROUND_ACT:  # the reference's Linear returns bf16
             g = round_to_bf16(g)
             u = round_to_bf16(u)
@@ -421,7 +453,8 @@ def _moe_down_expert_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, out_ptr,
                             stride_we, stride_wn, stride_se, stride_sn,
                             TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
                             PP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr,
-                            ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                            ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            FMA_ELEM: tl.constexpr):
     """Expert-major down projection: each slot's act-rounded output ``out [T, k, D]`` (fp32)."""
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -435,7 +468,7 @@ def _moe_down_expert_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, out_ptr,
         w_base = w2_ptr + local.to(tl.int64) * stride_we + pid_n * BN * stride_wn
         s_base = s2_ptr + local.to(tl.int64) * stride_se + pid_n * BN * stride_sn
         y, _ = _project(h_ptr, rows, has_q, w_base, s_base, w_base, s_base, n_ok, stride_wn, stride_sn, I,
-                        False, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK)
+                        False, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK, FMA_ELEM)
         if ROUND_ACT:
             y = round_to_bf16(y)
         t = tl.arange(0, TP)
@@ -449,7 +482,7 @@ def _moe_down_token_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr,
                            stride_we, stride_wn, stride_se, stride_sn, SLOT_SPLIT,
                            TOPK: tl.constexpr, TP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr,
                            ACT_QUANT: tl.constexpr, ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr):
     """Token-major down projection: a program sums slots ``split, split+S, …`` of token ``t`` in fp64 (exact for
     act-rounded values) and writes ``y`` (one split) or its fp64 partial."""
     t = tl.program_id(0)
@@ -466,7 +499,7 @@ def _moe_down_token_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr,
             s_base = s2_ptr + local.to(tl.int64) * stride_se + pid_n * BN * stride_sn
             rows = tl.zeros((1,), tl.int64) + (t * TOPK + si).to(tl.int64) * I
             y, _ = _project(h_ptr, rows, tl.arange(0, 1) == 0, w_base, s_base, w_base, s_base, n_ok, stride_wn,
-                            stride_sn, I, False, ROUTE, ASM, ACT_QUANT, DOT_FP32, 1, TP, BN, BK)
+                            stride_sn, I, False, ROUTE, ASM, ACT_QUANT, DOT_FP32, 1, TP, BN, BK, FMA_ELEM)
             y = tl.sum(tl.where(r[None, :] == 0, y, 0.0), axis=1)
             if ROUND_ACT:
                 y = round_to_bf16(y)
@@ -607,7 +640,10 @@ def _token_block(T: int, route: str) -> int:
 
 
 def _launch_opts(geo: MoeGeometry) -> dict:
-    return dict(num_warps=geo.num_warps, num_stages=geo.num_stages)
+    """The launch options and the geometry's constexprs other than the tile sizes."""
+    if geo.fma_sums not in FMA_SUMS:
+        raise ValueError(f"MoeGeometry.fma_sums={geo.fma_sums!r}; known: {', '.join(FMA_SUMS)}")
+    return dict(num_warps=geo.num_warps, num_stages=geo.num_stages, FMA_ELEM=geo.fma_sums == "element")
 
 
 def moe_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None, ex: ExpertTensors, limit: float,

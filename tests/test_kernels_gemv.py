@@ -209,6 +209,19 @@ def test_dispatch_lookup_tiers_and_defaults(tmp_path, monkeypatch):
         DecodeDispatch.load(tmp_path / "missing.json")
 
 
+def test_a_dispatch_moe_choice_carries_every_moe_geometry_field():
+    """``MoeChoice`` (the dispatch file's MoE entry, readable without the kernels) is the route plus the fields of
+    ``MoeGeometry``: a geometry field added to the kernel and not to the choice could never be dispatched."""
+    from dataclasses import asdict, fields
+
+    from dsv4lab.engine.decode_dispatch import MoeChoice
+    from dsv4lab_kernels import fp4_moe_decode as moe
+    assert {f.name for f in fields(MoeChoice)} == {f.name for f in fields(moe.MoeGeometry)} | {"route"}
+    assert asdict(MoeChoice()) == {"route": "dot", **asdict(moe.MoeGeometry())}  # the same defaults
+    geo = moe.MoeGeometry(block_n_up=8, block_n_down=8, num_warps=1, num_stages=2, fma_sums="element")
+    assert MoeChoice(route="fma", **asdict(geo)).geometry(moe) == geo
+
+
 def test_backend_follows_the_dispatch():
     """A dispatch entry selects the route and geometry the backend launches (the result stays within bound);
     without one the documented default (the dot route, K split to ~2 programs per SM) runs."""

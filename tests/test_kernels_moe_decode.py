@@ -178,6 +178,8 @@ CASES = [
     ("dot", 1, G(block_n_up=16, block_n_down=32, block_k=128)),
     ("dot", 3, G(block_n_up=32, block_n_down=16, block_k=256)),
     ("fma", 2, G(block_n_up=16, block_n_down=16, block_k=128, slot_split=2)),
+    ("fma", 3, G(block_n_up=8, block_n_down=16, block_k=128, fma_sums="element")),  # position-wise sums
+    ("fma", 1, G(block_n_up=16, block_n_down=8, block_k=256, slot_split=1, fma_sums="element")),
     ("int8", 3, G(block_n_up=16, block_n_down=32, block_k=128)),
     ("dot_scaled", 2, G(block_n_up=32, block_n_down=32, block_k=128, slot_split=1)),
 ]
@@ -259,6 +261,8 @@ def test_unknown_route_and_bad_shapes_are_clear_errors():
         moe.routed_moe_decode(x, idx, w, ex, LIMIT, route="fp4")
     with pytest.raises(ValueError, match="multiple of 128"):
         moe.routed_moe_decode(x, idx, w, ex, LIMIT, geometry=G(block_k=192))
+    with pytest.raises(ValueError, match="fma_sums='tree'; known: group, element"):
+        moe.routed_moe_decode(x, idx, w, ex, LIMIT, "fma", geometry=G(fma_sums="tree"))
     with pytest.raises(ValueError, match="do not fit"):
         moe.moe_gate_up(x[:, :128], idx, w, ex, LIMIT)
 
@@ -311,6 +315,16 @@ def test_one_slot_rounding_flip_is_within_bound_not_within_the_old_tolerance():
 def test_gpu_moe_real_widths_within_bound(route, T):
     x, idx, w, bank = moe_case(T, E=8, k=6, D=4096, I=2048, seed=1, device="cuda")
     check_moe(x, idx, w, bank, route, moe.MoeGeometry())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_fma_position_wise_sums_within_bound(T):
+    """The fma route with one accumulator per weight position (the geometry the decode suite times) at real
+    widths: every stage within the route's bound."""
+    x, idx, w, bank = moe_case(T, E=8, k=6, D=4096, I=2048, seed=5, device="cuda")
+    check_moe(x, idx, w, bank, "fma", moe.MoeGeometry(block_n_up=8, block_n_down=8, num_warps=1, num_stages=2,
+                                                      fma_sums="element"))
 
 
 @pytest.mark.gpu

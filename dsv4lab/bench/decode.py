@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import statistics
 import types
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -127,7 +127,8 @@ class DecodeBench(BenchRun):
 def moe_variants(smoke: bool, quick: bool) -> list[tuple[str, str, object]]:
     """``(route, name, MoeGeometry)``: every route's launch geometries (the first of each route is its quick one).
     Names: ``n<rows>k<K step>w<warps>s<stages>``, ``:token`` token-major down projection, ``:plain`` the
-    portable E2M1 decode instead of the asm one, ``:prequant`` activations quantized once per step."""
+    portable E2M1 decode instead of the asm one, ``:prequant`` activations quantized once per step, ``:elem``
+    the fma route's position-wise accumulators (``MoeGeometry.fma_sums``)."""
     from dsv4lab_kernels import fp4_moe_decode as moe
     G = moe.MoeGeometry
 
@@ -152,6 +153,11 @@ def moe_variants(smoke: bool, quick: bool) -> list[tuple[str, str, object]]:
         # continuing the direction the sweep pointed: 4 rows, a deeper pipeline, activations quantized once
         ("fma", "n4k256w1s2", geo(4, 256, 1, 2)), ("fma", "n8k256w1s3", geo(8, 256, 1, 3)),
         ("fma", "n8k256w1s2:prequant", geo(8, 256, 1, 2, prequant=True)),
+        # the route is issue-bound at batch 1 (scripts/kernel_sass.py: ~19 instructions per weight byte for ≲ 8
+        # at the copy bandwidth); position-wise accumulators drop the per-group sum tree from the loop
+        ("fma", "n8k256w1s2:elem", geo(8, 256, 1, 2, fma_sums="element")),
+        ("fma", "n8k256w1s2:elem:prequant", geo(8, 256, 1, 2, fma_sums="element", prequant=True)),
+        ("fma", "n16k256w1s2:elem", geo(16, 256, 1, 2, fma_sums="element")),
         ("int8", "n16k256w1s2", geo(16, 256, 1, 2)), ("int8", "n32k256w2s2", geo(32, 256, 2, 2)),
         ("dot_scaled", "n16k256w1s2", geo(16, 256, 1, 2)), ("dot_scaled", "n32k256w2s3", geo(32, 256, 2, 3)),
     ]
@@ -321,10 +327,17 @@ def moe_stage_checks(x, idx, w, ex, route: str, geo, limit: float, act_quant: bo
 
 
 # ============================================================================================ checks in the run
+def moe_structure(route: str, geo) -> tuple:
+    """The code path a routed-MoE variant runs: geometries with the same path differ only in the order of fp32
+    sums, so one check covers them all."""
+    return route, geo.slot_split > 0, geo.decode, geo.prequant, geo.fma_sums
+
+
 def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
     """Each route's structures (expert-major, token-major, portable decode, prequant) at real widths (8 experts), one
-    token and eight tokens sharing experts, stage by stage within bound. Geometries of one structure differ only
-    in the order of fp32 sums, which the bound does not depend on: a variant is timed if its structure passed."""
+    token and eight tokens sharing experts, stage by stage within bound. Geometries of one structure
+    (:func:`moe_structure`) differ only in the order of fp32 sums, which the bound does not depend on: a variant
+    is timed if its structure passed."""
     from dsv4lab_kernels import fp4_moe_decode as moe
     dev = b.device
     E = 8
@@ -332,8 +345,7 @@ def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
     ex = moe.ExpertTensors.of(bank)
     structures = {}
     for route, name, geo in variants:
-        key = (route, geo.slot_split > 0, geo.decode, geo.prequant)
-        structures.setdefault(key, (name, geo))
+        structures.setdefault(moe_structure(route, geo), (name, geo))
     passed_structures = set()
     for T in (1, 8):  # one token, and eight sharing the eight experts (the batches timed: no extra compiles)
         idx, w = random_routing(T, E, a.n_activated_experts, dev, gen)
@@ -347,8 +359,7 @@ def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
             elif not ok:
                 passed_structures.discard(key)
     del bank
-    return {name for route, name, geo in variants
-            if (route, geo.slot_split > 0, geo.decode, geo.prequant) in passed_structures}
+    return {name for route, name, geo in variants if moe_structure(route, geo) in passed_structures}
 
 
 def check_gemv(b: DecodeBench, a, gen, variants) -> dict[str, bool]:
@@ -552,9 +563,7 @@ def bench_moe(b: DecodeBench, a, gen, passed: set[str], batches, variants) -> No
             t = b.guard(f"moe {route} {name} b{T}", lambda: b.time_graph_us(calls))
             if t is not None:
                 b.add("moe_decode", f"{route}:{name}", T, t, nbytes, route=route, geometry=name,
-                      geometry_fields=dict(block_n_up=geo.block_n_up, block_n_down=geo.block_n_down,
-                                           block_k=geo.block_k, slot_split=geo.slot_split, num_warps=geo.num_warps,
-                                           num_stages=geo.num_stages, decode=geo.decode, prequant=geo.prequant))
+                      geometry_fields=asdict(geo))
         if T == batches[0]:
             for route in moe.ROUTES:
                 mine = [r for r in b.rows if r["kernel"] == "moe_decode" and r.get("route") == route

@@ -69,6 +69,7 @@ class MoeChoice:
     num_stages: int = 3
     decode: str = "auto"
     prequant: bool = False
+    fma_sums: str = "group"
 
     def geometry(self, moe_module):
         return moe_module.MoeGeometry(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "route"})
