@@ -13,7 +13,8 @@
 #   generate (90)   dsv4lab generate (triton, graph-captured decode) on the golden trajectory's prompt: its hash
 #                   must be the golden's
 #   decode (180)    bench kernels --suite decode --quick (writes the measured dispatch too)
-#   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30)
+#   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=moe,mhc narrows it
+#                   to those sections — without moe and gemv it writes no dispatch)
 #   prefill (150)   bench kernels --suite prefill --quick
 #   prefill_full    bench kernels --suite prefill (full)
 #   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the dispatch of a decode part and the
@@ -71,6 +72,7 @@ for spec in "$@"; do
             # the measured dispatch is what the backend reads from here on (e2e after this part uses it)
             [ -s "$R/decode_dispatch.json" ] && cp "$R/decode_dispatch.json" data/results/h200/decode_dispatch.json ;;
         decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
+            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} \
             --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" \
             --dispatch-base data/results/h200/decode_dispatch.json ;;  # entries a budget-cut run misses are kept
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \

@@ -560,3 +560,31 @@ def test_device_probe_runs_once_per_device_and_records_why_not():
     crashing = DeviceProbe(lambda dev: 1 / 0)
     assert not crashing.works("cpu") and crashing.status("cpu").startswith("ZeroDivisionError")
     assert DeviceProbe(lambda dev: True, ok_word="available").works("cpu")
+
+
+def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
+    """``bench kernels --suite decode --sections mhc`` (the smoke shapes, on the interpreter here): the site kernel
+    checked against the reference within its stated bound, then timed beside the parts of its time (one Sinkhorn
+    iteration, the head collapse, the two-launch pair, an empty launch); no other section runs and, without the
+    MoE and GEMV sections, no dispatch file is written. A misspelt section is refused naming it."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "-m", "dsv4lab", "bench", "kernels", "--suite", "decode", "--smoke",
+                        "--sections", "mhc", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["sections"] == ["mhc"] and {row["kernel"] for row in doc["rows"]} == {"mhc_site"}
+    assert {row["variant"] for row in doc["rows"]} == {"default", "sinkhorn_1_iteration", "head_collapse",
+                                                       "mix_finish_pair", "empty_launch"}
+    assert len(doc["checks"]) == 4 and all(c["ok"] for c in doc["checks"])
+    assert not (tmp_path / "decode_dispatch.json").exists()
+    r = subprocess.run([sys.executable, "-m", "dsv4lab", "bench", "kernels", "--suite", "decode", "--smoke",
+                        "--sections", "mhc,glue", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--sections 'mhc,glue': unknown glue; known: moe, gemv, mhc, attention, layer" in r.stderr

@@ -71,7 +71,14 @@ ROTATE_BYTES = 256 << 20
 QUICK_BUDGET_S = 140.0
 
 
+SECTIONS = ("moe", "gemv", "mhc", "attention", "layer")
+QUICK_SECTIONS = ("moe", "gemv", "mhc")
+
+
 def add_suite_arguments(p) -> None:
+    p.add_argument("--sections", default=None,
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: "
+                        f"{','.join(QUICK_SECTIONS)}); a run without moe and gemv writes no dispatch")
     p.add_argument("--dispatch-out", default=None,
                    help="where the measured dispatch goes (default: decode_dispatch.json beside --out)")
     p.add_argument("--dispatch-base", default=None,
@@ -726,6 +733,91 @@ def bench_attention(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
             b.add("attn_decode", "torch_gather", T, t, nbytes, route="baseline")
 
 
+# ============================================================================================ mHC sites
+def mhc_site_variants(smoke: bool) -> list[tuple[str, object]]:
+    """``(name, MhcSiteGeometry)`` of the one-launch decode site (``n``: programs across ``D`` per row, ``d``:
+    their column step, ``f``: the finishing program's column step, ``w``: warps); ``None`` is the default
+    geometry for the batch (:meth:`MhcSiteGeometry.for_rows`)."""
+    from dsv4lab_kernels.mhc import MhcSiteGeometry as S
+    if smoke:
+        return [("default", None)]
+    return [("default", None)] + [(f"n{n}d{d}f{f}w{w}", S(splits=n, block_d=d, block_dn=f, num_warps=w))
+                                  for n, d, f, w in ((64, 32, 2048, 8), (32, 32, 2048, 8), (256, 16, 2048, 8),
+                                                     (128, 32, 1024, 8), (128, 32, 512, 4), (128, 32, 2048, 4))]
+
+
+def mhc_site_checks(b: DecodeBench, name: str, outs, refs) -> bool:
+    """The site kernel's stated bound (:mod:`dsv4lab_kernels.mhc`): ``post`` and ``comb`` one fp32 ulp, ``X'`` one
+    ulp, the normed input ``x`` three (two chained act roundings and the rare fp32 boundary case of ``pre``)."""
+    ok = True
+    for n, o, r in zip(("X'", "x", "post", "comb"), outs, refs):
+        od = torch.float32 if n in ("post", "comb") else torch.bfloat16
+        res = check_within_bound(o, r, 0.0, terms=1, acc_dtype=torch.float32, out_dtype=od,
+                                 ulps=3.0 if n == "x" else 1.0, name=f"{name}.{n}")
+        ok = b.record_bound(res) and ok
+    return ok
+
+
+def bench_mhc(b: DecodeBench, a, gen, batches) -> None:
+    """The mHC decode site at real width — ``hc_post_pre_norm``, the end of one sub-layer and the normed input of
+    the next in one launch, as the decode step runs it at every site but the first and the head. Each geometry is
+    checked against the reference (:func:`mhc_site_checks`) and graph-timed with the 1.6 MB mixing matrix
+    rotated past L2 (the step reads it from HBM). Beside them, what the default's time is made of: the same launch
+    with one Sinkhorn iteration instead of ``hc_sinkhorn_iters`` (other results: timing only), the head
+    collapse (no Sinkhorn, no norm, no ``X'``), the two-launch mix/finish pair, and an empty launch."""
+    from dsv4lab_kernels import mhc
+    dev = b.device
+    HC, D = a.hc_mult, a.dim
+    it, ne, he = a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps
+    fn_bytes = a.mix_hc * a.hc_dim * 4
+    n_rot = 1 if b.smoke else max(2, -(-64 * 2 ** 20 // fn_bytes))  # > the H200's 50 MB of L2
+    fns = [torch.randn(a.mix_hc, a.hc_dim, device=dev, generator=gen) * a.hc_dim ** -0.5 for _ in range(n_rot)]
+    base = torch.randn(a.mix_hc, device=dev, generator=gen) * 0.5
+    scale = torch.rand(3, device=dev, generator=gen) + 0.5
+    w = (1 + 0.1 * torch.randn(D, device=dev, generator=gen)).to(torch.bfloat16)
+    ref_ops = ReferenceOps(Numerics())
+    variants = mhc_site_variants(b.smoke)
+    passed = {name for name, _ in variants}
+    for T in batches:
+        if b.over_budget(f"mhc b{T}"):
+            return
+        X = (torch.randn(T, 1, HC, D, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
+        h = torch.randn(T, 1, D, device=dev, generator=gen).to(torch.bfloat16)
+        _, post, comb = mhc.hc_pre_norm(X, fns[0], base, scale, w, it, ne, he)
+        nbytes = fn_bytes + T * (2 * HC * D + 2 * D) * 2  # fn; X and X'; the sub-layer output and x
+
+        def site(fn, geo, iters=it):
+            return mhc.hc_post_pre_norm(h, X, post, comb, fn, base, scale, w, iters, ne, he, geometry=geo)
+
+        if T in (batches[0], batches[-1]):  # the geometries' shared code path, at the smallest and largest batch
+            refs = ref_ops.hc_post_pre_norm(h, X, post, comb, fns[0], base, scale, w, a)
+            for name, geo in variants:
+                ok = b.guard(f"mhc check {name} b{T}",
+                             lambda: mhc_site_checks(b, f"mhc:{name}:T{T}", site(fns[0], geo), refs))
+                if not ok:
+                    passed.discard(name)
+        for name, geo in variants:
+            if name not in passed:
+                continue
+            t = b.guard(f"mhc {name} b{T}", lambda: b.time_graph_us([lambda f=f: site(f, geo) for f in fns]))
+            if t is not None:
+                b.add("mhc_site", name, T, t, nbytes, route="triton",
+                      geometry=None if geo is None else asdict(geo))
+        if "default" not in passed:
+            continue
+        parts = {"sinkhorn_1_iteration": lambda f: site(f, None, 1),
+                 "head_collapse": lambda f: mhc.hc_head(X, f[:HC], base, scale, ne, he),
+                 "mix_finish_pair": lambda f: site(f, mhc.MhcGeometry.for_rows(T, D))}
+        for part, fn_call in parts.items():
+            t = b.guard(f"mhc {part} b{T}", lambda: b.time_graph_us([lambda f=f: fn_call(f) for f in fns]))
+            if t is not None:
+                b.add("mhc_site", part, T, t, nbytes, route="part")
+        one = torch.zeros(1, device=dev)
+        t = b.guard("empty launch", lambda: b.time_graph_us([lambda: one.add_(0)] * n_rot))
+        if t is not None:
+            b.add("mhc_site", "empty_launch", T, t, 0, route="floor")
+
+
 # ============================================================================================ one layer
 def build_layer(a, layer: int, max_batch: int, max_seq_len: int, position: int, device, gen):
     """One real-dims block with random weights and caches filled as at ``position`` (compressed entries and
@@ -879,9 +971,22 @@ def merge_dispatch(base: dict, fresh: dict, base_name: str = "the base dispatch"
 
 
 # ============================================================================================ driver
+def chosen_sections(spec: str | None, quick: bool) -> tuple[str, ...]:
+    """The sections a run times, in :data:`SECTIONS` order: ``spec`` (comma-separated names), else the mode's."""
+    if not spec:
+        return QUICK_SECTIONS if quick else SECTIONS
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    unknown = names - set(SECTIONS)
+    if unknown or not names:
+        raise UserError(f"--sections {spec!r}: unknown {', '.join(sorted(unknown)) or 'empty list'}; "
+                        f"known: {', '.join(SECTIONS)}")
+    return tuple(n for n in SECTIONS if n in names)
+
+
 def run_suite(args) -> int:
     smoke = getattr(args, "smoke", False)
     quick = getattr(args, "quick", False)
+    chosen = chosen_sections(getattr(args, "sections", None), quick)  # a misspelt name is refused before any work
     device = select_device("decode", smoke)
     from ..engine import triton_backend  # noqa: F401 — registers dsv4lab_kernels, sets the interpreter on a CPU
     budget = getattr(args, "budget_s", 160.0)
@@ -901,13 +1006,15 @@ def run_suite(args) -> int:
                         "only holds for the GPU it was measured on")
     out = output_path(args, "decode")
     dispatch_out = Path(getattr(args, "dispatch_out", None) or out.with_name("decode_dispatch.json"))
+    doc["sections"] = list(chosen)
+    writes_dispatch = b.cuda and bool({"moe", "gemv"} & set(chosen))
 
     def write() -> None:  # after every section: a run stopped from outside still leaves its measurements
         doc.update(copy_bw_gbps=b.copy_bw, peaks=b.peaks, cublas_scaled_mm=b.cublas, checks=b.checks, rows=b.rows,
                    skipped=b.skipped, errors=b.errors, elapsed_s=round(b.elapsed(), 1))
         doc["targets"] = targets(doc)
         write_json(out, doc)
-        if b.cuda:
+        if writes_dispatch:
             fresh = build_dispatch(doc, a)
             write_json(dispatch_out, merge_dispatch(base, fresh, base_path) if base is not None else fresh)
 
@@ -919,21 +1026,26 @@ def run_suite(args) -> int:
     b.guard("ceilings", b.record_ceilings)
     b.guard("scaled_mm probe", lambda: probe_scaled_mm(b))
     b.log(f"checks ({b.elapsed():.0f} s)")
-    passed_moe = b.guard("moe checks", lambda: check_moe(b, a, gen, mv)) or set()
-    gemv_ok = b.guard("gemv checks", lambda: check_gemv(b, a, gen, gv)) or {}
+    passed_moe, gemv_ok = set(), {}
+    if "moe" in chosen:
+        passed_moe = b.guard("moe checks", lambda: check_moe(b, a, gen, mv)) or set()
+    if "gemv" in chosen:
+        gemv_ok = b.guard("gemv checks", lambda: check_gemv(b, a, gen, gv)) or {}
     write()
-    sections = [("moe", lambda: bench_moe(b, a, gen, passed_moe, batches, mv)),
-                ("gemv", lambda: bench_gemv(b, a, gen, gemv_ok, batches, gv))]
-    if not quick:
-        def attention():
-            passed = check_attention(b, a)
-            b.guard("static decode step (tiny)", lambda: check_static_decode(b, tiny))
-            bench_attention(b, a, gen, passed, batches)
-        sections += [("attention", attention), ("layer", lambda: bench_layer(b, a, gen, batches))]
-    b.run_sections(sections, after=after_section)
+
+    def attention():
+        passed = check_attention(b, a)
+        b.guard("static decode step (tiny)", lambda: check_static_decode(b, tiny))
+        bench_attention(b, a, gen, passed, batches)
+    sections = {"moe": lambda: bench_moe(b, a, gen, passed_moe, batches, mv),
+                "gemv": lambda: bench_gemv(b, a, gen, gemv_ok, batches, gv),
+                "mhc": lambda: bench_mhc(b, a, gen, batches),
+                "attention": attention,
+                "layer": lambda: bench_layer(b, a, gen, batches)}
+    b.run_sections([(name, sections[name]) for name in SECTIONS if name in chosen], after=after_section)
     write()
     print_table(doc)
-    print(f"wrote {out}" + (f" and {dispatch_out}" if b.cuda else ""))
+    print(f"wrote {out}" + (f" and {dispatch_out}" if writes_dispatch else ""))
     return 0 if all(c["ok"] for c in b.checks) and not b.errors else 1
 
 
