@@ -12,7 +12,8 @@ With ``two_pass`` it makes two passes over its rows — the first finds the slic
 accumulates with that max — so with ``splits=1`` every probability is taken relative to the true maximum exactly
 as in the reference. Without it, one pass with a running max rescales the partial sums as the max grows (online
 softmax: half the dependent gathers). With ``splits > 1`` (flash-decoding: more programs for long selections)
-each slice writes ``(max, denominator, numerator)`` and a combine kernel rescales them to the global max. Either
+each slice writes ``(max, denominator, numerator)`` and a combine kernel — one program per query row, head block
+and column block, every slice's partials loaded at once — rescales them to the global max. Either
 deviation moves only the bf16 rounding of each probability (it is rounded relative to a slice's or a running
 max instead of the global one): a rounding-level difference, checked with the "attention" tolerance.
 
@@ -36,13 +37,16 @@ from .rowops import LAUNCH_EXACT
 
 @dataclass(frozen=True)
 class AttentionGeometry:
-    """Heads per program, KV rows per step, slices of the selected rows (programs per query and head block)."""
+    """Heads per program, KV rows per step, slices of the selected rows (programs per query and head block), warps,
+    two passes or one; ``combine_columns``: columns per program of the split combine (0: as many as keep its
+    slices × heads × columns tile at 16 K fp32)."""
 
     block_h: int = 16
     block_r: int = 16
     splits: int = 1
     num_warps: int = 8
     two_pass: bool = True
+    combine_columns: int = 0
 
 
 @triton.jit
@@ -159,29 +163,34 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
 @triton.jit
 def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R, s_cos,
                          stride_qr, stride_qh, SPLITS, ROUND_ACT: tl.constexpr, ROPE: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """One program per (query row, head block, ``BLOCK_DC`` columns): every slice's ``(max, denominator,
+    numerator)`` loaded at once — the loads do not wait on each other, so the combine costs about one trip to L2
+    whatever the number of slices — rescaled to the global max and summed over the slices."""
     r = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
-    d = tl.arange(0, BLOCK_D)
+    d0 = tl.program_id(2) * BLOCK_DC
+    d = d0 + tl.arange(0, BLOCK_DC)
     d_ok = d < D
-    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    for s in range(0, SPLITS):
-        m = tl.maximum(m, tl.load(pm_ptr + (r * SPLITS + s) * H + h, mask=h_ok, other=float("-inf")))
+    sp = tl.arange(0, BLOCK_S)
+    part = (r * SPLITS + sp[:, None]) * H + h[None, :]  # [BLOCK_S, BLOCK_H]
+    ok = (sp < SPLITS)[:, None] & h_ok[None, :]
+    ms = tl.load(pm_ptr + part, mask=ok, other=float("-inf"))
+    ls = tl.load(pl_ptr + part, mask=ok, other=0.0)
+    accs = tl.load(pacc_ptr + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                   other=0.0)
+    m = tl.max(ms, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    for s in range(0, SPLITS):
-        part = (r * SPLITS + s) * H + h
-        ms = tl.load(pm_ptr + part, mask=h_ok, other=float("-inf"))
-        w = tl.exp(ms - m_safe)  # 0 for an empty slice (max −inf)
-        den += w * tl.load(pl_ptr + part, mask=h_ok, other=0.0)
-        acc += w[:, None] * tl.load(pacc_ptr + part[:, None] * D + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                                    other=0.0)
+    w = tl.exp(ms - m_safe[None, :])  # 0 for an empty slice (max −inf) and for the padding slices
+    den = tl.sum(w * ls, axis=0)
+    acc = tl.sum(w[:, :, None] * accs, axis=0)
     sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
     o = acc / (den + tl.exp(sink - m_safe))[:, None]
-    _store_output(out_ptr, o, r, h, h_ok, d, d_ok, stride_qr, stride_qh, cos_ptr, sin_ptr, pos_ptr, s_cos, D, R,
-                  ROUND_ACT, ROPE, BLOCK_H, BLOCK_D)
+    # the rotation of the last R dims seen from this column block: pairs are numbered from d0, so the block
+    # passes D − d0 as its width (its rotated pairs then take the right angles; none if it ends before them)
+    _store_output(out_ptr + d0, o, r, h, h_ok, d - d0, d_ok, stride_qr, stride_qh, cos_ptr, sin_ptr, pos_ptr, s_cos,
+                  D - d0, R, ROUND_ACT, ROPE, BLOCK_H, BLOCK_DC)
 
 
 def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Tensor, batch_a: torch.Tensor,
@@ -236,9 +245,13 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
                               DOT_FP32=interpreting(), TWO_PASS=g.two_pass, ROPE=rope, PREFIX_B=prefix_ratio_b > 0,
                               BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact)
     if splits > 1:
-        _attn_combine_kernel[(R, triton.cdiv(H, g.block_h))](pm, pl, pacc, sink, out, *tables, H, D, *rope_args,
-                                                              out.stride(0), out.stride(1), splits,
-                                                              ROUND_ACT=q.dtype == torch.bfloat16, ROPE=rope,
-                                                              BLOCK_H=g.block_h, BLOCK_D=block_d,
-                                                              num_warps=g.num_warps, **exact)
+        block_s = triton.next_power_of_2(splits)
+        # the slices × heads × columns tile of one program held at once: ≤ 16 K fp32 (64 registers a thread at 8 warps)
+        block_dc = g.combine_columns or max(16, min(block_d, 16384 // (block_s * g.block_h)))
+        if block_dc & (block_dc - 1) or block_dc < 2:
+            raise ValueError(f"AttentionGeometry.combine_columns={block_dc}: a power of two ≥ 2 is required")
+        _attn_combine_kernel[(R, triton.cdiv(H, g.block_h), triton.cdiv(D, block_dc))](
+            pm, pl, pacc, sink, out, *tables, H, D, *rope_args, out.stride(0), out.stride(1), splits,
+            ROUND_ACT=q.dtype == torch.bfloat16, ROPE=rope, BLOCK_H=g.block_h, BLOCK_S=block_s, BLOCK_DC=block_dc,
+            num_warps=g.num_warps, **exact)
     return out

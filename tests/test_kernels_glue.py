@@ -12,6 +12,8 @@ past every input NaN-poisoned, unwritten cache rows NaN.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -367,11 +369,12 @@ def test_indexer_select_scores_and_topk(case):
 
 
 # ------------------------------------------------------------------------------------------ attention epilogue
-@pytest.mark.parametrize("splits", [1, 3])
-def test_attention_epilogue_is_the_reference_inverse_rope(splits):
-    """The inverse RoPE in the attention kernel's epilogue (the single-slice store and the split combine) equals the
-    reference's ``rope(..., inverse=True)`` of the kernel's own rounded output, bit for bit (the attention itself is
-    checked against the reference in tests/test_kernels_decode.py)."""
+@pytest.mark.parametrize("splits,columns", [(1, 0), (3, 0), (3, 32), (5, 16)])
+def test_attention_epilogue_is_the_reference_inverse_rope(splits, columns):
+    """The inverse RoPE in the attention kernel's epilogue (the single-slice store and the split combine, whole rows
+    or column blocks — 32 and 16 columns put the rotated dims across several blocks) equals the reference's
+    ``rope(..., inverse=True)`` of the kernel's own rounded output, bit for bit (the attention itself is checked
+    against the reference in tests/test_kernels_decode.py)."""
     g = torch.Generator().manual_seed(splits)
     b, H, d, W, C = 3, 8, 96, 32, 20
     cos, sin = _tables()
@@ -385,10 +388,13 @@ def test_attention_epilogue_is_the_reference_inverse_rope(splits):
     win_rows = torch.where(u >= 0, u % W, -1)
     cmp_rows = torch.where(torch.arange(C)[None, :] < torch.tensor([[1], [12], [7]]), torch.arange(C)[None, :], -1)
     sink = torch.randn(H, generator=g)
-    geo = attn.AttentionGeometry(block_h=8, block_r=16, splits=splits, two_pass=splits == 1)
+    geo = attn.AttentionGeometry(block_h=8, block_r=16, splits=splits, two_pass=splits == 1, combine_columns=columns)
     args = (q.to(DEV), win.to(DEV), win_rows.to(DEV), slots.to(DEV), sink.to(DEV), d ** -0.5)
     kw = dict(kv_b=cmp.to(DEV), rows_b=cmp_rows.to(DEV), batch_b=slots.to(DEV), geometry=geo)
     plain = attn.sparse_attention_decode(*args, **kw)
+    if columns:  # column blocks of the combine: the same sums per column as whole rows
+        whole = attn.sparse_attention_decode(*args, **kw | dict(geometry=replace(geo, combine_columns=0)))
+        assert torch.equal(plain, whole)
     rotated = attn.sparse_attention_decode(*args, **kw, cos=cos, sin=sin, positions=pos.to(DEV))
     want = _ref().rope(plain.cpu(), cos.cpu()[pos][:, None], sin.cpu()[pos][:, None], inverse=True)
     assert_bound("attention epilogue", rotated, want, out_dtype=torch.bfloat16)

@@ -488,7 +488,9 @@ def attention_geometries(smoke: bool):
         return [("h16r16_s1_2p", A(16, 16, 1)), ("h16r16_s4_1p", A(16, 16, 4, two_pass=False))]
     return [("h16r16_s1_2p", A(16, 16, 1, 8)), ("h16r32_s8_2p", A(16, 32, 8, 8)),
             ("h16r32_s8_1p", A(16, 32, 8, 8, False)), ("h16r32_s16_1p", A(16, 32, 16, 8, False)),
-            ("h16r64_s16_1p", A(16, 64, 16, 8, False)), ("h16r32_s32_1p", A(16, 32, 32, 4, False))]
+            ("h16r64_s16_1p", A(16, 64, 16, 8, False)), ("h16r32_s32_1p", A(16, 32, 32, 4, False)),
+            # the combine no longer walks the slices one after another: more, shorter slices may pay now
+            ("h16r16_s32_1p", A(16, 16, 32, 8, False)), ("h16r32_s32_1p_w8", A(16, 32, 32, 8, False))]
 
 
 def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
