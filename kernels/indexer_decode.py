@@ -7,7 +7,8 @@ Grid ``(rows, key blocks of the cache)``. A program whose block starts at or aft
 store them. Each of these programs then counts itself in (an atomic per row, after a barrier so the block's stores
 are released with it; the programs past the visible keys return at once, so a short context in a long cache costs
 no atomics); the **last** of them selects: the ``k``-th largest score by a binary search over the
-scores' order-preserving bit patterns (16 bits for bf16 scores), the entries above it plus the first ties in index
+scores' order-preserving bit patterns (16 bits for bf16 scores; up to 2,048 visible keys held in registers, more
+streamed from L2 once per bit), the entries above it plus the first ties in index
 order, then one bitonic sort of the ≤ ``k`` picks by (score descending, index ascending) — the reference's stable
 descending sort, ``−1`` after the visible ones. It resets the row's counter for the next launch, so a captured
 graph replays it as is. The counter only decides *which* program selects; the selection reads the same scores
@@ -110,53 +111,93 @@ def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_p
 
 
 @triton.jit
-def _select(sc_row, buf, out, n_vis, TOPK, KOUT, ROUND_BF16: tl.constexpr, BLOCK_K: tl.constexpr,
-            BLOCK_SEL: tl.constexpr):
-    """The top ``min(TOPK, n_vis)`` of the row's ``n_vis`` stored scores, sorted (score descending, index
-    ascending), −1 after them, into ``out[:KOUT]``; ``buf`` holds the unsorted picks."""
-    SHIFT: tl.constexpr = 16 if ROUND_BF16 else 0
-    NBITS: tl.constexpr = 32 - SHIFT
-    k_sel = tl.minimum(TOPK, n_vis)
-    tau = n_vis * 0  # the k_sel-th largest key (0 = the smallest possible: everything qualifies)
-    if n_vis > TOPK:
-        step = (tau + 1) << (NBITS - 1)
-        for _ in range(NBITS):  # the highest key with at least k_sel scores at or above it, bit by bit
-            cand = tau + step
-            if _count_at_least(sc_row, n_vis, cand, SHIFT, BLOCK_SEL) >= k_sel:
-                tau = cand
-            step = step >> 1
-    n_above = _count_at_least(sc_row, n_vis, tau + 1, SHIFT, BLOCK_SEL)
-    take_ties = k_sel - n_above
-    placed = k_sel * 0
-    ties = k_sel * 0
-    for c0 in range(0, n_vis, BLOCK_SEL):
-        t = c0 + tl.arange(0, BLOCK_SEL)
-        tm = t < n_vis
-        s = tl.load(sc_row + t, mask=tm, other=0.0, cache_modifier=".cg")
-        u = _order_key(s, SHIFT)
-        tie = (u == tau) & tm
-        tie_rank = ties + tl.cumsum(tie.to(tl.int64), axis=0) - 1
-        sel = ((u > tau) & tm) | (tie & (tie_rank < take_ties))
-        slot_i = placed + tl.cumsum(sel.to(tl.int64), axis=0) - 1
-        key = (_order_key(s, 0) - 2147483648 << 32) | (2147483647 - t).to(tl.int64)
-        tl.store(buf + slot_i, key, mask=sel)
-        placed += tl.sum(sel.to(tl.int64), axis=0)
-        ties += tl.sum(tie.to(tl.int64), axis=0)
-    tl.debug_barrier()  # the picks, stored by all of this program's threads, are read back whole
-    j = tl.arange(0, BLOCK_K)
+def _pick_block(s, t, tm, tau, take_ties, placed, ties, buf, SHIFT: tl.constexpr):
+    """Store the picks among scores ``s`` (entries ``t``, valid ``tm``) — keys above ``tau`` and the first
+    ``take_ties`` ties in entry order — as sort keys into ``buf`` after the ``placed`` ones; returns the updated
+    ``(placed, ties)`` counts."""
+    u = _order_key(s, SHIFT)
+    tie = (u == tau) & tm
+    tie_rank = ties + tl.cumsum(tie.to(tl.int64), axis=0) - 1
+    sel = ((u > tau) & tm) | (tie & (tie_rank < take_ties))
+    slot_i = placed + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+    key = (_order_key(s, 0) - 2147483648 << 32) | (2147483647 - t).to(tl.int64)
+    tl.store(buf + slot_i, key, mask=sel)
+    return placed + tl.sum(sel.to(tl.int64), axis=0), ties + tl.sum(tie.to(tl.int64), axis=0)
+
+
+@triton.jit
+def _sorted_picks(buf, out, k_sel, KOUT, BLOCK: tl.constexpr):
+    """The ``k_sel ≤ BLOCK`` picks in ``buf`` sorted (score descending, index ascending) into ``out[:BLOCK]``, −1
+    after them (entries below ``KOUT`` only)."""
+    j = tl.arange(0, BLOCK)
     key = tl.load(buf + j, mask=j < k_sel, other=-9223372036854775807 - 1)
     key = tl.sort(key, descending=True)
     picked = 2147483647 - (key & 0xFFFFFFFF)
     tl.store(out + j, tl.where(j < k_sel, picked, -1), mask=j < KOUT)
 
 
+@triton.jit
+def _select(sc_row, buf, out, n_vis, TOPK, KOUT, ROUND_BF16: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_SEL: tl.constexpr):
+    """The top ``min(TOPK, n_vis)`` of the row's ``n_vis`` stored scores, sorted (score descending, index
+    ascending), −1 after them, into ``out[:KOUT]``; ``buf`` holds the unsorted picks.
+
+    Up to ``BLOCK_SEL`` visible scores (contexts up to 4·BLOCK_SEL tokens) are read once and searched in
+    registers; more are streamed from L2 once per bit of the search. Few picks (early in a sequence) are sorted in
+    a 64-wide network instead of the ``BLOCK_K``-wide one."""
+    SHIFT: tl.constexpr = 16 if ROUND_BF16 else 0
+    NBITS: tl.constexpr = 32 - SHIFT
+    k_sel = tl.minimum(TOPK, n_vis)
+    tau = n_vis * 0  # the k_sel-th largest key (0 = the smallest possible: everything qualifies)
+    placed = k_sel * 0
+    ties = k_sel * 0
+    if n_vis <= BLOCK_SEL:
+        t = tl.arange(0, BLOCK_SEL)
+        tm = t < n_vis
+        s = tl.load(sc_row + t, mask=tm, other=0.0, cache_modifier=".cg")
+        u = _order_key(s, SHIFT)
+        if n_vis > TOPK:
+            step = (tau + 1) << (NBITS - 1)
+            for _ in range(NBITS):  # the highest key with at least k_sel scores at or above it, bit by bit
+                cand = tau + step
+                if tl.sum(((u >= cand) & tm).to(tl.int64), axis=0) >= k_sel:
+                    tau = cand
+                step = step >> 1
+        take_ties = k_sel - tl.sum(((u > tau) & tm).to(tl.int64), axis=0)
+        placed, ties = _pick_block(s, t, tm, tau, take_ties, placed, ties, buf, SHIFT)
+    else:
+        if n_vis > TOPK:
+            step = (tau + 1) << (NBITS - 1)
+            for _ in range(NBITS):
+                cand = tau + step
+                if _count_at_least(sc_row, n_vis, cand, SHIFT, BLOCK_SEL) >= k_sel:
+                    tau = cand
+                step = step >> 1
+        take_ties = k_sel - _count_at_least(sc_row, n_vis, tau + 1, SHIFT, BLOCK_SEL)
+        for c0 in range(0, n_vis, BLOCK_SEL):
+            t = c0 + tl.arange(0, BLOCK_SEL)
+            tm = t < n_vis
+            s = tl.load(sc_row + t, mask=tm, other=0.0, cache_modifier=".cg")
+            placed, ties = _pick_block(s, t, tm, tau, take_ties, placed, ties, buf, SHIFT)
+    tl.debug_barrier()  # the picks, stored by all of this program's threads, are read back whole
+    SMALL: tl.constexpr = 64 if BLOCK_K > 64 else BLOCK_K
+    if k_sel <= SMALL:
+        _sorted_picks(buf, out, k_sel, KOUT, SMALL)
+        if BLOCK_K > SMALL:
+            j = SMALL + tl.arange(0, BLOCK_K)
+            tl.store(out + j, tl.full((BLOCK_K,), -1, tl.int64), mask=j < KOUT)
+    else:
+        _sorted_picks(buf, out, k_sel, KOUT, BLOCK_K)
+
+
 def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                    positions: torch.Tensor, topk: int, ratio: int = 4, w_scale: float = 1.0,
-                   block_t: int | None = None, return_scores: bool = False):
+                   block_t: int | None = None, return_scores: bool = False, block_sel: int | None = None):
     """``qi [b, H, d]`` (prepared queries), head weights ``w [b, H] · w_scale`` (rounded to act as the reference
     scales them), the index-key cache ``keys [slots, T, d]`` read at ``slots [b]``, ``positions [b]`` →
     ``[b, min(topk, T)]`` int64 entry indices (−1 = none); with ``return_scores`` also the scores ``[b, T]`` (fp32
-    holding act values; only the visible ones are written)."""
+    holding act values; only the visible ones are written). ``block_t``: keys scored per program; ``block_sel``:
+    scores the selection holds at once (default: the cache's length up to 2,048; a power of two ≥ ``block_t``)."""
     B, H, DI = qi.shape
     T = keys.shape[1]
     assert keys.shape[2] == DI and w.shape == (B, H) and keys.stride(-1) == 1 and qi.stride(-1) == 1
@@ -167,6 +208,9 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots:
     if B == 0 or kout == 0:
         return (out, scores) if return_scores else out
     block_t = block_t or (256 if interpreting() else 64)
+    block_sel = block_sel or max(block_t, min(2048, triton.next_power_of_2(T)))
+    if block_sel & (block_sel - 1) or block_sel < block_t:
+        raise ValueError(f"indexer_select: block_sel={block_sel} must be a power of two ≥ block_t={block_t}")
     block_k = max(2, triton.next_power_of_2(kout))
     picks = torch.empty(B, block_k, dtype=torch.int64, device=qi.device)
     grid = (B, triton.cdiv(T, block_t))
@@ -176,7 +220,7 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots:
                                  ROUND_BF16=qi.dtype == torch.bfloat16, UPCAST=interpreting(),
                                  BLOCK_H=max(16, triton.next_power_of_2(H)),
                                  BLOCK_D=max(16, triton.next_power_of_2(DI)), BLOCK_T=block_t, BLOCK_K=block_k,
-                                 BLOCK_SEL=max(block_t, min(2048, triton.next_power_of_2(T))), num_warps=4)
+                                 BLOCK_SEL=block_sel, num_warps=4)
     return (out, scores) if return_scores else out
 
 

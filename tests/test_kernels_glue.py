@@ -335,11 +335,17 @@ def test_router_topk(E, k, hashed):
 @pytest.mark.parametrize("case", [dict(B=3, H=4, D=64, T=75, topk=16, p=[290, 10, 63]),
                                   dict(B=2, H=8, D=128, T=300, topk=40, p=[1199, 300]),
                                   dict(B=2, H=4, D=64, T=20, topk=16, p=[2, 79]),
-                                  dict(B=1, H=4, D=64, T=75, topk=16, p=[290], dtype=torch.float32)],
-                         ids=lambda c: "B{B}H{H}D{D}T{T}k{topk}".format(**c) + c.get("dtype", torch.bfloat16).__str__())
+                                  dict(B=1, H=4, D=64, T=75, topk=16, p=[290], dtype=torch.float32),
+                                  # the selection streaming its scores (more than it holds at once) …
+                                  dict(B=2, H=8, D=128, T=300, topk=40, p=[1199, 300], block_t=64, block_sel=64),
+                                  # … and a row with fewer picks than the small sort's width beside a full one
+                                  dict(B=2, H=4, D=64, T=300, topk=100, p=[30, 1199])],
+                         ids=lambda c: "B{B}H{H}D{D}T{T}k{topk}".format(**c) + c.get("dtype", torch.bfloat16).__str__()
+                         + ("-stream" if "block_sel" in c else ""))
 def test_indexer_select_scores_and_topk(case):
     """Scores of the visible keys only (the rest are NaN and never read), the top-k with ties (duplicated keys) to
-    the lower entry, −1 past the visible count, and a second launch (the arrival counters were reset)."""
+    the lower entry, −1 past the visible count, and a second launch (the arrival counters were reset); the
+    selection in registers and streamed, the picks sorted in the small network and the full one."""
     dtype = case.get("dtype", torch.bfloat16)
     g = torch.Generator().manual_seed(case["T"])
     B, H, D, T = case["B"], case["H"], case["D"], case["T"]
@@ -357,7 +363,8 @@ def test_indexer_select_scores_and_topk(case):
     ref_scores = ops.indexer_scores(qi[:, None], (w * scale)[:, None], keys[slots])[:, 0].float()
     args = (_poisoned(qi), _poisoned(w), keys.to(DEV), slots.to(DEV), pos.to(DEV), case["topk"])
     for _ in range(2):
-        sel, scores = ixd.indexer_select(*args, w_scale=scale, return_scores=True)
+        sel, scores = ixd.indexer_select(*args, w_scale=scale, return_scores=True, block_t=case.get("block_t"),
+                                         block_sel=case.get("block_sel"))
         visible = torch.arange(T)[None, :] < ((pos + 1) // 4)[:, None]
         got = torch.where(visible, scores.cpu(), float("nan"))
         want = torch.where(visible, ref_scores, float("nan"))
