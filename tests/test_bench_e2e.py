@@ -87,3 +87,20 @@ def test_op_timer_times_outermost_calls_and_puts_the_ops_back():
     assert set(t) == {"outer", "inner"} and len(timer.events["inner"]) == 1  # the nested call counts in "outer"
     assert t["outer"] >= 2000 and t["inner"] >= 2000
     assert "outer" not in vars(ops) and "inner" not in vars(ops) and ops.outer(1) == 4  # the class methods again
+
+
+def test_the_decode_breakdown_names_its_kernels():
+    """``top_kernels``: per kernel name its family (the glue's first), µs and launches per call and µs per launch,
+    most time first — so a family total, ``other`` included, can be taken apart."""
+    from types import SimpleNamespace
+
+    from dsv4lab.bench.e2e import top_kernels
+    evs = [SimpleNamespace(key="_mhc_site_kernel", device_time_total=2 * 888.0, count=2 * 62),
+           SimpleNamespace(key="_swiglu_kernel", device_time_total=2 * 90.0, count=2 * 30),
+           SimpleNamespace(key="_attn_decode_kernel", device_time_total=2 * 400.0, count=2 * 30),
+           SimpleNamespace(key="cpu_only_event", device_time_total=0.0, count=5)]
+    rows = top_kernels(SimpleNamespace(key_averages=lambda: evs), calls=2, n=2)
+    assert rows == [dict(name="_mhc_site_kernel", family="mhc", us=888.0, launches=62.0, us_per_launch=14.32),
+                    dict(name="_attn_decode_kernel", family="attention", us=400.0, launches=30.0,
+                         us_per_launch=13.33)]
+    assert top_kernels(SimpleNamespace(key_averages=lambda: evs), calls=2)[2]["family"] == "other"

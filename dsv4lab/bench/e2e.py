@@ -628,9 +628,24 @@ def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]
     return {k: round(us[k], 1) for k in order}, {k: round(launches[k], 1) for k in order}
 
 
+def top_kernels(prof, calls: int, n: int = 40) -> list[dict]:
+    """The ``n`` kernels with the most GPU time per call of a ``torch.profiler`` run: name (first 100 characters),
+    family, µs and launches per call, µs per launch — what a family total (and ``other``) is made of."""
+    rows = []
+    for ev in prof.key_averages():
+        t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if not t:
+            continue
+        fam = next((f for key, f in GLUE_FAMILIES + KERNEL_FAMILIES if key in ev.key), "other")
+        rows.append(dict(name=ev.key[:100], family=fam, us=round(t / calls, 1), launches=round(ev.count / calls, 1),
+                         us_per_launch=round(t / max(ev.count, 1), 2)))
+    return sorted(rows, key=lambda r: -r["us"])[:n]
+
+
 def breakdown(runner, o: dict, device) -> dict:
     """The batch-1 decode step as the engine runs it — one graph replay (or one eager step when the engine does not
-    use graphs) under the profiler: GPU µs and kernel launches by family, launches per layer; beside the roofline
+    use graphs) under the profiler: GPU µs and kernel launches by family and per kernel (:func:`top_kernels`),
+    launches per layer; beside the roofline
     model's prediction of the same step (µs by op kind) on the H200 catalogue entry."""
 
     prompt = _prompt(runner.args, 16, seed=2)
@@ -656,7 +671,7 @@ def breakdown(runner, o: dict, device) -> dict:
     pred = _predicted(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=1, context=len(prompt)))
     return dict(source="graph replay" if graphs is not None else "eager step",
                 measured_gpu_us=measured, measured_total_us=round(sum(measured.values()), 1),
-                kernel_launches=launches, launches_per_step=round(total_launches, 1),
+                kernel_launches=launches, kernels=top_kernels(prof, reps), launches_per_step=round(total_launches, 1),
                 launches_per_layer=round(total_launches / runner.args.n_layers, 1),
                 predicted_us_by_kind=pred["by_kind"], predicted_step_us=pred["total"], predicted_terms_us=pred["terms"])
 
