@@ -221,7 +221,9 @@ class TritonPrefillOps:
             on ``"triton"`` (:func:`fp8_gemm.weight_gemm`), ``"cublas"`` (``fp8_gemm.cublas_weight_gemm``, where
             its probe passed) or ``"auto"`` (cuBLAS where available).
         prefill_mhc_rows: mHC pre/post of a prefill chunk on the rows kernel (``mhc.hc_pre_norm_rows``: the
-            mixing matrix read once per row block) instead of the decode step's (default True).
+            mixing matrix read once per row block) instead of the decode step's mix/finish pair (default False:
+            the one GPU measured, the H200, ran a 4,096-row chunk's mHC in 8.85 ms on the pair and 26.91 ms on
+            the rows kernel — ``data/results/h200/prefill_kernels.json``).
         prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
             launch geometry names (see the kernel modules).
     """
@@ -370,7 +372,7 @@ class TritonPrefillOps:
         numerics), a GPU or the interpreter, not switched off by measurement, and the kernel works here."""
         rows = X.numel() // max(1, X.shape[-1] * X.shape[-2])
         return (rows >= self.prefill_min_tokens and self.numerics.dtype in (torch.bfloat16, torch.float32)
-                and _can_launch(X) and bool(self._setting("mhc_rows", True))
+                and _can_launch(X) and bool(self._setting("mhc_rows", False))
                 and _kernels("mhc").rows_kernel_works(X.device))
 
     def prefill_hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
