@@ -13,8 +13,8 @@
 #   generate (90)   dsv4lab generate (triton, graph-captured decode) on the golden trajectory's prompt: its hash
 #                   must be the golden's
 #   decode (180)    bench kernels --suite decode --quick (writes the measured dispatch too)
-#   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=moe,mhc narrows it
-#                   to those sections — without moe and gemv it writes no dispatch)
+#   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=mhc,attention
+#                   narrows it to those sections; the dispatch it writes keeps the committed one's other entries)
 #   prefill (150)   bench kernels --suite prefill --quick
 #   prefill_full    bench kernels --suite prefill (full)
 #   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the dispatch of a decode part and the

@@ -324,6 +324,49 @@ def test_a_dispatch_cut_short_keeps_the_base_entries_it_did_not_measure():
         merge_dispatch(dict(base, gemv=[dict(batch=1)]), fresh, "base.json")
 
 
+def test_measured_attention_and_mhc_geometries_reach_the_kernels(tmp_path):
+    """The decode suite's attention and mHC-site rows become per-batch dispatch tiers (the fastest passing geometry;
+    the mHC parts and floors never), a merge keeps the base's tiers the run did not measure, and the backend
+    launches what the tier holds: the attention at any row count, the one-launch mHC site only up to its row limit;
+    an unknown field is refused naming the file and the tier."""
+    from dsv4lab.bench.decode import GEOMETRY_KERNELS, build_dispatch, merge_dispatch
+    from dsv4lab.config import get_preset
+    from dsv4lab.engine.decode_dispatch import FORMAT, GEOMETRY_TIERS, DecodeDispatch, DispatchError
+    from dsv4lab.engine.triton_backend import DecodeConfig, attn, mhc
+    assert set(GEOMETRY_KERNELS) == set(GEOMETRY_TIERS)
+    a = get_preset("flash")
+    fast_attn = dict(block_h=16, block_r=64, splits=16, num_warps=8, two_pass=False, combine_columns=0)
+    rows = [dict(kernel="attn_decode", variant="h16r32_s16_1p", batch=1, time_us=31.0, route="triton",
+                 geometry_fields=dict(fast_attn, block_r=32)),
+            dict(kernel="attn_decode", variant="h16r64_s16_1p", batch=1, time_us=23.0, route="triton",
+                 geometry_fields=fast_attn),
+            dict(kernel="attn_decode", variant="torch_gather", batch=1, time_us=20.0, route="baseline"),
+            dict(kernel="mhc_site", variant="n64d32f2048w8", batch=1, time_us=9.0, route="triton",
+                 geometry_fields=dict(splits=64, block_d=32, block_dn=2048, num_warps=8)),
+            dict(kernel="mhc_site", variant="default", batch=1, time_us=14.0, route="triton",
+                 geometry_fields=dict(splits=128, block_d=32, block_dn=2048, num_warps=8)),
+            dict(kernel="mhc_site", variant="head_collapse", batch=1, time_us=5.0, route="part"),
+            dict(kernel="mhc_site", variant="empty_launch", batch=1, time_us=2.0, route="floor")]
+    fresh = build_dispatch(dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="new", rows=rows), a)
+    assert [e["variant"] for e in fresh["attention"]] == ["h16r64_s16_1p"]
+    assert [e["variant"] for e in fresh["mhc_site"]] == ["n64d32f2048w8"]
+    base = dict(format=FORMAT, gpu="NVIDIA H200", commit="old", gemv=[], moe=[],
+                attention=[dict(batch=1, choice=dict(fast_attn, splits=4)), dict(batch=8, choice=fast_attn)])
+    merged = merge_dispatch(base, fresh, "base.json")
+    assert {e["batch"]: e["commit"] for e in merged["attention"]} == {1: "new", 8: "old"}
+    cfg = DecodeConfig(dispatch=DecodeDispatch(merged, "merged"))
+    assert cfg.attention_for(1) == attn.AttentionGeometry(**fast_attn)
+    assert cfg.mhc_site_for(1) == mhc.MhcSiteGeometry(splits=64, block_d=32, block_dn=2048, num_warps=8)
+    assert cfg.mhc_site_for(mhc.SITE_MAX_ROWS + 1) is None  # many rows: not the one-launch site
+    assert DecodeConfig().attention_for(1) is None and DecodeConfig().mhc_site_for(1) is None  # nothing measured
+    bad = DecodeConfig(dispatch=DecodeDispatch(dict(base, attention=[dict(batch=1, choice=dict(block_q=3))]),
+                                               "bad.json"))
+    with pytest.raises(DispatchError, match="bad.json: attention at 1 rows: .*block_q"):
+        bad.attention_for(1)
+    with pytest.raises(DispatchError, match=r"x.json: mhc_site\[0\]: needs 'batch' and 'choice'"):
+        DecodeDispatch(dict(base, mhc_site=[dict(choice={})]), "x.json")
+
+
 # ------------------------------------------------------------------------------------------ GPU, real widths
 def _projections():
     from dsv4lab.config import get_preset

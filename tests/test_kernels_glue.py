@@ -578,8 +578,8 @@ def test_device_probe_runs_once_per_device_and_records_why_not():
 def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
     """``bench kernels --suite decode --sections mhc`` (the smoke shapes, on the interpreter here): the site kernel
     checked against the reference within its stated bound, then timed beside the parts of its time (one Sinkhorn
-    iteration, the head collapse, the two-launch pair, an empty launch); no other section runs and, without the
-    MoE and GEMV sections, no dispatch file is written. A misspelt section is refused naming it."""
+    iteration, the head collapse, the two-launch pair, an empty launch); no other section runs and (without a
+    GPU) no dispatch file is written. A misspelt section is refused naming it."""
     import json
     import subprocess
     import sys

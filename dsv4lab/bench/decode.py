@@ -78,7 +78,7 @@ QUICK_SECTIONS = ("moe", "gemv", "mhc")
 def add_suite_arguments(p) -> None:
     p.add_argument("--sections", default=None,
                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: "
-                        f"{','.join(QUICK_SECTIONS)}); a run without moe and gemv writes no dispatch")
+                        f"{','.join(QUICK_SECTIONS)}); with --dispatch-base the dispatch keeps what is not run")
     p.add_argument("--dispatch-out", default=None,
                    help="where the measured dispatch goes (default: decode_dispatch.json beside --out)")
     p.add_argument("--dispatch-base", default=None,
@@ -720,7 +720,7 @@ def bench_attention(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
                                                                        geometry=geo) for c in caches]
             t = b.guard(f"attention {gname} b{T}", lambda: b.time_graph_us(calls))
             if t is not None:
-                b.add("attn_decode", gname, T, t, nbytes, route="triton")
+                b.add("attn_decode", gname, T, t, nbytes, route="triton", geometry_fields=asdict(geo))
 
         def torch_gather(c):
             kv = torch.cat((c[0], torch.gather(c[1], 1, cmp_rows[..., None].expand(-1, -1, d))), 1)  # [T, n, d]
@@ -804,7 +804,7 @@ def bench_mhc(b: DecodeBench, a, gen, batches) -> None:
             t = b.guard(f"mhc {name} b{T}", lambda: b.time_graph_us([lambda f=f: site(f, geo) for f in fns]))
             if t is not None:
                 b.add("mhc_site", name, T, t, nbytes, route="triton",
-                      geometry=None if geo is None else asdict(geo))
+                      geometry_fields=asdict(geo or mhc.MhcSiteGeometry.for_rows(T, D)))
         if "default" not in passed:
             continue
         parts = {"sinkhorn_1_iteration": lambda f: site(f, None, 1),
@@ -914,7 +914,8 @@ def profile_breakdown(calls) -> dict:
 def build_dispatch(doc: dict, a) -> dict:
     """The measured dispatch (:mod:`dsv4lab.engine.decode_dispatch`): per projection shape and batch the fastest
     implementation that passed its bound in this run (own GEMV variant or cuBLAS), per batch the fastest
-    routed-MoE variant of the reference's semantics; each entry keeps the times it was chosen from."""
+    routed-MoE variant of the reference's semantics and the fastest sparse-attention and mHC-site geometries;
+    each entry keeps the times it was chosen from."""
     from dsv4lab_kernels import fp4_moe_decode as moe
     shapes = {f"fp8_gemv_{n}": (N, Kg, G, "fp8", aq) for n, (N, Kg, G, aq) in projections(a).items()}
     shapes.update({f"bf16_gemv_{n}": (N, K, 1, "bf16", False) for n, (N, K) in bf16_projections(a).items()})
@@ -937,12 +938,31 @@ def build_dispatch(doc: dict, a) -> dict:
             moe_entries.append(dict(batch=T, choice=dict(route=best["route"], **best["geometry_fields"]),
                                     us=best["time_us"], pct_copy_bw=best["pct_copy_bw"],
                                     alternatives={r["variant"]: r["time_us"] for r in cands}))
-    for e in gemv_entries + moe_entries:
+    geometry_entries = {name: geometry_tier_entries(doc, kernel) for name, kernel in GEOMETRY_KERNELS.items()}
+    for e in gemv_entries + moe_entries + [e for es in geometry_entries.values() for e in es]:
         e["commit"] = doc["commit"]  # what a merge (merge_dispatch) carries with each entry
     return dict(format=FORMAT, gpu=doc["gpu"], torch=doc["torch"], triton=doc["triton"], commit=doc["commit"],
                 source="dsv4lab bench kernels --suite decode" + (" --quick" if doc.get("quick") else ""),
                 copy_bw_gbps=doc.get("copy_bw_gbps"), cublas_scaled_mm=doc.get("cublas_scaled_mm"),
-                gemv=gemv_entries, moe=moe_entries)
+                gemv=gemv_entries, moe=moe_entries, **geometry_entries)
+
+
+GEOMETRY_KERNELS = {"attention": "attn_decode", "mhc_site": "mhc_site"}
+"""The dispatch's geometry tiers (:data:`~dsv4lab.engine.decode_dispatch.GEOMETRY_TIERS`) and the kernel of the
+result rows each is chosen from."""
+
+
+def geometry_tier_entries(doc: dict, kernel: str) -> list[dict]:
+    """Per batch, the fastest own-kernel geometry of ``kernel``'s rows (only geometries whose check passed are
+    timed): ``{batch, choice: geometry fields, us, alternatives}``."""
+    out = []
+    rows = [r for r in doc["rows"] if r["kernel"] == kernel and r.get("route") == "triton" and r.get("geometry_fields")]
+    for T in sorted({r["batch"] for r in rows}):
+        cands = [r for r in rows if r["batch"] == T]
+        best = min(cands, key=lambda r: r["time_us"])
+        out.append(dict(batch=T, variant=best["variant"], choice=best["geometry_fields"], us=best["time_us"],
+                        alternatives={r["variant"]: r["time_us"] for r in cands}))
+    return out
 
 
 def merge_dispatch(base: dict, fresh: dict, base_name: str = "the base dispatch") -> dict:
@@ -956,19 +976,21 @@ def merge_dispatch(base: dict, fresh: dict, base_name: str = "the base dispatch"
     if base.get("gpu") != fresh.get("gpu"):
         raise UserError(f"{base_name}: measured on {base.get('gpu')!r}, this run on {fresh.get('gpu')!r}: "
                         "a dispatch only holds for the GPU it was measured on")
-    out = dict(fresh, gemv=list(fresh["gemv"]), moe=list(fresh["moe"]))
+    out = dict(fresh, gemv=list(fresh["gemv"]))
     have_gemv = {(e["shape"], int(e["batch"])) for e in fresh["gemv"]}
-    have_moe = {int(e["batch"]) for e in fresh["moe"]}
     carried = [dict(e, commit=e.get("commit", base.get("commit"))) for e in base.get("gemv", [])
                if (e["shape"], int(e["batch"])) not in have_gemv]
-    carried_moe = [dict(e, commit=e.get("commit", base.get("commit"))) for e in base.get("moe", [])
-                   if int(e["batch"]) not in have_moe]
     out["gemv"] += carried
-    out["moe"] += carried_moe
-    out["merged_from"] = [dict(commit=fresh.get("commit"), source=fresh.get("source"),
-                               entries=len(fresh["gemv"]) + len(fresh["moe"])),
-                          dict(commit=base.get("commit"), source=base.get("source"),
-                               entries=len(carried) + len(carried_moe))]
+    fresh_entries = len(fresh["gemv"])
+    for tier in ("moe", *GEOMETRY_KERNELS):  # per batch tier
+        have = {int(e["batch"]) for e in fresh.get(tier, [])}
+        kept = [dict(e, commit=e.get("commit", base.get("commit"))) for e in base.get(tier, [])
+                if int(e["batch"]) not in have]
+        out[tier] = list(fresh.get(tier, [])) + kept
+        carried += kept
+        fresh_entries += len(fresh.get(tier, []))
+    out["merged_from"] = [dict(commit=fresh.get("commit"), source=fresh.get("source"), entries=fresh_entries),
+                          dict(commit=base.get("commit"), source=base.get("source"), entries=len(carried))]
     return out
 
 
@@ -1009,7 +1031,7 @@ def run_suite(args) -> int:
     out = output_path(args, "decode")
     dispatch_out = Path(getattr(args, "dispatch_out", None) or out.with_name("decode_dispatch.json"))
     doc["sections"] = list(chosen)
-    writes_dispatch = b.cuda and bool({"moe", "gemv"} & set(chosen))
+    writes_dispatch = b.cuda and bool({"moe", "gemv", "mhc", "attention"} & set(chosen))
 
     def write() -> None:  # after every section: a run stopped from outside still leaves its measurements
         doc.update(copy_bw_gbps=b.copy_bw, peaks=b.peaks, cublas_scaled_mm=b.cublas, checks=b.checks, rows=b.rows,

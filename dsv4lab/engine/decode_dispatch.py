@@ -5,7 +5,10 @@ own Triton GEMV (routes × launch geometries) and with cuBLAS (``torch._scaled_m
 128×128 weight block scales; ``torch.mm(..., out_dtype=float32)`` for BF16 weights), checks each against the exact
 reference within the analytic bound of its own kernel (:mod:`dsv4lab.verify.bounds`), and writes the fastest
 choice that passed per ``(shape, batch)`` — and the fastest routed-MoE route and geometry per batch — to a JSON
-file committed as ``data/results/h200/decode_dispatch.json``. The Triton backend reads it here.
+file committed as ``data/results/h200/decode_dispatch.json``. The Triton backend reads it here. Per batch it also
+holds the fastest passing geometry of the sparse attention (``attention``) and of the one-launch mHC site
+(``mhc_site``) — the fields of the kernels' ``AttentionGeometry`` and ``MhcSiteGeometry``, checked against those
+classes where the backend builds them (this module does not import the kernels).
 
 Lookup: an entry matches the projection's ``(out_features, in_features per group, groups, weight format,
 activation quantization)`` and is taken at the smallest measured batch ≥ the call's rows (the largest measured
@@ -31,6 +34,7 @@ from ..paths import RESULTS_DIR, read_json
 log = logging.getLogger("dsv4lab.triton")
 
 FORMAT = "dsv4lab.decode-dispatch/1"
+GEOMETRY_TIERS = ("attention", "mhc_site")
 DEFAULT_PATH = RESULTS_DIR / "h200" / "decode_dispatch.json"
 ENV = "DSV4LAB_DECODE_DISPATCH"
 
@@ -99,6 +103,7 @@ class DecodeDispatch:
         self.gpu = (doc or {}).get("gpu")
         self._gemv: dict[str, dict[int, GemvChoice]] = {}
         self._moe: dict[int, MoeChoice] = {}
+        self._geometries: dict[str, dict[int, dict]] = {name: {} for name in GEOMETRY_TIERS}
         if not doc:
             return
         if doc.get("format") != FORMAT:
@@ -117,6 +122,16 @@ class DecodeDispatch:
             except (KeyError, TypeError, ValueError):
                 raise DispatchError(f"{where}: needs 'batch' and 'choice'") from None
             self._moe[batch] = _build(MoeChoice, choice, where)
+        for name in GEOMETRY_TIERS:
+            for i, e in enumerate(doc.get(name, [])):
+                where = f"{source}: {name}[{i}]"
+                try:
+                    batch, choice = int(e["batch"]), e["choice"]
+                except (KeyError, TypeError, ValueError):
+                    raise DispatchError(f"{where}: needs 'batch' and 'choice'") from None
+                if not isinstance(choice, dict):
+                    raise DispatchError(f"{where}: 'choice' must be an object of geometry fields")
+                self._geometries[name][batch] = dict(choice)
 
     @staticmethod
     def _tier(table: dict, rows: int):
@@ -131,13 +146,19 @@ class DecodeDispatch:
     def moe(self, rows: int) -> MoeChoice | None:
         return self._tier(self._moe, rows)
 
+    def geometry(self, name: str, rows: int) -> dict | None:
+        """The measured geometry fields of ``name`` (one of :data:`GEOMETRY_TIERS`) at ``rows`` rows, or None."""
+        return self._tier(self._geometries[name], rows)
+
     def __len__(self) -> int:
-        return sum(len(v) for v in self._gemv.values()) + len(self._moe)
+        return (sum(len(v) for v in self._gemv.values()) + len(self._moe)
+                + sum(len(v) for v in self._geometries.values()))
 
     def describe(self) -> str:
         if not len(self):
             return f"decode dispatch: defaults ({self.source})"
-        return (f"decode dispatch: {len(self._gemv)} projection shapes, {len(self._moe)} MoE batch tiers from "
+        tiers = "".join(f", {len(v)} {name} tiers" for name, v in self._geometries.items() if v)
+        return (f"decode dispatch: {len(self._gemv)} projection shapes, {len(self._moe)} MoE batch tiers{tiers} from "
                 f"{self.source} (measured on {self.gpu})")
 
     @classmethod
@@ -160,5 +181,5 @@ class DecodeDispatch:
         return cls(doc, str(p))
 
 
-__all__ = ["FORMAT", "DEFAULT_PATH", "ENV", "DispatchError", "GemvChoice", "MoeChoice", "DecodeDispatch",
-           "shape_key"]
+__all__ = ["FORMAT", "GEOMETRY_TIERS", "DEFAULT_PATH", "ENV", "DispatchError", "GemvChoice", "MoeChoice",
+           "DecodeDispatch", "shape_key"]

@@ -49,7 +49,7 @@ import torch
 from ..model.linear import ExpertBank, Linear
 from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
-from .decode_dispatch import DecodeDispatch
+from .decode_dispatch import DecodeDispatch, DispatchError
 from .decode_groups import ProjectionGroup, group_of
 from .kernel_loader import kernel_module
 from .triton_prefill import TritonPrefillOps
@@ -199,6 +199,24 @@ class DecodeConfig:
         if c is not None:
             return c.route, c.geometry(moe)
         return self.moe_route, self.moe_geometry
+
+    def attention_for(self, rows: int):
+        """The sparse attention's geometry at ``rows`` query rows: measured, else :attr:`attention_geometry`."""
+        return self._measured(attn.AttentionGeometry, "attention", rows) or self.attention_geometry
+
+    def mhc_site_for(self, rows: int):
+        """The one-launch mHC site's geometry at ``rows`` rows when measured (else None: the kernel's default for
+        the row count); None above ``mhc.SITE_MAX_ROWS`` rows, where the site is not one launch."""
+        return self._measured(mhc.MhcSiteGeometry, "mhc_site", rows) if rows <= mhc.SITE_MAX_ROWS else None
+
+    def _measured(self, cls, name: str, rows: int):
+        fields_ = self.dispatch.geometry(name, rows)
+        if fields_ is None:
+            return None
+        try:
+            return cls(**fields_)
+        except TypeError as err:
+            raise DispatchError(f"{self.dispatch.source}: {name} at {rows} rows: {err}") from None
 
 
 @dataclass
@@ -456,7 +474,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         self._decode("sparse_attention")
         batch = torch.arange(b, device=q.device).repeat_interleave(s)
         o = attn.sparse_attention_decode(q.reshape(b * s, h, d), kv, idx.reshape(b * s, -1), batch, sink, scale,
-                                         geometry=geometry or self.config.attention_geometry)
+                                         geometry=geometry or self.config.attention_for(b * s))
         return o.view(b, s, h, d)
 
     def attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None, sin=None,
@@ -473,7 +491,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         self._decode("sparse_attention")
         return attn.sparse_attention_decode(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
                                             batch_b=slots if cmp_kv is not None else None,
-                                            geometry=self.config.attention_geometry, cos=cos, sin=sin,
+                                            geometry=self.config.attention_for(q.shape[0]), cos=cos, sin=sin,
                                             positions=positions, prefix_ratio_b=cmp_ratio if cmp_kv is not None else 0)
 
     def indexer_scores(self, qi, w, keys, all_reduce=None):
@@ -543,7 +561,8 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return out
         if not self._glue("hc_pre_norm", X):
             return ReferenceOps.hc_pre_norm(self, X, fn, base, scale, norm_weight, args)
-        return mhc.hc_pre_norm(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps)
+        return mhc.hc_pre_norm(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps,
+                               geometry=self._mhc_site(X))
 
     def hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
         res = self._prefill("hc_post_pre_norm", self.prefill_hc_post_pre_norm(out, X, post, comb, fn, base, scale,
@@ -553,7 +572,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         if not self._glue("hc_post_pre_norm", X):
             return ReferenceOps.hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args)
         return mhc.hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
-                                    args.norm_eps, args.hc_eps)
+                                    args.norm_eps, args.hc_eps, geometry=self._mhc_site(X))
 
     def hc_post(self, out, X, post, comb):
         res = self._prefill("hc_post", self.prefill_hc_post(out, X, post, comb))
@@ -566,7 +585,11 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
     def hc_head(self, X, fn, base, scale, args):
         if not self._glue("hc_head", X):
             return ReferenceOps.hc_head(self, X, fn, base, scale, args)
-        return mhc.hc_head(X, fn, base, scale, args.norm_eps, args.hc_eps)
+        return mhc.hc_head(X, fn, base, scale, args.norm_eps, args.hc_eps, geometry=self._mhc_site(X))
+
+    def _mhc_site(self, X: torch.Tensor):
+        """The measured one-launch site geometry for the rows of ``X [..., n, D]`` (None: the kernel's choice)."""
+        return self.config.mhc_site_for(X.numel() // max(1, X.shape[-1] * X.shape[-2]))
 
     def head_rms_rope(self, q, cos, sin, positions, eps):
         if not self._glue("head_rms_rope", q):
