@@ -313,3 +313,18 @@ def test_sources_never_share_a_look():
         bar = style.bar_style(source, "#4E79A7")
         keys.add((bar["facecolor"], bar["edgecolor"], bar.get("hatch", "")))
     assert len(keys) == 2 * len(style.SOURCES)
+
+
+def test_the_decode_kernel_figure_takes_no_part_or_floor_for_a_variant(tmp_path):
+    """The mHC section's rows that time a part of the site (one Sinkhorn iteration, the head collapse) or a floor
+    (an empty launch) sit beside its geometries; the decode-kernel figure's best variant is a geometry."""
+    def row(variant, us, route):
+        return dict(kernel="mhc_site", variant=variant, batch=1, time_us=us, bytes=1_638_400, gbps=1.0,
+                    pct_copy_bw=1.0, route=route)
+    doc = dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc1234", copy_bw_gbps=4200.0,
+               rows=[row("default", 14.0, "triton"), row("n64d32f2048w8", 12.5, "triton"),
+                     row("head_collapse", 5.0, "part"), row("empty_launch", 2.0, "floor")])
+    path = tmp_path / "decode_kernels.json"
+    path.write_text(json.dumps(doc))
+    (got,) = figure_data.decode_kernels(dict(doc, _path=str(path)))
+    assert (got["label"], got["best_variant"], got["variants"]) == ("mHC site (post + pre + norm)", "n64d32f2048w8", 2)
