@@ -10,6 +10,7 @@ measured there (4.2 TB/s over 132 SMs at ~1.98 GHz), so ≲ 8 instructions per b
     python scripts/kernel_sass.py                 # the table (about a minute)
     python scripts/kernel_sass.py --check         # exit 1 if a kernel fails to compile (CI, no GPU needed)
     python scripts/kernel_sass.py --only moe_up   # one family
+    python scripts/kernel_sass.py --glue          # the mHC site and the attention kernels: every loop's mix
 
 Must run without ``TRITON_INTERPRET`` (the kernels must be real JIT functions); the versions of Triton here and on
 the GPU machine may differ (3.9 here, 3.6 there), so treat the counts as the same code's shape, not its exact SASS.
@@ -179,6 +180,86 @@ CONFIGS = [
 ]
 
 
+# ------------------------------------------------------------------------------------------ latency-bound glue
+MHC_INTS = ("D", "PER", "sx_m", "sx_s", "so_m", "sxn_m", "sxn_s", "sfn", "sy_m")
+
+
+def mhc_site(splits: int = 128, block_d: int = 32, block_dn: int = 2048, warps: int = 8):
+    """The one-launch mHC site (``hc_post_pre_norm`` at Flash width: 4 streams, 24 mixing logits)."""
+    mhc = _kernels("mhc")
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "xn_ptr": "*bf16",
+           "fn_ptr": "*fp32", "part_ptr": "*fp64", "cnt_ptr": "*i32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
+           "w_ptr": "*bf16", "y_ptr": "*bf16", "post_out_ptr": "*fp32", "comb_out_ptr": "*fp32", "D": "i32",
+           "NMIX": "i32", "SPLITS": "i32", "PER": "i32", "ITERS": "i32", "norm_eps": "fp32", "hc_eps_bits": "i64",
+           "sx_m": "i32", "sx_s": "i32", "so_m": "i32", "sxn_m": "i32", "sxn_s": "i32", "sfn": "i32", "sy_m": "i32"}
+    cx = dict(APPLY_POST=True, HEAD=False, NORM=True, ROUND_BF16=True, HC=4, BLOCK_D=block_d, BLOCK_J=32,
+              BLOCK_S=triton.next_power_of_2(splits), BLOCK_DN=block_dn)
+    return _compile(mhc._mhc_site_kernel, sig, cx, MHC_INTS, warps, 1)
+
+
+ATTN_INTS = ("D", "stride_qr", "stride_qh", "stride_ba", "stride_na", "stride_bb", "stride_nb", "stride_ra",
+             "stride_rb")
+
+
+def attention(block_h: int = 16, block_r: int = 32, warps: int = 8, two_pass: bool = False):
+    """The sparse attention decode's main kernel (Flash: 512-wide latent head, RoPE epilogue, CSA prefix)."""
+    attn = _kernels("attention_decode")
+    sig = {"q_ptr": "*bf16", "kva_ptr": "*bf16", "rows_a_ptr": "*i32", "bat_a_ptr": "*i64", "kvb_ptr": "*bf16",
+           "rows_b_ptr": "*i32", "bat_b_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": "*bf16", "pm_ptr": "*fp32",
+           "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
+           "H": "i32", "D": "i32", "Ka": "i32", "Kb": "i32", "scale": "fp32", "R": "i32", "s_cos": "i32",
+           "RATIO_B": "i32", "stride_qr": "i32", "stride_qh": "i32", "stride_ba": "i32", "stride_na": "i32",
+           "stride_bb": "i32", "stride_nb": "i32", "stride_ra": "i32", "stride_rb": "i32", "SPLITS": "i32"}
+    cx = dict(ROUND_ACT=True, DOT_FP32=False, TWO_PASS=two_pass, ROPE=True, PREFIX_B=True, BLOCK_H=block_h,
+              BLOCK_R=block_r, BLOCK_D=512)
+    return _compile(attn._attn_decode_kernel, sig, cx, ATTN_INTS, warps, 3)
+
+
+def attention_combine(splits: int = 16, block_h: int = 16, warps: int = 8):
+    """The split combine, with the launcher's column block for ``splits`` slices."""
+    attn = _kernels("attention_decode")
+    sig = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+           "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "H": "i32", "D": "i32", "R": "i32",
+           "s_cos": "i32", "stride_qr": "i32", "stride_qh": "i32", "SPLITS": "i32"}
+    block_s = triton.next_power_of_2(splits)
+    cx = dict(ROUND_ACT=True, ROPE=True, BLOCK_H=block_h, BLOCK_S=block_s,
+              BLOCK_DC=max(16, min(512, 16384 // (block_s * block_h))))
+    return _compile(attn._attn_combine_kernel, sig, cx, ("D",), warps, 3)
+
+
+GLUE = [("mhc_site n128 d32 f2048 w8 (the default at batch 1)", mhc_site, ()),
+        ("mhc_site n64 d32 f2048 w8", mhc_site, (64,)),
+        ("attention h16 r32 w8 one pass (the GPU default)", attention, ()),
+        ("attention h16 r64 w8 one pass", attention, (16, 64)),
+        ("attention combine, 16 slices", attention_combine, ()),
+        ("attention combine, 32 slices", attention_combine, (32,))]
+
+
+def report_glue() -> int:
+    """Per kernel: registers, spill stack, instructions in all, and every loop (innermost first) with its size and
+    the operations that make latency — block barriers, warp shuffles, calls (the fp64 division's slow path),
+    global loads — beside its six most frequent opcodes."""
+    print(f"Triton {triton.__version__}, target sm_{TARGET.arch}; the latency-bound glue (modelled from the SASS)")
+    failures = 0
+    for name, build, args in GLUE:
+        try:
+            k = build(*args)
+        except Exception as err:  # noqa: BLE001 — report every configuration that does not compile
+            failures += 1
+            print(f"{name}: FAILED: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+            continue
+        sass, res = _sass(k.asm["cubin"])
+        regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+        total = sum(1 for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))
+        print(f"{name}: regs {regs.group(1) if regs else '?'}, stack {stack.group(1) if stack else '?'}, "
+              f"{total} instructions, {sass.count('LDG')} global loads")
+        for lo, hi, ops in _loops(sass):
+            mix = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+            print(f"    loop {lo:#06x}-{hi:#06x}: {sum(ops.values())} instructions; BAR {ops['BAR']}, SHFL "
+                  f"{ops['SHFL']}, CALL {ops['CALL']}, LDG {ops['LDG']}; {mix}")
+    return 1 if failures else 0
+
+
 def report(only: str | None, check: bool) -> int:
     failures = 0
     print(f"Triton {triton.__version__}, target sm_{TARGET.arch}; instructions per weight byte of the main loop "
@@ -216,8 +297,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only compile; exit 1 if any configuration fails")
     p.add_argument("--only", default=None, help="configurations whose name starts with this")
+    p.add_argument("--glue", action="store_true", help="the mHC site and attention kernels: every loop's mix")
     a = p.parse_args()
-    return report(a.only, a.check)
+    return report_glue() if a.glue else report(a.only, a.check)
 
 
 if __name__ == "__main__":
