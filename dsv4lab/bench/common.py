@@ -425,6 +425,7 @@ KERNEL_FAMILIES = (("_gate_up_kernel", "moe_gate_up"), ("_down_kernel", "moe_dow
                    ("_act_quant_kernel", "gemv"),
                    ("_sum_partials", "split_sums"), ("_attn", "attention"), ("sort", "sort/topk"),
                    ("nccl", "collectives"), ("all_reduce", "collectives"), ("gemm", "cublas"),
+                   ("nvjet", "cublas"),  # cuBLASLt's Hopper kernels (nvjet_*): the LM head, cuBLAS-dispatched GEMVs
                    ("reduce", "torch_reduce"), ("elementwise", "torch_elementwise"))
 
 
