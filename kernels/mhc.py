@@ -192,8 +192,10 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
     d_hi = tl.minimum(d_lo + per, D)
     s = tl.arange(0, HC)
     j = tl.arange(0, BLOCK_J)
-    acc = tl.zeros((BLOCK_M, BLOCK_J), tl.float64)
-    sq = tl.zeros((BLOCK_M,), tl.float64)
+    # one fp64 accumulator per (row, column, logit) of the tile, summed over the columns once after the loop: the
+    # loop is FMAs only (a sum over the tile's columns in every step made it shuffle-bound — SASS, Triton 3.6)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_D, BLOCK_J), tl.float64)
+    sq2 = tl.zeros((BLOCK_M, BLOCK_D), tl.float64)
     for d0 in range(d_lo, d_hi, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         dm = d < d_hi
@@ -217,15 +219,17 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
                              other=0.0).to(tl.float32)
             if MIX:
                 x64 = xk.to(tl.float64)
-                sq += tl.sum(x64 * x64, axis=1)
+                sq2 += x64 * x64
                 f = tl.load(fn_ptr + j[None, :] * sfn + k * D + d[:, None], mask=dm[:, None] & (j < NMIX)[None, :],
                             other=0.0).to(tl.float64)
                 # [rows, k-slice] · [k-slice, mix logits] in fp64 by broadcasting: an fp64 ``tl.dot`` does not
-                # lower to LLVM on triton 3.6. Exact but slow on the H200 (26.9 ms per 4,096-row chunk against
-                # 8.85 ms on the decode kernels, data/results/h200/prefill_kernels.json): the measured choice
-                # keeps prefill on the decode kernels until this is rewritten
-                acc += tl.sum(x64[:, :, None] * f[None, :, :], axis=1)
+                # lower to LLVM on triton 3.6. With the sum over the slice in every step this took 26.9 ms per
+                # 4,096-row chunk on the H200 against 8.85 ms on the decode kernels (bba68f2,
+                # data/results/h200/prefill_kernels.json); position-wise accumulators since, not yet measured
+                acc3 += x64[:, :, None] * f[None, :, :]
     if MIX:
+        acc = tl.sum(acc3, axis=1)
+        sq = tl.sum(sq2, axis=1)
         base = (rows64 * SPLITS + split) * (NMIX + 1)
         tl.store(part_ptr + base[:, None] + j[None, :], acc, mask=row_ok[:, None] & (j < NMIX)[None, :])
         tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
@@ -281,7 +285,7 @@ def _probe_rows_kernel(dev: torch.device) -> bool | str:
     X = torch.randn(M, HC, D, device=dev, generator=g).to(torch.bfloat16)
     fn = torch.randn((2 + HC) * HC, HC * D, device=dev, generator=g) * (HC * D) ** -0.5
     _, got, splits = _mix_rows(X, None, None, None, fn, False, (2 + HC) * HC,
-                               MhcRowsGeometry(block_m=32, block_d=32, splits=2))
+                               MhcRowsGeometry(block_m=16, block_d=16, splits=2))  # the default tile
     _, want = _mix(X, None, None, None, fn, False, (2 + HC) * HC, MhcGeometry(block_m=1, splits=1))
     ok = torch.allclose(got.sum(1), want[:, 0], rtol=1e-12, atol=1e-12)
     return True if ok else "the rows kernel's partial sums differ from the decode mix's"
