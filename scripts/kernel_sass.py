@@ -197,6 +197,20 @@ def mhc_site(splits: int = 128, block_d: int = 32, block_dn: int = 2048, warps: 
     return _compile(mhc._mhc_site_kernel, sig, cx, MHC_INTS, warps, 1)
 
 
+MIX_SIG = {"x_ptr": "*bf16", "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "xn_ptr": "*bf16",
+           "fn_ptr": "*fp32", "part_ptr": "*fp64", "M": "i32", "D": "i32", "NMIX": "i32", "SPLITS": "i32",
+           "sx_m": "i32", "sx_s": "i32", "so_m": "i32", "sxn_m": "i32", "sxn_s": "i32", "sfn": "i32"}
+MIX_INTS = ("D", "sx_m", "sx_s", "so_m", "sxn_m", "sxn_s", "sfn")
+
+
+def mhc_mix(rows_kernel: bool, block_m: int, block_d: int, warps: int, post: bool = False):
+    """The mHC mix of a prefill chunk: the decode kernels' mix (``rows_kernel=False``) or the rows kernel."""
+    mhc = _kernels("mhc")
+    fn = mhc._mhc_mix_rows_kernel if rows_kernel else mhc._mhc_mix_kernel
+    cx = dict(APPLY_POST=post, MIX=True, ROUND_BF16=True, HC=4, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_J=32)
+    return _compile(fn, dict(MIX_SIG), cx, MIX_INTS, warps, 1)
+
+
 ATTN_INTS = ("D", "stride_qr", "stride_qh", "stride_ba", "stride_na", "stride_bb", "stride_nb", "stride_ra",
              "stride_rb")
 
@@ -229,6 +243,8 @@ def attention_combine(splits: int = 16, block_h: int = 16, warps: int = 8):
 
 GLUE = [("mhc_site n128 d32 f2048 w8 (the default at batch 1)", mhc_site, ()),
         ("mhc_site n64 d32 f2048 w8", mhc_site, (64,)),
+        ("mhc mix of a prefill chunk, decode kernels: 4 rows x 16 columns, 4 warps", mhc_mix, (False, 4, 16, 4)),
+        ("mhc mix of a prefill chunk, rows kernel: 16 rows x 16 columns, 8 warps", mhc_mix, (True, 16, 16, 8)),
         ("attention h16 r32 w8 one pass (the GPU default)", attention, ()),
         ("attention h16 r64 w8 one pass", attention, (16, 64)),
         ("attention combine, 16 slices", attention_combine, ()),
