@@ -246,7 +246,7 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
                               BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact)
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
-        # the slices × heads × columns tile of one program held at once: ≤ 16 K fp32 (64 registers a thread at 8 warps)
+        # one program's slices × heads × columns tile, held at once: ≤ 16 K fp32 (64 registers a thread, 8 warps)
         block_dc = g.combine_columns or max(16, min(block_d, 16384 // (block_s * g.block_h)))
         if block_dc & (block_dc - 1) or block_dc < 2:
             raise ValueError(f"AttentionGeometry.combine_columns={block_dc}: a power of two ≥ 2 is required")
