@@ -249,20 +249,15 @@ def _chunk_dot(acc, wb, sb, xe, xo, ASM: tl.constexpr, DOT_FP32: tl.constexpr, B
 
 
 @triton.jit
-def _chunk_fma(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
-    """``acc [BN, G] +=`` per-group partial dots of one token (``xe, xo [1, BK/2]``) on CUDA cores."""
+def _chunk_fma(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr):
+    """``acc +=`` the products of one token's chunk (``xe, xo [1, BK/2]``) on CUDA cores: ``acc [BN, G, 16]``
+    position by position (``ELEM``: no reduction in the loop), else ``acc [BN, G, 1]`` per 32-group dot."""
     lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
     xe3 = tl.reshape(xe, (1, G, 16))
     xo3 = tl.reshape(xo, (1, G, 16))
-    return acc + tl.sum(lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3, axis=2)
-
-
-@triton.jit
-def _chunk_fma_elements(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
-    """``acc [BN, G, 16] +=`` the products of one token's chunk, position by position (no reduction here)."""
-    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
-    acc = acc + lo.to(tl.float32) * tl.reshape(xe, (1, G, 16))
-    return acc + hi.to(tl.float32) * tl.reshape(xo, (1, G, 16))
+    if ELEM:
+        return acc + lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3
+    return acc + tl.sum(lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3, axis=2, keep_dims=True)
 
 
 @triton.jit
@@ -333,28 +328,18 @@ def _project(a_ptr, rows, row_ok, w_base, s_base, v_base, t_base, n_ok, stride_w
         for r in range(0, tl.sum(row_ok.to(tl.int32), axis=0)):
             pick = (tl.cumsum(row_ok.to(tl.int32), axis=0) == r + 1) & row_ok  # the r-th valid row
             row = tl.zeros((1,), rows.dtype) + tl.sum(tl.where(pick, rows, 0), axis=0)
-            if FMA_ELEM:
-                acc_e = tl.zeros((BN, G, 16), tl.float32)
-                acc_e2 = tl.zeros((BN, G, 16), tl.float32)
-                for c in range(0, tl.cdiv(K, BK)):
-                    xe, xo = _act_chunk_fp8(a_ptr, row, tl.arange(0, 1) == 0, c * BK, K, ACT_QUANT, 1, 1, BK)
-                    wb, sb = _weight_chunk(w_base, s_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                    acc_e = _chunk_fma_elements(acc_e, wb, sb, xe, xo, ASM, BN, G)
-                    if TWO:
-                        wb, sb = _weight_chunk(v_base, t_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                        acc_e2 = _chunk_fma_elements(acc_e2, wb, sb, xe, xo, ASM, BN, G)
-                acc_g = tl.sum(acc_e, axis=2)
-                acc_g2 = tl.sum(acc_e2, axis=2)
-            else:
-                acc_g = tl.zeros((BN, G), tl.float32)
-                acc_g2 = tl.zeros((BN, G), tl.float32)
-                for c in range(0, tl.cdiv(K, BK)):
-                    xe, xo = _act_chunk_fp8(a_ptr, row, tl.arange(0, 1) == 0, c * BK, K, ACT_QUANT, 1, 1, BK)
-                    wb, sb = _weight_chunk(w_base, s_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                    acc_g = _chunk_fma(acc_g, wb, sb, xe, xo, ASM, BN, G)
-                    if TWO:
-                        wb, sb = _weight_chunk(v_base, t_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                        acc_g2 = _chunk_fma(acc_g2, wb, sb, xe, xo, ASM, BN, G)
+            AW: tl.constexpr = 16 if FMA_ELEM else 1  # accumulators per 32-group: per position or one
+            acc_f = tl.zeros((BN, G, AW), tl.float32)
+            acc_f2 = tl.zeros((BN, G, AW), tl.float32)
+            for c in range(0, tl.cdiv(K, BK)):
+                xe, xo = _act_chunk_fp8(a_ptr, row, tl.arange(0, 1) == 0, c * BK, K, ACT_QUANT, 1, 1, BK)
+                wb, sb = _weight_chunk(w_base, s_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
+                acc_f = _chunk_fma(acc_f, wb, sb, xe, xo, ASM, BN, G, FMA_ELEM)
+                if TWO:
+                    wb, sb = _weight_chunk(v_base, t_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
+                    acc_f2 = _chunk_fma(acc_f2, wb, sb, xe, xo, ASM, BN, G, FMA_ELEM)
+            acc_g = tl.sum(acc_f, axis=2)
+            acc_g2 = tl.sum(acc_f2, axis=2)
             acc += tl.where(pick[None, :], tl.sum(acc_g, axis=1)[:, None], 0.0)
             acc2 += tl.where(pick[None, :], tl.sum(acc_g2, axis=1)[:, None], 0.0)
     elif ROUTE == 2:
