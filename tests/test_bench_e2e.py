@@ -104,3 +104,6 @@ def test_the_decode_breakdown_names_its_kernels():
                     dict(name="_attn_decode_kernel", family="attention", us=400.0, launches=30.0,
                          us_per_launch=13.33)]
     assert top_kernels(SimpleNamespace(key_averages=lambda: evs), calls=2)[2]["family"] == "other"
+    from dsv4lab.bench.e2e import kernel_profile  # the family totals come from the same events
+    assert kernel_profile(SimpleNamespace(key_averages=lambda: evs), calls=2) == (
+        {"mhc": 888.0, "attention": 400.0, "other": 90.0}, {"mhc": 62.0, "attention": 30.0, "other": 30.0})

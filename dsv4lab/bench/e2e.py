@@ -612,18 +612,22 @@ def count_launches(fn):
     return counts, out
 
 
-def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]]:
-    """GPU µs and kernel launches per call of a ``torch.profiler`` run of ``calls`` calls, by kernel family (the
-    glue's families, then :data:`~dsv4lab.bench.common.KERNEL_FAMILIES`)."""
-    us: dict[str, float] = {}
-    launches: dict[str, float] = {}
+def _device_kernels(prof):
+    """``(name, family, GPU µs in all, launches)`` of every event of a ``torch.profiler`` run that took GPU time,
+    by the glue's families, then :data:`~dsv4lab.bench.common.KERNEL_FAMILIES`."""
     for ev in prof.key_averages():
         t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        if not t:
-            continue
-        fam = next((f for key, f in GLUE_FAMILIES + KERNEL_FAMILIES if key in ev.key), "other")
+        if t:
+            yield ev.key, next((f for key, f in GLUE_FAMILIES + KERNEL_FAMILIES if key in ev.key), "other"), t, ev.count
+
+
+def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU µs and kernel launches per call of a ``torch.profiler`` run of ``calls`` calls, by kernel family."""
+    us: dict[str, float] = {}
+    launches: dict[str, float] = {}
+    for _, fam, t, count in _device_kernels(prof):
         us[fam] = us.get(fam, 0.0) + t / calls
-        launches[fam] = launches.get(fam, 0.0) + ev.count / calls
+        launches[fam] = launches.get(fam, 0.0) + count / calls
     order = sorted(us, key=lambda k: -us[k])
     return {k: round(us[k], 1) for k in order}, {k: round(launches[k], 1) for k in order}
 
@@ -631,14 +635,8 @@ def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]
 def top_kernels(prof, calls: int, n: int = 40) -> list[dict]:
     """The ``n`` kernels with the most GPU time per call of a ``torch.profiler`` run: name (first 100 characters),
     family, µs and launches per call, µs per launch — what a family total (and ``other``) is made of."""
-    rows = []
-    for ev in prof.key_averages():
-        t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        if not t:
-            continue
-        fam = next((f for key, f in GLUE_FAMILIES + KERNEL_FAMILIES if key in ev.key), "other")
-        rows.append(dict(name=ev.key[:100], family=fam, us=round(t / calls, 1), launches=round(ev.count / calls, 1),
-                         us_per_launch=round(t / max(ev.count, 1), 2)))
+    rows = [dict(name=name[:100], family=fam, us=round(t / calls, 1), launches=round(count / calls, 1),
+                 us_per_launch=round(t / max(count, 1), 2)) for name, fam, t, count in _device_kernels(prof)]
     return sorted(rows, key=lambda r: -r["us"])[:n]
 
 
