@@ -159,7 +159,8 @@ def test_fused_static_step_on_the_triton_kernels(capsys):
     assert not tri.ops.calls.reference, tri.ops.report()  # every op of the step ran on a kernel
     layers = tri.args.n_layers
     with capsys.disabled():
-        print(f"\n[decode step, tiny, b=2] {counts['triton']} Triton launches + {counts['torch']} torch ops "
+        print(f"\n[decode step, tiny, b=2] first call: {first['triton']} Triton launches + {first['torch']} torch ops; "
+              f"second: {counts['triton']} Triton launches + {counts['torch']} torch ops "
               f"= {(counts['triton'] + counts['torch']) / layers:.1f} per layer (6 layers + embedding and head); "
               f"Triton: {dict(counts['triton_kernels'].most_common())}; torch: {dict(counts['torch_ops'])}")
     assert counts["triton"] > 0
