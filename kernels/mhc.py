@@ -164,6 +164,10 @@ class MhcRowsGeometry:
     splits: int = 0
     num_warps: int = 8
 
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}d{self.block_d}w{self.num_warps}" + (f"s{self.splits}" if self.splits else "")
+
     def resolve(self, rows: int, D: int, device) -> "MhcRowsGeometry":
         """The geometry with ``splits`` fixed for ``rows`` rows of width ``D``."""
         if self.splits:
@@ -176,6 +180,14 @@ class MhcRowsGeometry:
         blocks = triton.cdiv(rows, self.block_m)
         splits = max(1, min(triton.cdiv(D, self.block_d), triton.cdiv(2 * sms, blocks)))
         return MhcRowsGeometry(self.block_m, self.block_d, splits, self.num_warps)
+
+
+# The geometries the prefill benchmark times (``bench kernels --suite prefill``, glue section); the backend runs the
+# one it measured fastest (``choices.mhc_rows_geometry``). Modelled from the SASS of Triton 3.6 (mix without the
+# post step, loop instructions per step / fp64 FMAs): m16d16w8 357/132, m32d8w8 270/132 (148 registers),
+# m16d8w4 273/132 (156), m64d4w4 441/264 (255).
+ROWS_GEOMETRIES = {g.name: g for g in (MhcRowsGeometry(16, 16, 0, 8), MhcRowsGeometry(32, 8, 0, 8),
+                                       MhcRowsGeometry(16, 8, 0, 4), MhcRowsGeometry(64, 4, 0, 4))}
 
 
 @triton.jit
@@ -192,9 +204,12 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
     d_hi = tl.minimum(d_lo + per, D)
     s = tl.arange(0, HC)
     j = tl.arange(0, BLOCK_J)
-    # one fp64 accumulator per (row, column, logit) of the tile, summed over the columns once after the loop: the
-    # loop is FMAs only (a sum over the tile's columns in every step made it shuffle-bound — SASS, Triton 3.6)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_D, BLOCK_J), tl.float64)
+    # one fp64 accumulator per (logit, row, column) of the tile, summed over the columns once after the loop: the
+    # loop is FMAs only (a sum over the tile's columns in every step made it shuffle-bound — SASS, Triton 3.6). The
+    # logit axis leads so that it lies in each thread's registers and the columns across its lanes: a thread then
+    # widens each X element to fp64 once for all its logits (with the logits across lanes, every FMA paid its own
+    # fp32→fp64 conversion, a quarter-rate instruction: 140 conversions for 132 FMAs per step — SASS, Triton 3.6)
+    acc3 = tl.zeros((BLOCK_J, BLOCK_M, BLOCK_D), tl.float64)
     sq2 = tl.zeros((BLOCK_M, BLOCK_D), tl.float64)
     for d0 in range(d_lo, d_hi, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -220,18 +235,20 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
             if MIX:
                 x64 = xk.to(tl.float64)
                 sq2 += x64 * x64
-                f = tl.load(fn_ptr + j[None, :] * sfn + k * D + d[:, None], mask=dm[:, None] & (j < NMIX)[None, :],
+                f = tl.load(fn_ptr + j[:, None] * sfn + k * D + d[None, :], mask=(j < NMIX)[:, None] & dm[None, :],
                             other=0.0).to(tl.float64)
-                # [rows, k-slice] · [k-slice, mix logits] in fp64 by broadcasting: an fp64 ``tl.dot`` does not
+                # [mix logits, k-slice] · [k-slice, rows] in fp64 by broadcasting: an fp64 ``tl.dot`` does not
                 # lower to LLVM on triton 3.6. With the sum over the slice in every step this took 26.9 ms per
                 # 4,096-row chunk on the H200 against 8.85 ms on the decode kernels (bba68f2,
-                # data/results/h200/prefill_kernels.json); position-wise accumulators since, not yet measured
-                acc3 += x64[:, :, None] * f[None, :, :]
+                # data/results/h200/prefill_kernels.json). The matrix arrives in fp64 (``_mix_rows`` widens it):
+                # loaded as fp32, every thread widened each of its 32 logits' values per step — the conversions
+                # outnumbered the FMAs (SASS, Triton 3.6)
+                acc3 += f[:, None, :] * x64[None, :, :]
     if MIX:
-        acc = tl.sum(acc3, axis=1)
+        acc = tl.sum(acc3, axis=2)  # [logit, row]
         sq = tl.sum(sq2, axis=1)
         base = (rows64 * SPLITS + split) * (NMIX + 1)
-        tl.store(part_ptr + base[:, None] + j[None, :], acc, mask=row_ok[:, None] & (j < NMIX)[None, :])
+        tl.store(part_ptr + base[None, :] + j[:, None], acc, mask=row_ok[None, :] & (j < NMIX)[:, None])
         tl.store(part_ptr + base + NMIX, sq, mask=row_ok)
 
 
@@ -242,6 +259,8 @@ def _mix_rows(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcRowsG
     geo = geo.resolve(M, D, X.device)
     xn = torch.empty_like(Xr) if apply_post else Xr
     mix = fn is not None
+    if mix:  # fp32 → fp64 is exact; widened once here, not once per use in every thread (see the kernel)
+        fn = fn.to(torch.float64)
     part = torch.empty(M, geo.splits, nmix + 1, dtype=torch.float64, device=X.device) if mix else xn
     if M:
         outr = out.reshape(M, D) if apply_post else Xr
@@ -525,6 +544,8 @@ def _mix(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcGeometry):
     Xr = X.reshape(M, HC, D)
     xn = torch.empty_like(Xr) if apply_post else Xr
     mix = fn is not None
+    if mix:  # fp32 → fp64 is exact; widened once here, not once per use in every thread (see the kernel)
+        fn = fn.to(torch.float64)
     part = torch.empty(M, geo.splits, nmix + 1, dtype=torch.float64, device=X.device) if mix else xn
     if M:
         outr = out.reshape(M, D) if apply_post else Xr

@@ -15,7 +15,8 @@
 #   decode (180)    bench kernels --suite decode --quick (writes the measured dispatch too)
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=mhc,attention
 #                   narrows it to those sections; the dispatch it writes keeps the committed one's other entries)
-#   prefill (150)   bench kernels --suite prefill --quick
+#   prefill (150)   bench kernels --suite prefill --quick (its mHC choices merged over the committed full run's:
+#                   scripts/merge_prefill_choices.py; e2e after it reads the merge)
 #   prefill_full    bench kernels --suite prefill (full)
 #   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the dispatch of a decode part and the
 #                   choices of a prefill_full part that ran before it in the same visit)
@@ -76,13 +77,18 @@ for spec in "$@"; do
             --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" \
             --dispatch-base data/results/h200/decode_dispatch.json ;;  # entries a budget-cut run misses are kept
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
-            --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json" ;;
+            --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json"
+            # its mHC choices over the committed full run's: what e2e after this part reads
+            [ -s "$R/prefill_kernels_quick.json" ] && python3 scripts/merge_prefill_choices.py \
+                "$R/prefill_kernels_quick.json" "$R/prefill_choices_merged.json" >> "$R/prefill.log" 2>&1 ;;
         prefill_full) part prefill_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite prefill \
             --budget-s $(( ${limit:-420} - 30 )) --out "$R/prefill_kernels.json" ;;
         e2e) [ -f "$R/decode_dispatch.json" ] && [ -z "${DSV4LAB_DECODE_DISPATCH:-}" ] \
                 && export DSV4LAB_DECODE_DISPATCH="$PWD/$R/decode_dispatch.json"  # this visit's decode part measured it
             [ -f "$R/prefill_kernels.json" ] && [ -z "${DSV4LAB_PREFILL_CHOICES:-}" ] \
                 && export DSV4LAB_PREFILL_CHOICES="$PWD/$R/prefill_kernels.json"  # and its prefill_full part
+            [ -f "$R/prefill_choices_merged.json" ] && [ -z "${DSV4LAB_PREFILL_CHOICES:-}" ] \
+                && export DSV4LAB_PREFILL_CHOICES="$PWD/$R/prefill_choices_merged.json"  # or its prefill part
             part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
         diag_gemm) part diag_gemm "${limit:-90}" python3 scripts/diag_gemm_determinism.py \

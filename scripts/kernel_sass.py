@@ -208,7 +208,8 @@ def mhc_mix(rows_kernel: bool, block_m: int, block_d: int, warps: int, post: boo
     mhc = _kernels("mhc")
     fn = mhc._mhc_mix_rows_kernel if rows_kernel else mhc._mhc_mix_kernel
     cx = dict(APPLY_POST=post, MIX=True, ROUND_BF16=True, HC=4, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_J=32)
-    return _compile(fn, dict(MIX_SIG), cx, MIX_INTS, warps, 1)
+    sig = dict(MIX_SIG, fn_ptr="*fp64") if rows_kernel else dict(MIX_SIG)  # the rows kernel gets the matrix widened
+    return _compile(fn, sig, cx, MIX_INTS, warps, 1)
 
 
 ATTN_INTS = ("D", "stride_qr", "stride_qh", "stride_ba", "stride_na", "stride_bb", "stride_nb", "stride_ra",
@@ -245,6 +246,10 @@ GLUE = [("mhc_site n128 d32 f2048 w8 (the default at batch 1)", mhc_site, ()),
         ("mhc_site n64 d32 f2048 w8", mhc_site, (64,)),
         ("mhc mix of a prefill chunk, decode kernels: 4 rows x 16 columns, 4 warps", mhc_mix, (False, 4, 16, 4)),
         ("mhc mix of a prefill chunk, rows kernel: 16 rows x 16 columns, 8 warps", mhc_mix, (True, 16, 16, 8)),
+        ("mhc mix of a prefill chunk, rows kernel: 32 rows x 8 columns, 8 warps", mhc_mix, (True, 32, 8, 8)),
+        ("mhc mix of a prefill chunk, rows kernel: 16 rows x 8 columns, 4 warps", mhc_mix, (True, 16, 8, 4)),
+        ("mhc post+mix of a prefill chunk, rows kernel: 16 rows x 8 columns, 4 warps", mhc_mix,
+         (True, 16, 8, 4, True)),
         ("attention h16 r32 w8 one pass (the GPU default)", attention, ()),
         ("attention h16 r64 w8 one pass", attention, (16, 64)),
         ("attention combine, 16 slices", attention_combine, ()),

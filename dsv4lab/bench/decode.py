@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import statistics
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -58,6 +58,7 @@ from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from ..paths import DATA_DIR, read_json
 from ..verify.bounds import BoundCheck, check_within_bound, gamma, ulp
+from ..verify.model import KL_FLOOR_FACTOR_MAX, kl_per_position
 from ..verify.registry import _make_attention
 from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path, random_bank,
                      random_fp8_linear, random_routing, run_header, select_device, write_json)
@@ -495,13 +496,17 @@ def attention_geometries(smoke: bool):
 
 def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
     """Teacher-forced decode of two ragged rows on the tiny model: the static step (Triton backend) vs the
-    reference decode, and (on a GPU) the graph replay vs the eager static step, bit for bit."""
+    reference decode, judged as ``verify model`` judges a backend that is not bit-exact — every position's KL within
+    ``KL_FLOOR_FACTOR_MAX`` × the largest KL of the reference against itself with fp32 instead of exact reductions
+    on the same steps (measured here); and (on a GPU) the graph replay vs the eager static step, bit for bit."""
     dev = b.device
     ref = load(tiny_path, device=dev, backend="reference", max_batch=2, max_seq_len=128)
     tri = load(tiny_path, device=dev, backend="triton", max_batch=2, max_seq_len=128)
     ids = torch.randint(2, 4096, (2, 24), generator=torch.Generator().manual_seed(5)).to(dev)
     lens = torch.tensor([17, 9])
     steps = 2 if b.smoke else 6
+    exact_ops = ref.ops
+    fp32_ops = ReferenceOps(replace(exact_ops.numerics, exact_reductions=False))
 
     def prefill(m):
         m.reset()
@@ -509,26 +514,36 @@ def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
         m.forward(ids[:, :17], 0, slots=[0, 1], lengths=lens.tolist())
         m.ops = kernels
 
-    prefill(ref)
+    def reference_steps(ops) -> list[torch.Tensor]:
+        ref.ops = ops
+        prefill(ref)
+        out = []
+        for t in range(steps):
+            pos = lens + t
+            out.append(ref.forward(ids[torch.arange(2), pos.to(dev)][:, None], pos, slots=[0, 1])[:, 0])
+        ref.ops = exact_ops
+        return out
+
+    want = reference_steps(exact_ops)
+    floor = [k for w, r in zip(want, reference_steps(fp32_ops)) for k in kl_per_position(w, r)]
     prefill(tri)
     step = StaticDecodeStep(tri)
-    eager, rel, kls, same_argmax = [], [], [], True
+    eager, kls, same_argmax = [], [], 0
     slots = torch.arange(2, device=dev)
     for t in range(steps):
         pos = lens + t
-        tok = ids[torch.arange(2), pos.to(dev)]
-        want = ref.forward(tok[:, None], pos, slots=[0, 1])[:, 0]
-        got = step(tok, pos.to(dev), slots)
+        got = step(ids[torch.arange(2), pos.to(dev)], pos.to(dev), slots)
         eager.append(got)
-        rel.append(float((got - want).norm() / want.norm()))
-        kls.append(float(torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
-                                                    reduction="batchmean")))
-        same_argmax &= bool(torch.equal(got.argmax(-1), want.argmax(-1)))
-    ok = max(kls) < 1e-5 and same_argmax
-    b.checks.append(dict(name="static_decode_vs_reference", ok=ok, max_rel=max(rel), max_kl=max(kls),
-                         same_argmax=same_argmax))
-    b.log(f"static decode step vs reference decode (tiny, {steps} steps): max rel {max(rel):.2e}, max KL "
-          f"{max(kls):.2e}, greedy tokens {'equal' if same_argmax else 'DIFFER'}")
+        kls += kl_per_position(want[t], got)
+        same_argmax += int((got.argmax(-1) == want[t].argmax(-1)).sum())
+    bound = KL_FLOOR_FACTOR_MAX * max(floor)
+    ok = max(kls) <= bound
+    b.checks.append(dict(name="static_decode_vs_reference", ok=ok, max_kl=max(kls), kl_bound=bound,
+                         floor_max_kl=max(floor), floor_mean_kl=sum(floor) / len(floor), mean_kl=sum(kls) / len(kls),
+                         same_argmax=f"{same_argmax}/{len(kls)}", rule=f"max KL ≤ {KL_FLOOR_FACTOR_MAX} × floor max"))
+    b.log(f"static decode step vs reference decode (tiny, {steps} steps × 2 rows): max KL {max(kls):.2e} (bound "
+          f"{bound:.2e} = {KL_FLOOR_FACTOR_MAX} × the fp32-reduction floor's max {max(floor):.2e}), mean "
+          f"{sum(kls) / len(kls):.2e}; greedy tokens equal at {same_argmax}/{len(kls)} — {'ok' if ok else 'FAIL'}")
     if not b.cuda:
         return
     prefill(tri)

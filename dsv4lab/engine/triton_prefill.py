@@ -125,6 +125,7 @@ class PrefillChoices:
         moe_tag: the fastest MoE launch variant (a key of :data:`MOE_GEOMETRY_TAGS`).
         weight_gemm_backend: ``"cublas"`` or ``"triton"`` for the bf16-activation GEMMs, the faster in total.
         mhc_rows: whether the mHC rows kernel beat the decode step's mix at the headline token count.
+        mhc_rows_geometry: the rows kernel's fastest launch geometry (a key of ``mhc.ROWS_GEOMETRIES``).
         source: where these came from (a file and its commit, or "defaults").
     """
 
@@ -138,6 +139,7 @@ class PrefillChoices:
     gemm_backend: str | None = None
     weight_gemm_backend: str | None = None
     mhc_rows: bool | None = None
+    mhc_rows_geometry: str | None = None
     source: str = "defaults"
 
     @staticmethod
@@ -185,7 +187,8 @@ def _read_choices(path: Path, gpu: str) -> PrefillChoices:
                           moe_persistent=c.get("moe_persistent"), moe_scale_per_byte=c.get("moe_scale_per_byte"),
                           moe_tag=c.get("moe_tag") if c.get("moe_tag") in MOE_GEOMETRY_TAGS else None,
                           gemm_backend=c.get("gemm_backend"), weight_gemm_backend=c.get("weight_gemm_backend"),
-                          mhc_rows=c.get("mhc_rows"), source=f"{path.name} at {doc.get('commit')}")
+                          mhc_rows=c.get("mhc_rows"), mhc_rows_geometry=c.get("mhc_rows_geometry"),
+                          source=f"{path.name} at {doc.get('commit')}")
 
 
 def prefill_chunk(prompt_tokens: int, choices: PrefillChoices | None = None) -> int:
@@ -224,6 +227,8 @@ class TritonPrefillOps:
             mixing matrix read once per row block) instead of the decode step's mix/finish pair (default False:
             the one GPU measured, the H200, ran a 4,096-row chunk's mHC in 8.85 ms on the pair and 26.91 ms on
             the rows kernel — ``data/results/h200/prefill_kernels.json``).
+        prefill_mhc_rows_geometry: the rows kernel's launch geometry, a key of ``mhc.ROWS_GEOMETRIES`` (None: the
+            measured fastest, else the kernel's default).
         prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
             launch geometry names (see the kernel modules).
     """
@@ -237,6 +242,7 @@ class TritonPrefillOps:
     prefill_gemm_backend: str | None = None
     prefill_moe_tag: str | None = None
     prefill_mhc_rows: bool | None = None
+    prefill_mhc_rows_geometry: str | None = None
     prefill_weight_gemm_backend: str | None = None
     prefill_gemm_config: str = "m128n128"
     prefill_weight_gemm_config: str = "n128m64"
@@ -375,22 +381,27 @@ class TritonPrefillOps:
                 and _can_launch(X) and bool(self._setting("mhc_rows", False))
                 and _kernels("mhc").rows_kernel_works(X.device))
 
+    def _mhc_rows_geometry(self):
+        """The measured launch geometry (``choices.mhc_rows_geometry``), else the kernel's default."""
+        return _kernels("mhc").ROWS_GEOMETRIES.get(self._setting("mhc_rows_geometry", "") or "")
+
     def prefill_hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
         if not self._mhc_rows_apply(X):
             return None
         return _kernels("mhc").hc_pre_norm_rows(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
-                                                args.norm_eps, args.hc_eps)
+                                                args.norm_eps, args.hc_eps, self._mhc_rows_geometry())
 
     def prefill_hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
         if not self._mhc_rows_apply(X):
             return None
         return _kernels("mhc").hc_post_pre_norm_rows(out, X, post, comb, fn, base, scale, norm_weight,
-                                                     args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps)
+                                                     args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps,
+                                                     self._mhc_rows_geometry())
 
     def prefill_hc_post(self, out, X, post, comb):
         if not self._mhc_rows_apply(X):
             return None
-        return _kernels("mhc").hc_post_rows(out, X, post, comb)
+        return _kernels("mhc").hc_post_rows(out, X, post, comb, self._mhc_rows_geometry())
 
     # ------------------------------------------------------------------ experts
     def prefill_routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route=None,

@@ -1,0 +1,62 @@
+"""Overlay some ``choices`` of a fresh prefill benchmark (e.g. a ``--quick`` run in this GPU visit) on the committed
+full run's, so that ``bench e2e`` in the same visit runs what was just measured without losing the choices the quick
+run does not measure.
+
+    python3 scripts/merge_prefill_choices.py FRESH.json OUT.json [--keys mhc_rows,mhc_rows_geometry]
+
+The result is the committed file with those keys (and their ``why``) replaced, its ``commit`` and ``gpu`` those of
+the fresh run, and ``merged_from`` naming both files. Refuses a fresh run from another GPU or one without choices.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dsv4lab.engine.triton_prefill import CHOICES_FILE  # noqa: E402
+from dsv4lab.errors import DSV4LabError  # noqa: E402
+from dsv4lab.paths import read_json  # noqa: E402
+from dsv4lab.provenance import write_json  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("fresh", type=Path)
+    p.add_argument("out", type=Path)
+    p.add_argument("--base", type=Path, default=CHOICES_FILE, help="the full run to start from (default: committed)")
+    p.add_argument("--keys", default="mhc_rows,mhc_rows_geometry", help="choices taken from the fresh run")
+    a = p.parse_args()
+    try:
+        fresh, base = read_json(a.fresh), read_json(a.base)
+    except DSV4LabError as err:
+        print(err, file=sys.stderr)
+        return 2
+    if not fresh.get("choices"):
+        print(f"{a.fresh}: no 'choices' to merge", file=sys.stderr)
+        return 2
+    if fresh.get("gpu") != base.get("gpu"):
+        print(f"{a.fresh}: measured on {fresh.get('gpu')!r}, {a.base} on {base.get('gpu')!r}", file=sys.stderr)
+        return 2
+    choices = dict(base["choices"])
+    why = dict(choices.get("why", {}))
+    taken = []
+    for key in a.keys.split(","):
+        if key in fresh["choices"]:
+            choices[key] = fresh["choices"][key]
+            taken.append(key)
+            stem = key.removesuffix("_geometry")
+            if stem in fresh["choices"].get("why", {}):
+                why[stem] = fresh["choices"]["why"][stem]
+    choices["why"] = why
+    out = dict(base, choices=choices, commit=fresh.get("commit"),
+               merged_from=dict(base=f"{a.base.name} at {base.get('commit')}", fresh=f"{a.fresh.name}", keys=taken))
+    write_json(a.out, out)
+    print(f"wrote {a.out}: {', '.join(f'{k}={choices[k]}' for k in taken) or 'nothing taken'} from {a.fresh.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
