@@ -216,16 +216,31 @@ def _mhc_mix_rows_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, par
         dm = d < d_hi
         m2 = row_ok[:, None] & dm[None, :]
         if APPLY_POST:
-            x_all = tl.load(x_ptr + rows64[:, None, None] * sx_m + s[None, :, None] * sx_s + d[None, None, :],
-                            mask=row_ok[:, None, None] & dm[None, None, :], other=0.0).to(tl.float32).to(tl.float64)
             o = tl.load(out_ptr + rows64[:, None] * so_m + d[None, :], mask=m2, other=0.0).to(tl.float32)
+            if HC == 4:  # every preset: the four streams as four tiles, mixed by FMAs in each thread's registers
+                xs = x_ptr + rows64[:, None] * sx_m + d[None, :]
+                x0 = tl.load(xs, mask=m2, other=0.0).to(tl.float32).to(tl.float64)
+                x1 = tl.load(xs + sx_s, mask=m2, other=0.0).to(tl.float32).to(tl.float64)
+                x2 = tl.load(xs + 2 * sx_s, mask=m2, other=0.0).to(tl.float32).to(tl.float64)
+                x3 = tl.load(xs + 3 * sx_s, mask=m2, other=0.0).to(tl.float32).to(tl.float64)
+            else:  # a sum over the streams' axis: warp shuffles in every step
+                x_all = tl.load(x_ptr + rows64[:, None, None] * sx_m + s[None, :, None] * sx_s + d[None, None, :],
+                                mask=row_ok[:, None, None] & dm[None, None, :], other=0.0).to(tl.float32).to(tl.float64)
         for k in tl.static_range(HC):
             if APPLY_POST:
                 # X'_k = post_k·out + Σ_j comb[j, k]·X_j: exact products, summed in fp64 and rounded once
                 post_k = tl.load(post_ptr + rows64 * HC + k, mask=row_ok, other=0.0)
-                comb_k = tl.load(comb_ptr + rows64[:, None] * (HC * HC) + s[None, :] * HC + k, mask=row_ok[:, None],
-                                 other=0.0).to(tl.float64)
-                mixed = tl.sum(comb_k[:, :, None] * x_all, axis=1).to(tl.float32)
+                if HC == 4:
+                    cb = comb_ptr + rows64 * (HC * HC) + k  # comb[row, j, k] at j·HC + k
+                    mixed = (tl.load(cb, mask=row_ok, other=0.0).to(tl.float64)[:, None] * x0
+                             + tl.load(cb + HC, mask=row_ok, other=0.0).to(tl.float64)[:, None] * x1
+                             + tl.load(cb + 2 * HC, mask=row_ok, other=0.0).to(tl.float64)[:, None] * x2
+                             + tl.load(cb + 3 * HC, mask=row_ok, other=0.0).to(tl.float64)[:, None] * x3
+                             ).to(tl.float32)
+                else:
+                    comb_k = tl.load(comb_ptr + rows64[:, None] * (HC * HC) + s[None, :] * HC + k,
+                                     mask=row_ok[:, None], other=0.0).to(tl.float64)
+                    mixed = tl.sum(comb_k[:, :, None] * x_all, axis=1).to(tl.float32)
                 xk = to_act(post_k[:, None] * o + mixed, ROUND_BF16)
                 tl.store(xn_ptr + rows64[:, None] * sxn_m + k * sxn_s + d[None, :],
                          xk.to(xn_ptr.dtype.element_ty), mask=m2)
