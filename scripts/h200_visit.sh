@@ -16,7 +16,8 @@
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=mhc,attention
 #                   narrows it to those sections; the dispatch it writes keeps the committed one's other entries)
 #   prefill (150)   bench kernels --suite prefill --quick (its mHC choices merged over the committed full run's:
-#                   scripts/merge_prefill_choices.py; e2e after it reads the merge)
+#                   scripts/merge_prefill_choices.py; e2e after it reads the merge; PREFILL_SECTIONS=glue
+#                   narrows it to the mHC/RoPE glue)
 #   prefill_full    bench kernels --suite prefill (full)
 #   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the dispatch of a decode part and the
 #                   choices of a prefill_full part that ran before it in the same visit)
@@ -77,7 +78,7 @@ for spec in "$@"; do
             --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" \
             --dispatch-base data/results/h200/decode_dispatch.json ;;  # entries a budget-cut run misses are kept
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
-            --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json"
+            ${PREFILL_SECTIONS:+--sections "$PREFILL_SECTIONS"} --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json"
             # its mHC choices over the committed full run's: what e2e after this part reads
             [ -s "$R/prefill_kernels_quick.json" ] && python3 scripts/merge_prefill_choices.py \
                 "$R/prefill_kernels_quick.json" "$R/prefill_choices_merged.json" >> "$R/prefill.log" 2>&1 ;;

@@ -196,6 +196,19 @@ class BenchRun:
 
 
 # ============================================================================================ ceilings
+
+def pick_sections(spec: str | None, known: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
+    """The sections a ``bench kernels`` run times, in ``known`` order: ``spec`` (comma-separated names), else
+    ``default``; an unknown name is refused before any work, naming the known ones."""
+    if not spec:
+        return default
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    unknown = names - set(known)
+    if unknown or not names:
+        raise UserError(f"--sections {spec!r}: unknown {', '.join(sorted(unknown)) or 'empty list'}; "
+                        f"known: {', '.join(known)}")
+    return tuple(n for n in known if n in names)
+
 def measure_ceilings(b: BenchRun, timing: str) -> dict:
     """``copy_gbps`` (device-to-device copy of 1 GiB, bytes read + written), ``bf16_tflops`` and ``fp8_tflops``
     (8192³ ``torch.mm`` and ``torch._scaled_mm`` with per-tensor scales) measured on this GPU; each ``None``

@@ -60,8 +60,8 @@ from ..paths import DATA_DIR, read_json
 from ..verify.bounds import BoundCheck, check_within_bound, gamma, ulp
 from ..verify.model import KL_FLOOR_FACTOR_MAX, kl_per_position
 from ..verify.registry import _make_attention
-from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path, random_bank,
-                     random_fp8_linear, random_routing, run_header, select_device, write_json)
+from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path, pick_sections,
+                     random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
 
 HELP = "decode kernels: routed FP4 MoE, FP8/BF16 GEMV vs cuBLAS, attention, one layer (writes JSON + dispatch)"
 
@@ -77,9 +77,6 @@ QUICK_SECTIONS = ("moe", "gemv", "mhc")
 
 
 def add_suite_arguments(p) -> None:
-    p.add_argument("--sections", default=None,
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; --quick: "
-                        f"{','.join(QUICK_SECTIONS)}); with --dispatch-base the dispatch keeps what is not run")
     p.add_argument("--dispatch-out", default=None,
                    help="where the measured dispatch goes (default: decode_dispatch.json beside --out)")
     p.add_argument("--dispatch-base", default=None,
@@ -1012,14 +1009,7 @@ def merge_dispatch(base: dict, fresh: dict, base_name: str = "the base dispatch"
 # ============================================================================================ driver
 def chosen_sections(spec: str | None, quick: bool) -> tuple[str, ...]:
     """The sections a run times, in :data:`SECTIONS` order: ``spec`` (comma-separated names), else the mode's."""
-    if not spec:
-        return QUICK_SECTIONS if quick else SECTIONS
-    names = {n.strip() for n in spec.split(",") if n.strip()}
-    unknown = names - set(SECTIONS)
-    if unknown or not names:
-        raise UserError(f"--sections {spec!r}: unknown {', '.join(sorted(unknown)) or 'empty list'}; "
-                        f"known: {', '.join(SECTIONS)}")
-    return tuple(n for n in SECTIONS if n in names)
+    return pick_sections(spec, SECTIONS, QUICK_SECTIONS if quick else SECTIONS)
 
 
 def run_suite(args) -> int:

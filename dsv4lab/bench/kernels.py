@@ -15,6 +15,10 @@ def add_arguments(p) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition (checks the script itself)")
     p.add_argument("--budget-s", type=float, default=160.0, help="stop and write after this many seconds")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+    p.add_argument("--sections", default=None,
+                   help="comma-separated subset of the suite's sections (default: all; --quick: the quick ones) — "
+                        f"decode: {','.join(decode.SECTIONS)} (quick: {','.join(decode.QUICK_SECTIONS)}); prefill: "
+                        f"{','.join(prefill.SECTIONS)}; a decode run with --dispatch-base keeps what it does not run")
     for name, suite in SUITES.items():  # a suite's own options; suites import triton only when they run
         if hasattr(suite, "add_suite_arguments"):
             suite.add_suite_arguments(p.add_argument_group(f"--suite {name}"))

@@ -61,8 +61,12 @@ from ..model.ops import ReferenceOps
 from ..perf import costmodel
 from ..verify.bounds import check_within_bound
 from ..verify.registry import _make_attention
-from .common import (OP_NAMES, BenchRun, OpTimer, materialize_random, measure_ceilings, output_path, random_bank,
-                     random_fp8_linear, random_routing, run_header, select_device, write_json)
+from .common import (OP_NAMES, BenchRun, OpTimer, materialize_random, measure_ceilings, output_path, pick_sections,
+                     random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
+
+# The sections of a run, most important first (the watchdog cuts from the end); a full run adds the sweeps of moe,
+# dense and attention. ``--sections`` narrows a run (e.g. ``glue`` alone: the mHC rows kernel's geometries).
+SECTIONS = ("moe", "chunks", "dense", "glue", "attention")
 
 HELP = ("prefill kernels: grouped FP4 MoE, FP8/BF16 GEMMs beside cuBLAS, sparse attention, indexer, chunk choice "
         "(writes JSON)")
@@ -843,9 +847,12 @@ def run_suite(args) -> int:
     if bad:
         raise UserError(f"--moe-routes: unknown route(s) {', '.join(bad)}; known: {', '.join(MOE_ROUTES)}")
     plan = plan_variants(mode, routes, abl_route)
+    chosen = pick_sections(getattr(args, "sections", None), SECTIONS, SECTIONS)
     b.record_ceilings()
     b.log(f"checks ({b.elapsed():.0f} s)")
-    passed = run_checks(b, a, gen, plan)
+    # the glue checks its own kernels and the chunk choice runs the backend as the engine does; the other sections
+    # time only what these checks passed
+    passed = run_checks(b, a, gen, plan) if set(chosen) - {"glue", "chunks"} else set()
     moe: dict = {}
 
     def moe_bench() -> MoEBench:
@@ -860,27 +867,28 @@ def run_suite(args) -> int:
 
     ratios = (4,) if (quick or smoke) else (4, max(a.compress_ratios))
     # most important first: the watchdog cuts from the end
-    sections = [
-        ("moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, plan, abl, abl_route,
-                                           quick or smoke)),
-        ("release", release_moe),
-        ("chunk choice", lambda: bench_chunks(b, a, gen, prompts, chunks, ratios, reps, headline)),
-        ("dense gemms", lambda: bench_dense(b, a, gen, passed, headline)),
-        ("glue", lambda: bench_glue(b, a, gen, headline)),
-        ("attention", lambda: bench_attention(b, a, gen, passed, (headline,))),
+    sections = [  # (section of --sections, name in the log, work)
+        ("moe", "moe", lambda: bench_moe_headline(b, moe_bench(), routes, headline, plan, abl, abl_route,
+                                                  quick or smoke)),
+        ("moe", "release", release_moe),
+        ("chunks", "chunk choice", lambda: bench_chunks(b, a, gen, prompts, chunks, ratios, reps, headline)),
+        ("dense", "dense gemms", lambda: bench_dense(b, a, gen, passed, headline)),
+        ("glue", "glue", lambda: bench_glue(b, a, gen, headline)),
+        ("attention", "attention", lambda: bench_attention(b, a, gen, passed, (headline,))),
     ]
     if not (quick or smoke):
         sections += [
-            ("moe sweep", lambda: bench_moe_sweep(b, moe_bench(), routes, tokens, headline)),
-            ("release", release_moe),
-            ("dense sweep", lambda: [bench_dense(b, a, gen, passed, T) for T in tokens if T != headline]),
-            ("attention sweep", lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != headline])),
+            ("moe", "moe sweep", lambda: bench_moe_sweep(b, moe_bench(), routes, tokens, headline)),
+            ("moe", "release", release_moe),
+            ("dense", "dense sweep", lambda: [bench_dense(b, a, gen, passed, T) for T in tokens if T != headline]),
+            ("attention", "attention sweep",
+             lambda: bench_attention(b, a, gen, passed, [t for t in tokens if t != headline])),
         ]
     # forward-only, as the engine runs: tensors one section caches (made in inference mode by the layer timings)
     # are updated in place by the next (on the H200 the dense GEMMs failed on such an inference tensor)
     with torch.inference_mode():
-        b.run_sections(sections)
-    doc.update(mode=mode, peaks=b.peaks, checks=b.checks,
+        b.run_sections([(name, work) for section, name, work in sections if section in chosen])
+    doc.update(mode=mode, sections=list(chosen), peaks=b.peaks, checks=b.checks,
                rows=b.rows, skipped=b.skipped, errors=b.errors, compile_s=b.compile_s,
                elapsed_s=round(b.elapsed(), 1), diagnostics=diagnostics(b), choices=choices(b, headline),
                targets=targets(b, headline))
