@@ -8,8 +8,9 @@ run does not measure.
 ``-`` takes nothing from a fresh run; ``--set KEY=VALUE`` (JSON value, else a string) forces a choice by hand — an
 ablation, recorded as such under ``merged_from.set``.
 
-The result is the committed file with those keys (and their ``why``) replaced, its ``commit`` and ``gpu`` those of
-the fresh run, and ``merged_from`` naming both files. Refuses a fresh run from another GPU or one without choices.
+The result is the committed file with those keys (and their ``why``) replaced — its rows and ``commit`` stay the
+base run's — and ``merged_from`` naming both files and commits. Refuses a fresh run from another GPU or one
+without choices.
 """
 from __future__ import annotations
 
@@ -69,8 +70,9 @@ def main() -> int:
                 why[stem] = fresh["choices"]["why"][stem]
     choices.update(forced)
     choices["why"] = why
-    out = dict(base, choices=choices, commit=fresh.get("commit"),
-               merged_from=dict(base=f"{a.base.name} at {base.get('commit')}", fresh=f"{a.fresh.name}", keys=taken,
+    out = dict(base, choices=choices,  # the rows (and ``commit``) stay the base run's
+               merged_from=dict(base=f"{a.base.name} at {base.get('commit')}",
+                                fresh=f"{a.fresh.name} at {fresh.get('commit')}" if taken else None, keys=taken,
                                 set=forced))
     write_json(a.out, out)
     print(f"wrote {a.out}: {', '.join(f'{k}={choices[k]}' for k in taken) or 'nothing taken'} from {a.fresh.name}"

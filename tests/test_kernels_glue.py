@@ -601,3 +601,28 @@ def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
                        timeout=600)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "--sections 'mhc,glue': unknown glue; known: moe, gemv, mhc, attention, layer" in r.stderr
+
+
+@pytest.mark.slow
+def test_prefill_suite_glue_section_alone(tmp_path):
+    """``bench kernels --suite prefill --sections glue`` (smoke shapes, the interpreter here, ~50 s): only the glue
+    rows, the mHC rows kernel checked against the decode kernels and timed per named geometry, the choice naming
+    the geometry; no MoE/GEMM/attention checks run. A misspelt section is refused naming the known ones."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    out = tmp_path / "prefill.json"
+    cmd = [sys.executable, "-m", "dsv4lab", "bench", "kernels", "--suite", "prefill", "--smoke", "--out", str(out)]
+    r = subprocess.run(cmd + ["--sections", "glue"], capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["sections"] == ["glue"] and {row["kernel"] for row in doc["rows"]} == {"glue"}
+    assert all(c["name"].startswith(("mhc_rows:", "rope")) for c in doc["checks"]) and doc["checks"]
+    geo = doc["choices"]["mhc_rows_geometry"]
+    assert {f"{op}:rows_kernel:{geo}" for op in ("hc_pre_norm", "hc_post_pre_norm", "hc_post")} <= {
+        row["variant"] for row in doc["rows"]}
+    r = subprocess.run(cmd + ["--sections", "glue,mhc"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--sections 'glue,mhc': unknown mhc; known: moe, chunks, dense, glue, attention" in r.stderr

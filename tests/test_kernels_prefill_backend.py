@@ -169,6 +169,41 @@ def test_choices_from_the_file_the_environment_names(tmp_path, monkeypatch):
     assert load_choices(unknown, gpu="NVIDIA H200").moe_tag is None  # an unknown variant: the default geometry
 
 
+def test_merged_choices_overlay_only_the_named_keys(tmp_path):
+    """``scripts/merge_prefill_choices.py``: a fresh run's mHC choices over a full run's, the rest and the rows
+    kept; the backend reads the merge and names both sources; another GPU's run and a bad --set are refused."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "merge_prefill_choices.py"
+    base = _result_file(tmp_path, "NVIDIA H200", dict(moe_route="fp8", mhc_rows=False, why={"mhc_rows": "old"}))
+    (tmp_path / "fresh").mkdir()
+    fresh = _result_file(tmp_path / "fresh", "NVIDIA H200", dict(moe_route="bf16", mhc_rows=True,
+                                                                 mhc_rows_geometry="m64d4w4", why={"mhc_rows": "new"}))
+    out = tmp_path / "merged.json"
+
+    def merge(*args):
+        return subprocess.run([sys.executable, str(script), *map(str, args), "--base", str(base)],
+                              capture_output=True, text=True)
+    r = merge(fresh, out)
+    assert r.returncode == 0, r.stderr
+    got = load_choices(out, gpu="NVIDIA H200")
+    assert (got.moe_route, got.mhc_rows, got.mhc_rows_geometry) == ("fp8", True, "m64d4w4")
+    doc = json.loads(out.read_text())
+    assert doc["commit"] == json.loads(base.read_text())["commit"] and doc["choices"]["why"]["mhc_rows"] == "new"
+    assert "mhc_rows, mhc_rows_geometry from" in got.source
+    forced = tmp_path / "forced.json"  # another path: load_choices caches per file
+    r = merge("-", forced, "--set", "mhc_rows=false", "--set", "mhc_rows_geometry=m16d16w8")
+    assert r.returncode == 0, r.stderr
+    got = load_choices(forced, gpu="NVIDIA H200")
+    assert (got.mhc_rows, got.mhc_rows_geometry) == (False, "m16d16w8") and "set by hand" in got.source
+    other = _result_file(tmp_path / "fresh", "NVIDIA A100-SXM4-80GB", dict(mhc_rows=True))
+    r = merge(other, tmp_path / "x.json")
+    assert r.returncode == 2 and "A100" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = merge("-", tmp_path / "x.json", "--set", "mhc_rows")
+    assert r.returncode == 2 and "expected KEY=VALUE" in r.stderr and not (tmp_path / "x.json").exists()
+
+
 def test_prefill_chunk_per_prompt_length():
     measured = PrefillChoices(chunk_by_prompt=((2048, 0), (4604, 4096), (8192, 2048)))
     assert prefill_chunk(100, measured) == 100  # one shot

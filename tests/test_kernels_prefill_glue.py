@@ -98,7 +98,7 @@ def test_mhc_rows_geometries_agree():
 
 def test_prefill_dispatch_runs_mhc_on_the_rows_kernel_from_the_threshold():
     """Switched on, the rows kernel takes a chunk from the threshold; by default (nothing measured) it does not —
-    the H200 measured the decode step's mix/finish pair 3× faster."""
+    the default without a measured choice is the decode step's mix/finish pair."""
     from dsv4lab.engine.triton_prefill import TritonPrefillBackend
     g = torch.Generator().manual_seed(3)
     a, X, fn, base, scale, w = _mhc_inputs(70, 96, g)

@@ -188,7 +188,15 @@ def _read_choices(path: Path, gpu: str) -> PrefillChoices:
                           moe_tag=c.get("moe_tag") if c.get("moe_tag") in MOE_GEOMETRY_TAGS else None,
                           gemm_backend=c.get("gemm_backend"), weight_gemm_backend=c.get("weight_gemm_backend"),
                           mhc_rows=c.get("mhc_rows"), mhc_rows_geometry=c.get("mhc_rows_geometry"),
-                          source=f"{path.name} at {doc.get('commit')}")
+                          source=f"{path.name} at {doc.get('commit')}" + _merged_note(doc))
+
+
+def _merged_note(doc: dict) -> str:
+    """Where a merged choices file's overlaid keys came from (``scripts/merge_prefill_choices.py``)."""
+    m = doc.get("merged_from") or {}
+    parts = ([f"{', '.join(m['keys'])} from {m['fresh']}"] if m.get("keys") else []) + (
+        [f"set by hand: {m['set']}"] if m.get("set") else [])
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def prefill_chunk(prompt_tokens: int, choices: PrefillChoices | None = None) -> int:
@@ -224,9 +232,10 @@ class TritonPrefillOps:
             on ``"triton"`` (:func:`fp8_gemm.weight_gemm`), ``"cublas"`` (``fp8_gemm.cublas_weight_gemm``, where
             its probe passed) or ``"auto"`` (cuBLAS where available).
         prefill_mhc_rows: mHC pre/post of a prefill chunk on the rows kernel (``mhc.hc_pre_norm_rows``: the
-            mixing matrix read once per row block) instead of the decode step's mix/finish pair (default False:
-            the one GPU measured, the H200, ran a 4,096-row chunk's mHC in 8.85 ms on the pair and 26.91 ms on
-            the rows kernel — ``data/results/h200/prefill_kernels.json``).
+            mixing matrix read once per row block) instead of the decode step's mix/finish pair (default False
+            where nothing was measured; the H200's choice is True: a 4,096-row chunk's three mHC ops in 4.64 ms
+            on the rows kernel's fastest geometry against 9.17 ms on the pair at 28d56f5, bit-identical outputs —
+            ``data/results/h200/prefill_kernels_28d56f5_quick.json``).
         prefill_mhc_rows_geometry: the rows kernel's launch geometry, a key of ``mhc.ROWS_GEOMETRIES`` (None: the
             measured fastest, else the kernel's default).
         prefill_gemm_config / prefill_weight_gemm_config / prefill_attention_config / prefill_indexer_config:
