@@ -442,6 +442,40 @@ KERNEL_FAMILIES = (("_gate_up_kernel", "moe_gate_up"), ("_down_kernel", "moe_dow
                    ("reduce", "torch_reduce"), ("elementwise", "torch_elementwise"))
 
 
+# the glue kernels' families (kernels/*.py), ahead of the generic ones above
+GLUE_FAMILIES = (("_mhc", "mhc"), ("_rms_norm", "norm_rope"), ("_head_rms_rope", "norm_rope"),
+                 ("_kv_norm_rope", "norm_rope"), ("_indexer_query", "indexer"), ("_indexer_select", "indexer"),
+                 ("_compressor_step", "compressor"), ("_router", "router"))
+
+
+def _device_kernels(prof):
+    """``(name, family, GPU µs in all, launches)`` of every event of a ``torch.profiler`` run that took GPU time,
+    by the glue's families, then :data:`~dsv4lab.bench.common.KERNEL_FAMILIES`."""
+    for ev in prof.key_averages():
+        t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if t:
+            yield ev.key, next((f for key, f in GLUE_FAMILIES + KERNEL_FAMILIES if key in ev.key), "other"), t, ev.count
+
+
+def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU µs and kernel launches per call of a ``torch.profiler`` run of ``calls`` calls, by kernel family."""
+    us: dict[str, float] = {}
+    launches: dict[str, float] = {}
+    for _, fam, t, count in _device_kernels(prof):
+        us[fam] = us.get(fam, 0.0) + t / calls
+        launches[fam] = launches.get(fam, 0.0) + count / calls
+    order = sorted(us, key=lambda k: -us[k])
+    return {k: round(us[k], 1) for k in order}, {k: round(launches[k], 1) for k in order}
+
+
+def top_kernels(prof, calls: int, n: int = 40) -> list[dict]:
+    """The ``n`` kernels with the most GPU time per call of a ``torch.profiler`` run: name (first 100 characters),
+    family, µs and launches per call, µs per launch — what a family total (and ``other``) is made of."""
+    rows = [dict(name=name[:100], family=fam, us=round(t / calls, 1), launches=round(count / calls, 1),
+                 us_per_launch=round(t / max(count, 1), 2)) for name, fam, t, count in _device_kernels(prof)]
+    return sorted(rows, key=lambda r: -r["us"])[:n]
+
+
 def kernel_families(prof, calls: int) -> dict[str, float]:
     """GPU time per call (µs) of a ``torch.profiler`` run of ``calls`` calls, by :data:`KERNEL_FAMILIES`."""
     out: dict[str, float] = {}

@@ -48,6 +48,7 @@ import os
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from ..config import get_preset
 from ..engine.kernel_loader import kernel_module
@@ -62,7 +63,8 @@ from ..perf import costmodel
 from ..verify.bounds import check_within_bound
 from ..verify.registry import _make_attention
 from .common import (OP_NAMES, BenchRun, OpTimer, materialize_random, measure_ceilings, output_path, pick_sections,
-                     random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
+                     random_bank, random_fp8_linear, random_routing, run_header, select_device, top_kernels,
+                     write_json)
 
 # The sections of a run, most important first (the watchdog cuts from the end); a full run adds the sweeps of moe,
 # dense and attention. ``--sections`` narrows a run (e.g. ``glue`` alone: the mHC rows kernel's geometries).
@@ -572,9 +574,21 @@ def bench_glue(b: PrefillBench, a, gen, T: int) -> None:
     if not rows_ok:
         b.log(f"mHC rows kernel not used: {mhc.rows_kernel_status(dev)}")
     geometries = list(mhc.ROWS_GEOMETRIES.values())[:1 if b.smoke else None]
+
+    def kernels_of(fn) -> list[dict]:
+        """What one call's time is made of, on a GPU: its kernels (the mix, the finish, a widening copy…)."""
+        if not b.cuda:
+            return []
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            b.sync()
+        top = top_kernels(prof, 3, n=6)
+        b.log("  kernels per call: " + ", ".join(f"{k['name'][:48]} {k['us']:.0f} µs" for k in top))
+        return top
     for op, (decode_fn, rows_fn) in kernels.items():
         t = b.time_events_us(decode_fn, name=f"{op}:decode")
-        b.add("glue", f"{op}:decode_kernel", t, 0.0, "copy", tokens=T)
+        b.add("glue", f"{op}:decode_kernel", t, 0.0, "copy", tokens=T, kernels=kernels_of(decode_fn))
         for geo in geometries if rows_ok else ():
             def check(geo=geo) -> bool:
                 ok = True
@@ -585,7 +599,8 @@ def bench_glue(b: PrefillBench, a, gen, T: int) -> None:
                 return ok
             if b.guard(f"mhc rows {op} {geo.name}", check):
                 t = b.time_events_us(lambda geo=geo: rows_fn(geo), name=f"{op}:rows {geo.name}")
-                b.add("glue", f"{op}:rows_kernel:{geo.name}", t, 0.0, "copy", tokens=T, geometry=geo.name)
+                b.add("glue", f"{op}:rows_kernel:{geo.name}", t, 0.0, "copy", tokens=T, geometry=geo.name,
+                      kernels=kernels_of(lambda geo=geo: rows_fn(geo)))
     # the attention output's inverse RoPE: [T, heads, head_dim], angles per token
     o = torch.randn(T, a.n_heads, a.head_dim, device=dev, generator=gen).to(torch.bfloat16)
     ang = torch.rand(T, 1, a.rope_head_dim // 2, device=dev, generator=gen) * 6.28
