@@ -33,6 +33,7 @@ from .formats import round_to_bf16
 from .fp8_gemv import interpreting
 from .norm_rope_quant import _rope_tail
 from .rowops import LAUNCH_EXACT
+from .launch import pdl_args, pdl_prologue
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
                         stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb, SPLITS,
                         ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, TWO_PASS: tl.constexpr,
                         ROPE: tl.constexpr, PREFIX_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -163,10 +165,12 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
 @triton.jit
 def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R, s_cos,
                          stride_qr, stride_qh, SPLITS, ROUND_ACT: tl.constexpr, ROPE: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One program per (query row, head block, ``BLOCK_DC`` columns): every slice's ``(max, denominator,
     numerator)`` loaded at once — the loads do not wait on each other, so the combine costs about one trip to L2
     whatever the number of slices — rescaled to the global max and summed over the slices."""
+    pdl_prologue(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
@@ -243,7 +247,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
                               kv_a.stride(0), kv_a.stride(1), kv_b.stride(0), kv_b.stride(1), rows_a.stride(0),
                               max(rows_b.stride(0), 1), splits, ROUND_ACT=q.dtype == torch.bfloat16,
                               DOT_FP32=interpreting(), TWO_PASS=g.two_pass, ROPE=rope, PREFIX_B=prefix_ratio_b > 0,
-                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact)
+                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact,
+                              **pdl_args(q.device))
     if splits > 1:
         block_s = triton.next_power_of_2(splits)
         # one program's slices × heads × columns tile, held at once: ≤ 16 K fp32 (64 registers a thread, 8 warps)
@@ -253,5 +258,5 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
         _attn_combine_kernel[(R, triton.cdiv(H, g.block_h), triton.cdiv(D, block_dc))](
             pm, pl, pacc, sink, out, *tables, H, D, *rope_args, out.stride(0), out.stride(1), splits,
             ROUND_ACT=q.dtype == torch.bfloat16, ROPE=rope, BLOCK_H=g.block_h, BLOCK_S=block_s, BLOCK_DC=block_dc,
-            num_warps=g.num_warps, **exact)
+            num_warps=g.num_warps, **exact, **pdl_args(pm.device))
     return out

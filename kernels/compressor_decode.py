@@ -29,6 +29,7 @@ import triton.language as tl
 from .formats import quantize_fp8_block
 from .norm_rope_quant import _rope_tail, f64_bits
 from .rowops import LAUNCH_EXACT, f64_to_act, fp4_qdq_blocks, fwht_rows, rsqrt_f32, to_act
+from .launch import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -37,7 +38,9 @@ def _compressor_step_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr,
                             s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
                             OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr,
                             ROUND_BF16: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr):
+                            BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row)
     slot = tl.load(slot_ptr + row)
@@ -146,7 +149,7 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
         cache.stride(1), cos.stride(0), OVERLAP=overlap, INDEXER=indexer, QUANT=quantize,
         ROUND_BF16=cache.dtype == torch.bfloat16, BLOCK_W=min(1024, triton.next_power_of_2(width)),
         BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_CF=block_cf, LOG2C=block_cf.bit_length() - 1, num_warps=4,
-        **LAUNCH_EXACT)
+        **LAUNCH_EXACT, **pdl_args(kv.device))
 
 
 __all__ = ["compressor_step"]

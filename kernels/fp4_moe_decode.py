@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .formats import RNE_MAGIC, e2m1_pair_times2_int, e8m0_to_f32, quantize_fp8_block, round_to_bf16
+from .launch import pdl_args, pdl_prologue
 from .fp8_gemv import interpreting
 from dsv4lab import quant
 
@@ -395,7 +396,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
                    TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
                    ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr, WRITE_GU: tl.constexpr,
                    ROUND_ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr):
+                   BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, local, works = _expert_of_pair(idx_ptr, pid_p, T, expert_offset, n_local, TOPK, PP)
@@ -439,8 +441,9 @@ def _moe_down_expert_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, out_ptr,
                             TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
                             PP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr,
                             ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            FMA_ELEM: tl.constexpr):
+                            FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False):
     """Expert-major down projection: each slot's act-rounded output ``out [T, k, D]`` (fp32)."""
+    pdl_prologue(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, local, works = _expert_of_pair(idx_ptr, pid_p, T, expert_offset, n_local, TOPK, PP)
@@ -467,9 +470,10 @@ def _moe_down_token_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr,
                            stride_we, stride_wn, stride_se, stride_sn, SLOT_SPLIT,
                            TOPK: tl.constexpr, TP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr,
                            ACT_QUANT: tl.constexpr, ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False):
     """Token-major down projection: a program sums slots ``split, split+S, …`` of token ``t`` in fp64 (exact for
     act-rounded values) and writes ``y`` (one split) or its fp64 partial."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     split = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -497,9 +501,10 @@ def _moe_down_token_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr,
 
 @triton.jit
 def _moe_combine_kernel(out_ptr, part_ptr, idx_ptr, y_ptr, T, D, expert_offset, n_local, N_PART,
-                        TOPK: tl.constexpr, FROM_SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+                        TOPK: tl.constexpr, FROM_SLOTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``y[t] = Σ`` over the slots owned by this bank of ``out[t, slot]`` (``FROM_SLOTS``) or over ``N_PART``
     fp64 partials, in a fixed order and in fp64: the result does not depend on how the work was split."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < D
@@ -516,9 +521,10 @@ def _moe_combine_kernel(out_ptr, part_ptr, idx_ptr, y_ptr, T, D, expert_offset, 
 
 
 @triton.jit
-def _act_qdq_kernel(x_ptr, y_ptr, R, K, BLOCK_R: tl.constexpr):
+def _act_qdq_kernel(x_ptr, y_ptr, R, K, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
     """``y = act_qdq_fp8(x)`` for ``x [R, K]`` (bf16 in, the exact quantized values in bf16 out): the reference's
     per-row, per-128 activation quantization done once for all programs (``MoeGeometry.prequant``)."""
+    pdl_prologue(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1) * 128 + tl.arange(0, 128)
     ok = (r < R)[:, None] & (k < K)[None, :]
@@ -534,7 +540,7 @@ def act_qdq(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x2, dtype=torch.bfloat16)
     R = x2.shape[0]
     block_r = min(16, triton.next_power_of_2(max(R, 1)))
-    _act_qdq_kernel[(triton.cdiv(R, block_r), triton.cdiv(K, 128))](x2, y, R, K, BLOCK_R=block_r)
+    _act_qdq_kernel[(triton.cdiv(R, block_r), triton.cdiv(K, 128))](x2, y, R, K, BLOCK_R=block_r, **pdl_args(x2.device))
     return y.view(x.shape)
 
 
@@ -670,7 +676,8 @@ def moe_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None
                          KP=triton.next_power_of_2(k),
                          PP=triton.next_power_of_2(T * k), ROUTE=r, ASM=_use_asm(geo, ex, x.device),
                          ACT_QUANT=act_quant, WRITE_GU=write_gu, ROUND_ACT=act_dtype == torch.bfloat16,
-                         HAS_LIMIT=limit > 0, DOT_FP32=interpreting(), BN=bn, BK=geo.block_k, **_launch_opts(geo))
+                         HAS_LIMIT=limit > 0, DOT_FP32=interpreting(), BN=bn, BK=geo.block_k, **_launch_opts(geo),
+                         **pdl_args(x.device))
     return (g, u) if write_gu else h
 
 
@@ -704,7 +711,7 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
         _moe_down_expert_kernel[(T * k, triton.cdiv(D, bn))](
             h, idx, ex.w2, ex.w2_scale, out, T, D, I, ex.expert_offset, ex.n_experts, *strides,
             TOPK=k, TQ=triton.next_power_of_2(T), TP=_token_block(T, route), KP=triton.next_power_of_2(k),
-            PP=triton.next_power_of_2(T * k), **common)
+            PP=triton.next_power_of_2(T * k), **common, **pdl_args(h.device))
         if per_slot:
             return out
         return _combine(out, None, idx, y, ex, from_slots=True)
@@ -712,7 +719,7 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
     part = torch.empty(split, T, D, dtype=torch.float64, device=h.device) if split > 1 else y
     _moe_down_token_kernel[(T, split, triton.cdiv(D, bn))](
         h, idx, ex.w2, ex.w2_scale, y, part, T, D, I, ex.expert_offset, ex.n_experts, *strides, split,
-        TOPK=k, TP=_token_block(1, route), **common)
+        TOPK=k, TP=_token_block(1, route), **common, **pdl_args(h.device))
     if split > 1:
         _combine(None, part, idx, y, ex, from_slots=False)
     return y
@@ -723,7 +730,8 @@ def _combine(out, part, idx, y, ex: ExpertTensors, from_slots: bool) -> torch.Te
     block = min(1024, triton.next_power_of_2(D))
     _moe_combine_kernel[(T, triton.cdiv(D, block))](
         out if from_slots else y, part if part is not None else y, idx, y, T, D, ex.expert_offset, ex.n_experts,
-        0 if part is None else part.shape[0], TOPK=idx.shape[1], FROM_SLOTS=from_slots, BLOCK=block)
+        0 if part is None else part.shape[0], TOPK=idx.shape[1], FROM_SLOTS=from_slots, BLOCK=block,
+        **pdl_args(out.device))
     return y
 
 

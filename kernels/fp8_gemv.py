@@ -43,6 +43,7 @@ import triton.language as tl
 
 from .formats import RNE_MAGIC, e8m0_to_f32, interpreting, round_to_bf16
 from .tickets import counters, take_ticket
+from .launch import pdl_args, pdl_prologue
 from dsv4lab import quant
 
 ROUTES = ("fma", "dot")
@@ -142,7 +143,9 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
                      M, N, K, n_per_group, stride_xm, stride_xg, stride_xs, stride_wn, stride_sn, SPLIT_K, B1, B2, B3,
                      W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, PREQUANT: tl.constexpr, ROUTE: tl.constexpr,
                      OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, BLOCK_S: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, BLOCK_S: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -242,10 +245,11 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, MP, BLOCK_M: tl.constexpr):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, MP, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
     """``x [M, K]`` → E4M3 ``q [MP, K]`` and fp32 scales ``s [K/128, MP]`` (rows ``M..MP``: zeros, scale 1) —
     the reference's per-token, per-128 activation quantization in the layouts ``torch._scaled_mm`` takes for
     1×128 block scaling (scales outer-dim-major)."""
+    pdl_prologue(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     m_ok = m < M
@@ -347,7 +351,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
                            PREQUANT=prequant, ROUTE=ROUTES.index(route), OUT_BF16=out_dtype == torch.bfloat16,
                            DOT_FP32=interpreting(), TQ=tq, TP=tp, BN=block_n, BK=g.block_k, KU=max(1, g.unroll),
                            BLOCK_S=max(2, triton.next_power_of_2(split)), num_warps=g.num_warps,
-                           num_stages=g.num_stages)
+                           num_stages=g.num_stages, **pdl_args(x2.device))
     if segments is None:
         return out.view(*lead, N)
     starts = [0] + bounds + [N]
@@ -365,7 +369,8 @@ def act_quant_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tenso
     q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(triton.cdiv(K, 128), rows, dtype=torch.float32, device=x.device)
     block_m = min(16, triton.next_power_of_2(rows))
-    _act_quant_kernel[(triton.cdiv(rows, block_m), triton.cdiv(K, 128))](x, q, s, M, K, rows, BLOCK_M=block_m)
+    _act_quant_kernel[(triton.cdiv(rows, block_m), triton.cdiv(K, 128))](x, q, s, M, K, rows, BLOCK_M=block_m,
+                                                                         **pdl_args(x.device))
     return q, s.t()
 
 

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .formats import round_to_bf16
 from .rowops import interpreting
+from .launch import pdl_args, pdl_prologue
 
 _COUNTERS: dict = {}
 
@@ -65,7 +66,8 @@ def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_p
                            H, DI, T, KOUT, TOPK, RATIO, w_scale, sq_b, sq_h, sw_b, sk_b, sk_t, s_sc, s_buf, s_out,
                            ROUND_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_SEL: tl.constexpr):
+                           BLOCK_SEL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
     tb = tl.program_id(1)
     pos = tl.load(pos_ptr + b)
@@ -220,7 +222,7 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots:
                                  ROUND_BF16=qi.dtype == torch.bfloat16, UPCAST=interpreting(),
                                  BLOCK_H=max(16, triton.next_power_of_2(H)),
                                  BLOCK_D=max(16, triton.next_power_of_2(DI)), BLOCK_T=block_t, BLOCK_K=block_k,
-                                 BLOCK_SEL=block_sel, num_warps=4)
+                                 BLOCK_SEL=block_sel, num_warps=4, **pdl_args(qi.device))
     return (out, scores) if return_scores else out
 
 

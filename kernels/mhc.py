@@ -53,6 +53,7 @@ import triton.language as tl
 from .norm_rope_quant import f64_bits
 from .rowops import LAUNCH_EXACT, DeviceProbe, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
 from .tickets import counters, take_ticket
+from .launch import pdl_args, pdl_prologue
 
 
 SITE_MAX_ROWS = 16
@@ -102,7 +103,8 @@ class MhcGeometry:
 def _mhc_mix_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr, M, D, NMIX, SPLITS,
                     sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, APPLY_POST: tl.constexpr, MIX: tl.constexpr,
                     ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_J: tl.constexpr):
+                    BLOCK_J: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     row_ok = rows < M
@@ -364,7 +366,8 @@ def _stream_sum(x_ptr, row, sx_m, sx_s, pre, d, dm, s, ROUND_BF16: tl.constexpr)
 @triton.jit
 def _mhc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_ptr, comb_ptr, D, NMIX, SPLITS,
                        ITERS, norm_eps, hc_eps_bits, sx_m, sx_s, sy_m, HEAD: tl.constexpr, NORM: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+                       ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     NPART = NMIX + 1
     s = tl.arange(0, HC)
@@ -413,7 +416,8 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
                      w_ptr, y_ptr, post_out_ptr, comb_out_ptr, D, NMIX, SPLITS, PER, ITERS, norm_eps, hc_eps_bits,
                      sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, sy_m, APPLY_POST: tl.constexpr, HEAD: tl.constexpr,
                      NORM: tl.constexpr, ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr):
+                     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     split = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     NPART = NMIX + 1
@@ -539,7 +543,7 @@ def _site(X, out, post, comb, fn, base, scale, norm_weight, head: bool, iters: i
             y.stride(0), APPLY_POST=apply_post, HEAD=head, NORM=norm, ROUND_BF16=X.dtype == torch.bfloat16, HC=HC,
             BLOCK_D=block_d, BLOCK_J=max(2, triton.next_power_of_2(nmix)),
             BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DN=min(geo.block_dn, triton.next_power_of_2(D)),
-            num_warps=geo.num_warps, **LAUNCH_EXACT)
+            num_warps=geo.num_warps, **LAUNCH_EXACT, **pdl_args(Xr.device))
     return (xn if apply_post else None), y, post_n, comb_n
 
 
@@ -570,7 +574,8 @@ def _mix(X, out, post, comb, fn, apply_post: bool, nmix: int, geo: MhcGeometry):
             fn if mix else Xr, part, M, D, nmix, geo.splits, Xr.stride(0), Xr.stride(1), outr.stride(0),
             xn.stride(0), xn.stride(1), fn.stride(0) if mix else 0, APPLY_POST=apply_post, MIX=mix,
             ROUND_BF16=X.dtype == torch.bfloat16, HC=HC, BLOCK_M=geo.block_m, BLOCK_D=geo.block_d,
-            BLOCK_J=max(2, triton.next_power_of_2(nmix)), num_warps=geo.num_warps, **LAUNCH_EXACT)
+            BLOCK_J=max(2, triton.next_power_of_2(nmix)), num_warps=geo.num_warps, **LAUNCH_EXACT,
+            **pdl_args(Xr.device))
     return (xn if apply_post else None), (part if mix else None)
 
 
@@ -587,7 +592,8 @@ def _finish(Xr, part, base, scale, norm_weight, head: bool, iters: int, norm_eps
                                  norm_weight if norm else base, y, post, comb, D, nmix, splits, iters,
                                  float(norm_eps), f64_bits(hc_eps), Xr.stride(0), Xr.stride(1), y.stride(0),
                                  HEAD=head, NORM=norm, ROUND_BF16=Xr.dtype == torch.bfloat16, HC=HC,
-                                 BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT)
+                                 BLOCK_D=min(1024, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT,
+                                 **pdl_args(Xr.device))
     return y.view(*lead, D), post.view(*lead, HC), comb.view(*lead, HC, HC)
 
 

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .formats import quantize_fp8_block
 from .rowops import LAUNCH_EXACT, f64_to_act, fp4_qdq_blocks, fwht_rows, rotate_pair, rsqrt_f32, to_act
+from .launch import pdl_args, pdl_prologue
 
 
 def f64_bits(x: float) -> int:
@@ -57,7 +58,9 @@ def _round_bf16(t: torch.Tensor) -> bool:
 
 # ============================================================================================ RMSNorm
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, D, eps, sx, so, ROUND_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, D, eps, sx, so, ROUND_BF16: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     sq = tl.zeros((BLOCK_D,), tl.float64)
     for d0 in range(0, D, BLOCK_D):
@@ -81,7 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if xr.shape[0]:
         _rms_norm_kernel[(xr.shape[0],)](xr, weight.contiguous(), out, D, float(eps), xr.stride(0), out.stride(0),
                                          ROUND_BF16=_round_bf16(x), BLOCK_D=min(4096, triton.next_power_of_2(D)),
-                                         num_warps=4, **LAUNCH_EXACT)
+                                         num_warps=4, **LAUNCH_EXACT, **pdl_args(xr.device))
     return out.view(x.shape)
 
 
@@ -106,7 +109,8 @@ def _rope_tail(y, cos_ptr, sin_ptr, pos, s_cos, D, R, INVERSE: tl.constexpr, ROU
 # ============================================================================================ RoPE alone
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, o_ptr, H, D, R, sx_r, sx_h, so_r, so_h, s_cos, INVERSE: tl.constexpr,
-                 ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -147,14 +151,16 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
         _rope_kernel[(rows, triton.cdiv(H, block_h))](
             xr, c, s, out, H, D, R, xr.stride(0), xr.stride(1), out.stride(0), out.stride(1), c.stride(0),
             INVERSE=inverse, ROUND_BF16=_round_bf16(x), BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
-            **LAUNCH_EXACT)
+            **LAUNCH_EXACT, **pdl_args(xr.device))
     return out.view(x.shape)
 
 
 # ============================================================================================ query heads
 @triton.jit
 def _head_rms_rope_kernel(q_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, H, D, R, eps, sq_r, sq_h, so_r, so_h, s_cos,
-                          ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                          ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -185,7 +191,7 @@ def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
         _head_rms_rope_kernel[(qr.shape[0], triton.cdiv(H, block_h))](
             qr, cos, sin, pos, out, H, D, R, float(eps), qr.stride(0), qr.stride(1), out.stride(0), out.stride(1),
             cos.stride(0), ROUND_BF16=_round_bf16(q), BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(D),
-            num_warps=4, **LAUNCH_EXACT)
+            num_warps=4, **LAUNCH_EXACT, **pdl_args(qr.device))
     return out.view(q.shape)
 
 
@@ -193,7 +199,8 @@ def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
 @triton.jit
 def _kv_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, ring_ptr, slot_ptr, D, R, NOPE, W, eps,
                          sx, so, s_cos, s_ring_b, s_ring_w, FP8: tl.constexpr, WRITE_RING: tl.constexpr,
-                         ROUND_BF16: tl.constexpr, BLOCK_D: tl.constexpr):
+                         ROUND_BF16: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + row * sx + d, mask=d < D, other=0.0).to(tl.float32)
@@ -238,7 +245,7 @@ def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
             xr, weight, cos, sin, pos, out, rg, slots if write else pos, D, D - nope, nope,
             ring.shape[1] if write else 1, float(eps), xr.stride(0), out.stride(0), cos.stride(0),
             rg.stride(0), rg.stride(1) if write else 0, FP8=fp8, WRITE_RING=write, ROUND_BF16=_round_bf16(kv),
-            BLOCK_D=max(64, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT)
+            BLOCK_D=max(64, triton.next_power_of_2(D)), num_warps=4, **LAUNCH_EXACT, **pdl_args(xr.device))
     return out.view(kv.shape)
 
 
@@ -246,7 +253,8 @@ def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 @triton.jit
 def _indexer_query_kernel(q_ptr, cos_ptr, sin_ptr, pos_ptr, o_ptr, H, R, hscale_bits, sq_r, sq_h, so_r, so_h,
                           s_cos, FP4: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr,
-                          D: tl.constexpr, LOG2D: tl.constexpr):
+                          D: tl.constexpr, LOG2D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, D)
@@ -276,7 +284,7 @@ def indexer_query(qi: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positi
         _indexer_query_kernel[(qr.shape[0], triton.cdiv(H, block_h))](
             qr, cos, sin, pos, out, H, 2 * cos.shape[-1], f64_bits(D ** -0.5), qr.stride(0), qr.stride(1),
             out.stride(0), out.stride(1), cos.stride(0), FP4=fp4, ROUND_BF16=_round_bf16(qi), BLOCK_H=block_h,
-            D=D, LOG2D=D.bit_length() - 1, num_warps=4, **LAUNCH_EXACT)
+            D=D, LOG2D=D.bit_length() - 1, num_warps=4, **LAUNCH_EXACT, **pdl_args(qr.device))
     return out.view(qi.shape)
 
 

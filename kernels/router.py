@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .rowops import LAUNCH_EXACT, log1p_f64, sigmoid_f64
+from .launch import pdl_args, pdl_prologue
 
 SCORE_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1}
 
@@ -36,7 +37,9 @@ def _score(logit, SCORE: tl.constexpr):
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, tid_ptr, ids_ptr, idx_ptr, w_ptr, E, K, V, route_scale, s_logit, s_out,
-                   HASH: tl.constexpr, SCORE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   HASH: tl.constexpr, SCORE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     lrow = logits_ptr + row * s_logit
     if HASH:
@@ -81,7 +84,8 @@ def router_topk(logits: torch.Tensor, k: int, route_scale: float, score_func: st
                              ids if hashed else idx, idx, w, E, k, tid2eid.shape[0] if hashed else 1,
                              float(route_scale), logits.stride(0), idx.stride(0), HASH=hashed,
                              SCORE=SCORE_FUNCS[score_func], BLOCK_E=triton.next_power_of_2(E),
-                             BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=4, **LAUNCH_EXACT)
+                             BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=4, **LAUNCH_EXACT,
+                             **pdl_args(logits.device))
     return idx, w
 
 

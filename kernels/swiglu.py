@@ -14,11 +14,13 @@ import triton
 import triton.language as tl
 
 from .rowops import LAUNCH_EXACT, to_act
+from .launch import pdl_args, pdl_prologue
 
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, N, limit, HAS_WEIGHT: tl.constexpr, CLAMP: tl.constexpr,
-                   ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                   ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -45,7 +47,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor 
         _swiglu_kernel[(triton.cdiv(n, block),)](g, u, w if w is not None else g, out, n, float(limit),
                                                  HAS_WEIGHT=w is not None, CLAMP=limit > 0,
                                                  ROUND_BF16=g.dtype == torch.bfloat16, BLOCK=block, num_warps=4,
-                                                 **LAUNCH_EXACT)
+                                                 **LAUNCH_EXACT, **pdl_args(g.device))
     return out
 
 

@@ -12,6 +12,7 @@ GPU session. Must run without ``TRITON_INTERPRET`` (the kernels are imported com
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -27,7 +28,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64",
            torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.float16: "fp16"}
-_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas")
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas", "launch_pdl")
 
 
 def _signature(fn: JITFunction, args, kwargs):
@@ -35,6 +36,8 @@ def _signature(fn: JITFunction, args, kwargs):
     values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
     sig, consts = {}, {}
     for p in fn.params:
+        if p.name not in values and p.default is not inspect.Parameter.empty:
+            values[p.name] = p.default  # a defaulted constexpr (e.g. PDL = False) the launch left out
         v = values[p.name]
         if p.is_constexpr:
             sig[p.name], consts[p.name] = "constexpr", v

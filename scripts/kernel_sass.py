@@ -18,6 +18,7 @@ the GPU machine may differ (3.9 here, 3.6 there), so treat the counts as the sam
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -61,10 +62,19 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MOE_INTS = ("D", "I", "n_local", "stride_we", "stride_wn", "stride_se", "stride_sn")
 
 
+WITH_PDL = False  # --pdl: compile with the programmatic-dependent-launch prologue (kernels/launch.py)
+
+
 def _compile(fn, signature: dict, constexprs: dict, div16, num_warps: int, num_stages: int):
     names = list(signature)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if signature[n].startswith("*") or n in div16}
+    constexprs = dict(constexprs)
+    if WITH_PDL and any(p.name == "PDL" for p in fn.params):
+        constexprs.setdefault("PDL", True)
+    for p in fn.params:  # constexpr parameters with a default (e.g. PDL = False) take it
+        if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty:
+            constexprs[p.name] = p.default
     for c in constexprs:
         signature[c] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -319,8 +329,37 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="only compile; exit 1 if any configuration fails")
     p.add_argument("--only", default=None, help="configurations whose name starts with this")
     p.add_argument("--glue", action="store_true", help="the mHC site and attention kernels: every loop's mix")
+    p.add_argument("--pdl", action="store_true", help="with the PDL prologue: where its wait (ACQBULK) sits against "
+                   "the first global load, per kernel")
     a = p.parse_args()
+    if a.pdl:
+        return report_pdl()
     return report_glue() if a.glue else report(a.only, a.check)
+
+
+def report_pdl() -> int:
+    """Each configuration compiled with ``PDL=True``: the index of its ``griddepcontrol.wait`` (SASS ``ACQBULK``)
+    and of its first global load — the wait must come first, or the kernel could read its predecessor's output
+    before it is written."""
+    global WITH_PDL
+    WITH_PDL = True
+    print(f"Triton {triton.__version__}, target sm_{TARGET.arch}; kernels compiled with the PDL prologue")
+    bad = 0
+    for name, build, args in CONFIGS + GLUE:
+        k = build(*args)
+        k = k[0] if isinstance(k, tuple) else k
+        if "PDL" not in k.src.fn.arg_names:
+            print(f"{name:<58} no PDL parameter: launched without PDL")
+            continue
+        sass, _ = _sass(k.asm["cubin"])
+        ops = [m.group(1) for m in (re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+                                    for line in sass.splitlines()) if m]
+        wait = next((i for i, op in enumerate(ops) if op.startswith("ACQBULK")), None)
+        load = next((i for i, op in enumerate(ops) if op.startswith(("LDG", "LDGSTS", "UBLKCP", "UTMALDG"))), None)
+        ok = wait is not None and (load is None or wait < load)
+        bad += not ok
+        print(f"{name:<58} wait at instruction {wait}, first global load at {load}: {'ok' if ok else 'WRONG'}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ budget should keep first. Every part's wall time is recorded (``timing_s``); par
 """
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import sys
@@ -48,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..config import get_preset
 from ..engine.decode_graph import FastDecoder
+from ..engine.kernel_loader import PDL_ENV
 from ..engine.loader import load
 from ..errors import UserError
 from ..model.ops import ReferenceOps
@@ -90,6 +92,8 @@ def add_arguments(p):
                    "('' to skip)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="skip the parts that would start after this many seconds (recorded as skipped)")
+    p.add_argument("--pdl", action="store_true", help="launch the decode kernels with programmatic dependent launch "
+                   "(sets DSV4LAB_PDL=1 in every rank; Hopper or later, else ignored — kernels/launch.py)")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, a few tokens: checks the script")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench/e2e.json)")
     p.add_argument("--commit", default=None, help="commit to record (default: git describe of this tree)")
@@ -105,7 +109,7 @@ def options(args) -> dict:
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
              prompt_tokens=args.prompt_tokens, chunks=positive_ints(args.chunks, "--chunks"),
              abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
-             commit=args.commit)
+             commit=args.commit, pdl=bool(getattr(args, "pdl", False)) or os.environ.get(PDL_ENV) == "1")
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
@@ -206,6 +210,8 @@ class _Parts:
 def worker(rank: int, world: int, o: dict) -> dict | None:
 
     t_start = time.perf_counter()
+    if o.get("pdl"):
+        os.environ[PDL_ENV] = "1"  # read at every kernel launch (kernels/launch.py), graph capture included
     args = cut_layers(get_preset(o["preset"]), o["layers"])
     max_len = max([o["prompt_tokens"], 16 + o["decode_tokens"], 48]
                   + [c + o["context_tokens"] for c in o["contexts"]]) + 8
@@ -230,7 +236,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
                ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
                decode_path=runner.decode_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
-               max_seq_len=max_len, smoke=o["smoke"], **identity(device, o.get("commit")))
+               max_seq_len=max_len, smoke=o["smoke"], pdl=bool(o.get("pdl")), **identity(device, o.get("commit")))
     doc["oracle"] = parts.run("oracle", lambda: oracle(runner))
     doc["oracle_hash"] = doc["oracle"]["hash"]
     log(rank, f"oracle hash {doc['oracle']['hash']}")

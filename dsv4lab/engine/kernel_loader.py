@@ -13,6 +13,10 @@ import sys
 
 from ..paths import KERNELS_DIR
 
+PDL_ENV = "DSV4LAB_PDL"
+"""``1``: the decode kernels launch with programmatic dependent launch (``kernels/launch.py`` reads it; named here so
+the tools can set it without importing triton)."""
+
 
 def kernel_module(name: str):
     """``dsv4lab_kernels.<name>`` (importing triton); from a bare source tree, ``kernels/`` is registered as
