@@ -731,7 +731,7 @@ def _combine(out, part, idx, y, ex: ExpertTensors, from_slots: bool) -> torch.Te
     _moe_combine_kernel[(T, triton.cdiv(D, block))](
         out if from_slots else y, part if part is not None else y, idx, y, T, D, ex.expert_offset, ex.n_experts,
         0 if part is None else part.shape[0], TOPK=idx.shape[1], FROM_SLOTS=from_slots, BLOCK=block,
-        **pdl_args(out.device))
+        **pdl_args(y.device))
     return y
 
 
