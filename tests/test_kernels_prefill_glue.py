@@ -85,6 +85,30 @@ def test_mhc_rows_kernel_equals_the_reference_and_the_decode_kernel(rows, D, dty
         assert all(torch.equal(u, v) for u, v in zip(out2, dec))
 
 
+def test_mhc_rows_kernel_with_two_streams():
+    """The rows kernel's post step has a four-stream path (every preset) and a general one: the general one, with
+    two streams, against the reference and the decode step's kernels."""
+    g = torch.Generator().manual_seed(21)
+    a = get_preset("tiny").replace(dim=96, hc_mult=2)
+    X = _poisoned((torch.randn(70, 1, 2, 96, generator=g) * 2).to(torch.bfloat16))
+    fn = _poisoned(torch.randn(a.mix_hc, a.hc_dim, generator=g) * a.hc_dim ** -0.5)
+    base, scale = torch.randn(a.mix_hc, generator=g).to(DEV) * 0.5, (torch.rand(3, generator=g) + 0.5).to(DEV)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(DEV)
+    h = _poisoned(torch.randn(70, 1, 96, generator=g).to(torch.bfloat16))
+    cpu = lambda *t: [v.cpu() for v in t]  # noqa: E731
+    it, ne, he = a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps
+    ref = _ref().hc_pre_norm(*cpu(X, fn, base, scale, w), a)
+    post, comb = ref[1].to(DEV), ref[2].to(DEV)
+    ref2 = _ref().hc_post_pre_norm(*cpu(h, X, post, comb, fn, base, scale, w), a)
+    out2 = mhc.hc_post_pre_norm_rows(h, X, post, comb, fn, base, scale, w, it, ne, he)
+    _mhc_bounds("hc_post_pre_norm_rows, two streams", out2, ref2, torch.bfloat16)
+    assert_bound("hc_post_rows, two streams", mhc.hc_post_rows(h, X, post, comb),
+                 _ref().hc_post(*cpu(h, X, post, comb)), out_dtype=torch.bfloat16)
+    if not GPU:
+        dec = mhc.hc_post_pre_norm(h, X, post, comb, fn, base, scale, w, it, ne, he)
+        assert all(torch.equal(u, v) for u, v in zip(out2, dec))
+
+
 def test_mhc_rows_geometries_agree():
     """Row blocks, column steps and splits over D change only the fp64 summation order: the same bits."""
     g = torch.Generator().manual_seed(9)

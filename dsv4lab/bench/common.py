@@ -195,8 +195,6 @@ class BenchRun:
         return self._flush
 
 
-# ============================================================================================ ceilings
-
 def pick_sections(spec: str | None, known: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
     """The sections a ``bench kernels`` run times, in ``known`` order: ``spec`` (comma-separated names), else
     ``default``; an unknown name is refused before any work, naming the known ones."""
@@ -209,6 +207,8 @@ def pick_sections(spec: str | None, known: tuple[str, ...], default: tuple[str, 
                         f"known: {', '.join(known)}")
     return tuple(n for n in known if n in names)
 
+
+# ============================================================================================ ceilings
 def measure_ceilings(b: BenchRun, timing: str) -> dict:
     """``copy_gbps`` (device-to-device copy of 1 GiB, bytes read + written), ``bf16_tflops`` and ``fp8_tflops``
     (8192³ ``torch.mm`` and ``torch._scaled_mm`` with per-tensor scales) measured on this GPU; each ``None``
@@ -477,12 +477,5 @@ def top_kernels(prof, calls: int, n: int = 40) -> list[dict]:
 
 
 def kernel_families(prof, calls: int) -> dict[str, float]:
-    """GPU time per call (µs) of a ``torch.profiler`` run of ``calls`` calls, by :data:`KERNEL_FAMILIES`."""
-    out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        if not us:
-            continue
-        fam = next((f for key, f in KERNEL_FAMILIES if key in ev.key), "other")
-        out[fam] = out.get(fam, 0.0) + us / calls
-    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+    """GPU time per call (µs) of a ``torch.profiler`` run of ``calls`` calls, by family (:func:`kernel_profile`)."""
+    return kernel_profile(prof, calls)[0]

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import statistics
 import types
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -58,7 +58,7 @@ from ..model.numerics import Numerics
 from ..model.ops import ReferenceOps
 from ..paths import DATA_DIR, read_json
 from ..verify.bounds import BoundCheck, check_within_bound, gamma, ulp
-from ..verify.model import KL_FLOOR_FACTOR_MAX, KL_FLOOR_FACTOR_MEAN, kl_per_position
+from ..verify.model import fp32_reduction_ops, kl_per_position, kl_rule
 from ..verify.registry import _make_attention
 from .common import (BenchRun, kernel_families, materialize_random, measure_ceilings, output_path, pick_sections,
                      random_bank, random_fp8_linear, random_routing, run_header, select_device, write_json)
@@ -504,7 +504,6 @@ def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
     lens = torch.tensor([17, 9])
     steps = 2 if b.smoke else 6
     exact_ops = ref.ops
-    fp32_ops = ReferenceOps(replace(exact_ops.numerics, exact_reductions=False))
 
     def prefill(m):
         m.reset()
@@ -523,7 +522,8 @@ def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
         return out
 
     want = reference_steps(exact_ops)
-    floor = [k for w, r in zip(want, reference_steps(fp32_ops)) for k in kl_per_position(w, r)]
+    floor = [k for w, r in zip(want, reference_steps(fp32_reduction_ops(exact_ops.numerics)))
+             for k in kl_per_position(w, r)]
     prefill(tri)
     step = StaticDecodeStep(tri)
     eager, kls, same_argmax = [], [], 0
@@ -534,16 +534,14 @@ def check_static_decode(b: DecodeBench, tiny_path: Path) -> None:
         eager.append(got)
         kls += kl_per_position(want[t], got)
         same_argmax += int((got.argmax(-1) == want[t].argmax(-1)).sum())
-    bound, mean, floor_mean = KL_FLOOR_FACTOR_MAX * max(floor), sum(kls) / len(kls), sum(floor) / len(floor)
-    mean_bound = KL_FLOOR_FACTOR_MEAN * floor_mean
-    ok = max(kls) <= bound and mean <= mean_bound
-    b.checks.append(dict(name="static_decode_vs_reference", ok=ok, max_kl=max(kls), kl_bound=bound, mean_kl=mean,
-                         mean_kl_bound=mean_bound, floor_max_kl=max(floor), floor_mean_kl=floor_mean,
-                         same_argmax=f"{same_argmax}/{len(kls)}",
-                         rule=f"max KL ≤ {KL_FLOOR_FACTOR_MAX} × floor max, mean ≤ {KL_FLOOR_FACTOR_MEAN} × floor mean"))
+    rule = kl_rule(floor, None)  # verify model's calibrated rule, on this run's floor
+    mean = sum(kls) / len(kls)
+    ok = max(kls) <= rule["max_kl"] and mean <= rule["mean_kl"]
+    b.checks.append(dict(name="static_decode_vs_reference", ok=ok, max_kl=max(kls), mean_kl=mean, rule=rule,
+                         same_argmax=f"{same_argmax}/{len(kls)}"))
     b.log(f"static decode step vs reference decode (tiny, {steps} steps × 2 rows): max KL {max(kls):.2e} (bound "
-          f"{bound:.2e} = {KL_FLOOR_FACTOR_MAX} × the fp32-reduction floor's max {max(floor):.2e}), mean {mean:.2e} "
-          f"(bound {mean_bound:.2e} = {KL_FLOOR_FACTOR_MEAN} × its mean); greedy tokens equal at "
+          f"{rule['max_kl']:.2e} = {rule['k_max']} × the fp32-reduction floor's max {rule['floor_max']:.2e}), mean "
+          f"{mean:.2e} (bound {rule['mean_kl']:.2e} = {rule['k_mean']} × its mean); greedy tokens equal at "
           f"{same_argmax}/{len(kls)} — {'ok' if ok else 'FAIL'}")
     if not b.cuda:
         return

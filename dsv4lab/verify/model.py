@@ -199,12 +199,18 @@ def chunked_vs_recompute(runner, ids: list[int], chunk: int) -> dict:
     return dict(kl=kl_per_position(full, torch.cat(parts)), chunk=chunk)
 
 
+def fp32_reduction_ops(numerics) -> ReferenceOps:
+    """The reference with fp32 instead of exact (fp64) reductions — a change of summation order only: the
+    rounding-noise floor's second run."""
+    return ReferenceOps(dataclasses.replace(numerics, exact_reductions=False))
+
+
 @contextlib.contextmanager
 def _fp32_reductions(reference_runner):
     """The runner's reference with fp32 instead of exact (fp64) reductions for the block; its own ops and a reset
     slot 0 afterwards."""
     exact_ops = reference_runner.ops
-    reference_runner.ops = ReferenceOps(dataclasses.replace(exact_ops.numerics, exact_reductions=False))
+    reference_runner.ops = fp32_reduction_ops(exact_ops.numerics)
     try:
         reference_runner.reset([0])
         yield reference_runner
