@@ -24,6 +24,7 @@
 #   e2e_pdl (300)   the same with --pdl (decode kernels launched with programmatic dependent launch; E2E_PDL_ARGS
 #                   adds options), written to e2e_1gpu_pdl.json
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
+#   diag_sort (60)  scripts/diag_moe_sort.py: the MoE sorter's event, host-issue and GPU-kernel time at prefill sizes
 #   diag_gemm (90)  scripts/diag_gemm_determinism.py: the prefill GEMM configurations called 20 times each
 set -u
 cd "$(dirname "$0")/.."
@@ -96,6 +97,7 @@ for spec in "$@"; do
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
         e2e_pdl) part e2e_pdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --pdl \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_PDL_ARGS:-} --out "$R/e2e_1gpu_pdl.json" ;;
+        diag_sort) part diag_sort "${limit:-60}" python3 scripts/diag_moe_sort.py --out "$R/moe_sort_diag.json" ;;
         diag_gemm) part diag_gemm "${limit:-90}" python3 scripts/diag_gemm_determinism.py \
             --out "$R/gemm_determinism.json" ;;
         spec) part spec "${limit:-150}" python3 scripts/measure_speculative.py --gpu-step-cost --layers 30 \
