@@ -17,11 +17,20 @@ Outputs (all on the device, no host synchronisation):
 ``max_blocks = ceil(T·k / rows) + min(E, T·k)`` bounds ``Σ_e ceil(count_e / rows)``, so the grid is known
 without reading the counts back. Slots routed to experts this rank does not own (expert parallelism) are left out.
 
-How: one stable sort of the slots by local expert (other ranks' experts last), the per-expert counts by an integer
-scatter-add, their prefix sums, and each sorted slot's destination ``first_block[e]·rows + (i − first_index[e])``
-— a handful of device ops, parallel over the slots, deterministic (a stable sort; integer sums), no host read.
-(The previous form, one Triton program per expert scanning every slot twice, was a serial scan per expert: its
-benchmark row measured 0.50–0.59 ms at 4,096 tokens on an H200, launcher included.)
+How: three small Triton kernels, parallel over the slots, deterministic (integer sums, no atomics), no host read:
+
+1. each chunk of ``SUB`` slots counts its slots per local expert (a one-hot ``[SUB, E]`` summed over the slots);
+2. per expert, an exclusive scan of those counts over the chunks (the slots of the same expert in earlier chunks)
+   and the expert's total;
+3. each chunk places its slots: the expert's first row (the exclusive scan of the experts' block counts, which
+   every program recomputes from the totals — 256 integers) + the earlier chunks' slots + the earlier slots of
+   the same expert within the chunk (a cumulative sum down the one-hot); each program also fills its share of
+   ``block_expert``, and the first the per-expert ranges.
+
+One ``torch.full`` clears the padding rows first: four launches in all. The previous form — a stable
+``torch.sort`` of the slots and a dozen index ops, :func:`sort_by_expert_torch`, kept for the benchmark's
+ablation — measured 140 µs of GPU kernels in 75 launches but 1.21 ms to issue per call at 4,096 tokens on an H200
+(``data/results/h200/moe_sort_diag.json``): in an eager prefill chunk the host, not the GPU, was its cost.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 
 @dataclass
@@ -49,6 +59,69 @@ class SortedRouting:
         return self.block_expert.shape[0]
 
 
+def _e_pad(n_experts: int) -> int:
+    return max(16, triton.next_power_of_2(n_experts))
+
+
+@triton.jit
+def _chunk_counts_kernel(idx_ptr, counts_ptr, n_slots, expert_offset, n_experts,
+                         SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """``counts[c, e]``: the slots of chunk ``c`` routed to local expert ``e``."""
+    c = tl.program_id(0)
+    s = c * SUB + tl.arange(0, SUB)
+    local = tl.load(idx_ptr + s, mask=s < n_slots, other=0).to(tl.int32) - expert_offset
+    owned = (s < n_slots) & (local >= 0) & (local < n_experts)
+    e = tl.arange(0, E_PAD)
+    onehot = ((local[:, None] == e[None, :]) & owned[:, None]).to(tl.int32)
+    tl.store(counts_ptr + c * E_PAD + e, tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _chunk_offsets_kernel(counts_ptr, totals_ptr, n_chunks, CT: tl.constexpr, EB: tl.constexpr,
+                          E_PAD: tl.constexpr):
+    """In place: ``counts[c, e]`` becomes the slots of expert ``e`` in chunks before ``c``; ``totals[e]`` the
+    expert's slots. One program per ``EB`` experts, ``CT`` chunks per step."""
+    e = tl.program_id(0) * EB + tl.arange(0, EB)
+    carry = tl.zeros([EB], dtype=tl.int32)
+    for c0 in range(0, n_chunks, CT):
+        c = c0 + tl.arange(0, CT)
+        ptr = counts_ptr + c[:, None] * E_PAD + e[None, :]
+        ok = c[:, None] < n_chunks
+        n = tl.load(ptr, mask=ok, other=0)
+        tl.store(ptr, tl.cumsum(n, axis=0) - n + carry[None, :], mask=ok)
+        carry += tl.sum(n, axis=0)
+    tl.store(totals_ptr + e, carry)
+
+
+@triton.jit
+def _place_kernel(idx_ptr, before_ptr, totals_ptr, sorted_ptr, block_expert_ptr, first_block_ptr, blocks_ptr,
+                  used_ptr, n_slots, expert_offset, n_experts, rows, max_blocks, n_chunks,
+                  SUB: tl.constexpr, E_PAD: tl.constexpr, BB: tl.constexpr):
+    """Chunk ``c``'s slots to their sorted rows; blocks ``c·BB …`` to their experts; program 0 the ranges."""
+    c = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    total = tl.load(totals_ptr + e)  # zero past n_experts: no slot is owned there
+    blocks = (total + rows - 1) // rows
+    first = tl.cumsum(blocks, axis=0) - blocks
+    if c < n_chunks:
+        s = c * SUB + tl.arange(0, SUB)
+        local = tl.load(idx_ptr + s, mask=s < n_slots, other=0).to(tl.int32) - expert_offset
+        owned = (s < n_slots) & (local >= 0) & (local < n_experts)
+        hit = (local[:, None] == e[None, :]) & owned[:, None]
+        onehot = hit.to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - onehot  # earlier slots of the same expert in this chunk
+        start = first * rows + tl.load(before_ptr + c * E_PAD + e)  # the expert's row of this chunk's first slot
+        dest = tl.sum(tl.where(hit, rank + start[None, :], 0), axis=1)
+        tl.store(sorted_ptr + dest, s.to(tl.int32), mask=owned)
+    b = c * BB + tl.arange(0, BB)
+    inside = (b[:, None] >= first[None, :]) & (b[:, None] < (first + blocks)[None, :])
+    tl.store(block_expert_ptr + b, tl.sum(tl.where(inside, e[None, :] + 1, 0), axis=1) - 1, mask=b < max_blocks)
+    if c == 0:
+        tl.store(first_block_ptr + e, first, mask=e < n_experts)
+        tl.store(blocks_ptr + e, blocks, mask=e < n_experts)
+        tl.store(used_ptr + e * 0, tl.sum(blocks, axis=0), mask=e == 0)
+
+
 def sort_by_expert(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: int = 0) -> SortedRouting:
     """Group the slots of ``idx [T, k]`` (global expert ids) by the local experts ``[offset, offset+E)``.
 
@@ -62,9 +135,38 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: 
     dev = idx.device
     max_blocks = triton.cdiv(n_slots, rows) + min(n_experts, n_slots)
     if n_slots == 0:
-        return _with_block_ranges(SortedRouting(torch.full((max_blocks * rows,), -1, dtype=torch.int32, device=dev),
-                                                torch.full((max_blocks,), -1, dtype=torch.int32, device=dev),
+        return _with_block_ranges(SortedRouting(torch.full((0,), -1, dtype=torch.int32, device=dev),
+                                                torch.full((0,), -1, dtype=torch.int32, device=dev),
                                                 torch.zeros(n_experts, dtype=torch.int32, device=dev), rows, k))
+    e_pad = _e_pad(n_experts)
+    sub = max(16, min(64, 4096 // e_pad))  # the [SUB, E] one-hot: 32 registers a thread at 256 experts
+    block_b = 64
+    n_chunks = triton.cdiv(n_slots, sub)
+    flat = idx.reshape(-1).contiguous()
+    i32 = dict(dtype=torch.int32, device=dev)
+    before = torch.empty((n_chunks, e_pad), **i32)
+    totals = torch.empty(e_pad, **i32)
+    sorted_slots = torch.full((max_blocks * rows,), -1, **i32)
+    block_expert = torch.empty(max_blocks, **i32)
+    first_block, blocks, used = torch.empty(n_experts, **i32), torch.empty(n_experts, **i32), torch.empty(1, **i32)
+    _chunk_counts_kernel[(n_chunks,)](flat, before, n_slots, expert_offset, n_experts, SUB=sub, E_PAD=e_pad)
+    _chunk_offsets_kernel[(e_pad // 8,)](before, totals, n_chunks, CT=128, EB=8, E_PAD=e_pad)
+    _place_kernel[(max(n_chunks, triton.cdiv(max_blocks, block_b)),)](
+        flat, before, totals, sorted_slots, block_expert, first_block, blocks, used, n_slots, expert_offset,
+        n_experts, rows, max_blocks, n_chunks, SUB=sub, E_PAD=e_pad, BB=block_b)
+    return SortedRouting(sorted_slots, block_expert, totals[:n_experts], rows, k, expert_first_block=first_block,
+                         expert_blocks=blocks, used_blocks=used)
+
+
+def sort_by_expert_torch(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: int = 0) -> SortedRouting:
+    """The previous device sorter (a stable ``torch.sort`` and index ops; see the module docstring): the same
+    outputs as :func:`sort_by_expert`, kept for the benchmark's ablation."""
+    T, k = idx.shape
+    n_slots = T * k
+    dev = idx.device
+    max_blocks = triton.cdiv(n_slots, rows) + min(n_experts, n_slots)
+    if n_slots == 0:
+        return sort_by_expert(idx, n_experts, rows, expert_offset)
     local = idx.reshape(-1).to(torch.int64) - expert_offset
     key = torch.where((local >= 0) & (local < n_experts), local, n_experts)  # other ranks' experts: key E, last
     order = torch.sort(key, stable=True).indices  # slot ids grouped by expert, in slot order within each

@@ -21,8 +21,8 @@
 #   prefill_full    bench kernels --suite prefill (full)
 #   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the dispatch of a decode part and the
 #                   choices of a prefill_full part that ran before it in the same visit)
-#   e2e_pdl (300)   the same with --pdl (decode kernels launched with programmatic dependent launch; E2E_PDL_ARGS
-#                   adds options), written to e2e_1gpu_pdl.json
+#   e2e_nopdl (300) the same with --no-pdl (decode kernels launched without programmatic dependent launch, which is
+#                   on by default on sm_90+; E2E_NOPDL_ARGS adds options), written to e2e_1gpu_nopdl.json
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
 #   diag_sort (60)  scripts/diag_moe_sort.py: the MoE sorter's event, host-issue and GPU-kernel time at prefill sizes
 #   diag_gemm (90)  scripts/diag_gemm_determinism.py: the prefill GEMM configurations called 20 times each
@@ -95,8 +95,8 @@ for spec in "$@"; do
                 && export DSV4LAB_PREFILL_CHOICES="$PWD/$R/prefill_choices_merged.json"  # or its prefill part
             part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
-        e2e_pdl) part e2e_pdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --pdl \
-            --budget-s $(( ${limit:-300} - 40 )) ${E2E_PDL_ARGS:-} --out "$R/e2e_1gpu_pdl.json" ;;
+        e2e_nopdl) part e2e_nopdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --no-pdl \
+            --budget-s $(( ${limit:-300} - 40 )) ${E2E_NOPDL_ARGS:-} --out "$R/e2e_1gpu_nopdl.json" ;;
         diag_sort) part diag_sort "${limit:-60}" python3 scripts/diag_moe_sort.py --out "$R/moe_sort_diag.json" ;;
         diag_gemm) part diag_gemm "${limit:-90}" python3 scripts/diag_gemm_determinism.py \
             --out "$R/gemm_determinism.json" ;;

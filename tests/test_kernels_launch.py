@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (``kernels/launch.py``): off on a CPU and in the interpreter whatever the
-environment says; every kernel launched with :func:`pdl_args` declares ``PDL`` and waits for its predecessors before
+"""Programmatic dependent launch (``kernels/launch.py``, on by default on sm_90+): off on a CPU and in the
+interpreter whatever the environment says; every kernel launched with :func:`pdl_args` declares ``PDL`` and waits for its predecessors before
 anything else (a static check over the kernel sources — a PDL launch without the wait would read stale memory);
 on a GPU, the graph-replayed decode step with PDL on gives the same bits as with it off."""
 from __future__ import annotations
@@ -19,6 +19,8 @@ def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):
     from dsv4lab.engine.kernel_loader import PDL_ENV
     launch = kernel_module("launch")
     assert launch.PDL_ENV == PDL_ENV == "DSV4LAB_PDL"  # one switch, named twice (the tools do not import triton)
+    monkeypatch.delenv("DSV4LAB_PDL", raising=False)  # the default: on where the GPU has it
+    assert launch.pdl_args("cpu") == {}
     monkeypatch.setenv("DSV4LAB_PDL", "1")
     assert launch.pdl_args("cpu") == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")

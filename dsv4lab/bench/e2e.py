@@ -92,8 +92,9 @@ def add_arguments(p):
                    "('' to skip)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="skip the parts that would start after this many seconds (recorded as skipped)")
-    p.add_argument("--pdl", action="store_true", help="launch the decode kernels with programmatic dependent launch "
-                   "(sets DSV4LAB_PDL=1 in every rank; Hopper or later, else ignored — kernels/launch.py)")
+    p.add_argument("--no-pdl", action="store_true", help="launch the decode kernels without programmatic dependent "
+                   "launch, which is on by default on Hopper or later (sets DSV4LAB_PDL=0 in every rank — "
+                   "kernels/launch.py)")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, a few tokens: checks the script")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench/e2e.json)")
     p.add_argument("--commit", default=None, help="commit to record (default: git describe of this tree)")
@@ -109,7 +110,7 @@ def options(args) -> dict:
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
              prompt_tokens=args.prompt_tokens, chunks=positive_ints(args.chunks, "--chunks"),
              abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
-             commit=args.commit, pdl=bool(getattr(args, "pdl", False)) or os.environ.get(PDL_ENV) == "1")
+             commit=args.commit, pdl=not getattr(args, "no_pdl", False) and os.environ.get(PDL_ENV) != "0")
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
@@ -127,6 +128,12 @@ def options(args) -> dict:
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
     return o
+
+
+def _pdl_active(device) -> bool:
+    """Whether the decode kernels launch with PDL here (the rule of ``kernels/launch.py``, without importing it)."""
+    return (device.type == "cuda" and os.environ.get(PDL_ENV, "1") != "0" and torch.version.hip is None
+            and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def cut_layers(args, layers: int):
@@ -210,8 +217,8 @@ class _Parts:
 def worker(rank: int, world: int, o: dict) -> dict | None:
 
     t_start = time.perf_counter()
-    if o.get("pdl"):
-        os.environ[PDL_ENV] = "1"  # read at every kernel launch (kernels/launch.py), graph capture included
+    if not o.get("pdl", True):
+        os.environ[PDL_ENV] = "0"  # read at every kernel launch (kernels/launch.py), graph capture included
     args = cut_layers(get_preset(o["preset"]), o["layers"])
     max_len = max([o["prompt_tokens"], 16 + o["decode_tokens"], 48]
                   + [c + o["context_tokens"] for c in o["contexts"]]) + 8
@@ -236,7 +243,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
                ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
                decode_path=runner.decode_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
-               max_seq_len=max_len, smoke=o["smoke"], pdl=bool(o.get("pdl")), **identity(device, o.get("commit")))
+               max_seq_len=max_len, smoke=o["smoke"], pdl=_pdl_active(device), **identity(device, o.get("commit")))
     doc["oracle"] = parts.run("oracle", lambda: oracle(runner))
     doc["oracle_hash"] = doc["oracle"]["hash"]
     log(rank, f"oracle hash {doc['oracle']['hash']}")
@@ -621,31 +628,73 @@ def breakdown(runner, o: dict, device) -> dict:
     model's prediction of the same step (µs by op kind) on the H200 catalogue entry."""
 
     prompt = _prompt(runner.args, 16, seed=2)
-    runner.reset()
-    nxt = runner.forward(torch.tensor([prompt], device=device), 0, logits="last")[:, -1].argmax(-1)
-    runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
     graphs = runner.decoder.graphs if runner.decoder is not None else None
-    if graphs is not None and 1 in graphs.graphs:
-        graph = graphs.graphs[1][0]
-        step = graph.replay  # replays the last step (same slot and position): a fixed cost, the state is rewritten
-    else:
-        step = lambda: runner.forward(nxt[:, None], len(prompt) + 1)  # noqa: E731 — eager: one step only
+
+    def first_step():
+        runner.reset()
+        if graphs is not None:
+            graphs.graphs.pop(1, None)  # recaptured by the step below, under the PDL setting of now
+        nxt = runner.forward(torch.tensor([prompt], device=device), 0, logits="last")[:, -1].argmax(-1)
+        runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
+        if graphs is not None and 1 in graphs.graphs:
+            return graphs.graphs[1][0].replay  # the last step again (same slot and position): its state rewritten
+        return lambda: runner.forward(nxt[:, None], len(prompt) + 1)  # eager: one step only
+
     reps = 3 if graphs is not None else 1
+    pdl = _pdl_active(device)
+    step = first_step()
     step()
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
+    replay_us = clock_us(step, device, reps)
+    # Under PDL a kernel starts while its predecessor runs and waits inside (griddepcontrol.wait): the profiler's
+    # kernel durations then overlap and sum past the step. The per-kernel profile is taken from a capture without
+    # PDL; the replay time of both is recorded.
+    if pdl:
+        before = os.environ.get(PDL_ENV)
+        os.environ[PDL_ENV] = "0"
+        try:
+            step = first_step()
             step()
-        torch.cuda.synchronize(device)
-    runner.reset()
+            replay_no_pdl_us = clock_us(step, device, reps)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    step()
+                torch.cuda.synchronize(device)
+        finally:
+            if before is None:
+                del os.environ[PDL_ENV]
+            else:
+                os.environ[PDL_ENV] = before
+            runner.reset()
+            if graphs is not None:
+                graphs.graphs.pop(1, None)  # the next step recaptures with PDL
+    else:
+        replay_no_pdl_us = replay_us
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                step()
+            torch.cuda.synchronize(device)
+        runner.reset()
     measured, launches = kernel_profile(prof, reps)
     total_launches = sum(launches.values())
     pred = _predicted(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=1, context=len(prompt)))
     return dict(source="graph replay" if graphs is not None else "eager step",
+                profiled_without_pdl=True, replay_us=replay_us, replay_without_pdl_us=replay_no_pdl_us, pdl=pdl,
                 measured_gpu_us=measured, measured_total_us=round(sum(measured.values()), 1),
                 kernel_launches=launches, kernels=top_kernels(prof, reps), launches_per_step=round(total_launches, 1),
                 launches_per_layer=round(total_launches / runner.args.n_layers, 1),
                 predicted_us_by_kind=pred["by_kind"], predicted_step_us=pred["total"], predicted_terms_us=pred["terms"])
+
+
+def clock_us(step, device, reps: int) -> float:
+    """CUDA-event µs of one call of ``step`` (the mean of ``reps`` back to back)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize(device)
+    return round(start.elapsed_time(end) * 1e3 / reps, 1)
 
 
 def targets(doc: dict) -> dict:

@@ -408,7 +408,7 @@ class MoEBench:
 
     def run(self, route: str, rows: int, T: int, stages: bool, tag: str = "") -> float | None:
         from dsv4lab_kernels import fp4_moe_grouped as fm
-        from dsv4lab_kernels.moe_sort import sort_by_expert
+        from dsv4lab_kernels.moe_sort import sort_by_expert, sort_by_expert_torch
         b, a, bank = self.b, self.a, self.bank
         name = moe_variant_name(route, rows, tag)
         if name not in self.passed:
@@ -435,6 +435,8 @@ class MoEBench:
             b.add("moe_grouped_gemm", f"{route_tag}:down", t_dn, f_down, kind, tokens=T, sorter_rows=rows)
             t_sort = b.time_events_us(lambda: sort_by_expert(idx, E, rows))
             b.add("moe_sort", "sort", t_sort, tokens=T, sorter_rows=rows, peak_kind="copy")
+            t_sort = b.time_events_us(lambda: sort_by_expert_torch(idx, E, rows))  # the previous sorter
+            b.add("moe_sort", "sort_torch", t_sort, tokens=T, sorter_rows=rows, peak_kind="copy")
         return t
 
 
