@@ -628,57 +628,51 @@ def breakdown(runner, o: dict, device) -> dict:
     model's prediction of the same step (µs by op kind) on the H200 catalogue entry."""
 
     prompt = _prompt(runner.args, 16, seed=2)
+    runner.reset()
+    nxt = runner.forward(torch.tensor([prompt], device=device), 0, logits="last")[:, -1].argmax(-1)
+    runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
     graphs = runner.decoder.graphs if runner.decoder is not None else None
-
-    def first_step():
-        runner.reset()
-        if graphs is not None:
-            graphs.graphs.pop(1, None)  # recaptured by the step below, under the PDL setting of now
-        nxt = runner.forward(torch.tensor([prompt], device=device), 0, logits="last")[:, -1].argmax(-1)
-        runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
-        if graphs is not None and 1 in graphs.graphs:
-            return graphs.graphs[1][0].replay  # the last step again (same slot and position): its state rewritten
-        return lambda: runner.forward(nxt[:, None], len(prompt) + 1)  # eager: one step only
-
+    if graphs is not None and 1 in graphs.graphs:
+        step = graphs.graphs[1][0].replay  # the last step again (same slot and position): its state rewritten
+    else:
+        step = lambda: runner.forward(nxt[:, None], len(prompt) + 1)  # noqa: E731 — eager: one step only
     reps = 3 if graphs is not None else 1
     pdl = _pdl_active(device)
-    step = first_step()
     step()
-    replay_us = clock_us(step, device, reps)
-    # Under PDL a kernel starts while its predecessor runs and waits inside (griddepcontrol.wait): the profiler's
-    # kernel durations then overlap and sum past the step. The per-kernel profile is taken from a capture without
-    # PDL; the replay time of both is recorded.
-    if pdl:
+    replay_us = clock_us(step, device, reps) if graphs is not None else None
+    replay_no_pdl_us = replay_us
+    plain = None
+    if pdl and graphs is not None:
+        # Under PDL a kernel starts while its predecessor runs and waits inside (griddepcontrol.wait): profiled
+        # kernel durations overlap and sum past the step. The per-kernel profile comes from the same step captured
+        # without PDL by a decoder of its own (as graph_check does: a graph is never re-captured into the
+        # engine's pool), replaying the same last step.
         before = os.environ.get(PDL_ENV)
         os.environ[PDL_ENV] = "0"
         try:
-            step = first_step()
+            plain = FastDecoder(runner, graphs=True)
+            plain(nxt.cpu(), torch.tensor([len(prompt)]), torch.tensor([0]))
+            step = plain.graphs.graphs[1][0].replay
             step()
             replay_no_pdl_us = clock_us(step, device, reps)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    step()
-                torch.cuda.synchronize(device)
         finally:
             if before is None:
                 del os.environ[PDL_ENV]
             else:
                 os.environ[PDL_ENV] = before
-            runner.reset()
-            if graphs is not None:
-                graphs.graphs.pop(1, None)  # the next step recaptures with PDL
-    else:
-        replay_no_pdl_us = replay_us
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                step()
-            torch.cuda.synchronize(device)
-        runner.reset()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize(device)
+    profiled_without_pdl = not pdl or plain is not None
+    del plain, step
+    runner.reset()
     measured, launches = kernel_profile(prof, reps)
     total_launches = sum(launches.values())
     pred = _predicted(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=1, context=len(prompt)))
     return dict(source="graph replay" if graphs is not None else "eager step",
-                profiled_without_pdl=True, replay_us=replay_us, replay_without_pdl_us=replay_no_pdl_us, pdl=pdl,
+                profiled_without_pdl=profiled_without_pdl, replay_us=replay_us, replay_without_pdl_us=replay_no_pdl_us, pdl=pdl,
                 measured_gpu_us=measured, measured_total_us=round(sum(measured.values()), 1),
                 kernel_launches=launches, kernels=top_kernels(prof, reps), launches_per_step=round(total_launches, 1),
                 launches_per_layer=round(total_launches / runner.args.n_layers, 1),
