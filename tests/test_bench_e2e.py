@@ -9,6 +9,7 @@ import torch
 
 import dsv4lab
 from dsv4lab import cli
+from dsv4lab.bench import e2e
 from dsv4lab.checkpoint import expected_tensors
 from dsv4lab.config import get_preset
 from dsv4lab.random_checkpoint import RandomCheckpoint
@@ -107,3 +108,18 @@ def test_the_decode_breakdown_names_its_kernels():
     from dsv4lab.bench.e2e import kernel_profile  # the family totals come from the same events
     assert kernel_profile(SimpleNamespace(key_averages=lambda: evs), calls=2) == (
         {"mhc": 888.0, "attention": 400.0, "other": 90.0}, {"mhc": 62.0, "attention": 30.0, "other": 30.0})
+
+
+def test_a_failing_part_is_recorded_and_the_others_still_run(capsys):
+    """One rank: a part that raises is listed under ``failed`` with its error, ``recover`` runs, and the parts after
+    it still run (a broken breakdown must not lose the TTFT measured after it)."""
+    recovered = []
+    parts = e2e._Parts(0, time.perf_counter(), budget_s=60.0, world=1, recover=lambda: recovered.append(True))
+
+    def broken():
+        raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED\nsecond line")
+    assert parts.run("breakdown", broken) is None
+    assert parts.run("ttft", lambda: [1.0]) == [1.0]
+    assert parts.failed == {"breakdown": "RuntimeError: it->second->use_count > 0 INTERNAL ASSERT FAILED"}
+    assert recovered == [True] and "ttft" in parts.timing and "breakdown" not in parts.timing
+    assert "breakdown: FAILED" in capsys.readouterr().err

@@ -39,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -160,6 +161,9 @@ def run(args) -> int:
     write_json(out, doc)
     print(format_summary(doc))
     print(f"wrote {out}")
+    if doc.get("failed"):
+        print(f"FAILED parts: {', '.join(f'{k} ({v})' for k, v in doc['failed'].items())}")
+        return 1
     return 0
 
 
@@ -190,12 +194,18 @@ def log(rank: int, msg: str) -> None:
 
 
 class _Parts:
-    """Runs the benchmark's parts in order, timing each and skipping those that would start past the budget."""
+    """Runs the benchmark's parts in order, timing each and skipping those that would start past the budget.
 
-    def __init__(self, rank: int, t_start: float, budget_s: float, world: int):
+    On one rank a part that raises is recorded (``failed``: name → the error's line, the traceback on stderr) and
+    the run goes on after ``recover()`` — one broken part does not lose the others' numbers. Across ranks the
+    parts are collective, so an error there still ends the run."""
+
+    def __init__(self, rank: int, t_start: float, budget_s: float, world: int, recover=None):
         self.rank, self.t_start, self.budget_s, self.world = rank, t_start, budget_s, world
+        self.recover = recover
         self.timing: dict[str, float] = {}
         self.skipped: list[str] = []
+        self.failed: dict[str, str] = {}
 
     def run(self, name: str, fn):
         over = time.perf_counter() - self.t_start > self.budget_s
@@ -208,7 +218,18 @@ class _Parts:
             log(self.rank, f"{name}: skipped (past the {self.budget_s:.0f} s budget)")
             return None
         t0 = time.perf_counter()
-        out = fn()
+        if self.world > 1:
+            out = fn()
+        else:
+            try:
+                out = fn()
+            except Exception as err:  # noqa: BLE001 — recorded, reported, and the exit status says so
+                traceback.print_exc()
+                self.failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+                log(self.rank, f"{name}: FAILED ({self.failed[name]})")
+                if self.recover is not None:
+                    self.recover()
+                return None
         self.timing[name] = round(time.perf_counter() - t0, 2)
         log(self.rank, f"{name}: {self.timing[name]:.1f} s")
         return out
@@ -238,15 +259,15 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     load_s = time.perf_counter() - t_start
     log(rank, f"model generated and loaded in {load_s:.1f} s ({args.n_layers} layers, max_seq_len {max_len}, "
               f"decode path {runner.decode_path})")
-    parts = _Parts(rank, t_start, o["budget_s"], world)
+    parts = _Parts(rank, t_start, o["budget_s"], world, recover=runner.reset)
     copy_gbps = parts.run("copy_bandwidth", lambda: copy_bandwidth(device))
     doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
                ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
                decode_path=runner.decode_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
                max_seq_len=max_len, smoke=o["smoke"], pdl=_pdl_active(device), **identity(device, o.get("commit")))
     doc["oracle"] = parts.run("oracle", lambda: oracle(runner))
-    doc["oracle_hash"] = doc["oracle"]["hash"]
-    log(rank, f"oracle hash {doc['oracle']['hash']}")
+    doc["oracle_hash"] = (doc["oracle"] or {}).get("hash")
+    log(rank, f"oracle hash {doc['oracle_hash']}")
     if runner.decode_path == "graph":
         doc["graph_check"] = parts.run("graph_check", lambda: graph_check(runner))
     doc["decode"] = []
@@ -282,7 +303,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     doc["summary"] = dict(decode_tok_s=b1["tok_s"] if b1 else None, decode_batch=b1["batch"] if b1 else None,
                           mbu=b1["mbu"] if b1 else None, ttft_s=ttft.get("ttft_s"),
                           prefill_input_tok_s=round(o["prompt_tokens"] / ttft["ttft_s"], 1) if ttft else None)
-    doc["timing_s"], doc["skipped"] = parts.timing, parts.skipped
+    doc["timing_s"], doc["skipped"], doc["failed"] = parts.timing, parts.skipped, parts.failed
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return doc if rank == 0 else None
 
@@ -713,7 +734,7 @@ def targets(doc: dict) -> dict:
 def format_summary(doc: dict) -> str:
     lines = [f"{doc['model']} ({doc['layers']} layers {doc['layer_kinds']}) seed {doc['seed']} on {doc['ranks']} × "
              f"{doc['gpu']} (tp {doc['tp']}, ep {doc['ep']}, {doc['backend']}, decode path {doc['decode_path']}), "
-             f"oracle hash {doc['oracle']['hash']}",
+             f"oracle hash {doc.get('oracle_hash')}",
              f"{'batch':>6} {'tok/s':>10} {'MBU':>7}  path"]
     for r in doc["decode"]:
         mbu = "-" if r["mbu"] is None else f"{100 * r['mbu']:.1f}%"
@@ -741,10 +762,15 @@ def format_summary(doc: dict) -> str:
         lines.append(f"breakdown ({bd['source']}): {bd['measured_total_us']} µs, {bd['launches_per_step']} launches "
                      f"({bd['launches_per_layer']} per layer); " + ", ".join(f"{k} {v}" for k, v in
                                                                             bd["measured_gpu_us"].items()))
+        if bd.get("replay_us") is not None:
+            lines.append(f"step replay {bd['replay_us']} µs (PDL {'on' if bd.get('pdl') else 'off'}), without PDL "
+                         f"{bd.get('replay_without_pdl_us')} µs; kernels profiled without PDL: "
+                         f"{bd.get('profiled_without_pdl')}")
     if doc.get("abba"):
         a = doc["abba"]
         lines.append(f"ABBA ({a['order']}): " + ", ".join(f"{s} {v} tok/s" for s, v in a["tok_s"].items())
                      + f"; speedup {a['speedup']}")
     lines.append("parts (s): " + ", ".join(f"{k} {v}" for k, v in doc.get("timing_s", {}).items())
-                 + (f"; skipped: {', '.join(doc['skipped'])}" if doc.get("skipped") else ""))
+                 + (f"; skipped: {', '.join(doc['skipped'])}" if doc.get("skipped") else "")
+                 + (f"; failed: {', '.join(doc['failed'])}" if doc.get("failed") else ""))
     return "\n".join(lines)
