@@ -157,7 +157,8 @@ class BenchRun:
     def time_events_us(self, fn, name: str = "", reps: int | None = None, flush_l2: bool = False) -> float:
         """Median time of ``fn()`` in µs between CUDA events, launched eagerly; the first call compiles and is
         not timed (its duration goes to ``compile_s[name]``); ``flush_l2`` evicts L2 before every repetition.
-        Without a GPU, or in a smoke run: one plain call after the first."""
+        Without a GPU, or in a smoke run: the first call's own time (such a run checks the script, its times mean
+        nothing — one call, not two, halves the interpreter's cost)."""
         torch = self.torch
         self.sync()
         t = time.perf_counter()
@@ -167,9 +168,7 @@ class BenchRun:
         if name and name not in self.compile_s:
             self.compile_s[name] = round(first, 3)
         if self.smoke or not self.cuda:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e6
+            return first * 1e6
         t = time.perf_counter()
         fn()
         self.sync()
