@@ -735,6 +735,39 @@ def _combine(out, part, idx, y, ex: ExpertTensors, from_slots: bool) -> torch.Te
     return y
 
 
+@triton.jit
+def _moe_output_kernel(y_ptr, s_ptr, out_ptr, N, S, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    """``out = act(((y + s₀) + s₁) …)``: the routed sum (fp32) plus each shared expert's output (act, widened
+    exactly), added in fp32 in that order — one rounding per addition, as torch's — then rounded to act."""
+    pdl_prologue(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    acc = tl.load(y_ptr + i, mask=ok, other=0.0)
+    for e in range(0, S):
+        acc = acc + tl.load(s_ptr + e * N + i, mask=ok, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)  # round to nearest even (the interpreter's cast would truncate)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def moe_output(routed: torch.Tensor, shared: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
+    """The MoE's output in one launch: ``routed [T, D]`` fp32 plus ``shared [S, T, D]`` (each shared expert's
+    output in act), summed in fp32 in expert order and rounded to ``act_dtype`` — what the three torch kernels of
+    ``y + s.float()`` then ``.to(act)`` compute, bit for bit (:meth:`ReferenceOps.moe_output`)."""
+    assert routed.dtype == torch.float32 and shared.dtype == act_dtype and shared.shape[1:] == routed.shape, \
+        f"moe_output: routed {routed.dtype} {list(routed.shape)}, shared {shared.dtype} {list(shared.shape)}"
+    y, s = routed.contiguous(), shared.contiguous()
+    out = torch.empty(routed.shape, dtype=act_dtype, device=routed.device)
+    n = y.numel()
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _moe_output_kernel[(triton.cdiv(n, block),)](y, s, out, n, s.shape[0],
+                                                     ROUND_BF16=act_dtype == torch.bfloat16, BLOCK=block,
+                                                     **pdl_args(y.device))
+    return out
+
+
 def routed_moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ex: ExpertTensors, limit: float,
                       route: str = "dot", geometry: MoeGeometry | None = None, act_quant: bool = True,
                       act_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

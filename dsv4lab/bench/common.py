@@ -434,6 +434,7 @@ _UNSET = object()
 # Substrings of GPU kernel names → the op family a profile is summarised by (first match wins).
 KERNEL_FAMILIES = (("_gate_up_kernel", "moe_gate_up"), ("_down_kernel", "moe_down"), ("_fp8_gemv", "gemv"),
                    ("_moe_up_kernel", "moe_gate_up"), ("_moe_down", "moe_down"), ("_moe_combine", "moe_down"),
+                   ("_moe_output", "moe_down"),  # routed + shared experts, rounded to act (the step's MoE output)
                    ("_act_quant_kernel", "gemv"),
                    ("_sum_partials", "split_sums"), ("_attn", "attention"), ("sort", "sort/topk"),
                    ("nccl", "collectives"), ("all_reduce", "collectives"), ("gemm", "cublas"),

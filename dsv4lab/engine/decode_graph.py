@@ -146,13 +146,13 @@ class StaticDecodeStep:
                                     nxt.attn_norm.weight, a)
 
     def _moe(self, ffn: MoE, x, tokens):
-        ops, nm = self.ops, self.ops.numerics
+        ops = self.ops
         idx, weights = ffn.gate(x, tokens, ops)
         y = ops.routed_experts(x, idx, weights, ffn.experts, self.args.swiglu_limit, all_reduce=self.moe_reduce)
         shared = ffn.shared_experts if isinstance(ffn.shared_experts, torch.nn.ModuleList) else [ffn.shared_experts]
-        for se in shared:
-            y = y + ops.expert_mlp(x, se.w1, se.w2, se.w3, self.args.swiglu_limit, shared=True).to(nm.acc)
-        return y.to(nm.act)
+        outs = [ops.expert_mlp(x, se.w1, se.w2, se.w3, self.args.swiglu_limit, shared=True) for se in shared]
+        # routed + shared experts, added in acc in that order and rounded to act: one op (one launch on the GPU)
+        return ops.moe_output(y, outs[0][None] if len(outs) == 1 else torch.stack(outs))
 
     # ------------------------------------------------------------------ attention
     def _attention(self, attn: Attention, x, positions, slots, rows: _StepRows):

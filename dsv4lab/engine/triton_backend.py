@@ -72,7 +72,8 @@ act_kernels = kernel_module("swiglu")
 
 # The fused glue ops (row-parallel kernels for any row count).
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
-            "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope")
+            "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope",
+            "moe_output")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
@@ -540,6 +541,14 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return False
         self.calls.glue[op] += 1
         return True
+
+    def moe_output(self, routed, shared):
+        nm = self.numerics
+        why = None if (nm.acc == torch.float32 and routed.dtype == torch.float32 and shared.dtype == nm.act) else \
+            f"routed {routed.dtype}, shared {shared.dtype}, acc {nm.acc}"
+        if not self._glue("moe_output", routed, shared, why=why):
+            return ReferenceOps.moe_output(self, routed, shared)
+        return moe.moe_output(routed, shared, nm.act)
 
     def rms_norm(self, x, weight, eps):
         if not self._glue("rms_norm", x):

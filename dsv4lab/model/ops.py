@@ -159,6 +159,14 @@ class ReferenceOps:
             y = all_reduce(y)
         return y.to(self.numerics.acc)
 
+    def moe_output(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """The MoE's output of the decode step: the routed sum ``[T, D]`` (acc) plus each shared expert's output
+        (``shared [S, T, D]``, act), added in acc in expert order, rounded to act."""
+        y = routed
+        for s in shared:
+            y = y + s.to(self.numerics.acc)
+        return y.to(self.numerics.act)
+
     def routed_experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, bank: ExpertBank,
                        limit: float, trace=None, all_reduce=None) -> torch.Tensor:
         """Σ over each token's routed experts owned by ``bank``: stage 1 → activation → stage 2 → combine.

@@ -280,6 +280,15 @@ def moe_combine(nm, acc, out, idx, all_reduce=None):
     return _point(out).sum(1, acc).round(nm.acc)
 
 
+def moe_output(nm, acc, routed, shared):
+    """The routed sum plus each shared expert's output, one rounding in ``acc`` per addition, then act."""
+    y, u = _point(routed), elementwise_roundoff(acc)
+    for s in shared:
+        y = y.add(_point(s))
+        y = y.widen(u * y.mag, "+ shared expert in acc")
+    return y.round(nm.act)
+
+
 def routed_experts(nm, acc, x, idx, weights, bank, limit, trace=None, all_reduce=None):
     """The whole routed MoE as one chain of intervals: stage 1 → activation → act rounding and FP8 quantization
     of ``h`` (where a last-bit difference in ``g`` or ``u`` may flip a bf16 and then an FP8 rounding) → stage 2 →
@@ -832,7 +841,7 @@ OP_BOUNDS = {
     "linear": linear, "linear_f32": linear_f32, "grouped_wo_a": grouped_wo_a, "linear_group": linear_group,
     "linear_f32_group": linear_f32_group,
     "moe_stage1": moe_stage1, "moe_activation": moe_activation, "moe_stage2": moe_stage2,
-    "moe_combine": moe_combine, "routed_experts": routed_experts, "expert_mlp": expert_mlp,
+    "moe_combine": moe_combine, "moe_output": moe_output, "routed_experts": routed_experts, "expert_mlp": expert_mlp,
     "swiglu": swiglu, "rms_norm": rms_norm, "head_rms": head_rms, "rope": rope, "router_scores": router_scores,
     "hc_pre": hc_pre, "hc_post": hc_post, "hc_head": hc_head,
     "compressor_pool": compressor_pool, "sparse_attention": sparse_attention,

@@ -257,6 +257,12 @@ def _make_combine(s, gen, device, nm):
     return (out, idx)
 
 
+def _make_moe_output(s, gen, device, nm):
+    routed = randn(gen, s["T"], s["D"], scale=2.0, device=device, dtype=nm.acc)
+    shared = randn(gen, s["S"], s["T"], s["D"], scale=2.0, device=device).to(nm.act)
+    return (routed, shared)
+
+
 def _make_rope(s, gen, device, nm):
     a = get_preset("tiny")
     cos, sin = rope_table(a, 1, 512, nm.acc, device)
@@ -483,6 +489,8 @@ OPS: list[OpCase] = [
            "mHC head (collapse the streams)"),
     OpCase("moe_combine", "moe_combine", _make_combine, [dict(T=3, E=12, k=4, D=160), dict(T=1, E=16, k=6, D=96)],
            "dot", "sum of the routed slots (NaN slots skipped)"),
+    OpCase("moe_output", "moe_output", _make_moe_output, [dict(T=3, S=1, D=160), dict(T=1, S=2, D=1000)],
+           "elementwise", "routed + shared experts, added in acc, rounded to act"),
 ]
 
 # Prefill-sized cases (issue 8): several sorter blocks per expert, many queries per call.

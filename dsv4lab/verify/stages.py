@@ -116,6 +116,7 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("swiglu", "ffn.experts", "MoE activation (clamped SwiGLU)"),
     ("moe_stage2", "*", "MoE stage 2 (w2 down projection)"),
     ("moe_combine", "*", "MoE combine"),
+    ("moe_output", "*", "MoE output (routed + shared experts)"),
     ("expert_mlp", "*", "shared expert (whole)"),
     ("linear", "ffn.shared_experts*.w1", "shared expert w1"),
     ("linear", "ffn.shared_experts*.w3", "shared expert w3"),
