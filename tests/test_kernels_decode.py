@@ -386,23 +386,32 @@ def test_gpu_fp8_gemv_real_widths(route):
     _within_bound(f"wo_b[{route}]", out, REF.linear(x, lin), "linear", x, lin, acc=_acc(out, route == "dot"))
 
 
-@pytest.mark.parametrize("T,S,D", [(3, 1, 1000), (1, 2, 160)])
-def test_moe_output_is_the_torch_ops_bit_for_bit(T, S, D):
-    """The MoE's output in one launch (routed fp32 + shared experts' act outputs, added in fp32 in expert order,
-    rounded to bf16) gives the reference's bits, -0 and a value on a bf16 rounding tie included, and NaN where it
-    has NaN (torch leaves a NaN's payload unspecified: the CPU gives 0xFFFF, the kernel 0x7FC0) — an irregular
-    width (1,000: the last block partial) and two shared experts (the order of the additions matters)."""
+def _check_moe_output(T, S, D, dev):
     g = torch.Generator().manual_seed(T * 10 + S)
     routed = torch.randn(T, D, generator=g) * 3
     shared = (torch.randn(S, T, D, generator=g) * 3).to(torch.bfloat16)
     routed[0, 0], routed[-1, 1] = float("nan"), -0.0
     shared[:, -1, 1] = -0.0
     routed[0, 2], shared[:, 0, 2] = 1.0 + 3 * 2.0 ** -8, 0.0  # a bf16 tie: to even is 1 + 2^-6, truncation 1 + 2^-7
-    dev = _dev()
     out = moe.moe_output(routed.to(dev), shared.to(dev), torch.bfloat16).cpu()
-    want = REF.moe_output(routed, shared)
+    want = REF.moe_output(routed.to(dev), shared.to(dev)).cpu()  # torch's own ops on the same device
     assert out.dtype == want.dtype == torch.bfloat16
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(out), nan)  # NaN where the reference has NaN (its payload is not specified)
     assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
     assert float(want[0, 2]) == 1.0 + 2.0 ** -6 and torch.isnan(out[0, 0]) and str(float(out[-1, 1])) == "-0.0"
+
+
+@pytest.mark.parametrize("T,S,D", [(3, 1, 1000), (1, 2, 160)])
+def test_moe_output_is_the_torch_ops_bit_for_bit(T, S, D):
+    """The MoE's output in one launch (routed fp32 + shared experts' act outputs, added in fp32 in expert order,
+    rounded to bf16) gives the reference's bits, -0 and a value on a bf16 rounding tie included, and NaN where it
+    has NaN (torch leaves a NaN's payload unspecified: the CPU gives 0xFFFF, the kernel 0x7FC0) — an irregular
+    width (1,000: the last block partial) and two shared experts (the order of the additions matters)."""
+    _check_moe_output(T, S, D, _dev())
+
+
+@pytest.mark.gpu
+def test_gpu_moe_output_at_flash_width():
+    """The same compiled, at DeepSeek-V4-Flash's width (4,096) and batch 8, against torch's CUDA ops."""
+    _check_moe_output(8, 1, 4096, "cuda")
