@@ -32,6 +32,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # the slow tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
+    # worker idles while the other finishes, so a 2-minute test must not be among them
+    items.sort(key=lambda item: "slow" not in item.keywords)
     try:
         import torch
         has_gpu = torch.cuda.is_available()

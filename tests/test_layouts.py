@@ -549,6 +549,7 @@ def test_cli_fingerprint_then_repair(tmp_path, tiny_hashes, capsys):
     assert cli.main(["repair", "--list-faults"]) == 0 and "paper_w2_blocks" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_fingerprint_repair_verify_turns_a_faulted_copy_green(tmp_path, tiny_hashes, capsys):
     # the acceptance flow: the oracle fails on the faulted copy, fingerprint writes a spec, and both the repaired
     # copy and a load-time repair of the faulted copy pass `verify model`; data/tiny is untouched (the fixture)

@@ -49,6 +49,7 @@ def test_verify_kernels_reference_is_bitwise():
             "compressor_pool", "indexer_scores", "hc_pre", "rms_norm"} <= ops
 
 
+@pytest.mark.slow
 def test_verify_model_cli_passes_on_tiny(tmp_path):
     r = subprocess.run(CLI + ["verify", "model", "--checkpoint", str(ROOT / "data" / "tiny"), "--out",
                               str(tmp_path)], capture_output=True, text=True)
@@ -123,6 +124,7 @@ def test_model_faults_fail_verify_model_and_are_localised(fault):
     _check(res, MODEL_EXPECT[fault])
 
 
+@pytest.mark.slow
 def test_w2_fault_cli_exits_nonzero_and_names_stage_2(tmp_path):
     bad = tmp_path / "tiny"
     inject_fault_into_checkpoint(ROOT / "data" / "tiny", "paper_w2_blocks", bad)

@@ -68,13 +68,12 @@ class MoE(nn.Module):
             trace("router_weights", weights)
         y = ops.routed_experts(x, idx, weights, self.experts, a.swiglu_limit, trace=trace, all_reduce=all_reduce)
         shared = self.shared_experts if isinstance(self.shared_experts, nn.ModuleList) else [self.shared_experts]
-        z = torch.zeros_like(y)
-        for se in shared:
-            z = z + ops.expert_mlp(x, se.w1, se.w2, se.w3, a.swiglu_limit, shared=True).to(nm.acc)
+        outs = [ops.expert_mlp(x, se.w1, se.w2, se.w3, a.swiglu_limit, shared=True) for se in shared]
         if trace is not None:
             trace("routed_out", y)
-            trace("shared_out", z)
-        out = (y + z).to(nm.act)
+            trace("shared_out", sum(o.to(nm.acc) for o in outs))
+        # routed + each shared expert, added in acc in that order, rounded to act (the decode step's op too)
+        out = ops.moe_output(y, outs[0][None] if len(outs) == 1 else torch.stack(outs))
         if trace is not None:
             trace("moe_out", out)
         return out

@@ -160,8 +160,8 @@ class ReferenceOps:
         return y.to(self.numerics.acc)
 
     def moe_output(self, routed: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """The MoE's output of the decode step: the routed sum ``[T, D]`` (acc) plus each shared expert's output
-        (``shared [S, T, D]``, act), added in acc in expert order, rounded to act."""
+        """The MoE's output: the routed sum ``[T, D]`` (acc) plus each shared expert's output (``shared [S, T, D]``,
+        act), added in acc in expert order, rounded to act."""
         y = routed
         for s in shared:
             y = y + s.to(self.numerics.acc)
