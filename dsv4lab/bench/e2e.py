@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..config import get_preset
 from ..engine.decode_graph import FastDecoder
-from ..engine.kernel_loader import PDL_ENV
+from ..engine.kernel_loader import PDL_ENV, kernel_module
 from ..engine.loader import load
 from ..errors import UserError
 from ..model.ops import ReferenceOps
@@ -132,9 +132,8 @@ def options(args) -> dict:
 
 
 def _pdl_active(device) -> bool:
-    """Whether the decode kernels launch with PDL here (the rule of ``kernels/launch.py``, without importing it)."""
-    return (device.type == "cuda" and os.environ.get(PDL_ENV, "1") != "0" and torch.version.hip is None
-            and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.get_device_capability(device)[0] >= 9)
+    """Whether the decode kernels launch with PDL here: ``kernels/launch.py``'s rule (a GPU run has the kernels)."""
+    return device.type == "cuda" and kernel_module("launch").pdl_enabled(device)
 
 
 def cut_layers(args, layers: int):

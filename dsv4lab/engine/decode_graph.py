@@ -149,10 +149,7 @@ class StaticDecodeStep:
         ops = self.ops
         idx, weights = ffn.gate(x, tokens, ops)
         y = ops.routed_experts(x, idx, weights, ffn.experts, self.args.swiglu_limit, all_reduce=self.moe_reduce)
-        shared = ffn.shared_experts if isinstance(ffn.shared_experts, torch.nn.ModuleList) else [ffn.shared_experts]
-        outs = [ops.expert_mlp(x, se.w1, se.w2, se.w3, self.args.swiglu_limit, shared=True) for se in shared]
-        # routed + shared experts, added in acc in that order and rounded to act: one op (one launch on the GPU)
-        return ops.moe_output(y, outs[0][None] if len(outs) == 1 else torch.stack(outs))
+        return ops.moe_output(y, ffn.shared_outputs(x, ops))  # routed + shared, rounded to act: one launch on a GPU
 
     # ------------------------------------------------------------------ attention
     def _attention(self, attn: Attention, x, positions, slots, rows: _StepRows):

@@ -57,6 +57,13 @@ class MoE(nn.Module):
             self.shared_experts = nn.ModuleList(SharedExpert(args.dim, args.moe_inter_dim, args.dtype)
                                                 for _ in range(args.n_shared_experts))
 
+    def shared_outputs(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """Each shared expert's output ``[S, T, D]`` (act): what ``ops.moe_output`` adds to the routed sum, in this
+        order, in acc, before rounding to act (the decode step ends its MoE the same way)."""
+        shared = self.shared_experts if isinstance(self.shared_experts, nn.ModuleList) else [self.shared_experts]
+        outs = [ops.expert_mlp(x, se.w1, se.w2, se.w3, self.args.swiglu_limit, shared=True) for se in shared]
+        return outs[0][None] if len(outs) == 1 else torch.stack(outs)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, ops, all_reduce=None, trace=None) -> torch.Tensor:
         """``x [T, D]`` (normed, act), ``ids [T]`` → ``[T, D]`` in act."""
         nm, a = ops.numerics, self.args
@@ -67,13 +74,11 @@ class MoE(nn.Module):
             trace("router_idx", idx)
             trace("router_weights", weights)
         y = ops.routed_experts(x, idx, weights, self.experts, a.swiglu_limit, trace=trace, all_reduce=all_reduce)
-        shared = self.shared_experts if isinstance(self.shared_experts, nn.ModuleList) else [self.shared_experts]
-        outs = [ops.expert_mlp(x, se.w1, se.w2, se.w3, a.swiglu_limit, shared=True) for se in shared]
+        shared = self.shared_outputs(x, ops)
         if trace is not None:
             trace("routed_out", y)
-            trace("shared_out", sum(o.to(nm.acc) for o in outs))
-        # routed + each shared expert, added in acc in that order, rounded to act (the decode step's op too)
-        out = ops.moe_output(y, outs[0][None] if len(outs) == 1 else torch.stack(outs))
+            trace("shared_out", shared.to(nm.acc).sum(0))
+        out = ops.moe_output(y, shared)
         if trace is not None:
             trace("moe_out", out)
         return out
