@@ -5,9 +5,12 @@
 #     DSV4LAB_COMMIT=<sha> bash scripts/h200_visit.sh PART[:SECONDS] ...   # repository root, GPU machine
 #
 # Triton's compilation is most of a fresh machine's first e2e (oracle 65 s, graph check 57 s, TTFT 34 s at 1c4402a
-# against 2 / 2 / 3 s with the cache warm): the visit packs its cache into $OUT/triton_cache.tgz (when it is at most
-# 16 MiB) and unpacks .carry/triton_cache.tgz first when the call carried one — copy the returned file there and
-# pass carry=[".carry"] (the cache is keyed by each kernel's source and options: a changed kernel recompiles).
+# against 2 / 2 / 3 s with the cache warm): the visit packs its cache — binaries and metadata only, the IR text
+# (.ttir/.ttgir/.llir/.ptx/.source) left out: a cache hit reads the metadata and the binary alone (Triton 3.6,
+# compiler.py) — into $OUT/triton_cache.tgz.partNN (15 MiB pieces; nothing when the whole is over 20 MiB, which
+# with the ~39 MiB working tree would pass the 64 MiB a call may carry), and unpacks .carry/triton_cache.tgz* first
+# when the call carried them — copy the returned pieces there and pass carry=[".carry"] (the cache is keyed by each
+# kernel's source and options: a changed kernel recompiles). summary.txt's last line says what was packed.
 #
 # PART (default limit in seconds):
 #   tests (300)     pytest -m gpu over the whole suite (WORKERS=8 processes: Triton compilation on the CPU is the
@@ -37,9 +40,9 @@ R=runs/h200
 mkdir -p "$R"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/runs/triton-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1
-if [ -f .carry/triton_cache.tgz ]; then
-    tar xzf .carry/triton_cache.tgz -C runs && echo "triton cache: $(find runs/triton-cache -type f | wc -l) files carried in" \
-        >> "$R/install.log"
+if compgen -G ".carry/triton_cache.tgz*" > /dev/null; then  # one file or its pieces, in name order
+    cat .carry/triton_cache.tgz* | tar xzf - -C runs \
+        && echo "triton cache: $(find runs/triton-cache -type f | wc -l) files carried in" >> "$R/install.log"
 fi
 { python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| triton', triton.__version__, '|', torch.cuda.get_device_name())";   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader; } \
@@ -66,8 +69,17 @@ pack() {
         tar czf "$OUT/h200_runs.tgz" "$R" 2>/dev/null
         cp "$R/summary.txt" "$OUT/summary.txt"
         if [ -d runs/triton-cache ]; then  # what the next visit carries in (see the top)
-            tar czf "$OUT/triton_cache.tgz" -C runs triton-cache 2>/dev/null
-            [ "$(stat -c %s "$OUT/triton_cache.tgz")" -le $((16 * 1024 * 1024)) ] || rm -f "$OUT/triton_cache.tgz"
+            rm -f "$OUT"/triton_cache.tgz*
+            tar czf runs/triton_cache.tgz --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
+                --exclude='*.ptx' --exclude='*.source' -C runs triton-cache 2>/dev/null
+            local size
+            size=$(stat -c %s runs/triton_cache.tgz)
+            if [ "$size" -le $((20 * 1024 * 1024)) ]; then
+                split -b 15M -d runs/triton_cache.tgz "$OUT/triton_cache.tgz.part"
+                echo "triton cache: $size bytes packed ($(find runs/triton-cache -type f | wc -l) files)" >> "$OUT/summary.txt"
+            else
+                echo "triton cache: $size bytes, over 20 MiB: not packed" >> "$OUT/summary.txt"
+            fi
         fi
     fi
 }
