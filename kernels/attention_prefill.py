@@ -24,8 +24,12 @@ form — a query block stops at the last key any of its queries may see (``t < (
 scores of a prefill are never computed — into a scratch the top-k kernel reads; the op returns only the selection.
 
 **Indexer top-k** (``select_topk``): per query row, the visible entries (``t < (p+1)//ratio``) sorted by score,
-ties to the lower index, as one bitonic sort of 64-bit keys ``(order-preserving score bits) << 32 | (2^31−1−t)``
-(−0 and +0 compare equal, as in torch). The row must fit one program (``T`` ≤ :data:`TOPK_MAX_ENTRIES`).
+ties to the lower index, through 64-bit keys ``(order-preserving score bits) << 32 | (2^31−1−t)`` (−0 and +0 compare
+equal, as in torch; every key of a row is distinct, so the order is total). The row is read in tiles as wide as the
+selection (``KP = next_pow2(topk)``, 512 for Flash): a running top-``KP`` is joined with each tile and the ``2·KP``
+keys sorted, the upper half kept — the same first ``topk`` as one sort of the whole row, for any context length,
+from one compiled kernel (one sort of the row compiled a bitonic network per power of two of ``T``: 20 s for 4,096
+entries and 75 s for 8,192 on the first prompt of that length, and rows over 8,192 did not fit a program).
 
 **Compressor pooling** (``ReferenceOps.compressor_pool``): per channel softmax over an entry's slots, in fp32.
 """
@@ -36,9 +40,6 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import interpreting, to_bf16
-
-TOPK_MAX_ENTRIES = 8192  # 32,768 tokens at ratio 4: beyond this the top-k row no longer fits one program
-
 
 # ============================================================================================ sparse attention
 @triton.jit
@@ -257,33 +258,38 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positi
     block_q, block_t, tiles, warps = INDEXER_CONFIGS[config]
     pos = positions.to(torch.int64).contiguous()
     scores = _indexer_launch(qi, w, keys, pos, ratio, True, block_q, block_t, tiles, warps)
-    if keys.shape[1] > TOPK_MAX_ENTRIES:
-        raise ValueError(f"indexer_select: {keys.shape[1]} entries exceed the one-program top-k limit "
-                         f"{TOPK_MAX_ENTRIES}")
     return indexer_topk(scores, pos, ratio, topk)
 
 
 # ============================================================================================ indexer top-k
-@triton.jit
+# Lengths, strides and row counts vary with every prompt: not specialized (a value divisible by 16 would otherwise
+# compile a second variant of the kernel).
+@triton.jit(do_not_specialize=["ROWS", "S", "T", "KOUT", "ss_b", "ss_s", "so_b", "so_s"])
 def _topk_kernel(scores_ptr, pos_ptr, out_ptr, ROWS, S, T, KOUT, ratio, ss_b, ss_s, so_b, so_s,
-                 BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
-    row = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)  # BLOCK_S query rows, each sorted on its own
+                 BLOCK_S: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)  # BLOCK_S query rows, each selected on its own
     row_ok = row < ROWS
     b = row // S
     s = row % S
     p = tl.load(pos_ptr + row, mask=row_ok, other=0)
-    visible = tl.minimum((p + 1) // ratio, T).to(tl.int32)  # never past the cache: padding lanes tie with 0 scores
-    t = tl.arange(0, BLOCK_T)
+    visible = tl.minimum((p + 1) // ratio, T).to(tl.int32)  # never past the cache
     base = b.to(tl.int64) * ss_b + s.to(tl.int64) * ss_s
-    seen = row_ok[:, None] & (t < T)[None, :] & (t[None, :] < visible[:, None])  # invisible: never read
-    sc = tl.load(scores_ptr + base[:, None] + t[None, :], mask=seen, other=0.0)
-    sc = sc.to(tl.float32) + 0.0  # −0 → +0: torch orders them as equal
-    bits = sc.to(tl.int32, bitcast=True)
-    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving as a signed integer
-    order = tl.where(t[None, :] < visible[:, None], order, -2147483648)  # invisible entries last (→ −1)
-    key = (order.to(tl.int64) << 32) | (2147483647 - t[None, :]).to(tl.int64)
-    key = tl.sort(key, descending=True)
-    picked = 2147483647 - (key & 0xFFFFFFFF).to(tl.int32)
+    t = tl.arange(0, KP)
+    # the running top-KP, sorted descending; filled with keys below any entry's (order −2^31, index 2^31−1 → −1)
+    best = tl.full((BLOCK_S, KP), -9223372036854775808, tl.int64)
+    n_tiles = tl.cdiv(tl.max(tl.where(row_ok, visible, 0), axis=0), KP)  # tiles no row of the program sees: skipped
+    for i in range(0, n_tiles):
+        tt = i * KP + t
+        seen = row_ok[:, None] & (tt[None, :] < visible[:, None])  # invisible: never read
+        sc = tl.load(scores_ptr + base[:, None] + tt[None, :], mask=seen, other=0.0)
+        sc = sc.to(tl.float32) + 0.0  # −0 → +0: torch orders them as equal
+        bits = sc.to(tl.int32, bitcast=True)
+        order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # order-preserving as a signed integer
+        order = tl.where(seen, order, -2147483648)  # invisible entries last (→ −1)
+        key = (order.to(tl.int64) << 32) | (2147483647 - tt[None, :]).to(tl.int64)
+        both = tl.sort(tl.reshape(tl.join(best, key), (BLOCK_S, 2 * KP)), descending=True)
+        best, _ = tl.split(tl.permute(tl.reshape(both, (BLOCK_S, 2, KP)), (0, 2, 1)))  # the upper KP
+    picked = 2147483647 - (best & 0xFFFFFFFF).to(tl.int32)
     picked = tl.where(picked < visible[:, None], picked, -1)
     o = out_ptr + (b.to(tl.int64) * so_b + s.to(tl.int64) * so_s)[:, None] + t[None, :]
     tl.store(o, picked.to(tl.int64), mask=row_ok[:, None] & (t < KOUT)[None, :])
@@ -293,21 +299,21 @@ def indexer_topk(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk
                  rows_per_program: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """``select_topk``: ``scores [b, s, T]``, ``positions [b, s]`` → ``[b, s, min(topk, T)]`` int64 (−1 = none).
 
-    ``rows_per_program`` query rows share a program (default: as many as fill 2,048 keys, at most 16)."""
+    Any ``T``; ``rows_per_program`` query rows share a program (default: as many as fill 2,048 sorted keys, at
+    most 16)."""
     b, S, T = scores.shape
     assert tuple(positions.shape) == (b, S), f"positions {list(positions.shape)} vs scores {list(scores.shape)}"
-    assert T <= TOPK_MAX_ENTRIES, f"indexer_topk: {T} entries exceed the one-program limit {TOPK_MAX_ENTRIES}"
     assert scores.stride(-1) == 1, "indexer_topk: scores contiguous along T"
     k = min(topk, T)
     out = torch.empty(b, S, k, dtype=torch.long, device=scores.device)
     if b * S * k == 0:
         return out
     pos = positions.to(torch.int64).contiguous()
-    block_t = max(16, triton.next_power_of_2(T))
-    block_s = rows_per_program or max(1, min(16, 2048 // block_t))
+    kp = max(16, triton.next_power_of_2(k))  # the selection's width: one kernel for every T ≥ topk
+    block_s = rows_per_program or max(1, min(16, 2048 // (2 * kp)))
     grid = (triton.cdiv(b * S, block_s),)
     _topk_kernel[grid](scores, pos, out, b * S, S, T, k, ratio, scores.stride(0), scores.stride(1), out.stride(0),
-                       out.stride(1), BLOCK_S=block_s, BLOCK_T=block_t, num_warps=num_warps)
+                       out.stride(1), BLOCK_S=block_s, KP=kp, num_warps=num_warps)
     return out
 
 

@@ -194,6 +194,9 @@ def flash_calls():
     calls.append(("indexer scores (prefill kernel, 3 rows)", lambda: attention_prefill.indexer_scores(qi, wi, keys)))
     calls.append(("indexer select (prefill kernel, 3 rows)", lambda: attention_prefill.indexer_select(
         qi, wi, keys, torch.tensor([[160, 161, 162]]), 4, a.index_topk)))
+    # Flash's top-512 of a long row: the width every prompt of ≥ 512 entries runs (one compiled kernel for all)
+    calls.append(("indexer top-k (prefill kernel, 512 of 4,096 entries)", lambda: attention_prefill.indexer_topk(
+        torch.zeros(1, 3, 4096, dtype=bf), torch.tensor([[16000, 16001, 16002]]), 4, a.index_topk)))
     calls.append(("compressor pool (prefill kernel, 1 entry)", lambda: attention_prefill.compressor_pool(
         torch.zeros(1, 8, 2 * d), torch.zeros(1, 8, 2 * d))))
     bn, bk = 32, 128

@@ -69,17 +69,19 @@ pack() {
         tar czf "$OUT/h200_runs.tgz" "$R" 2>/dev/null
         cp "$R/summary.txt" "$OUT/summary.txt"
         if [ -d runs/triton-cache ]; then  # what the next visit carries in (see the top)
-            rm -f "$OUT"/triton_cache.tgz*
             tar czf runs/triton_cache.tgz --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' \
                 --exclude='*.ptx' --exclude='*.source' -C runs triton-cache 2>/dev/null
             local size
             size=$(stat -c %s runs/triton_cache.tgz)
             if [ "$size" -le $((20 * 1024 * 1024)) ]; then
+                rm -f "$OUT"/triton_cache.tgz*
                 split -b 15M -d runs/triton_cache.tgz "$OUT/triton_cache.tgz.part"
-                echo "triton cache: $size bytes packed ($(find runs/triton-cache -type f | wc -l) files)" >> "$OUT/summary.txt"
-            else
-                echo "triton cache: $size bytes, over 20 MiB: not packed" >> "$OUT/summary.txt"
+                echo "triton cache: $size bytes packed ($(find runs/triton-cache -type f | wc -l) files)" \
+                    > "$R/cache_pack.txt"
+            else  # an earlier part's pack, if any, stays: the cache of the parts before this one
+                echo "triton cache: $size bytes after part $name, over 20 MiB: the last pack kept" >> "$R/cache_pack.txt"
             fi
+            cat "$R/cache_pack.txt" >> "$OUT/summary.txt"
         fi
     fi
 }

@@ -90,3 +90,41 @@ def test_gpu_select_at_real_widths_picks_the_reference_scores():
         c = compare(f"select {config}", picked[0], picked[1], tolerance(torch.bfloat16, "attention"))
         assert c.ok, c.line()
         assert (got >= 0).sum() == (want >= 0).sum()
+
+
+# ------------------------------------------------------------------------------------------ top-k in tiles
+def _topk_case(b, s, T, seed, device="cpu"):
+    """Scores with many exact ties and signed zeros; NaN past each row's visible entries (never read); positions
+    from nothing visible to past the end of the row."""
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randint(-40, 41, (b, s, T), generator=g).float() * 0.25).to(torch.bfloat16)
+    scores[:, :, ::5] = -0.0
+    positions = torch.linspace(2, 4 * T + 40, s).round().long().expand(b, -1).contiguous()
+    visible = ((positions + 1) // 4).clamp(max=T)
+    t = torch.arange(T)
+    scores = torch.where(t[None, None, :] < visible[..., None], scores, torch.full_like(scores, float("nan")))
+    return scores.to(device), positions.to(device)
+
+
+@pytest.mark.parametrize("T,topk", [(300, 16), (200, 64)])
+def test_topk_in_tiles_is_one_sort_of_the_row(T, topk):
+    """The running top-KP over tiles of the row gives the reference's selection: rows of many tiles, a width that
+    is not a multiple of the tile, every visible count from none to all. (The interpreter sorts int64 keys slowly:
+    long rows and Flash's top-512 are the GPU test's.)"""
+    scores, positions = _topk_case(1, 3, T, seed=T + topk)
+    got = ap.indexer_topk(scores, positions, 4, topk, rows_per_program=4)  # one program, one row of padding
+    assert torch.equal(got, select_topk(scores, positions, 4, topk))
+    assert (got[0, 0] == -1).all() and (got[0, -1] >= 0).all()  # nothing visible; everything visible
+
+
+@pytest.mark.gpu
+def test_gpu_topk_is_one_kernel_for_every_context():
+    """At Flash's top-512, rows of 700 to 16,384 entries: the reference's selection each time, and one compiled
+    kernel for all of them (the one-sort kernel compiled per power of two of the row: 20–75 s at long contexts)."""
+    ap._topk_kernel.device_caches.clear()
+    for T in (700, 1151, 2048, 4096, 9000, 16384):
+        scores, positions = _topk_case(1, 37, T, seed=T, device="cuda")
+        got = ap.indexer_topk(scores, positions, 4, 512)
+        assert torch.equal(got, select_topk(scores, positions, 4, 512)), T
+    kernel_cache = ap._topk_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(kernel_cache) == 1, f"{len(kernel_cache)} variants of the top-k kernel compiled"

@@ -16,7 +16,7 @@ expert_mlp          ``fp8_gemm.fp8_swiglu_mlp``                           FP8 sh
 routed_experts      ``moe_sort`` + ``fp4_moe_grouped`` (fused)            FP4 bank, activation quantization on
 moe_stage1/2        ``fp4_moe_grouped.moe_stage1/2``                      as above
 sparse_attention    ``attention_prefill.sparse_attention``                bf16 q and kv
-indexer_select      ``attention_prefill.indexer_select`` (causal scores)  ≤ TOPK_MAX_ENTRIES entries, no TP split
+indexer_select      ``attention_prefill.indexer_select`` (causal scores)  any number of entries, no TP split
 indexer_scores/topk ``attention_prefill.indexer_scores/topk``             as above, any number of rows
 compressor_pool     ``attention_prefill.compressor_pool``                 any number of entries
 =================== ===================================================== =========================================
@@ -460,7 +460,7 @@ class TritonPrefillOps:
 
     def prefill_indexer_select(self, qi, w, keys, positions, ratio, topk, all_reduce=None):
         ap = _kernels("attention_prefill")
-        if keys.shape[1] > ap.TOPK_MAX_ENTRIES or not self._indexer_ok(qi, w, keys, all_reduce):
+        if not self._indexer_ok(qi, w, keys, all_reduce):
             return None
         return ap.indexer_select(qi.contiguous(), w.contiguous(), keys.contiguous(), positions, ratio, topk,
                                  config=self.prefill_indexer_config)
@@ -471,8 +471,8 @@ class TritonPrefillOps:
         return _kernels("attention_prefill").indexer_scores(qi.contiguous(), w.contiguous(), keys.contiguous())
 
     def _topk_ok(self, scores) -> bool:
-        b, s, T = scores.shape
-        return T <= _kernels("attention_prefill").TOPK_MAX_ENTRIES and b * s > 0 and self._any_rows_applies(scores)
+        b, s = scores.shape[:2]
+        return b * s > 0 and self._any_rows_applies(scores)
 
     def _pool_ok(self, kv_slots, sc_slots) -> bool:
         # any number of completed entries: a prefill chunk completes several, an eager decode step at most one
@@ -527,8 +527,6 @@ class TritonPrefillOps:
             qi, w, keys = args[:3]
             at = 6 if op == "indexer_select" else 3  # the position of all_reduce in the signature
             all_reduce = kwargs.get("all_reduce", args[at] if len(args) > at else None)
-            if op == "indexer_select" and keys.shape[1] > _kernels("attention_prefill").TOPK_MAX_ENTRIES:
-                return None
             return "tc_bf16" if self._indexer_ok(qi, w, keys, all_reduce) else None
         if op == "indexer_topk":
             return "fp32" if self._topk_ok(args[0]) else None
