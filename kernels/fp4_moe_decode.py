@@ -36,7 +36,12 @@ The E2M1 decode (``decode``): ``"asm"`` on NVIDIA GPUs — PTX on packed registe
 time: ``sign<<15 | magnitude<<6`` is the bf16 of ``value·2^-126`` for every code, and one ``mul.bf16x2`` by
 ``2^(s-1)`` applies the E8M0 byte ``s`` (exact for scales ≤ 2, i.e. ``s ≤ 128``, which the launcher checks
 once per bank); ``"plain"`` — portable Triton (the interpreter, ROCm, scales above 2): fp16 bit splice, fp32
-scale, exact cast to bf16 (E8M0 bytes 2..240). Both give the same bits.
+scale, exact cast to bf16 (E8M0 bytes 2..240). Both give the same bits. ``"bytewise"`` (the ``fma`` route with group
+sums only) leaves the scale out of the decode: a code's fp16 ``value·2^-14`` is its high byte alone, so one
+32-bit word decodes four codes at a time (per 4 packed bytes: 7 ALU operations and 4 byte permutes for 8 weights
+against 22 for the bf16 splice with its multiplies), and each 32-group's dot is multiplied by its ``2^(s-113)``
+in fp32 after its sum — a power of two, so every product and every sum rounds exactly as with the scaled weights:
+the same bits as ``"asm"``/``"plain"``, for any E8M0 byte (no ``s ≤ 128`` limit).
 
 Numerics: every product is exact in fp32, only sums round. ``fma`` and ``int8`` sum in IEEE fp32 on CUDA cores
 (``int8`` also rounds each group's ``dot × scale`` product once); ``dot`` and ``dot_scaled`` accumulate inside
@@ -56,7 +61,7 @@ from .fp8_gemv import interpreting
 from dsv4lab import quant
 
 ROUTES = ("dot", "fma", "int8", "dot_scaled")
-DECODES = ("auto", "asm", "plain")
+DECODES = ("auto", "asm", "plain", "bytewise")
 SAME_SEMANTICS = ("dot", "fma", "dot_scaled")  # the reference's quantization; "int8" is the paper's
 ACCUMULATION = {
     # route: (where the sums are done, the factor c in γ(c·n) over n = reduction length, fp32 unit roundoff)
@@ -80,7 +85,9 @@ class MoeGeometry:
         slot_split: 0 — expert-major down projection + combine kernel; ≥ 1 — token-major, each token's slots
             split over that many programs.
         num_warps, num_stages: Triton launch options (``num_stages > 1`` software-pipelines the weight loads).
-        decode: ``"auto"`` (asm on NVIDIA GPUs when every E8M0 scale is ≤ 2), ``"asm"`` or ``"plain"``.
+        decode: ``"auto"`` (asm on NVIDIA GPUs when every E8M0 scale is ≤ 2), ``"asm"``, ``"plain"`` or
+            ``"bytewise"`` (the ``fma`` route with group sums: fp16 codes four at a time, each group's scale
+            applied after its sum; see above).
         prequant: quantize ``x`` and ``h`` once per step in a small kernel each (exact bf16 values) instead of
             in every program's loop — two more launches, a third fewer instructions per byte at batch 8 (the
             FP8-activation routes only).
@@ -137,6 +144,42 @@ lop3.b32 $3, t, 0x80008000, m, 0xEA;
 mul.rn.bf16x2 $3, $3, $6;
 }
 """)
+
+
+# PTX on 4 packed bytes ($4), no scale: per byte the low nibble's code s·e1·e0·m becomes s<<7 | e1e0m<<1, the high
+# byte of the fp16 E2M1·2^-14 (the low byte is zero: code 1, 0.5, is the subnormal 2^-15), four codes per operation;
+# prmt moves bytes 0,1 / 2,3 into the high bytes of the fp16 pairs $0 / $1. The high nibbles: shift right by 3,
+# sign in place, into $2 / $3.
+_E2M1_F16_ASM = tl.constexpr("""
+{
+.reg .b32 t, m, r;
+shl.b32 t, $4, 1;
+shl.b32 m, $4, 4;
+and.b32 m, m, 0x80808080;
+lop3.b32 r, t, 0x0E0E0E0E, m, 0xEA;
+prmt.b32 $0, r, 0, 0x1404;
+prmt.b32 $1, r, 0, 0x3424;
+shr.b32 t, $4, 3;
+and.b32 m, $4, 0x80808080;
+lop3.b32 r, t, 0x0E0E0E0E, m, 0xEA;
+prmt.b32 $2, r, 0, 0x1404;
+prmt.b32 $3, r, 0, 0x3424;
+}
+""")
+
+
+@triton.jit
+def decode_e2m1_f16(wb, ASM: tl.constexpr):
+    """Packed bytes ``wb`` (uint8) → ``(lo, hi)`` fp16: ``E2M1 · 2^-14`` of the low and the high nibble, unscaled
+    (the caller multiplies by :func:`e2m1_scale_operand` ``(sb, False)`` = ``2^(s-113)``). ``ASM``: the PTX above."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_E2M1_F16_ASM, "=r,=r,=r,=r,r", [wb], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+    else:
+        b = wb.to(tl.int32)
+        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
@@ -250,12 +293,18 @@ def _chunk_dot(acc, wb, sb, xe, xo, ASM: tl.constexpr, DOT_FP32: tl.constexpr, B
 
 
 @triton.jit
-def _chunk_fma(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr):
+def _chunk_fma(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, ELEM: tl.constexpr,
+               BYTEWISE: tl.constexpr = False):
     """``acc +=`` the products of one token's chunk (``xe, xo [1, BK/2]``) on CUDA cores: ``acc [BN, G, 16]``
-    position by position (``ELEM``: no reduction in the loop), else ``acc [BN, G, 1]`` per 32-group dot."""
-    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
+    position by position (``ELEM``: no reduction in the loop), else ``acc [BN, G, 1]`` per 32-group dot (``BYTEWISE``:
+    of the unscaled fp16 weights, times the group's scale after the sum)."""
     xe3 = tl.reshape(xe, (1, G, 16))
     xo3 = tl.reshape(xo, (1, G, 16))
+    if BYTEWISE:
+        lo, hi = decode_e2m1_f16(wb, ASM)
+        dots = tl.sum(lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3, axis=2, keep_dims=True)
+        return acc + dots * e2m1_scale_operand(sb, False)[:, :, None]
+    lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
     if ELEM:
         return acc + lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3
     return acc + tl.sum(lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3, axis=2, keep_dims=True)
@@ -308,7 +357,7 @@ def _chunk_dot_scaled(acc_t, xq, w_base, s_base, n_ok, stride_wn, stride_sn, k0,
 def _project(a_ptr, rows, row_ok, w_base, s_base, v_base, t_base, n_ok, stride_wn, stride_sn, K,
              TWO: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr,
              DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-             FMA_ELEM: tl.constexpr):
+             FMA_ELEM: tl.constexpr, BYTEWISE: tl.constexpr = False):
     """``[BN, TP]`` fp32: the ``BN`` weight rows at ``w_base`` (scales ``s_base``) times the activation rows
     ``rows`` (``[TQ]`` element offsets, ``row_ok`` masks padding) over all of K, by ``ROUTE`` (0 dot, 1 fma,
     2 int8, 3 dot_scaled); with ``TWO`` also the rows at ``v_base`` (scales ``t_base``) in the same loop,
@@ -335,10 +384,10 @@ def _project(a_ptr, rows, row_ok, w_base, s_base, v_base, t_base, n_ok, stride_w
             for c in range(0, tl.cdiv(K, BK)):
                 xe, xo = _act_chunk_fp8(a_ptr, row, tl.arange(0, 1) == 0, c * BK, K, ACT_QUANT, 1, 1, BK)
                 wb, sb = _weight_chunk(w_base, s_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                acc_f = _chunk_fma(acc_f, wb, sb, xe, xo, ASM, BN, G, FMA_ELEM)
+                acc_f = _chunk_fma(acc_f, wb, sb, xe, xo, ASM, BN, G, FMA_ELEM, BYTEWISE)
                 if TWO:
                     wb, sb = _weight_chunk(v_base, t_base, n_ok, stride_wn, stride_sn, c * BK, K, BN, G)
-                    acc_f2 = _chunk_fma(acc_f2, wb, sb, xe, xo, ASM, BN, G, FMA_ELEM)
+                    acc_f2 = _chunk_fma(acc_f2, wb, sb, xe, xo, ASM, BN, G, FMA_ELEM, BYTEWISE)
             acc_g = tl.sum(acc_f, axis=2)
             acc_g2 = tl.sum(acc_f2, axis=2)
             acc += tl.where(pick[None, :], tl.sum(acc_g, axis=1)[:, None], 0.0)
@@ -396,7 +445,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
                    TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
                    ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr, WRITE_GU: tl.constexpr,
                    ROUND_ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False):
+                   BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False,
+                   BYTEWISE: tl.constexpr = False):
     pdl_prologue(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -410,7 +460,7 @@ def _moe_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
         s_off = local.to(tl.int64) * stride_se + pid_n * BN * stride_sn
         g, u = _project(x_ptr, tl.arange(0, TQ).to(tl.int64) * D, has_q, w1_ptr + w_off, s1_ptr + s_off,
                         w3_ptr + w_off, s3_ptr + s_off, n_ok, stride_wn, stride_sn, D,
-                        True, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK, FMA_ELEM)  # [BN, TP] each
+                        True, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK, FMA_ELEM, BYTEWISE)  # [BN, TP] each
         if ROUND_ACT:  # the reference's Linear returns bf16
             g = round_to_bf16(g)
             u = round_to_bf16(u)
@@ -441,7 +491,7 @@ def _moe_down_expert_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, out_ptr,
                             TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
                             PP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr,
                             ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False):
+                            FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False, BYTEWISE: tl.constexpr = False):
     """Expert-major down projection: each slot's act-rounded output ``out [T, k, D]`` (fp32)."""
     pdl_prologue(PDL)
     pid_p = tl.program_id(0)
@@ -456,7 +506,7 @@ def _moe_down_expert_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, out_ptr,
         w_base = w2_ptr + local.to(tl.int64) * stride_we + pid_n * BN * stride_wn
         s_base = s2_ptr + local.to(tl.int64) * stride_se + pid_n * BN * stride_sn
         y, _ = _project(h_ptr, rows, has_q, w_base, s_base, w_base, s_base, n_ok, stride_wn, stride_sn, I,
-                        False, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK, FMA_ELEM)
+                        False, ROUTE, ASM, ACT_QUANT, DOT_FP32, TQ, TP, BN, BK, FMA_ELEM, BYTEWISE)
         if ROUND_ACT:
             y = round_to_bf16(y)
         t = tl.arange(0, TP)
@@ -470,7 +520,8 @@ def _moe_down_token_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr,
                            stride_we, stride_wn, stride_se, stride_sn, SLOT_SPLIT,
                            TOPK: tl.constexpr, TP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr,
                            ACT_QUANT: tl.constexpr, ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False):
+                           BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False,
+                           BYTEWISE: tl.constexpr = False):
     """Token-major down projection: a program sums slots ``split, split+S, …`` of token ``t`` in fp64 (exact for
     act-rounded values) and writes ``y`` (one split) or its fp64 partial."""
     pdl_prologue(PDL)
@@ -488,7 +539,7 @@ def _moe_down_token_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr,
             s_base = s2_ptr + local.to(tl.int64) * stride_se + pid_n * BN * stride_sn
             rows = tl.zeros((1,), tl.int64) + (t * TOPK + si).to(tl.int64) * I
             y, _ = _project(h_ptr, rows, tl.arange(0, 1) == 0, w_base, s_base, w_base, s_base, n_ok, stride_wn,
-                            stride_sn, I, False, ROUTE, ASM, ACT_QUANT, DOT_FP32, 1, TP, BN, BK, FMA_ELEM)
+                            stride_sn, I, False, ROUTE, ASM, ACT_QUANT, DOT_FP32, 1, TP, BN, BK, FMA_ELEM, BYTEWISE)
             y = tl.sum(tl.where(r[None, :] == 0, y, 0.0), axis=1)
             if ROUND_ACT:
                 y = round_to_bf16(y)
@@ -616,6 +667,8 @@ def _use_asm(geo: MoeGeometry, ex: ExpertTensors, device: torch.device) -> bool:
     if geo.decode not in DECODES:
         raise ValueError(f"unknown E2M1 decode {geo.decode!r}; known: {', '.join(DECODES)}")
     nvidia = device.type == "cuda" and torch.version.hip is None and not interpreting()
+    if geo.decode == "bytewise":  # its PTX has no scale limit: the scales apply after each group's sum, in fp32
+        return nvidia
     if geo.decode == "asm":
         if not nvidia:
             raise ValueError("the asm E2M1 decode needs an NVIDIA GPU (use decode='plain')")
@@ -630,11 +683,15 @@ def _token_block(T: int, route: str) -> int:
     return max(tp, 16) if route in ("dot", "int8", "dot_scaled") else tp
 
 
-def _launch_opts(geo: MoeGeometry) -> dict:
+def _launch_opts(geo: MoeGeometry, route: str) -> dict:
     """The launch options and the geometry's constexprs other than the tile sizes."""
     if geo.fma_sums not in FMA_SUMS:
         raise ValueError(f"MoeGeometry.fma_sums={geo.fma_sums!r}; known: {', '.join(FMA_SUMS)}")
-    return dict(num_warps=geo.num_warps, num_stages=geo.num_stages, FMA_ELEM=geo.fma_sums == "element")
+    if geo.decode == "bytewise" and (route != "fma" or geo.fma_sums != "group"):
+        raise ValueError(f"MoeGeometry.decode='bytewise' scales each 32-group's sum: the 'fma' route with "
+                         f"fma_sums='group' only (got route {route!r}, fma_sums {geo.fma_sums!r})")
+    return dict(num_warps=geo.num_warps, num_stages=geo.num_stages, FMA_ELEM=geo.fma_sums == "element",
+                BYTEWISE=geo.decode == "bytewise")
 
 
 def moe_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None, ex: ExpertTensors, limit: float,
@@ -676,7 +733,8 @@ def moe_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None
                          KP=triton.next_power_of_2(k),
                          PP=triton.next_power_of_2(T * k), ROUTE=r, ASM=_use_asm(geo, ex, x.device),
                          ACT_QUANT=act_quant, WRITE_GU=write_gu, ROUND_ACT=act_dtype == torch.bfloat16,
-                         HAS_LIMIT=limit > 0, DOT_FP32=interpreting(), BN=bn, BK=geo.block_k, **_launch_opts(geo),
+                         HAS_LIMIT=limit > 0, DOT_FP32=interpreting(), BN=bn, BK=geo.block_k,
+                         **_launch_opts(geo, route),
                          **pdl_args(x.device))
     return (g, u) if write_gu else h
 
@@ -701,7 +759,7 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
     bn = min(geo.block_n_down, triton.next_power_of_2(D))
     y = torch.empty(T, D, dtype=torch.float32, device=h.device)
     common = dict(ROUTE=r, ASM=asm, ACT_QUANT=act_quant, ROUND_ACT=act_dtype == torch.bfloat16,
-                  DOT_FP32=interpreting(), BN=bn, BK=geo.block_k, **_launch_opts(geo))
+                  DOT_FP32=interpreting(), BN=bn, BK=geo.block_k, **_launch_opts(geo, route))
     strides = (ex.w2.stride(0), ex.w2.stride(1), ex.w2_scale.stride(0), ex.w2_scale.stride(1))
     if per_slot or geo.slot_split == 0:
         if per_slot:  # slots of other banks' experts stay NaN, as the reference's

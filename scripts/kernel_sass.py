@@ -114,7 +114,7 @@ def _loops(sass: str) -> list[tuple[int, int, Counter]]:
 
 
 def moe_up(route: str, bn: int, bk: int, warps: int, stages: int, T: int = 1, asm: bool = True, aq: bool = True,
-           elem: bool = False):
+           elem: bool = False, bytewise: bool = False):
     tq = triton.next_power_of_2(T)
     tp = max(tq, 16) if route != "fma" else tq
     sig = {"x_ptr": "*bf16", "idx_ptr": "*i64", "rw_ptr": "*fp32", "w1_ptr": "*u8", "w3_ptr": "*u8",
@@ -123,20 +123,20 @@ def moe_up(route: str, bn: int, bk: int, warps: int, stages: int, T: int = 1, as
            "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32"}
     cx = dict(TOPK=6, TQ=tq, TP=tp, KP=8, PP=triton.next_power_of_2(6 * T), ROUTE=moe.ROUTES.index(route), ASM=asm,
               ACT_QUANT=aq, WRITE_GU=False, ROUND_ACT=True, HAS_LIMIT=True, DOT_FP32=False, BN=bn, BK=bk,
-              FMA_ELEM=elem)
+              FMA_ELEM=elem, BYTEWISE=bytewise)
     k = _compile(moe._moe_up_kernel, sig, cx, MOE_INTS, warps, stages)
     return k, 2 * bn * bk // 2  # bytes of w1 and w3 per loop step
 
 
 def moe_down(route: str, bn: int, bk: int, warps: int, stages: int, T: int = 1, asm: bool = True,
-             aq: bool = True, elem: bool = False):
+             aq: bool = True, elem: bool = False, bytewise: bool = False):
     tq = triton.next_power_of_2(T)
     tp = max(tq, 16) if route != "fma" else tq
     sig = {"h_ptr": "*bf16", "idx_ptr": "*i64", "w2_ptr": "*u8", "s2_ptr": "*u8", "out_ptr": "*fp32", "T": "i32",
            "D": "i32", "I": "i32", "expert_offset": "i32", "n_local": "i32", "stride_we": "i32", "stride_wn": "i32",
            "stride_se": "i32", "stride_sn": "i32"}
     cx = dict(TOPK=6, TQ=tq, TP=tp, KP=8, PP=triton.next_power_of_2(6 * T), ROUTE=moe.ROUTES.index(route), ASM=asm,
-              ACT_QUANT=aq, ROUND_ACT=True, DOT_FP32=False, BN=bn, BK=bk, FMA_ELEM=elem)
+              ACT_QUANT=aq, ROUND_ACT=True, DOT_FP32=False, BN=bn, BK=bk, FMA_ELEM=elem, BYTEWISE=bytewise)
     k = _compile(moe._moe_down_expert_kernel, sig, cx, MOE_INTS, warps, stages)
     return k, bn * bk // 2
 
@@ -167,12 +167,16 @@ CONFIGS = [
     ("moe_up fma asm n8 k256 w1 s2 b1", moe_up, ("fma", 8, 256, 1, 2)),
     ("moe_up fma asm elem n8 k256 w1 s2 b1", moe_up, ("fma", 8, 256, 1, 2, 1, True, True, True)),
     ("moe_up fma asm elem prequant n8 k256 w1 s2 b1", moe_up, ("fma", 8, 256, 1, 2, 1, True, False, True)),
+    ("moe_up fma asm prequant n8 k256 w1 s2 b1", moe_up, ("fma", 8, 256, 1, 2, 1, True, False)),
+    ("moe_up fma bytewise prequant n8 k256 w1 s2 b1", moe_up, ("fma", 8, 256, 1, 2, 1, True, False, False, True)),
     ("moe_up int8 n16 k256 w1 s2 b1", moe_up, ("int8", 16, 256, 1, 2)),
     ("moe_up dot_scaled n16 k256 w1 s2 b1", moe_up, ("dot_scaled", 16, 256, 1, 2)),
     ("moe_down dot asm n32 k256 w2 s3 b1", moe_down, ("dot", 32, 256, 2, 3)),
     ("moe_down fma asm n8 k256 w1 s2 b1", moe_down, ("fma", 8, 256, 1, 2)),
     ("moe_down fma asm elem n8 k256 w1 s2 b1", moe_down, ("fma", 8, 256, 1, 2, 1, True, True, True)),
     ("moe_down fma asm elem prequant n8 k256 w1 s2 b1", moe_down, ("fma", 8, 256, 1, 2, 1, True, False, True)),
+    ("moe_down fma asm prequant n8 k256 w1 s2 b1", moe_down, ("fma", 8, 256, 1, 2, 1, True, False)),
+    ("moe_down fma bytewise prequant n8 k256 w1 s2 b1", moe_down, ("fma", 8, 256, 1, 2, 1, True, False, False, True)),
     ("moe_down dot asm n64 k256 w4 s2 b8", moe_down, ("dot", 64, 256, 4, 2, 8)),
     ("moe_up dot asm prequant n64 k256 w4 s2 b8", moe_up, ("dot", 64, 256, 4, 2, 8, True, False)),
     ("moe_down dot asm prequant n64 k256 w4 s2 b8", moe_down, ("dot", 64, 256, 4, 2, 8, True, False)),

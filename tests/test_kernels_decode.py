@@ -180,6 +180,21 @@ def test_routed_moe_decode_matches_reference(route, T, geo):
                   bank, 10.0)
 
 
+@pytest.mark.parametrize("prequant", [False, True])
+def test_bytewise_decode_gives_the_scaled_decodes_bits(prequant):
+    """``decode="bytewise"`` (unscaled fp16 codes, each 32-group's dot times its power-of-two scale after the sum)
+    rounds every product and sum as the scaled decode does: the same bits, NaN-scaled experts never read (the
+    portable forms here; the PTX against the asm decode on the GPU)."""
+    x, idx, w, bank = _moe_case(3, seed=7)
+    ex = moe.ExpertTensors.of(bank)
+    geo = dict(block_n_up=32, block_n_down=32, block_k=128, prequant=prequant)
+    want = moe.routed_moe_decode(x, idx, w, ex, 10.0, route="fma", geometry=moe.MoeGeometry(decode="plain", **geo))
+    got = moe.routed_moe_decode(x, idx, w, ex, 10.0, route="fma", geometry=moe.MoeGeometry(decode="bytewise", **geo))
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    with pytest.raises(ValueError, match="'fma' route with fma_sums='group'"):
+        moe.routed_moe_decode(x, idx, w, ex, 10.0, route="dot", geometry=moe.MoeGeometry(decode="bytewise"))
+
+
 def test_a_kernel_reading_a_permuted_w2_or_a_wrong_scale_fails_its_bound():
     """The bounds can fail: the same kernel fed one expert's W2 in the paper's permuted tile layout, or a GEMV whose
     weight scale block is off by one binade, is far outside the bound of the correct computation."""
@@ -373,6 +388,21 @@ def test_gpu_routed_moe_real_widths(route):
     else:  # dot_scaled is emulated through bf16 MMA on sm_90: fp32 tensor-core accumulation
         _within_bound(f"routed[{route}]", y, REF.routed_experts(x, idx, w, bank, 10.0), "routed_experts", x, idx, w,
                       bank, 10.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prequant", [False, True])
+def test_gpu_bytewise_decode_gives_the_asm_decodes_bits_at_real_widths(prequant):
+    """The byte-wise PTX against the bf16 PTX, 8-row programs as the batch-1 dispatch runs them: bit for bit."""
+    T, E, k, D, I = 2, 8, 6, 4096, 2048
+    x, idx, w, bank = _moe_case(T, E=E, k=k, D=D, I=I, seed=3)
+    ex = moe.ExpertTensors.of(bank.to("cuda"))
+    x, idx, w = x.cuda(), idx.cuda(), w.cuda()
+    geo = dict(block_n_up=8, block_n_down=8, block_k=256, num_warps=1, num_stages=2, prequant=prequant)
+    assert ex.scales_le_2  # "auto" below is the bf16 PTX
+    want = moe.routed_moe_decode(x, idx, w, ex, 10.0, route="fma", geometry=moe.MoeGeometry(decode="auto", **geo))
+    got = moe.routed_moe_decode(x, idx, w, ex, 10.0, route="fma", geometry=moe.MoeGeometry(decode="bytewise", **geo))
+    assert torch.isfinite(want).all() and torch.equal(got, want)
 
 
 @pytest.mark.gpu

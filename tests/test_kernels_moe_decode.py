@@ -146,6 +146,47 @@ def test_asm_e2m1_decode_sequence_is_exact():
             assert [str(v)[0] == "-" for v in got] == [str(v)[0] == "-" for v in want]
 
 
+def _f16(bits: int) -> float:
+    return float(struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0])
+
+
+def emulate_e2m1_f16_bytewise_asm(word: int) -> list[float]:
+    """The PTX sequence of ``_E2M1_F16_ASM`` (``decode="bytewise"``) on one packed word, instruction by
+    instruction; the 8 unscaled fp16 values in the order lo(b0) … lo(b3), hi(b0) … hi(b3)."""
+    m32 = 0xFFFFFFFF
+    t = (word << 1) & m32
+    m = ((word << 4) & m32) & 0x80808080
+    r = _lop3(t, 0x0E0E0E0E, m, 0xEA)
+    lo = [_prmt(r, 0, 0x1404), _prmt(r, 0, 0x3424)]
+    t = word >> 3
+    m = word & 0x80808080
+    r = _lop3(t, 0x0E0E0E0E, m, 0xEA)
+    hi = [_prmt(r, 0, 0x1404), _prmt(r, 0, 0x3424)]
+    return [_f16(x >> sh) for x in lo for sh in (0, 16)] + [_f16(x >> sh) for x in hi for sh in (0, 16)]
+
+
+BYTEWISE_PTX = ["shl.b32 t, $4, 1;", "shl.b32 m, $4, 4;", "and.b32 m, m, 0x80808080;",
+                "lop3.b32 r, t, 0x0E0E0E0E, m, 0xEA;", "prmt.b32 $0, r, 0, 0x1404;", "prmt.b32 $1, r, 0, 0x3424;",
+                "shr.b32 t, $4, 3;", "and.b32 m, $4, 0x80808080;", "lop3.b32 r, t, 0x0E0E0E0E, m, 0xEA;",
+                "prmt.b32 $2, r, 0, 0x1404;", "prmt.b32 $3, r, 0, 0x3424;"]
+
+
+def test_bytewise_e2m1_decode_sequence_is_exact():
+    """Every byte at every position of the packed word, emulated instruction by instruction (the kernel's PTX is
+    the emulated sequence): E2M1 × 2^-14 in fp16, the sign of the zero codes kept (the scale, 2^(s-113) in fp32,
+    multiplies each group's sum after it)."""
+    ptx = [line.strip() for line in str(moe._E2M1_F16_ASM.value).splitlines() if line.strip().endswith(";")]
+    assert ptx[1:] == BYTEWISE_PTX  # after the .reg declaration
+    table = [float(v) * 2.0 ** -14 for v in quant.E2M1_VALUES]
+    for start in range(0, 256, 4):
+        for rot in range(4):  # each byte value at each of the four positions
+            bs = [(start + (i + rot) % 4) for i in range(4)]
+            got = emulate_e2m1_f16_bytewise_asm(int.from_bytes(bytes(bs), "little"))
+            want = [table[b & 15] for b in bs] + [table[b >> 4] for b in bs]
+            assert got == want, (bs, got, want)
+            assert [str(v)[0] == "-" for v in got] == [str(v)[0] == "-" for v in want]
+
+
 @triton.jit
 def _decode_probe(b_ptr, s_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
@@ -180,6 +221,7 @@ CASES = [
     ("fma", 2, G(block_n_up=16, block_n_down=16, block_k=128, slot_split=2)),
     ("fma", 3, G(block_n_up=8, block_n_down=16, block_k=128, fma_sums="element")),  # position-wise sums
     ("fma", 1, G(block_n_up=16, block_n_down=8, block_k=256, slot_split=1, fma_sums="element")),
+    ("fma", 2, G(block_n_up=8, block_n_down=16, block_k=128, decode="bytewise")),  # scales after the group sums
     ("int8", 3, G(block_n_up=16, block_n_down=32, block_k=128)),
     ("dot_scaled", 2, G(block_n_up=32, block_n_down=32, block_k=128, slot_split=1)),
 ]
