@@ -63,12 +63,17 @@ SITE_MAX_ROWS = 16
 @dataclass(frozen=True)
 class MhcSiteGeometry:
     """The one-launch decode kernel: ``splits`` programs across ``D`` per row (each a multiple of ``block_d``
-    columns, stepped ``block_d`` at a time), the finishing program's column step ``block_dn``, warps per program."""
+    columns, stepped ``block_d`` at a time), the finishing program's column step ``block_dn``, warps per program;
+    ``split_tail``: two programs finish a row at once — the last to draw its ticket the pre gates and the RMSNormed
+    input, the one before it (which waits for the last ticket) the post gates and the Sinkhorn — instead of the
+    last doing both in turn (a site with Sinkhorn, ≥ 2 programs per row, on a GPU: the interpreter runs programs
+    one after another, so a program cannot wait for a later one there)."""
 
     splits: int = 128
     block_d: int = 32
     block_dn: int = 2048
     num_warps: int = 8
+    split_tail: bool = False  # the Sinkhorn in the next-to-last program, beside the last one's rows (see _site)
 
     @classmethod
     def for_rows(cls, rows: int, D: int) -> "MhcSiteGeometry":
@@ -416,7 +421,8 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
                      w_ptr, y_ptr, post_out_ptr, comb_out_ptr, D, NMIX, SPLITS, PER, ITERS, norm_eps, hc_eps_bits,
                      sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, sy_m, APPLY_POST: tl.constexpr, HEAD: tl.constexpr,
                      NORM: tl.constexpr, ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr, PDL: tl.constexpr = False):
+                     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr, PDL: tl.constexpr = False,
+                     SPLIT_TAIL: tl.constexpr = False):
     pdl_prologue(PDL)
     split = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -450,65 +456,128 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
     pbase = part_ptr + row * SPLITS * NPART
     tl.store(pbase + split * NPART + j, acc, mask=j < NMIX)
     tl.store(pbase + split * NPART + NMIX, tl.sum(sq, axis=0))
-    if take_ticket(cnt_ptr + row) == SPLITS - 1:
-        # ---- the last program of the row: partials summed in split order, gates, Sinkhorn, RMSNorm of u
-        src_ptr = xn_ptr if APPLY_POST else x_ptr
-        s_m = sxn_m if APPLY_POST else sx_m
-        s_s = sxn_s if APPLY_POST else sx_s
-        sp = tl.arange(0, BLOCK_S)
-        sp_ok = sp < SPLITS
-        eps64 = hc_eps_bits.to(tl.float64, bitcast=True)
-        eps32 = eps64.to(tl.float32)
-        ms = tl.sum(tl.load(pbase + sp * NPART + NMIX, mask=sp_ok, other=0.0, cache_modifier=".cg"), axis=0)
-        r = rsqrt_f32((ms / (HC * D)).to(tl.float32), norm_eps)  # logits = projection · rsqrt(mean square + eps)
-        s0 = tl.load(scale_ptr)
-        m_pre = tl.sum(tl.load(pbase + sp[None, :] * NPART + s[:, None], mask=sp_ok[None, :], other=0.0,
-                               cache_modifier=".cg"), axis=1).to(tl.float32) * r
-        pre = sigmoid_f64((m_pre * s0 + tl.load(base_ptr + s)).to(tl.float64)).to(tl.float32) + eps32
-        if NORM:
-            sqn = tl.zeros((BLOCK_DN,), tl.float64)
-            for d0 in range(0, D, BLOCK_DN):  # u rounded as the reference, written, its squares summed
-                d = d0 + tl.arange(0, BLOCK_DN)
-                xs = tl.load(src_ptr + row * s_m + s[:, None] * s_s + d[None, :], mask=(d < D)[None, :], other=0.0,
-                             cache_modifier=".cg").to(tl.float32)
-                u = f64_to_act(tl.sum((pre[:, None] * xs).to(tl.float64), axis=0), ROUND_BF16)
-                tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
-                u64 = u.to(tl.float64)
-                sqn += u64 * u64
-            rn = rsqrt_f32((tl.sum(sqn, axis=0) / D).to(tl.float32), norm_eps)
-            tl.debug_barrier()  # u of every column written before any thread reads another's back
-            for d0 in range(0, D, BLOCK_DN):
-                d = d0 + tl.arange(0, BLOCK_DN)
-                u = tl.load(y_ptr + row * sy_m + d, mask=d < D, other=0.0).to(tl.float32)
-                yv = to_act(tl.load(w_ptr + d, mask=d < D, other=0.0) * (u * rn), ROUND_BF16)
-                tl.store(y_ptr + row * sy_m + d, yv.to(y_ptr.dtype.element_ty), mask=d < D)
-        else:
-            for d0 in range(0, D, BLOCK_DN):
-                d = d0 + tl.arange(0, BLOCK_DN)
-                xs = tl.load(src_ptr + row * s_m + s[:, None] * s_s + d[None, :], mask=(d < D)[None, :], other=0.0,
-                             cache_modifier=".cg").to(tl.float32)
-                u = f64_to_act(tl.sum((pre[:, None] * xs).to(tl.float64), axis=0), ROUND_BF16)
-                tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
-        if not HEAD:
-            s1 = tl.load(scale_ptr + 1)
-            s2 = tl.load(scale_ptr + 2)
-            m_post = tl.sum(tl.load(pbase + sp[None, :] * NPART + HC + s[:, None], mask=sp_ok[None, :], other=0.0,
-                                    cache_modifier=".cg"), axis=1).to(tl.float32) * r
-            post_n = 2.0 * sigmoid_f64((m_post * s1 + tl.load(base_ptr + HC + s)).to(tl.float64)).to(tl.float32)
-            cc = 2 * HC + s[:, None] * HC + s[None, :]
-            m_comb = tl.sum(tl.load(pbase + sp[None, None, :] * NPART + cc[:, :, None], mask=sp_ok[None, None, :],
-                                    other=0.0, cache_modifier=".cg"), axis=2).to(tl.float32) * r
-            c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
-            # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
-            e = tl.exp(c - tl.max(c, axis=1)[:, None])
-            c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
-            c = c / (tl.sum(c, axis=0)[None, :] + eps64)
-            for _ in range(ITERS - 1):
-                c = c / (tl.sum(c, axis=1)[:, None] + eps64)
-                c = c / (tl.sum(c, axis=0)[None, :] + eps64)
-            tl.store(post_out_ptr + row * HC + s, post_n)
-            tl.store(comb_out_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
-        tl.store(cnt_ptr + row, 0)  # the row's counter, ready for the next launch
+    ticket = take_ticket(cnt_ptr + row)
+    if SPLIT_TAIL:  # the last two programs finish together: the rows here, the Sinkhorn in the one before
+        if ticket == SPLITS - 1:
+            _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, SPLITS, NPART, norm_eps,
+                       hc_eps_bits, sx_m, sx_s, sxn_m, sxn_s, sy_m, APPLY_POST, NORM, ROUND_BF16, HC, BLOCK_S,
+                       BLOCK_DN)
+            _finish_tail(cnt_ptr + row, SPLITS)
+        if ticket == SPLITS - 2:
+            _await_tickets(cnt_ptr + row, SPLITS)
+            _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, row, D, NMIX, SPLITS, NPART,
+                            ITERS, norm_eps, hc_eps_bits, HC, BLOCK_S)
+            _finish_tail(cnt_ptr + row, SPLITS)
+    else:
+        if ticket == SPLITS - 1:
+            # ---- the last program of the row: partials summed in split order, gates, RMSNorm of u, Sinkhorn
+            _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, SPLITS, NPART, norm_eps,
+                       hc_eps_bits, sx_m, sx_s, sxn_m, sxn_s, sy_m, APPLY_POST, NORM, ROUND_BF16, HC, BLOCK_S,
+                       BLOCK_DN)
+            if not HEAD:
+                _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, row, D, NMIX, SPLITS,
+                                NPART, ITERS, norm_eps, hc_eps_bits, HC, BLOCK_S)
+            tl.store(cnt_ptr + row, 0)  # the row's counter, ready for the next launch
+
+
+@triton.jit
+def _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX, D, norm_eps, HC: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``rsqrt(mean square + eps)`` of the row's streams from the programs' partial sums, in split order."""
+    sp = tl.arange(0, BLOCK_S)
+    ms = tl.sum(tl.load(pbase + sp * NPART + NMIX, mask=sp < SPLITS, other=0.0, cache_modifier=".cg"), axis=0)
+    return rsqrt_f32((ms / (HC * D)).to(tl.float32), norm_eps)  # logits = projection · rsqrt(mean square + eps)
+
+
+@triton.jit
+def _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, SPLITS, NPART, norm_eps,
+               hc_eps_bits, sx_m, sx_s, sxn_m, sxn_s, sy_m, APPLY_POST: tl.constexpr, NORM: tl.constexpr,
+               ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr):
+    """The pre gates from the partials and the sub-layer's input ``u = Σ pre·X`` (RMSNormed with ``NORM``)."""
+    NMIX_PRE = NPART - 1
+    src_ptr = xn_ptr if APPLY_POST else x_ptr
+    s_m = sxn_m if APPLY_POST else sx_m
+    s_s = sxn_s if APPLY_POST else sx_s
+    s = tl.arange(0, HC)
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < SPLITS
+    eps32 = hc_eps_bits.to(tl.float64, bitcast=True).to(tl.float32)
+    r = _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX_PRE, D, norm_eps, HC, BLOCK_S)
+    s0 = tl.load(scale_ptr)
+    m_pre = tl.sum(tl.load(pbase + sp[None, :] * NPART + s[:, None], mask=sp_ok[None, :], other=0.0,
+                           cache_modifier=".cg"), axis=1).to(tl.float32) * r
+    pre = sigmoid_f64((m_pre * s0 + tl.load(base_ptr + s)).to(tl.float64)).to(tl.float32) + eps32
+    if NORM:
+        sqn = tl.zeros((BLOCK_DN,), tl.float64)
+        for d0 in range(0, D, BLOCK_DN):  # u rounded as the reference, written, its squares summed
+            d = d0 + tl.arange(0, BLOCK_DN)
+            xs = tl.load(src_ptr + row * s_m + s[:, None] * s_s + d[None, :], mask=(d < D)[None, :], other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            u = f64_to_act(tl.sum((pre[:, None] * xs).to(tl.float64), axis=0), ROUND_BF16)
+            tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
+            u64 = u.to(tl.float64)
+            sqn += u64 * u64
+        rn = rsqrt_f32((tl.sum(sqn, axis=0) / D).to(tl.float32), norm_eps)
+        tl.debug_barrier()  # u of every column written before any thread reads another's back
+        for d0 in range(0, D, BLOCK_DN):
+            d = d0 + tl.arange(0, BLOCK_DN)
+            u = tl.load(y_ptr + row * sy_m + d, mask=d < D, other=0.0).to(tl.float32)
+            yv = to_act(tl.load(w_ptr + d, mask=d < D, other=0.0) * (u * rn), ROUND_BF16)
+            tl.store(y_ptr + row * sy_m + d, yv.to(y_ptr.dtype.element_ty), mask=d < D)
+    else:
+        for d0 in range(0, D, BLOCK_DN):
+            d = d0 + tl.arange(0, BLOCK_DN)
+            xs = tl.load(src_ptr + row * s_m + s[:, None] * s_s + d[None, :], mask=(d < D)[None, :], other=0.0,
+                         cache_modifier=".cg").to(tl.float32)
+            u = f64_to_act(tl.sum((pre[:, None] * xs).to(tl.float64), axis=0), ROUND_BF16)
+            tl.store(y_ptr + row * sy_m + d, u.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, row, D, NMIX, SPLITS, NPART, ITERS,
+                    norm_eps, hc_eps_bits, HC: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The next site's ``post`` gates and ``comb`` matrix (Sinkhorn) from the partials."""
+    s = tl.arange(0, HC)
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < SPLITS
+    eps64 = hc_eps_bits.to(tl.float64, bitcast=True)
+    r = _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX, D, norm_eps, HC, BLOCK_S)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    m_post = tl.sum(tl.load(pbase + sp[None, :] * NPART + HC + s[:, None], mask=sp_ok[None, :], other=0.0,
+                            cache_modifier=".cg"), axis=1).to(tl.float32) * r
+    post_n = 2.0 * sigmoid_f64((m_post * s1 + tl.load(base_ptr + HC + s)).to(tl.float64)).to(tl.float32)
+    cc = 2 * HC + s[:, None] * HC + s[None, :]
+    m_comb = tl.sum(tl.load(pbase + sp[None, None, :] * NPART + cc[:, :, None], mask=sp_ok[None, None, :],
+                            other=0.0, cache_modifier=".cg"), axis=2).to(tl.float32) * r
+    c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
+    # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
+    e = tl.exp(c - tl.max(c, axis=1)[:, None])
+    c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
+    c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+    for _ in range(ITERS - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + eps64)
+        c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+    tl.store(post_out_ptr + row * HC + s, post_n)
+    tl.store(comb_out_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
+
+
+@triton.jit
+def _await_tickets(cnt_ptr, SPLITS):
+    """Wait until every program of the row has drawn its ticket (its partials then visible: acquire). Bounded: a
+    scheduler that never ran the last program would give a wrong ``comb`` (which the tests catch), not a hang."""
+    n = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    spins = 0
+    while (n < SPLITS) & (spins < 1 << 24):
+        n = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+        spins += 1
+
+
+@triton.jit
+def _finish_tail(cnt_ptr, SPLITS):
+    """The second of the two finishing programs resets the row's counter for the next launch."""
+    tl.debug_barrier()
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLITS + 1:
+        tl.store(cnt_ptr, 0)
 
 
 def site_counters(device: torch.device, rows: int) -> torch.Tensor:
@@ -543,6 +612,7 @@ def _site(X, out, post, comb, fn, base, scale, norm_weight, head: bool, iters: i
             y.stride(0), APPLY_POST=apply_post, HEAD=head, NORM=norm, ROUND_BF16=X.dtype == torch.bfloat16, HC=HC,
             BLOCK_D=block_d, BLOCK_J=max(2, triton.next_power_of_2(nmix)),
             BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DN=min(geo.block_dn, triton.next_power_of_2(D)),
+            SPLIT_TAIL=geo.split_tail and not head and splits >= 2 and not interpreting(),
             num_warps=geo.num_warps, **LAUNCH_EXACT, **pdl_args(Xr.device))
     return (xn if apply_post else None), y, post_n, comb_n
 

@@ -198,7 +198,7 @@ CONFIGS = [
 MHC_INTS = ("D", "PER", "sx_m", "sx_s", "so_m", "sxn_m", "sxn_s", "sfn", "sy_m")
 
 
-def mhc_site(splits: int = 128, block_d: int = 32, block_dn: int = 2048, warps: int = 8):
+def mhc_site(splits: int = 128, block_d: int = 32, block_dn: int = 2048, warps: int = 8, split_tail: bool = False):
     """The one-launch mHC site (``hc_post_pre_norm`` at Flash width: 4 streams, 24 mixing logits)."""
     mhc = _kernels("mhc")
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "xn_ptr": "*bf16",
@@ -207,7 +207,7 @@ def mhc_site(splits: int = 128, block_d: int = 32, block_dn: int = 2048, warps: 
            "NMIX": "i32", "SPLITS": "i32", "PER": "i32", "ITERS": "i32", "norm_eps": "fp32", "hc_eps_bits": "i64",
            "sx_m": "i32", "sx_s": "i32", "so_m": "i32", "sxn_m": "i32", "sxn_s": "i32", "sfn": "i32", "sy_m": "i32"}
     cx = dict(APPLY_POST=True, HEAD=False, NORM=True, ROUND_BF16=True, HC=4, BLOCK_D=block_d, BLOCK_J=32,
-              BLOCK_S=triton.next_power_of_2(splits), BLOCK_DN=block_dn)
+              BLOCK_S=triton.next_power_of_2(splits), BLOCK_DN=block_dn, SPLIT_TAIL=split_tail)
     return _compile(mhc._mhc_site_kernel, sig, cx, MHC_INTS, warps, 1)
 
 
@@ -258,6 +258,7 @@ def attention_combine(splits: int = 16, block_h: int = 16, warps: int = 8):
 
 GLUE = [("mhc_site n128 d32 f2048 w8 (the default at batch 1)", mhc_site, ()),
         ("mhc_site n64 d32 f2048 w8", mhc_site, (64,)),
+        ("mhc_site n128 d32 f2048 w8 split tail", mhc_site, (128, 32, 2048, 8, True)),
         ("mhc mix of a prefill chunk, decode kernels: 4 rows x 16 columns, 4 warps", mhc_mix, (False, 4, 16, 4)),
         ("mhc mix of a prefill chunk, rows kernel: 16 rows x 16 columns, 8 warps", mhc_mix, (True, 16, 16, 8)),
         ("mhc mix of a prefill chunk, rows kernel: 32 rows x 8 columns, 8 warps", mhc_mix, (True, 32, 8, 8)),

@@ -230,13 +230,36 @@ def test_mhc_one_launch_site_equals_the_two_launch_pair(rows):
     want_head = mhc.hc_head(X, fh, base[:4], scale[:1], ne, he, geometry=pair)
     for geo in (mhc.MhcSiteGeometry(splits=1, block_d=64, block_dn=256, num_warps=4),
                 mhc.MhcSiteGeometry(splits=3, block_d=16, block_dn=64, num_warps=2),
-                mhc.MhcSiteGeometry(splits=7, block_d=16, block_dn=32, num_warps=8)):
+                mhc.MhcSiteGeometry(splits=7, block_d=16, block_dn=32, num_warps=8),
+                mhc.MhcSiteGeometry(splits=3, block_d=16, block_dn=64, split_tail=True)):  # one finisher here
         for _ in range(2):
             got = mhc.hc_pre_norm(X, fn, base, scale, w, it, ne, he, geometry=geo)
             assert all(torch.equal(u, v) for u, v in zip(got, want_pre)), geo
             got = mhc.hc_post_pre_norm(h, X, want_pre[1], want_pre[2], fn, base, scale, w, it, ne, he, geometry=geo)
             assert all(torch.equal(u, v) for u, v in zip(got, want_post)), geo
             assert torch.equal(mhc.hc_head(X, fh, base[:4], scale[:1], ne, he, geometry=geo), want_head), geo
+        assert not mhc.site_counters(X.device, rows).any(), "a launch left a ticket counter non-zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gpu_mhc_site_split_tail_gives_the_same_bits(rows):
+    """Two programs finishing a row — the Sinkhorn in the one before the last, which waits for the last ticket —
+    against one finisher at Flash width: the same bits at every launch, the ticket counters back at zero after each
+    (the interpreter cannot run it: its programs run one after another)."""
+    g = torch.Generator().manual_seed(rows)
+    a, X, fn, base, scale, w = _mhc_inputs(rows, 4096, g)
+    h = _poisoned(torch.randn(rows, 1, 4096, generator=g).to(torch.bfloat16))
+    it, ne, he = a.hc_sinkhorn_iters, a.norm_eps, a.hc_eps
+    one = mhc.MhcSiteGeometry(splits=128, block_d=32)
+    two = replace(one, split_tail=True)
+    want_pre = mhc.hc_pre_norm(X, fn, base, scale, w, it, ne, he, geometry=one)
+    want_post = mhc.hc_post_pre_norm(h, X, want_pre[1], want_pre[2], fn, base, scale, w, it, ne, he, geometry=one)
+    for _ in range(3):
+        got = mhc.hc_pre_norm(X, fn, base, scale, w, it, ne, he, geometry=two)
+        assert all(torch.equal(u, v) for u, v in zip(got, want_pre))
+        got = mhc.hc_post_pre_norm(h, X, want_pre[1], want_pre[2], fn, base, scale, w, it, ne, he, geometry=two)
+        assert all(torch.equal(u, v) for u, v in zip(got, want_post))
         assert not mhc.site_counters(X.device, rows).any(), "a launch left a ticket counter non-zero"
 
 

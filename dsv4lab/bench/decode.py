@@ -761,14 +761,16 @@ def bench_attention(b: DecodeBench, a, gen, passed: set[str], batches) -> None:
 # ============================================================================================ mHC sites
 def mhc_site_variants(smoke: bool) -> list[tuple[str, object]]:
     """``(name, MhcSiteGeometry)`` of the one-launch decode site (``n``: programs across ``D`` per row, ``d``:
-    their column step, ``f``: the finishing program's column step, ``w``: warps); ``None`` is the default
-    geometry for the batch (:meth:`MhcSiteGeometry.for_rows`)."""
+    their column step, ``f``: the finishing program's column step, ``w``: warps, ``:split_tail``: two programs
+    finish a row); ``None`` is the default geometry for the batch (:meth:`MhcSiteGeometry.for_rows`)."""
     from dsv4lab_kernels.mhc import MhcSiteGeometry as S
     if smoke:
         return [("default", None)]
     return [("default", None)] + [(f"n{n}d{d}f{f}w{w}", S(splits=n, block_d=d, block_dn=f, num_warps=w))
                                   for n, d, f, w in ((64, 32, 2048, 8), (32, 32, 2048, 8), (256, 16, 2048, 8),
-                                                     (128, 32, 1024, 8), (128, 32, 512, 4), (128, 32, 2048, 4))]
+                                                     (128, 32, 1024, 8), (128, 32, 512, 4), (128, 32, 2048, 4))] + \
+        [(f"n{n}d32f2048w8:split_tail", S(splits=n, block_d=32, block_dn=2048, num_warps=8, split_tail=True))
+         for n in (128, 64)]  # the Sinkhorn beside the rows (≈ 4 µs of the default's 14, 196c88c)
 
 
 def mhc_site_checks(b: DecodeBench, name: str, outs, refs) -> bool:
