@@ -145,6 +145,9 @@ def flash_calls():
         ("swiglu", lambda: swiglu.swiglu(torch.zeros(b, a.moe_inter_dim, dtype=bf),
                                          torch.zeros(b, a.moe_inter_dim, dtype=bf), 10.0)),
         ("hc_head", lambda: mhc.hc_head(X, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6)),
+        ("hc_post_pre_norm two finishers", lambda: mhc.hc_post_pre_norm(
+            torch.zeros(b, 1, D, dtype=bf), X, post, comb, fn, base, scale, w, 20, 1e-6, 1e-6,
+            geometry=mhc.MhcSiteGeometry(split_tail=True))),
         ("hc_pre_norm prefill rows", lambda: mhc.hc_pre_norm(torch.zeros(64, 1, hc, D, dtype=bf), fn, base, scale,
                                                              w, 20, 1e-6, 1e-6)),
         ("kv_norm_rope+ring", lambda: norm_rope_quant.kv_norm_rope(
