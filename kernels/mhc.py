@@ -390,14 +390,7 @@ def _mhc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_
         post = 2.0 * sigmoid_f64((m_post * s1 + tl.load(base_ptr + HC + s)).to(tl.float64)).to(tl.float32)
         cc = 2 * HC + s[:, None] * HC + s[None, :]
         m_comb = _partial_sum(part_ptr, row, SPLITS, NPART, cc, cc < NMIX).to(tl.float32) * r
-        c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
-        # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
-        e = tl.exp(c - tl.max(c, axis=1)[:, None])
-        c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
-        c = c / (tl.sum(c, axis=0)[None, :] + eps64)
-        for _ in range(ITERS - 1):
-            c = c / (tl.sum(c, axis=1)[:, None] + eps64)
-            c = c / (tl.sum(c, axis=0)[None, :] + eps64)
+        c = _sinkhorn(m_comb * s2 + tl.load(base_ptr + cc), ITERS, eps64)
         tl.store(post_ptr + row * HC + s, post)
         tl.store(comb_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
     if NORM:
@@ -549,16 +542,23 @@ def _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, row,
     cc = 2 * HC + s[:, None] * HC + s[None, :]
     m_comb = tl.sum(tl.load(pbase + sp[None, None, :] * NPART + cc[:, :, None], mask=sp_ok[None, None, :],
                             other=0.0, cache_modifier=".cg"), axis=2).to(tl.float32) * r
-    c = (m_comb * s2 + tl.load(base_ptr + cc)).to(tl.float64)
-    # Sinkhorn: row softmax (+eps), column normalisation, then ITERS-1 × (rows, columns), all in fp64
+    c = _sinkhorn(m_comb * s2 + tl.load(base_ptr + cc), ITERS, eps64)
+    tl.store(post_out_ptr + row * HC + s, post_n)
+    tl.store(comb_out_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
+
+
+@triton.jit
+def _sinkhorn(logits, ITERS, eps64):
+    """``comb`` from its logits (fp32): row softmax (+eps), column normalisation, then ``ITERS−1`` × (rows,
+    columns), all in fp64 (the reference's order)."""
+    c = logits.to(tl.float64)
     e = tl.exp(c - tl.max(c, axis=1)[:, None])
     c = e * (1.0 / tl.sum(e, axis=1))[:, None] + eps64
     c = c / (tl.sum(c, axis=0)[None, :] + eps64)
     for _ in range(ITERS - 1):
         c = c / (tl.sum(c, axis=1)[:, None] + eps64)
         c = c / (tl.sum(c, axis=0)[None, :] + eps64)
-    tl.store(post_out_ptr + row * HC + s, post_n)
-    tl.store(comb_out_ptr + row * (HC * HC) + s[:, None] * HC + s[None, :], c.to(tl.float32))
+    return c
 
 
 @triton.jit
