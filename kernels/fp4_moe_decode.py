@@ -445,8 +445,8 @@ def _moe_up_kernel(x_ptr, idx_ptr, rw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr
                    TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
                    ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr, WRITE_GU: tl.constexpr,
                    ROUND_ACT: tl.constexpr, HAS_LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False,
-                   BYTEWISE: tl.constexpr = False):
+                   BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, BYTEWISE: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     pid_p = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -491,7 +491,7 @@ def _moe_down_expert_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, out_ptr,
                             TOPK: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr, KP: tl.constexpr,
                             PP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr, ACT_QUANT: tl.constexpr,
                             ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False, BYTEWISE: tl.constexpr = False):
+                            FMA_ELEM: tl.constexpr, BYTEWISE: tl.constexpr = False, PDL: tl.constexpr = False):
     """Expert-major down projection: each slot's act-rounded output ``out [T, k, D]`` (fp32)."""
     pdl_prologue(PDL)
     pid_p = tl.program_id(0)
@@ -520,8 +520,8 @@ def _moe_down_token_kernel(h_ptr, idx_ptr, w2_ptr, s2_ptr, y_ptr, part_ptr,
                            stride_we, stride_wn, stride_se, stride_sn, SLOT_SPLIT,
                            TOPK: tl.constexpr, TP: tl.constexpr, ROUTE: tl.constexpr, ASM: tl.constexpr,
                            ACT_QUANT: tl.constexpr, ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, PDL: tl.constexpr = False,
-                           BYTEWISE: tl.constexpr = False):
+                           BN: tl.constexpr, BK: tl.constexpr, FMA_ELEM: tl.constexpr, BYTEWISE: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
     """Token-major down projection: a program sums slots ``split, split+S, …`` of token ``t`` in fp64 (exact for
     act-rounded values) and writes ``y`` (one split) or its fp64 partial."""
     pdl_prologue(PDL)

@@ -414,8 +414,8 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
                      w_ptr, y_ptr, post_out_ptr, comb_out_ptr, D, NMIX, SPLITS, PER, ITERS, norm_eps, hc_eps_bits,
                      sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, sy_m, APPLY_POST: tl.constexpr, HEAD: tl.constexpr,
                      NORM: tl.constexpr, ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr, PDL: tl.constexpr = False,
-                     SPLIT_TAIL: tl.constexpr = False):
+                     BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr,
+                     SPLIT_TAIL: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     split = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
