@@ -55,7 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .formats import RNE_MAGIC, e2m1_pair_times2_int, e8m0_to_f32, quantize_fp8_block, round_to_bf16
+from .formats import (RNE_MAGIC, e2m1_pair_times2_int, e2m1_pair_to_f32_scaled, e8m0_to_f32, quantize_fp8_block,
+                      round_to_bf16)
 from .launch import pdl_args, pdl_prologue
 from .fp8_gemv import interpreting
 from dsv4lab import quant
@@ -169,17 +170,15 @@ prmt.b32 $3, r, 0, 0x3424;
 
 
 @triton.jit
-def decode_e2m1_f16(wb, ASM: tl.constexpr):
-    """Packed bytes ``wb`` (uint8) → ``(lo, hi)`` fp16: ``E2M1 · 2^-14`` of the low and the high nibble, unscaled
-    (the caller multiplies by :func:`e2m1_scale_operand` ``(sb, False)`` = ``2^(s-113)``). ``ASM``: the PTX above."""
+def decode_e2m1_unscaled(wb, ASM: tl.constexpr):
+    """Packed bytes ``wb`` (uint8) → ``(lo, hi)`` fp32: ``E2M1 · 2^-14`` of the low and the high nibble, unscaled
+    (the caller multiplies by :func:`e2m1_scale_operand` ``(sb, False)`` = ``2^(s-113)``). ``ASM``: the PTX above,
+    else the portable fp16 codec (``formats.e2m1_pair_to_f32_scaled``)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(_E2M1_F16_ASM, "=r,=r,=r,=r,r", [wb], dtype=(tl.float16, tl.float16),
                                            is_pure=True, pack=4)
-    else:
-        b = wb.to(tl.int32)
-        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-    return lo, hi
+        return lo.to(tl.float32), hi.to(tl.float32)
+    return e2m1_pair_to_f32_scaled(wb.to(tl.int32))
 
 
 @triton.jit
@@ -203,9 +202,7 @@ def decode_e2m1_bf16(wb, scale, ASM: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=r,=r,=r,=r,r,r,r", [wb, scale],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        b = wb.to(tl.int32)
-        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo, hi = e2m1_pair_to_f32_scaled(wb.to(tl.int32))
         lo = (lo * scale).to(tl.bfloat16)  # value·2^-14 · 2^14·2^(s-127): exact, ≤ 2 significant bits, in range
         hi = (hi * scale).to(tl.bfloat16)
     return lo, hi
@@ -301,8 +298,8 @@ def _chunk_fma(acc, wb, sb, xe, xo, ASM: tl.constexpr, BN: tl.constexpr, G: tl.c
     xe3 = tl.reshape(xe, (1, G, 16))
     xo3 = tl.reshape(xo, (1, G, 16))
     if BYTEWISE:
-        lo, hi = decode_e2m1_f16(wb, ASM)
-        dots = tl.sum(lo.to(tl.float32) * xe3 + hi.to(tl.float32) * xo3, axis=2, keep_dims=True)
+        lo, hi = decode_e2m1_unscaled(wb, ASM)
+        dots = tl.sum(lo * xe3 + hi * xo3, axis=2, keep_dims=True)
         return acc + dots * e2m1_scale_operand(sb, False)[:, :, None]
     lo, hi = decode_e2m1_bf16(wb, tl.broadcast_to(e2m1_scale_operand(sb, ASM)[:, :, None], wb.shape), ASM)
     if ELEM:

@@ -452,24 +452,27 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
     ticket = take_ticket(cnt_ptr + row)
     if SPLIT_TAIL:  # the last two programs finish together: the rows here, the Sinkhorn in the one before
         if ticket == SPLITS - 1:
-            _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, SPLITS, NPART, norm_eps,
+            r = _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX, D, norm_eps, HC, BLOCK_S)
+            _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, r, row, D, SPLITS, NPART, norm_eps,
                        hc_eps_bits, sx_m, sx_s, sxn_m, sxn_s, sy_m, APPLY_POST, NORM, ROUND_BF16, HC, BLOCK_S,
                        BLOCK_DN)
             _finish_tail(cnt_ptr + row, SPLITS)
         if ticket == SPLITS - 2:
             _await_tickets(cnt_ptr + row, SPLITS)
-            _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, row, D, NMIX, SPLITS, NPART,
-                            ITERS, norm_eps, hc_eps_bits, HC, BLOCK_S)
+            r = _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX, D, norm_eps, HC, BLOCK_S)
+            _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, r, row, SPLITS, NPART, ITERS,
+                            hc_eps_bits, HC, BLOCK_S)
             _finish_tail(cnt_ptr + row, SPLITS)
     else:
         if ticket == SPLITS - 1:
             # ---- the last program of the row: partials summed in split order, gates, RMSNorm of u, Sinkhorn
-            _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, SPLITS, NPART, norm_eps,
+            r = _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX, D, norm_eps, HC, BLOCK_S)
+            _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, r, row, D, SPLITS, NPART, norm_eps,
                        hc_eps_bits, sx_m, sx_s, sxn_m, sxn_s, sy_m, APPLY_POST, NORM, ROUND_BF16, HC, BLOCK_S,
                        BLOCK_DN)
             if not HEAD:
-                _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, row, D, NMIX, SPLITS,
-                                NPART, ITERS, norm_eps, hc_eps_bits, HC, BLOCK_S)
+                _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, r, row, SPLITS, NPART,
+                                ITERS, hc_eps_bits, HC, BLOCK_S)
             tl.store(cnt_ptr + row, 0)  # the row's counter, ready for the next launch
 
 
@@ -482,11 +485,11 @@ def _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX, D, norm_eps, HC: tl.constexpr
 
 
 @triton.jit
-def _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, SPLITS, NPART, norm_eps,
+def _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, r, row, D, SPLITS, NPART, norm_eps,
                hc_eps_bits, sx_m, sx_s, sxn_m, sxn_s, sy_m, APPLY_POST: tl.constexpr, NORM: tl.constexpr,
                ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr):
-    """The pre gates from the partials and the sub-layer's input ``u = Σ pre·X`` (RMSNormed with ``NORM``)."""
-    NMIX_PRE = NPART - 1
+    """The pre gates from the partials (``r``: :func:`_mean_square_rsqrt`) and the sub-layer's input
+    ``u = Σ pre·X`` (RMSNormed with ``NORM``)."""
     src_ptr = xn_ptr if APPLY_POST else x_ptr
     s_m = sxn_m if APPLY_POST else sx_m
     s_s = sxn_s if APPLY_POST else sx_s
@@ -494,7 +497,6 @@ def _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, 
     sp = tl.arange(0, BLOCK_S)
     sp_ok = sp < SPLITS
     eps32 = hc_eps_bits.to(tl.float64, bitcast=True).to(tl.float32)
-    r = _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX_PRE, D, norm_eps, HC, BLOCK_S)
     s0 = tl.load(scale_ptr)
     m_pre = tl.sum(tl.load(pbase + sp[None, :] * NPART + s[:, None], mask=sp_ok[None, :], other=0.0,
                            cache_modifier=".cg"), axis=1).to(tl.float32) * r
@@ -526,14 +528,14 @@ def _site_rows(x_ptr, xn_ptr, pbase, base_ptr, scale_ptr, w_ptr, y_ptr, row, D, 
 
 
 @triton.jit
-def _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, row, D, NMIX, SPLITS, NPART, ITERS,
-                    norm_eps, hc_eps_bits, HC: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The next site's ``post`` gates and ``comb`` matrix (Sinkhorn) from the partials."""
+def _site_mix_gates(pbase, base_ptr, scale_ptr, post_out_ptr, comb_out_ptr, r, row, SPLITS, NPART, ITERS,
+                    hc_eps_bits, HC: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The next site's ``post`` gates and ``comb`` matrix (Sinkhorn) from the partials (``r``:
+    :func:`_mean_square_rsqrt`)."""
     s = tl.arange(0, HC)
     sp = tl.arange(0, BLOCK_S)
     sp_ok = sp < SPLITS
     eps64 = hc_eps_bits.to(tl.float64, bitcast=True)
-    r = _mean_square_rsqrt(pbase, SPLITS, NPART, NMIX, D, norm_eps, HC, BLOCK_S)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     m_post = tl.sum(tl.load(pbase + sp[None, :] * NPART + HC + s[:, None], mask=sp_ok[None, :], other=0.0,
