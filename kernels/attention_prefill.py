@@ -28,8 +28,9 @@ ties to the lower index, through 64-bit keys ``(order-preserving score bits) << 
 equal, as in torch; every key of a row is distinct, so the order is total). The row is read in tiles as wide as the
 selection (``KP = next_pow2(topk)``, 512 for Flash): a running top-``KP`` is joined with each tile and the ``2·KP``
 keys sorted, the upper half kept — the same first ``topk`` as one sort of the whole row, for any context length,
-from one compiled kernel (one sort of the row compiled a bitonic network per power of two of ``T``: 20 s for 4,096
-entries and 75 s for 8,192 on the first prompt of that length, and rows over 8,192 did not fit a program).
+from one compiled kernel (one sort of the row compiled a bitonic network per power of two of ``T``, tens of seconds
+for the long rows on the first prompt of that length — ``docs/kernels_prefill.md`` — and rows over 8,192 did not
+fit a program).
 
 **Compressor pooling** (``ReferenceOps.compressor_pool``): per channel softmax over an entry's slots, in fp32.
 """
