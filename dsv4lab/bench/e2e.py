@@ -379,23 +379,21 @@ def graph_check(runner) -> dict:
 
 
 def decode_round(runner, batch: int, n: int, prompt: list[int]) -> tuple[float, list[int]]:
-    """Prefill ``batch`` copies of ``prompt``, then ``n`` greedy steps through ``runner.forward`` (the engine's decode
-    path); returns (decode seconds, row 0's ids)."""
+    """Prefill ``batch`` copies of ``prompt``, then ``n`` greedy steps through ``runner.decode_greedy`` (the engine's
+    decode path, what ``generate`` runs: each step's ids read on the host while the next step runs); returns
+    (decode seconds, row 0's ids: the prefill's choice and the first ``n − 1`` steps')."""
     slots = list(range(batch))
     runner.reset()
     logits = runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots,
                             logits="last")[:, -1]
-    nxt = logits.argmax(-1)
-    ids = []
+    first = logits.argmax(-1).cpu()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     t0 = time.perf_counter()
-    for i in range(n):
-        ids.append(int(nxt[0]))  # one host read per step: what a server does to stream tokens
-        nxt = runner.forward(nxt[:, None], len(prompt) + i, slots=slots)[:, -1].argmax(-1)
+    rows = runner.decode_greedy(first, n, slots=slots)  # every step's ids come back to the host, as a server's
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return time.perf_counter() - t0, ids
+    return time.perf_counter() - t0, [int(first[0])] + rows[0][:n - 1]
 
 
 def _mbu(runner, o: dict, batch: int, context: int, tok_s: float, copy_gbps: float | None) -> dict:
@@ -484,12 +482,10 @@ def context_row(runner, clock, n: int, o: dict, copy_gbps: float | None) -> dict
                forward_same_argmax=bool(torch.equal(e.argmax(-1), f.argmax(-1))), reference_rel=rel(e, r),
                forward_vs_reference_rel=rel(f, r), reference_same_argmax=bool(torch.equal(e.argmax(-1),
                                                                                           r.argmax(-1))))
-    nxt = e.argmax(-1)
+    nxt = e.argmax(-1).cpu()
     clock.sync()
     t0 = time.perf_counter()
-    for i in range(o["context_tokens"]):
-        nxt = runner.forward(nxt[:, None], n + 1 + i, slots=[0])[:, -1].argmax(-1)
-        int(nxt[0])
+    runner.decode_greedy(nxt, o["context_tokens"], slots=[0])  # the engine's decode loop, as decode_round's
     clock.sync()
     dt = time.perf_counter() - t0
     runner.reset()

@@ -265,6 +265,32 @@ class DecodeGraphs:
         graph.replay()
         return logits[:b].clone()
 
+    @torch.inference_mode()
+    def stepper(self, slots: torch.Tensor):
+        """``advance(tokens, positions) → logits`` for the ``b = len(slots)`` rows of ``slots`` (device tensors):
+        each call copies the rows into the tier's static inputs on the device and replays, with no host
+        transfer — what :meth:`ModelRunner.decode_greedy` runs one step ahead of the host. The logits returned
+        are the graph's own output rows (valid until the next replay of the tier: consume them in stream
+        order)."""
+        b = slots.shape[0]
+        tier = self.tier(b)
+        if tier is None:
+            raise ValueError(f"no graph tier holds batch {b}; tiers: {self.tiers}")
+        if tier not in self.graphs:
+            self._capture(tier, 2)
+        graph, io, logits = self.graphs[tier]
+        io[:, b:] = 0  # padding rows: token 0 at position 0 of the spare slot, as replay pads them
+        io[2, b:] = self.runner.spare_slot
+        io[2, :b].copy_(slots)
+
+        @torch.inference_mode()  # the static inputs were made in inference mode
+        def advance(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            io[0, :b].copy_(tokens)
+            io[1, :b].copy_(positions)
+            graph.replay()
+            return logits[:b]
+        return advance
+
 
 class FastDecoder:
     """The engine's decode path: :class:`StaticDecodeStep`, replayed from :class:`DecodeGraphs` where ``graphs``.
@@ -283,6 +309,13 @@ class FastDecoder:
             return self.graphs.replay(tokens, positions, slots)
         dev = self.runner.device
         return self.step(tokens.to(dev), positions.to(dev), slots.to(dev))
+
+    def stepper(self, slots: torch.Tensor):
+        """``advance(tokens, positions) → [b, vocab]`` logits on the device for the rows of ``slots`` (a device
+        tensor), no host transfer: the graph tier's (:meth:`DecodeGraphs.stepper`), else the eager step."""
+        if self.graphs is not None and self.graphs.tier(slots.shape[0]) is not None:
+            return self.graphs.stepper(slots)
+        return lambda tokens, positions: self.step(tokens, positions, slots)
 
 
 class GraphDecoder:

@@ -279,6 +279,92 @@ class ModelRunner:
                              f"{slots.tolist()} (they hold {held.tolist()} positions): run every forward of a sequence "
                              "with mtp=True, or reset the slot")
 
+    @torch.inference_mode()
+    def decode_greedy(self, tokens, steps: int, slots=None, stop_token: int | None = None,
+                      on_tokens: Callable[[list[int]], None] | None = None) -> list[list[int]]:
+        """Greedy decoding of ``steps`` tokens per row through the decode path, the host one step behind the GPU.
+
+        ``tokens [b]``: each row's next input, fed at its slot's current position (``slots``: default
+        ``0..b-1``); step ``i`` feeds the token step ``i−1`` chose, on the device. Each step's choices are copied to
+        the host while the next step runs, so the host's work (reading, streaming, the stop check) never leaves
+        the GPU idle; ``on_tokens(ids)`` hears each step's ``b`` ids. Stops after ``steps`` steps, or once every
+        row has chosen ``stop_token``; each row's list ends at its first ``stop_token``. Returns the chosen ids
+        per row; the slots advance by the tokens fed (``tokens`` and every chosen id but each row's last).
+
+        Stopping early leaves one step run past the stop (launched before the stop was read): it wrote the
+        stopped token's cache rows at the slot's next position, which the next token fed there overwrites (every
+        cache this step writes is a ring of at least the window's period, or an entry rebuilt from such rows,
+        and no later position reads what that write replaced); ``tests/test_decode_greedy.py`` checks that
+        continuing after such a stop equals continuing without it, bit for bit. On the eager path (``decode_path
+        == "eager"``) it steps through :meth:`forward` instead, with a host read per step.
+        """
+        cpu = torch.device("cpu")
+        tok = torch.as_tensor(tokens, dtype=torch.long, device=cpu)
+        if tok.ndim != 1:
+            raise ValueError(f"tokens must be [batch], got shape {list(tok.shape)}")
+        b = tok.shape[0]
+        slots_t = torch.arange(b) if slots is None else _as_rows(slots, b, "slots", cpu)
+        if int(slots_t.max()) >= self.max_batch or int(slots_t.min()) < 0 or len(set(slots_t.tolist())) != b:
+            raise ValueError(f"slots must be distinct and in [0, {self.max_batch}), got {slots_t.tolist()}")
+        if int(tok.min()) < 0 or int(tok.max()) >= self.args.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.args.vocab_size})")
+        if steps < 1:
+            raise ValueError(f"steps must be ≥ 1, got {steps}")
+        start = self.positions[slots_t].clone()
+        if int(start.max()) + steps > self.args.max_seq_len:
+            raise ValueError(f"{steps} steps from position {int(start.max())} would exceed "
+                             f"max_seq_len={self.args.max_seq_len}")
+        out: list[list[int]] = [[] for _ in range(b)]
+        stopped = [False] * b
+
+        def take(ids: list[int]) -> bool:  # one step's choices → True once every row has stopped
+            for r, t in enumerate(ids):
+                if not stopped[r]:
+                    out[r].append(t)
+                    stopped[r] = t == stop_token
+            if on_tokens is not None:
+                on_tokens(ids)
+            return stop_token is not None and all(stopped)
+
+        if self.decoder is None:  # the eager path: step by step through forward
+            nxt = tok
+            for i in range(steps):
+                nxt = self.forward(nxt[:, None], start + i, slots=slots_t)[:, -1].argmax(-1).cpu()
+                if take(nxt.tolist()):
+                    break
+            return out
+        dev = self.device
+        advance = self.decoder.stepper(slots_t.to(dev))
+        nxt, pos = tok.to(dev), start.to(dev)
+        host = torch.empty((2, b), dtype=torch.long, pin_memory=dev.type == "cuda")
+        pending = None  # (host row, event) of the step whose choices the host has not read yet
+        fed = 0
+        try:
+            for i in range(steps):
+                nxt = advance(nxt, pos).argmax(-1)
+                fed += 1
+                pos = pos + 1
+                row = host[i % 2]
+                row.copy_(nxt, non_blocking=True)
+                ready = torch.cuda.Event() if dev.type == "cuda" else None
+                if ready is not None:
+                    ready.record()
+                if pending is not None:
+                    if pending[1] is not None:
+                        pending[1].synchronize()
+                    if take(pending[0].tolist()):
+                        fed -= 1  # the step just launched fed a stopped row's token: run past the stop
+                        pending = None
+                        break
+                pending = (row, ready)
+            if pending is not None:
+                if pending[1] is not None:
+                    pending[1].synchronize()
+                take(pending[0].tolist())
+        finally:
+            self.positions[slots_t] += fed
+        return out
+
     def _token_rows(self, ids, b: int, name: str, greedy_marker: bool = False) -> torch.Tensor:
         t = _as_rows(ids, b, name, self.device)
         lo = -1 if greedy_marker else 0
@@ -322,6 +408,16 @@ class ModelRunner:
             piece = torch.tensor([ids[s:s + chunk]])
             logits = self.forward(piece, start_pos=s, slots=[slot], logits="last")
         out: list[int] = []
+        limit = min(max_new_tokens, self.args.max_seq_len - len(ids))  # tokens it may choose
+        if temperature <= 0:  # greedy: the device feeds itself, the host reads one step behind
+            out.append(int(logits[0, -1].argmax()))
+            if on_token is not None:
+                on_token(out[0])
+            if limit > 1 and not (stop_at_eos and out[0] == self.args.eos_token_id):
+                out += self.decode_greedy([out[0]], limit - 1, slots=[slot],
+                                          stop_token=self.args.eos_token_id if stop_at_eos else None,
+                                          on_tokens=None if on_token is None else lambda t: on_token(t[0]))[0]
+            return out
         for _ in range(max_new_tokens):
             nxt = int(sample(logits[:, -1], temperature, top_p, gen)[0])
             out.append(nxt)
