@@ -3,8 +3,8 @@
 Decoding (one token per row, no trace) goes through the engine's decode path (:attr:`ModelRunner.decode_path`):
 on a GPU with the Triton backend, the captured static step (:mod:`dsv4lab.engine.decode_graph`, graph replay per
 batch tier, batches padded to the tier); elsewhere the eager per-op forward (the reference's structure, and the
-path a trace needs). ``generate``, the server's scheduler, the notebooks and the benchmarks all decode through
-``forward``, so they all take the same path.
+path a trace needs). ``forward`` (the server's scheduler, the notebooks) and ``decode_greedy`` (greedy
+``generate``, the benchmarks: the same step, each step's ids read on the host one step behind the GPU) take it.
 """
 from __future__ import annotations
 
