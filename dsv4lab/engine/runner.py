@@ -129,19 +129,23 @@ class ModelRunner:
 
     def _fast_decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One step of the static decode path for rows already validated: ``[b, vocab]`` fp32 logits."""
+        return self._through_decoder(lambda d: d(tokens, positions, slots), tokens.shape[0])
+
+    def _through_decoder(self, use: Callable[[FastDecoder], object], b: int):
+        """``use(self.decoder)``; where capturing the graph of ``b`` rows fails, the static step without graphs."""
         decoder = self.decoder
         try:
-            return decoder(tokens, positions, slots)
+            return use(decoder)
         except RuntimeError as err:
             graphs = decoder.graphs
-            if graphs is None or graphs.tier(tokens.shape[0]) in graphs.graphs:
+            if graphs is None or graphs.tier(b) in graphs.graphs:
                 raise
             # a backend op that syncs with the host cannot be captured (e.g. the reference's routed-expert loop
             # under expert parallelism): decode through the same step, eagerly
             self.decode_note = f"graph capture failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})"
             log.warning("decode: %s; decoding through the static step without graphs", self.decode_note)
             self.decode_path = "static"
-            return self.decoder(tokens, positions, slots)
+            return use(self.decoder)
 
     # ------------------------------------------------------------------ state
     def reset(self, slots: Sequence[int] | torch.Tensor | None = None) -> None:
@@ -334,7 +338,7 @@ class ModelRunner:
                     break
             return out
         dev = self.device
-        advance = self.decoder.stepper(slots_t.to(dev))
+        advance = self._through_decoder(lambda d: d.stepper(slots_t.to(dev)), b)
         nxt, pos = tok.to(dev), start.to(dev)
         host = torch.empty((2, b), dtype=torch.long, pin_memory=dev.type == "cuda")
         pending = None  # (host row, event) of the step whose choices the host has not read yet
