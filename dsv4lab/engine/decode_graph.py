@@ -247,17 +247,21 @@ class DecodeGraphs:
         self.capture_s[b] = time.perf_counter() - t0
         log.info("captured the decode step for batch %d in %.2f s", b, self.capture_s[b])
 
-    @torch.inference_mode()  # the static inputs were made in inference mode: copying into them must be too
-    def replay(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Decode ``b = len(tokens)`` rows with the graph of the smallest tier ``≥ b`` (captured now if it is not
-        yet), the rows past ``b`` padded into the spare slot; returns a copy of the ``[b, vocab]`` logits."""
-        b = tokens.shape[0]
+    def _graph_for(self, b: int) -> tuple[int, tuple]:
+        """The smallest tier ``≥ b`` and its ``(graph, io, logits)``, captured now if it is not yet."""
         tier = self.tier(b)
         if tier is None:
             raise ValueError(f"no graph tier holds batch {b}; tiers: {self.tiers}")
         if tier not in self.graphs:
             self._capture(tier, 2)
-        graph, io, logits = self.graphs[tier]
+        return tier, self.graphs[tier]
+
+    @torch.inference_mode()  # the static inputs were made in inference mode: copying into them must be too
+    def replay(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Decode ``b = len(tokens)`` rows with the graph of the smallest tier ``≥ b`` (captured now if it is not
+        yet), the rows past ``b`` padded into the spare slot; returns a copy of the ``[b, vocab]`` logits."""
+        b = tokens.shape[0]
+        tier, (graph, io, logits) = self._graph_for(b)
         rows = torch.zeros(3, tier, dtype=torch.long)
         rows[2] = self.runner.spare_slot
         rows[0, :b], rows[1, :b], rows[2, :b] = tokens.cpu(), positions.cpu(), slots.cpu()
@@ -273,12 +277,7 @@ class DecodeGraphs:
         are the graph's own output rows (valid until the next replay of the tier: consume them in stream
         order)."""
         b = slots.shape[0]
-        tier = self.tier(b)
-        if tier is None:
-            raise ValueError(f"no graph tier holds batch {b}; tiers: {self.tiers}")
-        if tier not in self.graphs:
-            self._capture(tier, 2)
-        graph, io, logits = self.graphs[tier]
+        graph, io, logits = self._graph_for(b)[1]
         io[:, b:] = 0  # padding rows: token 0 at position 0 of the spare slot, as replay pads them
         io[2, b:] = self.runner.spare_slot
         io[2, :b].copy_(slots)
