@@ -116,7 +116,7 @@ def test_decode_greedy_rejects_bad_arguments():
 @pytest.mark.gpu
 def test_gpu_decode_greedy_through_the_graphs_equals_the_forward_loop():
     """The graph path: inputs copied on the device, the host a step behind — the same ids as replaying with a host
-    read per step, and the stop leaves the slot where the loop would."""
+    read per step, and the slots' positions where that loop leaves them."""
     ids = _ids(40, rows=3, seed=4)
     runs = {}
     for way in ("loop", "greedy"):

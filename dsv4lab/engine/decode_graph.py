@@ -47,6 +47,15 @@ TIERS = (1, 2, 4, 8)
 log = logging.getLogger("dsv4lab.decode")
 
 
+def check_slots(slots: torch.Tensor, max_batch: int) -> None:
+    """Decode rows' cache slots (a host tensor): distinct and in ``[0, max_batch)``, else a one-line error."""
+    ids = slots.tolist()
+    if not ids:
+        raise ValueError("no rows to decode")
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= max_batch:
+        raise ValueError(f"slots must be distinct and in [0, {max_batch}), got {ids}")
+
+
 def tiers_for(max_batch: int, tiers: Sequence[int] = TIERS) -> tuple[int, ...]:
     """The captured batch tiers for ``max_batch`` slots: the given tiers up to the first one that holds them all."""
     out = []
@@ -339,9 +348,7 @@ class GraphDecoder:
         if tokens_t.ndim != 1 or slots_cpu.shape != tokens_t.shape:
             raise ValueError(f"tokens and slots must be 1-D and equally long, got {list(tokens_t.shape)} and "
                              f"{list(slots_cpu.shape)}")
-        if len(set(slots_cpu.tolist())) != len(slots_cpu) or int(slots_cpu.min()) < 0 \
-                or int(slots_cpu.max()) >= r.max_batch:
-            raise ValueError(f"slots must be distinct and in [0, {r.max_batch}), got {slots_cpu.tolist()}")
+        check_slots(slots_cpu, r.max_batch)
         positions_cpu = r.positions[slots_cpu]
         if int(positions_cpu.max()) >= r.args.max_seq_len:
             raise ValueError(f"sequence would exceed max_seq_len={r.args.max_seq_len}")

@@ -17,7 +17,7 @@ import torch
 
 from ..model.transformer import Transformer
 from ..tokenizer import load_tokenizer
-from .decode_graph import FastDecoder
+from .decode_graph import FastDecoder, check_slots
 from .sampling import check_generation, sample, trajectory_hash
 from .speculative import check_speculative, generate_speculative
 
@@ -308,8 +308,7 @@ class ModelRunner:
             raise ValueError(f"tokens must be [batch], got shape {list(tok.shape)}")
         b = tok.shape[0]
         slots_t = torch.arange(b) if slots is None else _as_rows(slots, b, "slots", cpu)
-        if int(slots_t.max()) >= self.max_batch or int(slots_t.min()) < 0 or len(set(slots_t.tolist())) != b:
-            raise ValueError(f"slots must be distinct and in [0, {self.max_batch}), got {slots_t.tolist()}")
+        check_slots(slots_t, self.max_batch)
         if int(tok.min()) < 0 or int(tok.max()) >= self.args.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.args.vocab_size})")
         if steps < 1:
@@ -340,31 +339,30 @@ class ModelRunner:
         dev = self.device
         advance = self._through_decoder(lambda d: d.stepper(slots_t.to(dev)), b)
         nxt, pos = tok.to(dev), start.to(dev)
+        # step i's choices land in host[i % 2]; ready[i % 2] says when (two of each: the host reads step i − 1's
+        # while step i's copy is queued)
         host = torch.empty((2, b), dtype=torch.long, pin_memory=dev.type == "cuda")
-        pending = None  # (host row, event) of the step whose choices the host has not read yet
+        ready = [torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda" else None
+
+        def read(i: int) -> list[int]:
+            if ready is not None:
+                ready[i % 2].synchronize()
+            return host[i % 2].tolist()
+
         fed = 0
         try:
             for i in range(steps):
                 nxt = advance(nxt, pos).argmax(-1)
-                fed += 1
                 pos = pos + 1
-                row = host[i % 2]
-                row.copy_(nxt, non_blocking=True)
-                ready = torch.cuda.Event() if dev.type == "cuda" else None
+                fed += 1
+                host[i % 2].copy_(nxt, non_blocking=True)
                 if ready is not None:
-                    ready.record()
-                if pending is not None:
-                    if pending[1] is not None:
-                        pending[1].synchronize()
-                    if take(pending[0].tolist()):
-                        fed -= 1  # the step just launched fed a stopped row's token: run past the stop
-                        pending = None
-                        break
-                pending = (row, ready)
-            if pending is not None:
-                if pending[1] is not None:
-                    pending[1].synchronize()
-                take(pending[0].tolist())
+                    ready[i % 2].record()
+                if i > 0 and take(read(i - 1)):
+                    fed -= 1  # step i fed a stopped row's token: the step run past the stop
+                    break
+            else:
+                take(read(steps - 1))
         finally:
             self.positions[slots_t] += fed
         return out
@@ -412,8 +410,8 @@ class ModelRunner:
             piece = torch.tensor([ids[s:s + chunk]])
             logits = self.forward(piece, start_pos=s, slots=[slot], logits="last")
         out: list[int] = []
-        limit = min(max_new_tokens, self.args.max_seq_len - len(ids))  # tokens it may choose
         if temperature <= 0:  # greedy: the device feeds itself, the host reads one step behind
+            limit = min(max_new_tokens, self.args.max_seq_len - len(ids))  # tokens it may choose
             out.append(int(logits[0, -1].argmax()))
             if on_token is not None:
                 on_token(out[0])
