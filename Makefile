@@ -3,11 +3,14 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
+# Every other dependency is pinned here, so CI cannot change colour without a commit; `make constraints` refreshes it.
+CONSTRAINTS ?= constraints.txt
 
-.PHONY: install test test-fast reproduce lab browser-deps tiny clean-runs help
+.PHONY: install constraints test test-fast reproduce lab browser-deps tiny clean-runs help
 
 help:
 	@echo "make install       create $(VENV) and install dsv4lab with all extras and its JupyterLab save hook (idempotent)"
+	@echo "make constraints   re-resolve every dependency in a fresh venv and rewrite $(CONSTRAINTS) (then run make test)"
 	@echo "make test          the whole test suite (what CI runs)"
 	@echo "make test-fast     the suite without the slow, browser, notebook and distributed tests"
 	@echo "make reproduce     every notebook headless on data/tiny-py (data/tiny without it) into runs/<UTC stamp>_<commit>/"
@@ -24,7 +27,7 @@ $(PY):
 # (a CUDA or ROCm build installed beforehand); otherwise install the CPU wheel.
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e ".[all]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[all]"
 	@# JupyterLab in this environment saves the repository's notebooks output-free (dsv4lab.notebook_format)
 	@mkdir -p $(VENV)/etc/jupyter/jupyter_server_config.d
 	@cp notebooks/jupyter_config/jupyter_server_config.d/dsv4lab.json $(VENV)/etc/jupyter/jupyter_server_config.d/
@@ -33,6 +36,19 @@ install: $(PY)
 # Debian's chromium for the JupyterLab browser test (playwright cannot download its own browser here).
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+# The newest releases that satisfy pyproject.toml, resolved in a throw-away venv. torch, triton and the CUDA
+# libraries stay out: they come with the accelerator's torch build (the CPU wheel is pinned above).
+constraints:
+	rm -rf .venv-constraints && $(PYTHON) -m venv .venv-constraints
+	.venv-constraints/bin/python -m pip install -q --upgrade pip
+	.venv-constraints/bin/python -m pip install -q $(TORCH_CPU)
+	.venv-constraints/bin/python -m pip install -q -e ".[all]"
+	@{ echo "# Pinned by 'make constraints' on $$(date -u +%F) (Python $$(.venv-constraints/bin/python -c 'import platform; print(platform.python_version())')); used by make install and CI."; \
+	   echo "# torch, triton and nvidia-* are left to the installed accelerator build."; \
+	   .venv-constraints/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|triton|nvidia-|dsv4lab)[=_ -]'; } > $(CONSTRAINTS)
+	rm -rf .venv-constraints
+	@echo "wrote $(CONSTRAINTS): run 'make test' on it before committing"
 
 test: install
 	$(PY) -m pytest -q -n auto --dist load --durations=25

@@ -1,7 +1,7 @@
 """Where dsv4lab's files are, and reading them with an error that names the file.
 
 Run from a checkout (an editable install, ``PYTHONPATH``, the tests), every location is in the repository:
-``data/``, ``notebooks/``, ``kernels/``. An installed wheel has no repository; it carries the data commands read at
+``data/``, ``notebooks/``, ``kernels/dsv4lab_kernels/``. An installed wheel has no repository; it carries the data commands read at
 run time under ``dsv4lab/_data/`` — the hardware catalogue, the paper's numbers, the notebooks' expectations, the
 golden oracles, the committed measurements and the small models' tokenizer (``pyproject.toml`` maps ``data/`` there)
 — and :data:`DATA_DIR` points at it. What a wheel does not carry (the small checkpoints, the notebooks) is reported
@@ -31,7 +31,7 @@ TOKENIZERS_DIR = DATA_DIR / "tokenizers"
 DEFAULT_TOKENIZER = TOKENIZERS_DIR / "pystdlib-bpe-4096.json"  # the small models' BPE (train, make-checkpoint)
 
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"       # a checkout only
-KERNELS_DIR = REPO_ROOT / "kernels"           # the source of dsv4lab_kernels in a checkout
+KERNELS_DIR = REPO_ROOT / "kernels" / "dsv4lab_kernels"  # the source of dsv4lab_kernels in a checkout
 STYLE_FILE = PACKAGE_DIR / "style" / "dsv4lab.mplstyle"
 RUNS_DIR = Path("runs")                       # relative: results of a command go where it runs
 

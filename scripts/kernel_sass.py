@@ -32,6 +32,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+KERNELS_DIR = ROOT / "kernels" / "dsv4lab_kernels"
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -43,8 +44,8 @@ def _kernels(name: str):
     import importlib
     import importlib.util
     if importlib.util.find_spec("dsv4lab_kernels") is None:
-        spec = importlib.util.spec_from_file_location("dsv4lab_kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        spec = importlib.util.spec_from_file_location("dsv4lab_kernels", KERNELS_DIR / "__init__.py",
+                                                      submodule_search_locations=[str(KERNELS_DIR)])
         mod = importlib.util.module_from_spec(spec)
         sys.modules["dsv4lab_kernels"] = mod
         spec.loader.exec_module(mod)
@@ -62,7 +63,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 MOE_INTS = ("D", "I", "n_local", "stride_we", "stride_wn", "stride_se", "stride_sn")
 
 
-WITH_PDL = False  # --pdl: compile with the programmatic-dependent-launch prologue (kernels/launch.py)
+WITH_PDL = False  # --pdl: compile with the programmatic-dependent-launch prologue (kernels/dsv4lab_kernels/launch.py)
 
 
 def _compile(fn, signature: dict, constexprs: dict, div16, num_warps: int, num_stages: int):

@@ -28,11 +28,14 @@ ROWS = ((512, 128), (4604, 1151), (8192, 2048), (8192, 4096), (8192, 8192))  # (
 
 
 def _attention_prefill(root: Path):
-    """``kernels/attention_prefill.py`` of the tree at ``root``, imported as the ``dsv4lab_kernels`` package."""
+    """The tree at ``root``'s ``attention_prefill.py``, imported as part of the ``dsv4lab_kernels`` package."""
     for name in [m for m in sys.modules if m.startswith("dsv4lab_kernels")]:
         del sys.modules[name]
-    spec = importlib.util.spec_from_file_location("dsv4lab_kernels", root / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(root / "kernels")])
+    folder = root / "kernels" / "dsv4lab_kernels"
+    if not folder.is_dir():
+        folder = root / "kernels"  # trees before the package moved into kernels/dsv4lab_kernels/
+    spec = importlib.util.spec_from_file_location("dsv4lab_kernels", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     pkg = importlib.util.module_from_spec(spec)
     sys.modules["dsv4lab_kernels"] = pkg
     spec.loader.exec_module(pkg)

@@ -1,4 +1,4 @@
-"""The decode projections (``kernels/fp8_gemv.py``, issue 17): the own GEMV's routes against the exact reference
+"""The decode projections (``kernels/dsv4lab_kernels/fp8_gemv.py``, issue 17): the own GEMV's routes against the exact reference
 within the analytic bound, its fused activation quantization bit for bit, the cuBLAS form, and the measured
 dispatch between them (:mod:`dsv4lab.engine.decode_dispatch`).
 

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (``kernels/launch.py``, on by default on sm_90+): off on a CPU and in the
+"""Programmatic dependent launch (``kernels/dsv4lab_kernels/launch.py``, on by default on sm_90+): off on a CPU and in the
 interpreter whatever the environment says; every kernel launched with :func:`pdl_args` declares ``PDL`` and waits for its predecessors before
 anything else (a static check over the kernel sources — a PDL launch without the wait would read stale memory);
 on a GPU, the graph-replayed decode step with PDL on gives the same bits as with it off."""
@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, TINY
 from dsv4lab.engine.kernel_loader import kernel_module
 
-KERNELS = ROOT / "kernels"
+KERNELS = ROOT / "kernels" / "dsv4lab_kernels"
 
 
 def test_pdl_is_off_without_a_hopper_gpu(monkeypatch):

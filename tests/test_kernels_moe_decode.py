@@ -1,4 +1,4 @@
-"""The routed-MoE decode kernels (``kernels/fp4_moe_decode.py``, issue 17) against exact oracles, within the
+"""The routed-MoE decode kernels (``kernels/dsv4lab_kernels/fp4_moe_decode.py``, issue 17) against exact oracles, within the
 analytic bound of :mod:`dsv4lab.verify.bounds`.
 
 Per stage and slot: ``|out − ref| ≤ γ(c·n)·Σ|terms| + 1 ulp_bf16(ref)`` with ``n`` the reduction length (``D`` for

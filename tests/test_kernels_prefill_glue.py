@@ -4,7 +4,7 @@ rows kernel (the mix of many rows as a GEMM in fp64), against the reference comp
 
 Both evaluate the reference's formula with its rounding points, so under the interpreter (numpy's fp64) the outputs
 are bit-identical to the reference and to the decode step's kernels; on a GPU (the ``gpu`` cases, Flash widths)
-they are within the per-op bounds of ``kernels/norm_rope_quant.py`` and ``kernels/mhc.py``. Inputs are random,
+they are within the per-op bounds of ``kernels/dsv4lab_kernels/norm_rope_quant.py`` and ``kernels/dsv4lab_kernels/mhc.py``. Inputs are random,
 shapes irregular (row counts that are not multiples of the row block, widths that are not multiples of the column
 step), the memory past every input NaN-poisoned.
 """

@@ -105,7 +105,7 @@ class Graph:
 def module_names(root: Path) -> dict[str, Path]:
     """Module name → file for the package, the kernels and the notebook sources under ``root``."""
     out: dict[str, Path] = {}
-    for top, name in (("dsv4lab", "dsv4lab"), ("kernels", "dsv4lab_kernels"), ("notebooks/source", "notebooks")):
+    for top, name in (("dsv4lab", "dsv4lab"), ("kernels/dsv4lab_kernels", "dsv4lab_kernels"), ("notebooks/source", "notebooks")):
         for path in sorted((root / top).rglob("*.py")):
             parts = [name, *path.relative_to(root / top).with_suffix("").parts]
             if parts[-1] == "__init__":
@@ -340,7 +340,7 @@ def test_light_modules_import_without_torch():
 
 
 def test_the_detector_flags_planted_mistakes(tmp_path):
-    for top in ("dsv4lab", "kernels", "notebooks/source"):
+    for top in ("dsv4lab", "kernels/dsv4lab_kernels", "notebooks/source"):
         shutil.copytree(REPO / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__", "*.ipynb"))
     clean = read_graph(tmp_path)
     assert upward_imports(clean) == [] and cycles(clean) == [] and unjustified_deferred_imports(clean) == []

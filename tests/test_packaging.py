@@ -67,6 +67,22 @@ def test_the_package_list_is_complete():
     assert "dsv4lab/style/dsv4lab.mplstyle" in shipped
 
 
+def test_transformers_imports_from_the_repository_root():
+    """Run from the root (a notebook kernel, ``python -c``, pytest), ``kernels`` must not resolve to this repository:
+    transformers >= 5.25 imports Hugging Face's ``kernels`` package, and a ``kernels/__init__.py`` here shadowed it."""
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import importlib.util, pathlib, sys\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "origin = pathlib.Path(spec.origin).resolve() if spec and spec.origin else None\n"
+            "assert origin is None or (pathlib.Path.cwd().resolve() / 'kernels') not in origin.parents, origin\n"
+            "from transformers import DeepseekV4ForCausalLM, DeepseekV4Config\n"
+            "import dsv4lab_kernels\n"
+            "print('ok', DeepseekV4ForCausalLM.__name__, dsv4lab_kernels.__name__)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("ok DeepseekV4ForCausalLM"), res.stdout + res.stderr
+
+
 def _copy_sources(dest: Path) -> None:
     """The tracked files of SOURCES (a plain copy outside a git checkout), without caches or checkpoints."""
     listed = subprocess.run(["git", "ls-files", "-z", *SOURCES], cwd=REPO, capture_output=True)
@@ -117,7 +133,7 @@ def _run(cmd, work: Path) -> subprocess.CompletedProcess:
 def test_the_wheel_holds_every_module_and_data_file(installed):
     *_, wheel = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    for top, pkg in (("dsv4lab", "dsv4lab"), ("kernels", "dsv4lab_kernels")):
+    for top, pkg in (("dsv4lab", "dsv4lab"), ("kernels/dsv4lab_kernels", "dsv4lab_kernels")):
         for f in (REPO / top).rglob("*.py"):
             if "__pycache__" not in f.parts:
                 assert "/".join([pkg, *f.relative_to(REPO / top).parts]) in names, f

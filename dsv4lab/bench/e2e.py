@@ -95,7 +95,7 @@ def add_arguments(p):
                    help="skip the parts that would start after this many seconds (recorded as skipped)")
     p.add_argument("--no-pdl", action="store_true", help="launch the decode kernels without programmatic dependent "
                    "launch, which is on by default on Hopper or later (sets DSV4LAB_PDL=0 in every rank — "
-                   "kernels/launch.py)")
+                   "kernels/dsv4lab_kernels/launch.py)")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, a few tokens: checks the script")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench/e2e.json)")
     p.add_argument("--commit", default=None, help="commit to record (default: git describe of this tree)")
@@ -132,7 +132,7 @@ def options(args) -> dict:
 
 
 def _pdl_active(device) -> bool:
-    """Whether the decode kernels launch with PDL here: ``kernels/launch.py``'s rule (a GPU run has the kernels)."""
+    """Whether the decode kernels launch with PDL here: ``kernels/dsv4lab_kernels/launch.py``'s rule (a GPU run has the kernels)."""
     return device.type == "cuda" and kernel_module("launch").pdl_enabled(device)
 
 
@@ -238,7 +238,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
 
     t_start = time.perf_counter()
     if not o.get("pdl", True):
-        os.environ[PDL_ENV] = "0"  # read at every kernel launch (kernels/launch.py), graph capture included
+        os.environ[PDL_ENV] = "0"  # read at every kernel launch (kernels/dsv4lab_kernels/launch.py), graph capture included
     args = cut_layers(get_preset(o["preset"]), o["layers"])
     max_len = max([o["prompt_tokens"], 16 + o["decode_tokens"], 48]
                   + [c + o["context_tokens"] for c in o["contexts"]]) + 8

@@ -15,7 +15,7 @@ from ..paths import KERNELS_DIR
 
 PDL_ENV = "DSV4LAB_PDL"
 """``0``: the decode kernels launch without programmatic dependent launch, which is on by default on sm_90+ GPUs
-(``kernels/launch.py`` reads it; named here so the tools can set it without importing triton)."""
+(``kernels/dsv4lab_kernels/launch.py`` reads it; named here so the tools can set it without importing triton)."""
 
 
 def kernel_module(name: str):

@@ -305,7 +305,7 @@ class ReferenceOps:
         return o
 
     # ---------------------------------------------------------------- fused ops: compositions of the ops above
-    # A fast backend runs each on one or two kernels (kernels/mhc.py, norm_rope_quant.py, compressor_decode.py,
+    # A fast backend runs each on one or two kernels (kernels/dsv4lab_kernels/mhc.py, norm_rope_quant.py, compressor_decode.py,
     # router.py, indexer_decode.py); here each is literally the composition of the ops it fuses, so the reference
     # forward stays one readable path and verification sees a fused op as one stage.
     def hc_pre_norm(self, X, fn, base, scale, norm_weight, args):

@@ -847,7 +847,7 @@ OP_BOUNDS = {
     "compressor_pool": compressor_pool, "sparse_attention": sparse_attention,
     "attention_from_caches": attention_from_caches, "indexer_scores": indexer_scores,
     "indexer_topk": indexer_topk, "compressed_rope_position": compressed_rope_position,
-    # fused ops (kernels/mhc.py, norm_rope_quant.py, compressor_decode.py, router.py, indexer_decode.py)
+    # fused ops (kernels/dsv4lab_kernels/mhc.py, norm_rope_quant.py, compressor_decode.py, router.py, indexer_decode.py)
     "hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm, "head_rms_rope": head_rms_rope,
     "kv_norm_rope": kv_norm_rope, "indexer_query": indexer_query, "indexer_select": indexer_select,
     "indexer_select_decode": indexer_select_decode, "router_topk": router_topk, "compressor_step": compressor_step,

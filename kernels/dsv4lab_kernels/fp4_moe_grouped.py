@@ -1,7 +1,7 @@
 """Grouped FP4 MoE GEMM for prefill: gate/up (+ clamped SwiGLU, routing weight, FP8 re-quantization) and down.
 
 The slots (token, top-k position) are first grouped by expert into blocks of ``rows`` rows
-(``kernels/moe_sort.py``). One program computes a ``BLOCK_N``-wide output tile for one block: it unpacks each
+(``kernels/dsv4lab_kernels/moe_sort.py``). One program computes a ``BLOCK_N``-wide output tile for one block: it unpacks each
 packed E2M1 weight tile (with its 1×32 E8M0 scales) **once** and multiplies it with all ``rows`` activation rows of
 the block on tensor cores, so the unpack cost is divided by ``rows`` — the paper's "unpack reuse across rows" and
 the reason its 64-row sorter beat the 32-row one.
@@ -31,7 +31,7 @@ as bf16 are the E2M1 value times 2^-126 for every code, subnormal 0.5 included, 
 gives ``value · 2^(s−127)`` exactly; needs every scale byte ≤ 128, i.e. scales ≤ 2, which
 :func:`asm_decode_exact` checks once per bank) — inline PTX, GPUs only, and checked at first use against the
 portable decode by :func:`asm_decode_works`; ``"f16"`` is the portable form (the fp16 codec of
-``kernels/formats.py`` and an fp32 multiply), which the CPU interpreter runs; ``"auto"`` picks ``"asm"`` where it
+``kernels/dsv4lab_kernels/formats.py`` and an fp32 multiply), which the CPU interpreter runs; ``"auto"`` picks ``"asm"`` where it
 is exact and works.
 
 **Work order**: work items are (block, N tile) pairs numbered expert by expert — within an expert, tile by tile,

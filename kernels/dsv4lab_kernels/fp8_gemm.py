@@ -23,12 +23,12 @@ fp32-output GEMM rounded once), probed once per process by :func:`cublas_bf16_av
 
 :func:`quantize_activations` is the reference quantizer as a kernel. Besides ``x_q`` and the per-128 scales (row-
 or column-major: cuBLAS wants the latter) it can emit the layouts the grouped FP4 MoE GEMM consumes
-(``kernels/fp4_moe_grouped.py``): the dequantized values in bf16 (exact: an E4M3 value times a power of two fits
+(``kernels/dsv4lab_kernels/fp4_moe_grouped.py``): the dequantized values in bf16 (exact: an E4M3 value times a power of two fits
 bf16) with the even K columns first and the odd ones second (so a packed FP4 byte's low nibble meets ``x[:, :K/2]``
 and its high nibble ``x[:, K/2:]``), the FP8 values in that split order, and the scales replicated per 32 as E8M0
 bytes (``tl.dot_scaled``'s layout).
 
-Exact device-side codecs come from ``kernels/formats.py``; :func:`pow2_exponent`, :func:`to_bf16` and
+Exact device-side codecs come from ``kernels/dsv4lab_kernels/formats.py``; :func:`pow2_exponent`, :func:`to_bf16` and
 :func:`quantize_block_fp8` (the reference quantizer's pieces) are shared with the other prefill kernels.
 """
 from __future__ import annotations
