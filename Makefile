@@ -28,7 +28,7 @@ $(PY):
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[all]"
-	@# JupyterLab in this environment saves the repository's notebooks output-free (dsv4lab.notebook_format)
+	@# JupyterLab in this environment saves the repository's notebooks output-free (dsv4lab.faces.notebook_format)
 	@mkdir -p $(VENV)/etc/jupyter/jupyter_server_config.d
 	@cp notebooks/jupyter_config/jupyter_server_config.d/dsv4lab.json $(VENV)/etc/jupyter/jupyter_server_config.d/
 	@$(PY) -c "import dsv4lab, torch; print('dsv4lab', dsv4lab.__version__, '| torch', torch.__version__)"

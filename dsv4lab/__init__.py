@@ -9,13 +9,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .config import ModelArgs, get_preset  # noqa: E402 — after __version__, which lower modules read
+from dsv4lab.core.config import ModelArgs, get_preset  # noqa: E402 — after __version__, which lower modules read
 
 __all__ = ["load", "ModelArgs", "get_preset", "__version__"]
 
 
 def __getattr__(name: str):
     if name == "load":
-        from .engine.loader import load
+        from dsv4lab.engine.loader import load
         return load
     raise AttributeError(f"module 'dsv4lab' has no attribute {name!r}")

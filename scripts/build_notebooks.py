@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build ``notebooks/*.ipynb`` from their sources ``notebooks/source/*.py`` (committed without outputs).
 
-The format and the builder are :mod:`dsv4lab.notebook_format` (which JupyterLab's save hook shares, so a notebook
+The format and the builder are :mod:`dsv4lab.faces.notebook_format` (which JupyterLab's save hook shares, so a notebook
 saved there stays output-free and in step with its source). Cells get stable ids (``cell-01`` ...), so a rebuild of
 unchanged sources gives byte-identical notebooks.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's package, also without an install
 
-from dsv4lab.notebook_format import NotebookFormatError, build  # noqa: E402
+from dsv4lab.faces.notebook_format import NotebookFormatError, build  # noqa: E402
 
 SOURCES = ROOT / "notebooks" / "source"
 OUT = ROOT / "notebooks"

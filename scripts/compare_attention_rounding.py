@@ -18,10 +18,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 from dsv4lab.engine.triton_backend import kernel_module  # noqa: E402
-from dsv4lab.model.numerics import Numerics  # noqa: E402
-from dsv4lab.model.ops import ReferenceOps  # noqa: E402
-from dsv4lab.verify.bounds import ulp  # noqa: E402
-from dsv4lab.verify.registry import _make_attention  # noqa: E402
+from dsv4lab.core.model.numerics import Numerics  # noqa: E402
+from dsv4lab.core.model.ops import ReferenceOps  # noqa: E402
+from dsv4lab.tools.verify.bounds import ulp  # noqa: E402
+from dsv4lab.tools.verify.registry import _make_attention  # noqa: E402
 
 SHAPE = dict(b=1, s=4, h=16, d=96, n_kv=260, k=200, masked=0.2)
 SEEDS = (0, 1, 2)

@@ -119,7 +119,7 @@ def compile_launches(target: GPUTarget, calls) -> list[dict]:
 
 def flash_calls():
     """(name, thunk) per launcher at DeepSeek-V4-Flash widths (bf16 activations; fp32 where the op allows it)."""
-    from dsv4lab.config import get_preset
+    from dsv4lab.core.config import get_preset
     from dsv4lab_kernels import attention_decode, compressor_decode, indexer_decode, mhc, norm_rope_quant, router, swiglu
     a = get_preset("flash")
     b, D, hc, d, R = 2, a.dim, a.hc_mult, a.head_dim, a.rope_head_dim

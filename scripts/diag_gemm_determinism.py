@@ -16,9 +16,9 @@ import sys
 import torch
 
 from dsv4lab.engine.triton_prefill import accumulation_bound
-from dsv4lab.provenance import short_commit
-from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.verify.registry import fp8_linear_case, grouped_wo_a_case
+from dsv4lab.core.provenance import short_commit
+from dsv4lab.tools.verify.bounds import check_within_bound
+from dsv4lab.tools.verify.registry import fp8_linear_case, grouped_wo_a_case
 from dsv4lab_kernels import fp8_gemm as fg
 
 def repeat(name: str, call, ref, mag, terms: int, accumulation: str, repeats: int) -> dict:

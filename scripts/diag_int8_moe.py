@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4lab.bench.decode import moe_stage_checks
-from dsv4lab.verify.registry import make_bank, routing
+from dsv4lab.tools.bench.decode import moe_stage_checks
+from dsv4lab.tools.verify.registry import make_bank, routing
 from dsv4lab_kernels import fp4_moe_decode as moe
 
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from dsv4lab.provenance import short_commit
+from dsv4lab.core.provenance import short_commit
 from dsv4lab_kernels.moe_sort import sort_by_expert, sort_by_expert_torch
 
 N_EXPERTS, TOP_K = 256, 6

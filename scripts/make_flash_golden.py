@@ -10,9 +10,9 @@ top-k boundary.
 import json
 from pathlib import Path
 
-from dsv4lab.config import get_preset
+from dsv4lab.core.config import get_preset
 from dsv4lab.engine.sampling import trajectory_hash
-from dsv4lab.verify.model import GOLDEN_VERSION, boundaries, fixed_sequence, teacher_forced_length
+from dsv4lab.tools.verify.model import GOLDEN_VERSION, boundaries, fixed_sequence, teacher_forced_length
 
 PROMPT_IDS = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 2755, 128804, 128822]
 EXPECTED_IDS = [671, 6102, 294, 8760, 344, 2619, 51119, 42499, 1]

@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 import dsv4lab
-from dsv4lab import layouts
-from dsv4lab.verify.backend_faults import inject_backend_fault
-from dsv4lab.verify.model import (fixed_sequence, golden_path_for, kl_per_position, load_golden,
+from dsv4lab.core import layouts
+from dsv4lab.tools.verify.backend_faults import inject_backend_fault
+from dsv4lab.tools.verify.model import (fixed_sequence, golden_path_for, kl_per_position, load_golden,
                                   rounding_noise_floor, teacher_forced_length)
-from dsv4lab.verify.variants import VARIANTS
+from dsv4lab.tools.verify.variants import VARIANTS
 
 root = Path(__file__).resolve().parents[1]
 MARGIN = 2.0

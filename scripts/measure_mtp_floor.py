@@ -4,7 +4,7 @@
 
 Teacher-forced on ``fixed_sequence(args, N)`` (the ids the speculative GPU test uses): per-position KL between the
 reference and the same reference with fp32 instead of exact reductions, for the main logits and for the MTP block's
-(:func:`dsv4lab.verify.model.rounding_noise_floors_with_mtp`). The MTP head is judged by its own floor.
+(:func:`dsv4lab.tools.verify.model.rounding_noise_floors_with_mtp`). The MTP head is judged by its own floor.
 """
 import argparse
 import platform
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 import dsv4lab
-from dsv4lab.provenance import short_commit, write_json
-from dsv4lab.verify.model import fixed_sequence, rounding_noise_floors_with_mtp
+from dsv4lab.core.provenance import short_commit, write_json
+from dsv4lab.tools.verify.model import fixed_sequence, rounding_noise_floors_with_mtp
 
 root = Path(__file__).resolve().parents[1]
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 import dsv4lab
-from dsv4lab import layouts
-from dsv4lab.verify.model import golden_path_for, kl_per_position, load_golden, rounding_noise_floor
+from dsv4lab.core import layouts
+from dsv4lab.tools.verify.model import golden_path_for, kl_per_position, load_golden, rounding_noise_floor
 
 root = Path(__file__).resolve().parents[1]
 rows = []

@@ -16,7 +16,7 @@ GPU, the cost of a verify step → data/results/h200/speculative_steps.json (abo
     python scripts/measure_speculative.py --gpu-step-cost [--layers 30] [--out FILE]
 
 A full-width DeepSeek-V4-Flash cut to ``--layers`` main layers (plus the MTP block) is generated on the GPU with
-random weights (:class:`~dsv4lab.random_checkpoint.RandomCheckpoint`) and loaded with the Triton backend. At batch
+random weights (:class:`~dsv4lab.core.random_checkpoint.RandomCheckpoint`) and loaded with the Triton backend. At batch
 1 after a 32-token prompt it times, eagerly through ``runner.forward``: the plain 1-token step, the ``(k+1)``-token
 verify step with the MTP block (``mtp=True``) for k = 1, 2, 3, and the 1-token MTP-only step (a chained draft or the
 re-run after a rejection); and the 1-token step replayed from a CUDA graph (``GraphDecoder``). Weights are random,
@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 
 import dsv4lab
-from dsv4lab.config import get_preset
+from dsv4lab.core.config import get_preset
 from dsv4lab.engine.speculative import generate_speculative
-from dsv4lab.provenance import short_commit
-from dsv4lab.random_checkpoint import RandomCheckpoint
+from dsv4lab.core.provenance import short_commit
+from dsv4lab.core.random_checkpoint import RandomCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTS = (1, 2, 3)

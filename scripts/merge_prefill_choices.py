@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dsv4lab.engine.triton_prefill import CHOICES_FILE  # noqa: E402
-from dsv4lab.errors import DSV4LabError  # noqa: E402
-from dsv4lab.paths import read_json  # noqa: E402
-from dsv4lab.provenance import write_json  # noqa: E402
+from dsv4lab.core.errors import DSV4LabError  # noqa: E402
+from dsv4lab.core.paths import read_json  # noqa: E402
+from dsv4lab.core.provenance import write_json  # noqa: E402
 
 
 def main() -> int:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsv4lab.provenance import write_json
-from dsv4lab.bench.decode import build_dispatch, merge_dispatch
-from dsv4lab.config import get_preset
-from dsv4lab.errors import UserError
-from dsv4lab.paths import read_json
+from dsv4lab.core.provenance import write_json
+from dsv4lab.tools.bench.decode import build_dispatch, merge_dispatch
+from dsv4lab.core.config import get_preset
+from dsv4lab.core.errors import UserError
+from dsv4lab.core.paths import read_json
 
 
 def main() -> int:

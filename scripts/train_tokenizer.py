@@ -2,13 +2,13 @@
 
     python scripts/train_tokenizer.py [--out data/tokenizers/pystdlib-bpe-4096.json]
 
-The corpus is the running interpreter's standard library (see dsv4lab/train/corpus.py for exactly which files);
+The corpus is the running interpreter's standard library (see dsv4lab/tools/train/corpus.py for exactly which files);
 the committed file was built with Python 3.11.7, whose corpus manifest digest the script prints.
 """
 import argparse
 
-from dsv4lab.train.corpus import corpus_manifest, read_corpus
-from dsv4lab.tokenizer import train_bpe
+from dsv4lab.tools.train.corpus import corpus_manifest, read_corpus
+from dsv4lab.core.tokenizer import train_bpe
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--out", default="data/tokenizers/pystdlib-bpe-4096.json")

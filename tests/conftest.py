@@ -79,7 +79,7 @@ def calibrated_max_kl(checkpoint: str) -> float:
     ``KL_FLOOR_FACTOR_MAX`` × the max of its committed rounding floor (``data/results/host/noise_floor.json``). For a
     gross-error guard on a few decode steps, where the mean rule has too few positions to mean anything."""
     import json
-    from dsv4lab.verify.model import KL_FLOOR_FACTOR_MAX
+    from dsv4lab.tools.verify.model import KL_FLOOR_FACTOR_MAX
     rows = json.loads((ROOT / "data" / "results" / "host" / "noise_floor.json").read_text())["rows"]
     floor = next(r for r in rows if r["checkpoint"] == checkpoint)["rounding_floor"]
     return KL_FLOOR_FACTOR_MAX * floor["max_kl"]

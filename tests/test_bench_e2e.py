@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import dsv4lab
-from dsv4lab import cli
-from dsv4lab.bench import e2e
-from dsv4lab.checkpoint import expected_tensors
-from dsv4lab.config import get_preset
-from dsv4lab.random_checkpoint import RandomCheckpoint
-from dsv4lab.verify.model import trajectory_hash
+from dsv4lab.faces import cli
+from dsv4lab.tools.bench import e2e
+from dsv4lab.core.checkpoint import expected_tensors
+from dsv4lab.core.config import get_preset
+from dsv4lab.core.random_checkpoint import RandomCheckpoint
+from dsv4lab.tools.verify.model import trajectory_hash
 
 TINY = get_preset("tiny")
 
@@ -58,7 +58,7 @@ def test_bench_e2e_smoke_on_two_ranks_writes_the_fields_and_the_single_process_o
     assert doc["oracle_hash"] == trajectory_hash(one.generate(doc["oracle"]["prompt_ids"], 32, stop_at_eos=False))
     assert "oracle hash" in capsys.readouterr().out
     # the paper-figures notebook reads it like the committed file will be read
-    from dsv4lab import measurements
+    from dsv4lab.faces import measurements
     head = measurements.e2e_headline(measurements.load_results_file("e2e", path=out))
     assert head["decode_tok_s"] == doc["decode"][0]["tok_s"] and head["ttft_s"] == doc["ttft"]["ttft_s"]
     assert head["prefill_input_tok_s"] == pytest.approx(40 / doc["ttft"]["ttft_s"], rel=1e-3)
@@ -70,7 +70,7 @@ def test_bench_e2e_refuses_bad_splits(capsys):
 
 
 def test_op_timer_times_outermost_calls_and_puts_the_ops_back():
-    from dsv4lab.bench.common import OpTimer
+    from dsv4lab.tools.bench.common import OpTimer
 
     class Ops:
         def inner(self, x):
@@ -95,7 +95,7 @@ def test_the_decode_breakdown_names_its_kernels():
     most time first — so a family total, ``other`` included, can be taken apart."""
     from types import SimpleNamespace
 
-    from dsv4lab.bench.e2e import top_kernels
+    from dsv4lab.tools.bench.e2e import top_kernels
     evs = [SimpleNamespace(key="_mhc_site_kernel", device_time_total=2 * 888.0, count=2 * 62),
            SimpleNamespace(key="_swiglu_kernel", device_time_total=2 * 90.0, count=2 * 30),
            SimpleNamespace(key="_attn_decode_kernel", device_time_total=2 * 400.0, count=2 * 30),
@@ -105,7 +105,7 @@ def test_the_decode_breakdown_names_its_kernels():
                     dict(name="_attn_decode_kernel", family="attention", us=400.0, launches=30.0,
                          us_per_launch=13.33)]
     assert top_kernels(SimpleNamespace(key_averages=lambda: evs), calls=2)[2]["family"] == "other"
-    from dsv4lab.bench.e2e import kernel_profile  # the family totals come from the same events
+    from dsv4lab.tools.bench.e2e import kernel_profile  # the family totals come from the same events
     assert kernel_profile(SimpleNamespace(key_averages=lambda: evs), calls=2) == (
         {"mhc": 888.0, "attention": 400.0, "other": 90.0}, {"mhc": 62.0, "attention": 30.0, "other": 30.0})
 

@@ -1,8 +1,8 @@
-"""The analytic error bound (:mod:`dsv4lab.verify.bounds`): a correct fp32 accumulation passes on irregular shapes
+"""The analytic error bound (:mod:`dsv4lab.tools.verify.bounds`): a correct fp32 accumulation passes on irregular shapes
 with heavy cancellation; an accumulation in bf16, a dropped term and a poisoned NaN fail."""
 import torch
 
-from dsv4lab.verify.bounds import abs_matmul, check_within_bound, ulp
+from dsv4lab.tools.verify.bounds import abs_matmul, check_within_bound, ulp
 
 
 def _cancelling_gemv(rows=37, k=1823, seed=0):
@@ -75,14 +75,14 @@ def test_binade_edge_uses_the_ulp_of_the_larger_value():
 
 
 def test_blocked_fp8_mma_accumulation():
-    from dsv4lab.verify.bounds import gamma
+    from dsv4lab.tools.verify.bounds import gamma
     g = gamma(4096, "fp8_mma")  # γ₁₂₈(2⁻¹³) inside each block + γ₃₂(2⁻²³) across the 32 blocks
     assert abs(g - (128 * 2 ** -13 / (1 - 128 * 2 ** -13) + 32 * 2 ** -23 / (1 - 32 * 2 ** -23))) < 1e-15
     assert gamma(100, "fp8_mma") == 100 * 2 ** -13 / (1 - 100 * 2 ** -13)
 
 
 def test_interval_rounding_allows_a_flip_only_where_the_interval_straddles():
-    from dsv4lab.verify.bounds import Interval, check_interval
+    from dsv4lab.tools.verify.bounds import Interval, check_interval
     mid = torch.tensor([1.0 + 2 ** -8, 1.0 + 2 ** -9], dtype=torch.float64)  # a bf16 tie point, and a quarter ulp
     iv = Interval.around(mid, torch.full_like(mid, 2 ** -20)).round(torch.bfloat16)
     assert iv.lo[0] < iv.hi[0] and iv.lo[1] == iv.hi[1] == 1.0
@@ -93,9 +93,9 @@ def test_interval_rounding_allows_a_flip_only_where_the_interval_straddles():
 
 
 def test_fp8_activation_quantizer_interval_flips_at_a_boundary_only():
-    from dsv4lab import quant
-    from dsv4lab.verify.bounds import Interval
-    from dsv4lab.verify.op_bounds import act_qdq_interval
+    from dsv4lab.core import quant
+    from dsv4lab.tools.verify.bounds import Interval
+    from dsv4lab.tools.verify.op_bounds import act_qdq_interval
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
     x[0, 7] = 2.125  # exactly between two E4M3 values at scale 2⁻⁶ (step 0.25 at 2..4 after scaling)
     x = x.to(torch.bfloat16).to(torch.float64)
@@ -108,9 +108,9 @@ def test_fp8_activation_quantizer_interval_flips_at_a_boundary_only():
 
 
 def _composite_case(seed=0):
-    from dsv4lab.model.numerics import Numerics
-    from dsv4lab.model.ops import ReferenceOps
-    from dsv4lab.verify.registry import make_bank, routing
+    from dsv4lab.core.model.numerics import Numerics
+    from dsv4lab.core.model.ops import ReferenceOps
+    from dsv4lab.tools.verify.registry import make_bank, routing
     g = torch.Generator().manual_seed(seed)
     bank = make_bank(8, 256, 128, g)
     idx, w = routing(g, 5, 8, 3)
@@ -123,10 +123,10 @@ def test_routed_experts_bound_passes_other_fp32_orders_and_fails_a_permuted_w2()
     """Correct evaluations in another fp32 order (where a last-bit difference in g may flip a bf16 and an FP8
     rounding of h downstream: the GPU failure mode of the old output-relative tests) stay inside the chain bound; a
     W2 read through the paper's permutation for one expert is far outside."""
-    from dsv4lab.verify.backend_faults import permuted_w2_bank
-    from dsv4lab.verify.bounds import check_interval
-    from dsv4lab.verify.op_bounds import routed_experts
-    from dsv4lab.verify.variants import Fp32Reductions, SplitKFp32
+    from dsv4lab.tools.verify.backend_faults import permuted_w2_bank
+    from dsv4lab.tools.verify.bounds import check_interval
+    from dsv4lab.tools.verify.op_bounds import routed_experts
+    from dsv4lab.tools.verify.variants import Fp32Reductions, SplitKFp32
     nm, ref_ops, x, idx, w, bank = _composite_case()
     ref = ref_ops.routed_experts(x, idx, w, bank, 10.0)
     bound = routed_experts(nm, "fp32", x, idx, w, bank, 10.0)
@@ -140,12 +140,12 @@ def test_routed_experts_bound_passes_other_fp32_orders_and_fails_a_permuted_w2()
 
 
 def test_sparse_attention_bound_passes_online_softmax_and_fails_a_wrong_row():
-    from dsv4lab.verify.bounds import check_interval
-    from dsv4lab.verify.op_bounds import sparse_attention
-    from dsv4lab.verify.registry import _make_attention
-    from dsv4lab.verify.variants import KernelLike
-    from dsv4lab.model.numerics import Numerics
-    from dsv4lab.model.ops import ReferenceOps
+    from dsv4lab.tools.verify.bounds import check_interval
+    from dsv4lab.tools.verify.op_bounds import sparse_attention
+    from dsv4lab.tools.verify.registry import _make_attention
+    from dsv4lab.tools.verify.variants import KernelLike
+    from dsv4lab.core.model.numerics import Numerics
+    from dsv4lab.core.model.ops import ReferenceOps
     nm = Numerics()
     q, kv, idx, sink, scale = _make_attention(dict(b=2, s=3, h=4, d=64, n_kv=50, k=40, masked=0.3),
                                               torch.Generator().manual_seed(1), "cpu", nm)
@@ -163,7 +163,7 @@ def test_sparse_attention_bound_passes_online_softmax_and_fails_a_wrong_row():
 
 # ------------------------------------------------------------------------------------------ interval steps
 def test_tensor_core_model_per_term_and_elementwise_roundoff():
-    from dsv4lab.verify.bounds import ELEMENTWISE_U, elementwise_roundoff, gamma
+    from dsv4lab.tools.verify.bounds import ELEMENTWISE_U, elementwise_roundoff, gamma
     assert gamma(1000, "fp32_tc4") == 1000 * 2 ** -22 / (1 - 1000 * 2 ** -22)  # c = 4 of the decode kernels' tables
     assert gamma(1000, "fp32") < gamma(1000, "fp32_tc") < gamma(1000, "fp32_tc4") < gamma(1000, "fp8_mma")
     # element-wise steps run in fp32 whatever the dots accumulate in; an evaluation in a dtype is that dtype's
@@ -173,7 +173,7 @@ def test_tensor_core_model_per_term_and_elementwise_roundoff():
 
 def _box(shape, seed, rel=2 ** -8):
     """A random interval of bf16-sized width around bf16 values, and bf16 points drawn inside it (ends included)."""
-    from dsv4lab.verify.bounds import Interval
+    from dsv4lab.tools.verify.bounds import Interval
     g = torch.Generator().manual_seed(seed)
     c = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16).double()
     r = c.abs() * rel * torch.rand(*shape, generator=g, dtype=torch.float64)
@@ -188,13 +188,13 @@ def test_interval_steps_contain_the_reference_at_every_point_of_their_input():
     """Soundness of the fused-op chain steps: for bf16 points anywhere in an input interval, the reference's own
     RMSNorm, RoPE (both directions), Hadamard transform and FP8/FP4 block simulations land inside the step's output
     interval (fp32 evaluation allowed for, so the reference's fp64-exact value is well inside)."""
-    from dsv4lab import quant
-    from dsv4lab.model.numerics import Numerics
-    from dsv4lab.model.ops import ReferenceOps
-    from dsv4lab.model.rope import rope_table
-    from dsv4lab.config import get_preset
-    from dsv4lab.verify.bounds import Interval
-    from dsv4lab.verify.op_bounds import (fp4_qdq_interval, fp8_qdq_interval, hadamard_interval, rms_norm_interval,
+    from dsv4lab.core import quant
+    from dsv4lab.core.model.numerics import Numerics
+    from dsv4lab.core.model.ops import ReferenceOps
+    from dsv4lab.core.model.rope import rope_table
+    from dsv4lab.core.config import get_preset
+    from dsv4lab.tools.verify.bounds import Interval
+    from dsv4lab.tools.verify.op_bounds import (fp4_qdq_interval, fp8_qdq_interval, hadamard_interval, rms_norm_interval,
                                           rope_interval)
     nm = Numerics()
     ref = ReferenceOps(nm)

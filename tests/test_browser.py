@@ -5,7 +5,7 @@
   render, and moving a widget (01's expert slider, 05's hardware menu) must redraw the explorer's figure.
 * The repository's own ``notebooks/05_roofline.ipynb``, served from ``notebooks/`` with the repository's Jupyter
   settings (``notebooks/jupyter_config``): run all, save, and the committed notebook must be unchanged (the save
-  hook of :mod:`dsv4lab.notebook_format` writes it output-free) and ``git status`` the same as before; the run's
+  hook of :mod:`dsv4lab.faces.notebook_format` writes it output-free) and ``git status`` the same as before; the run's
   files go to the git-ignored ``scratch/``.
 
 JupyterLab runs on 127.0.0.1 with a token (Debian's ``chromium``, driven by playwright: ``make browser-deps``).

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv4lab.checkpoint import Checkpoint, CheckpointError, file_hashes, inventory, make_random_checkpoint
-from dsv4lab.config import get_preset
+from dsv4lab.core.checkpoint import Checkpoint, CheckpointError, file_hashes, inventory, make_random_checkpoint
+from dsv4lab.core.config import get_preset
 
 CLI = [sys.executable, "-m", "dsv4lab"]
 
@@ -129,10 +129,10 @@ def test_writer_leaves_nothing_on_failure(tmp_path):
         calls["n"] += 1
         if calls["n"] > 50:
             raise RuntimeError("disk full (simulated)")
-        from dsv4lab.checkpoint import _RandomSource
+        from dsv4lab.core.checkpoint import _RandomSource
         return _RandomSource(args, 0)(spec)
 
-    from dsv4lab.checkpoint import write_checkpoint
+    from dsv4lab.core.checkpoint import write_checkpoint
     with pytest.raises(RuntimeError):
         write_checkpoint(tmp_path / "out", args, bad)
     assert list(tmp_path.iterdir()) == []

@@ -1,7 +1,7 @@
 """The corrupted-checkpoint corpus (issue 21): every way a copy of ``data/tiny`` can be damaged is refused.
 
 Each case damages a private copy of ``data/tiny`` in a temporary folder, then runs ``dsv4lab inspect`` and
-``dsv4lab generate`` on it through the command line's own entry point (``dsv4lab.cli.main``, in process: the same
+``dsv4lab generate`` on it through the command line's own entry point (``dsv4lab.faces.cli.main``, in process: the same
 code path as the console script, without a Python start-up per case). Both must refuse — a non-zero exit status,
 a message naming the damaged file or tensor, no traceback — and ``generate`` must never print generated ids:
 0 tracebacks, 0 silent successes. ``data/tiny`` itself is byte-identical afterwards.
@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv4lab.checkpoint import INDEX_NAME, Checkpoint, file_hashes
-from dsv4lab.cli import main
+from dsv4lab.core.checkpoint import INDEX_NAME, Checkpoint, file_hashes
+from dsv4lab.faces.cli import main
 
 TINY = Path(__file__).resolve().parents[1] / "data" / "tiny"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -206,7 +206,7 @@ def test_the_corpus_is_large_enough():
 def test_load_scans_small_checkpoints_and_says_when_it_skips_the_scan(tmp_path, monkeypatch, caplog, capsys):
     import dsv4lab
     from dsv4lab.engine import loader
-    from dsv4lab.errors import CheckpointError
+    from dsv4lab.core.errors import CheckpointError
     ck = tmp_path / "tiny"
     shutil.copytree(TINY, ck)
     _poke(ck, "head.weight", 7, bytes([0xC1, 0x7F]))

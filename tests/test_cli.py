@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dsv4lab import errors, options
-from dsv4lab.cli import build_parser, main
-from dsv4lab.commands._dispatch import LazySubcommandParser
+from dsv4lab.core import errors
+from dsv4lab.tools import options
+from dsv4lab.faces.cli import build_parser, main
+from dsv4lab.faces.commands._dispatch import LazySubcommandParser
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "data" / "tiny"
@@ -91,9 +92,10 @@ def test_user_mistakes_are_one_line_and_exit_2(argv, named, capsys, tmp_path, mo
 
 
 def test_every_user_facing_error_shares_the_base():
-    from dsv4lab import checkpoint, config, layouts, quant, runs
-    from dsv4lab.perf import hardware, roofline
-    from dsv4lab.verify import hf_convert
+    from dsv4lab.core import checkpoint, config, layouts, quant
+    from dsv4lab.faces import runs
+    from dsv4lab.tools.perf import hardware, roofline
+    from dsv4lab.tools.verify import hf_convert
     for cls in (errors.UserError, config.ConfigError, quant.QuantError, checkpoint.CheckpointError,
                 layouts.LayoutError, hardware.HardwareError, roofline.PerfError, runs.RunError,
                 hf_convert.ConversionError, errors.ParallelError):
@@ -103,7 +105,7 @@ def test_every_user_facing_error_shares_the_base():
 
 
 def test_a_sub_command_whose_module_cannot_be_imported_says_why():
-    from dsv4lab.cli import ArgumentParser
+    from dsv4lab.faces.cli import ArgumentParser
     parser = ArgumentParser(prog="dsv4lab")
     sub = parser.add_subparsers(dest="command", parser_class=LazySubcommandParser)
     sub.add_parser("x", module="dsv4lab.no_such_module")

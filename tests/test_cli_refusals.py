@@ -72,7 +72,7 @@ def test_a_corrupt_tokenizer_is_one_line_naming_the_file(tmp_path):
 
 
 def test_verify_model_on_a_renamed_copy_finds_its_golden_or_lists_the_candidates(tmp_path):
-    from dsv4lab.verify.model import find_golden
+    from dsv4lab.tools.verify.model import find_golden
     copy = tmp_path / "suspect"
     shutil.copytree(TINY_PY, copy)
     assert find_golden(copy).name == "tiny-py.json"  # identical weights: the recorded identity decides
@@ -86,8 +86,8 @@ def test_verify_model_on_a_renamed_copy_finds_its_golden_or_lists_the_candidates
 
 
 def test_the_real_checkpoint_finds_the_flash_golden_in_a_folder_of_any_name(tmp_path):
-    from dsv4lab.config import get_preset
-    from dsv4lab.verify.model import find_golden
+    from dsv4lab.core.config import get_preset
+    from dsv4lab.tools.verify.model import find_golden
     folder = tmp_path / "snapshots" / "60d8d70770c6"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(get_preset("flash").to_hf_config()))

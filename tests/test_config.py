@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4lab.config import ConfigError, ModelArgs, get_preset
+from dsv4lab.core.config import ConfigError, ModelArgs, get_preset
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "reference" / "dsv4_flash" / "config.json"
 

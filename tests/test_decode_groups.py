@@ -9,9 +9,9 @@ import torch
 import dsv4lab
 from conftest import TINY
 from dsv4lab.engine.decode_groups import group, group_of, group_projections, groupable, step_groups
-from dsv4lab.model.linear import Linear
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.verify.registry import make_linear
+from dsv4lab.core.model.linear import Linear
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.tools.verify.registry import make_linear
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
@@ -22,7 +22,7 @@ def _same(got: torch.Tensor, want: torch.Tensor, lin, x) -> None:
     if not GPU:
         assert torch.equal(got, want)
         return
-    from dsv4lab.bench.decode import gemv_bound
+    from dsv4lab.tools.bench.decode import gemv_bound
     fp8 = lin.fmt == "fp8"
     res = gemv_bound(got.reshape(-1, got.shape[-1]), x.reshape(-1, x.shape[-1]), lin.weight,
                      lin.scale if fp8 else None, "dot", fp8, out_dtype=got.dtype)
@@ -65,7 +65,7 @@ def test_what_is_not_stacked_and_a_replaced_weight():
 
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_triton_backend_runs_a_stacked_set_in_one_launch(fmt):
-    from dsv4lab.bench.e2e import count_launches
+    from dsv4lab.tools.bench.e2e import count_launches
     from dsv4lab.engine.triton_backend import TritonOps
     ops = TritonOps(Numerics())
     g = torch.Generator().manual_seed(3)
@@ -83,7 +83,7 @@ def test_triton_backend_runs_a_stacked_set_in_one_launch(fmt):
 
 
 def test_shared_expert_w1_w3_in_one_launch():
-    from dsv4lab.bench.e2e import count_launches
+    from dsv4lab.tools.bench.e2e import count_launches
     from dsv4lab.engine.triton_backend import TritonOps
     ops = TritonOps(Numerics())
     g = torch.Generator().manual_seed(4)
@@ -93,8 +93,8 @@ def test_shared_expert_w1_w3_in_one_launch():
     group((w1, w3))
     counts, stacked = count_launches(lambda: ops.expert_mlp(x, w1, w2, w3, 10.0, shared=True))
     if GPU:  # the stacked w1/w3 may take another tile width than each alone: the shared expert's own bound
-        from dsv4lab.model.ops import ReferenceOps
-        from dsv4lab.verify.op_bounds import check_expectation, expert_mlp
+        from dsv4lab.core.model.ops import ReferenceOps
+        from dsv4lab.tools.verify.op_bounds import check_expectation, expert_mlp
         ref = ReferenceOps(Numerics()).expert_mlp(x, w1, w2, w3, 10.0, shared=True)
         res = check_expectation(stacked, ref, expert_mlp(Numerics(), "fp32_tc", x, w1, w2, w3, 10.0, shared=True))
         assert res.ok, res.line()

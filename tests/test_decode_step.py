@@ -22,8 +22,8 @@ import torch
 import dsv4lab
 from conftest import TINY, calibrated_max_kl
 from dsv4lab.engine.decode_graph import FastDecoder, GraphDecoder, StaticDecodeStep, tiers_for
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.model import kl_per_position
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.model import kl_per_position
 
 GPU = torch.cuda.is_available()
 
@@ -62,7 +62,7 @@ def test_young_window_is_listed_oldest_first_like_the_reference(prompt):
     row falls in decides its probability's rounding. The static step listed the −1 first (a real difference, seen
     only while ``p < W − 1``); with blocks of 8 over the tiny model's window of 32 the two paths must agree bit for
     bit at every young position."""
-    from dsv4lab.model.numerics import Numerics
+    from dsv4lab.core.model.numerics import Numerics
     nm = Numerics(attention_block=8)
     ids = _ids(prompt + 2, seed=prompt)
     outs = []
@@ -137,7 +137,7 @@ def test_fused_static_step_on_the_triton_kernels(capsys):
     kernel launches of the step are counted (printed: what a GPU graph of the tiny model holds, split-K sums aside —
     counted on a second call at the same position, as a graph is captured after an eager step: the first call
     also fills the backend's one-time caches, the grouped projections' weights and the expert banks' views)."""
-    from dsv4lab.bench.e2e import count_launches
+    from dsv4lab.tools.bench.e2e import count_launches
     ids = _ids(70, rows=2, seed=11)
     lens = [64, 47]
     ref = dsv4lab.load(TINY, max_batch=2, max_seq_len=72)

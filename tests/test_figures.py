@@ -1,8 +1,8 @@
 """Every figure, rendered on the data it shows, passes the figure rules — checked on the matplotlib objects.
 
-Each function of :data:`dsv4lab.plots.FIGURES` is drawn here through the same :mod:`dsv4lab.figure_data` calls the
+Each function of :data:`dsv4lab.faces.plots.FIGURES` is drawn here through the same :mod:`dsv4lab.faces.figure_data` calls the
 notebooks make, on the committed results under ``data/results/h200/`` (and on a small synthetic end-to-end file
-for the measurements not committed yet), and :func:`dsv4lab.plots.figure_problems` must find nothing: a title,
+for the measurements not committed yet), and :func:`dsv4lab.faces.plots.figure_problems` must find nothing: a title,
 labelled axes, the caption saying where the numbers come from, at most 12 legend entries, no two alike. Then the
 figures the issue found misleading are checked for what they must now say. The rules themselves are tested on
 planted mistakes. About 30 s on one core.
@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 
-from dsv4lab import figure_data, measurements, plots
-from dsv4lab.paths import RESULTS_DIR
-from dsv4lab.perf import account as perf_account
-from dsv4lab.plots import style
+from dsv4lab.faces import figure_data, measurements, plots
+from dsv4lab.core.paths import RESULTS_DIR
+from dsv4lab.tools.perf import account as perf_account
+from dsv4lab.faces.plots import style
 
 E2E_1GPU = dict(  # the fields `dsv4lab bench e2e --nproc 1 --layers 30` writes that the figures read
     benchmark="e2e", model="flash", layers=30, ranks=1, tp=1, ep=1, gpu="NVIDIA H200", torch="2.11.0+cu130",
@@ -83,7 +83,7 @@ def _waterfall():
 
 
 def _decode_kernels(doc=True):
-    from dsv4lab.perf.hardware import load_hardware
+    from dsv4lab.tools.perf.hardware import load_hardware
     hw = load_hardware("h200-sxm")
     data = measurements.load_results_file("decode_kernels") if doc else None
     return plots.plot_decode_kernels(figure_data.decode_kernels(data, hw), title="decode kernels",
@@ -125,19 +125,19 @@ def _inventory():
 
 
 def _catalogue():
-    from dsv4lab.perf.hardware import catalogue
+    from dsv4lab.tools.perf.hardware import catalogue
     return plots.plot_hardware_catalogue(list(catalogue().values()))
 
 
 def _bytes():
-    from dsv4lab.config import get_preset
+    from dsv4lab.core.config import get_preset
     flash = get_preset("flash")
     return plots.plot_bytes_composition({"busiest GCD": figure_data.bytes_by_component(flash, tp=4, sharding="sglang"),
                                          "busiest GPU": figure_data.bytes_by_component(flash, tp=2)})
 
 
 def _quant():
-    from dsv4lab.train import quant_ablation
+    from dsv4lab.tools.train import quant_ablation
     return plots.plot_quant_ablation(quant_ablation.load_results()["points"])
 
 

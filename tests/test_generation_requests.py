@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import dsv4lab
-from dsv4lab.cli import main
+from dsv4lab.faces.cli import main
 from dsv4lab.engine import loader
 from dsv4lab.engine.sampling import FINISH_REASONS, finish_reason
-from dsv4lab.errors import DSV4LabError, RequestError
+from dsv4lab.core.errors import DSV4LabError, RequestError
 
 TINY_PY = Path(__file__).resolve().parents[1] / "data" / "tiny-py"
 
@@ -71,7 +71,7 @@ def test_generate_streams_its_text_and_says_why_it_stopped(capsys):
     tok = dsv4lab.load(TINY_PY, device="cpu", max_batch=1).tokenizer
     assert "\n".join(out[:first]) == tok.decode(tok.encode("def f(", add_bos=True)) + tok.decode(ids)
 
-    from dsv4lab.commands.generate import TextStream
+    from dsv4lab.faces.commands.generate import TextStream
     sink = io.StringIO()
     sink.isatty = lambda: False
     stream = TextStream(tok, sink)

@@ -7,7 +7,7 @@ Runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set in conftest) on sm
 inputs and NaN-poisoned memory no kernel may read (bytes past every buffer, the scales of experts no token picks,
 KV rows no query selects); ``gpu`` tests repeat the checks at real DeepSeek-V4-Flash widths.
 
-Every output is judged by its op's error bound (``dsv4lab.verify.op_bounds``, derived in docs/verification.md)
+Every output is judged by its op's error bound (``dsv4lab.tools.verify.op_bounds``, derived in docs/verification.md)
 under the accumulation the kernel uses, stated at each call site: fp32 (round to nearest) in the interpreter, fp32
 in tensor cores (truncating) on a GPU, Hopper's FP8 MMA for the FP8 ``dot`` route.
 """
@@ -16,15 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4lab import quant
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
+from dsv4lab.core import quant
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
 from conftest import calibrated_max_kl
-from dsv4lab.verify.compare import compare
-from dsv4lab.verify.model import kl_per_position
-from dsv4lab.verify.op_bounds import OP_BOUNDS, check_expectation, moe_stage1_int8, routed_experts_int8
-from dsv4lab.verify.registry import _make_attention, make_bank, make_linear, routing
-from dsv4lab.verify.stages import default_accumulation
+from dsv4lab.tools.verify.compare import compare
+from dsv4lab.tools.verify.model import kl_per_position
+from dsv4lab.tools.verify.op_bounds import OP_BOUNDS, check_expectation, moe_stage1_int8, routed_experts_int8
+from dsv4lab.tools.verify.registry import _make_attention, make_bank, make_linear, routing
+from dsv4lab.tools.verify.stages import default_accumulation
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -198,7 +198,7 @@ def test_bytewise_decode_gives_the_scaled_decodes_bits(prequant):
 def test_a_kernel_reading_a_permuted_w2_or_a_wrong_scale_fails_its_bound():
     """The bounds can fail: the same kernel fed one expert's W2 in the paper's permuted tile layout, or a GEMV whose
     weight scale block is off by one binade, is far outside the bound of the correct computation."""
-    from dsv4lab.verify.backend_faults import permuted_w2_bank
+    from dsv4lab.tools.verify.backend_faults import permuted_w2_bank
     x, idx, w, bank = _moe_case(2, D=256, seed=4)  # W2 rows: whole 128-row tiles
     geo = moe.MoeGeometry(block_n_up=32, block_n_down=64, block_k=128)
     bad = permuted_w2_bank(bank, int(idx[0, 0]))
@@ -325,7 +325,7 @@ def _static_step_stage_by_stage(tiny_path, device):
     differences propagated through 6 layers are the stage replay's subject, not a tolerance's)."""
     import dsv4lab
     from dsv4lab.engine.decode_graph import GraphDecoder
-    from dsv4lab.verify.stages import OpRecorder, replay
+    from dsv4lab.tools.verify.stages import OpRecorder, replay
 
     ref = dsv4lab.load(tiny_path, backend="reference", max_batch=2, max_seq_len=64, device=device,
                        decode_path="static")

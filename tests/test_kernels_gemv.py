@@ -2,7 +2,7 @@
 within the analytic bound, its fused activation quantization bit for bit, the cuBLAS form, and the measured
 dispatch between them (:mod:`dsv4lab.engine.decode_dispatch`).
 
-Bound per output (:mod:`dsv4lab.verify.bounds`): ``|out − ref| ≤ γ(c·K)·Σ_k|xq_k·w_k| + 1 ulp(out dtype)``, the
+Bound per output (:mod:`dsv4lab.tools.verify.bounds`): ``|out − ref| ≤ γ(c·K)·Σ_k|xq_k·w_k| + 1 ulp(out dtype)``, the
 reduction length ``K`` (per group for ``wo_a``), fp32 accumulation, ``c`` = 1 for the CUDA-core ``fma`` route and
 4 for the tensor-core ``dot`` route (aligned, truncated accumulation; see ``ACCUMULATION``). Products are exact in
 fp32 (E4M3 × E4M3 and power-of-two scales; bf16 × bf16).
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from conftest import in_poisoned, poisoned_x
-from dsv4lab import quant
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.registry import make_linear
+from dsv4lab.core import quant
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.registry import make_linear
 
 triton = pytest.importorskip("triton")
 gemv = pytest.importorskip("dsv4lab_kernels.fp8_gemv")
@@ -34,7 +34,7 @@ FP8_NAN, E8M0_NAN = 0x7F, 0xFF
 
 def within_bound(out, x, weight, scale, route, act_quant=True, groups=1, out_dtype=torch.bfloat16, name=""):
     """``out`` against the exact reference of ``x @ Wᵀ`` within the route's bound (the benchmark's own check)."""
-    from dsv4lab.bench.decode import gemv_bound
+    from dsv4lab.tools.bench.decode import gemv_bound
     return gemv_bound(out, x, weight, scale, route, act_quant, groups, out_dtype, name)
 
 
@@ -244,7 +244,7 @@ def test_backend_follows_the_dispatch():
 def test_accumulation_probe_separates_fp32_from_a_narrow_accumulator():
     """The probe the benchmark runs on cuBLAS: an fp32 sum passes the bound, a 13-bit-mantissa accumulator (what
     Hopper's FP8 tensor cores keep) fails it, and the kernels pass it."""
-    from dsv4lab.bench.decode import accumulation_probe
+    from dsv4lab.tools.bench.decode import accumulation_probe
     x, w, s = accumulation_probe(64, 1024, 1, "cpu")
     exact = gemv.reference_fp8_gemv(x, w, s, True, torch.float64)
     assert torch.allclose(exact, torch.full_like(exact, 8 * 127 * 2.0 ** -9))
@@ -267,9 +267,9 @@ def test_accumulation_probe_separates_fp32_from_a_narrow_accumulator():
 def test_bench_writes_the_dispatch_it_measured():
     """The dispatch the benchmark writes picks, per shape and batch, the fastest row that passed (rows exist only
     for variants that passed), and the backend's loader reads it back."""
-    from dsv4lab.config import get_preset
+    from dsv4lab.core.config import get_preset
     from dsv4lab.engine.decode_dispatch import DecodeDispatch
-    from dsv4lab.bench.decode import build_dispatch
+    from dsv4lab.tools.bench.decode import build_dispatch
     a = get_preset("flash")
     rows = [dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
                  choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
@@ -294,9 +294,9 @@ def test_bench_writes_the_dispatch_it_measured():
 def test_a_dispatch_cut_short_keeps_the_base_entries_it_did_not_measure():
     """``--dispatch-base``: the fresh run's entries win, the others come from the base with the commit they were
     measured at; a base from another GPU model is refused with the file's name."""
-    from dsv4lab.bench.decode import merge_dispatch
+    from dsv4lab.tools.bench.decode import merge_dispatch
     from dsv4lab.engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
-    from dsv4lab.errors import UserError
+    from dsv4lab.core.errors import UserError
 
     def entry(shape, batch, split, **kw):
         return dict(shape=shape, batch=batch, choice=dict(impl="triton", route="fma", block_n=32, block_k=256,
@@ -329,8 +329,8 @@ def test_measured_attention_and_mhc_geometries_reach_the_kernels(tmp_path):
     the mHC parts and floors never), a merge keeps the base's tiers the run did not measure, and the backend
     launches what the tier holds: the attention at any row count, the one-launch mHC site only up to its row limit;
     an unknown field is refused naming the file and the tier."""
-    from dsv4lab.bench.decode import GEOMETRY_KERNELS, build_dispatch, merge_dispatch
-    from dsv4lab.config import get_preset
+    from dsv4lab.tools.bench.decode import GEOMETRY_KERNELS, build_dispatch, merge_dispatch
+    from dsv4lab.core.config import get_preset
     from dsv4lab.engine.decode_dispatch import FORMAT, GEOMETRY_TIERS, DecodeDispatch, DispatchError
     from dsv4lab.engine.triton_backend import DecodeConfig, attn, mhc
     assert set(GEOMETRY_KERNELS) == set(GEOMETRY_TIERS)
@@ -369,8 +369,8 @@ def test_measured_attention_and_mhc_geometries_reach_the_kernels(tmp_path):
 
 # ------------------------------------------------------------------------------------------ GPU, real widths
 def _projections():
-    from dsv4lab.config import get_preset
-    from dsv4lab.bench.decode import projections
+    from dsv4lab.core.config import get_preset
+    from dsv4lab.tools.bench.decode import projections
     return projections(get_preset("flash"))
 
 
@@ -378,7 +378,7 @@ def _projections():
 @pytest.mark.parametrize("route", gemv.ROUTES)
 @pytest.mark.parametrize("M", [1, 4, 8])
 def test_gpu_every_projection_within_bound(route, M):
-    from dsv4lab.bench.common import random_fp8_linear
+    from dsv4lab.tools.bench.common import random_fp8_linear
     gen = torch.Generator(device="cuda").manual_seed(M)
     for name, (N, Kg, G, aq) in _projections().items():
         lin = random_fp8_linear(N, Kg, "cuda", gen, act_quant=aq)
@@ -394,7 +394,7 @@ def test_gpu_dispatch_choices_hold_their_bound():
     """Every cuBLAS choice in the committed dispatch file is within the bound of the own kernel it replaces
     (the tensor-core bound γ(4K)), on fresh inputs — the file was written by a run that checked it."""
     from dsv4lab.engine.decode_dispatch import DEFAULT_PATH
-    from dsv4lab.bench.common import random_fp8_linear
+    from dsv4lab.tools.bench.common import random_fp8_linear
     if not DEFAULT_PATH.exists():
         pytest.skip(f"no {DEFAULT_PATH.name} committed yet")
     doc = json.loads(DEFAULT_PATH.read_text())

@@ -1,5 +1,5 @@
 """The fused glue kernels of the decode step (issue 17) against the reference compositions of
-:class:`~dsv4lab.model.ops.ReferenceOps` they replace: mHC pre/post (mix, Sinkhorn, RMSNorm), RMSNorm, the query's
+:class:`~dsv4lab.core.model.ops.ReferenceOps` they replace: mHC pre/post (mix, Sinkhorn, RMSNorm), RMSNorm, the query's
 head-RMS + RoPE, the KV row (norm, RoPE, FP8, ring write), the indexer's queries (RoPE, Hadamard, FP4), the
 compressor step (ring, pooling, entry), the router, the indexer's scores + top-k, the attention's inverse-RoPE
 epilogue.
@@ -7,7 +7,7 @@ epilogue.
 Each kernel evaluates the reference's formula with its rounding points (fp64 where the reference reduces in fp64):
 under the interpreter, where its fp64 arithmetic is numpy's, the outputs must be **bit-identical**; on a GPU (the
 same tests, ``gpu``-marked variants at Flash widths) they must be within the per-op bound derived in each kernel
-module's docstring (:mod:`dsv4lab.verify.bounds`). Inputs are random (never zeros), shapes irregular, the memory
+module's docstring (:mod:`dsv4lab.tools.verify.bounds`). Inputs are random (never zeros), shapes irregular, the memory
 past every input NaN-poisoned, unwritten cache rows NaN.
 """
 from __future__ import annotations
@@ -17,14 +17,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsv4lab import quant
-from dsv4lab.config import get_preset
-from dsv4lab.model.compressor import Compressor
-from dsv4lab.model.moe import Gate
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.model.rope import rope_table
-from dsv4lab.verify.bounds import check_within_bound
+from dsv4lab.core import quant
+from dsv4lab.core.config import get_preset
+from dsv4lab.core.model.compressor import Compressor
+from dsv4lab.core.model.moe import Gate
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.core.model.rope import rope_table
+from dsv4lab.tools.verify.bounds import check_within_bound
 
 pytest.importorskip("triton")
 mhc = pytest.importorskip("dsv4lab_kernels.mhc")
@@ -436,7 +436,7 @@ def test_attention_skips_the_invisible_compressed_rows(splits):
     """With ``prefix_ratio_b`` the kernel visits only each row's first ``(p+1)//r`` compressed entries (the rest are
     −1: CSA's picks come sorted, HCA's completed entries are a prefix); NaN past them stays unread. One slice: the
     same rows in the same order, so the same bits; split slices move only the rounding of P (the attention bound)."""
-    from dsv4lab.verify.compare import compare, tolerance
+    from dsv4lab.tools.verify.compare import compare, tolerance
     g = torch.Generator().manual_seed(10 + splits)
     b, H, d, W, C, r = 3, 8, 96, 32, 40, 16
     q = torch.randn(b, H, d, generator=g).to(torch.bfloat16)

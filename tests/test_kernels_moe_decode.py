@@ -1,5 +1,5 @@
 """The routed-MoE decode kernels (``kernels/dsv4lab_kernels/fp4_moe_decode.py``, issue 17) against exact oracles, within the
-analytic bound of :mod:`dsv4lab.verify.bounds`.
+analytic bound of :mod:`dsv4lab.tools.verify.bounds`.
 
 Per stage and slot: ``|out − ref| ≤ γ(c·n)·Σ|terms| + 1 ulp_bf16(ref)`` with ``n`` the reduction length (``D`` for
 gate/up, ``I`` for down; ``K/32 + 1`` for the INT8 route, whose 32-group dots are exact integers and whose group
@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from conftest import in_poisoned, poisoned_x
-from dsv4lab import quant
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.verify.registry import make_bank, routing
+from dsv4lab.core import quant
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.bounds import check_within_bound
+from dsv4lab.tools.verify.registry import make_bank, routing
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -71,7 +71,7 @@ def _bound(out, oracle, route, name):
 
 def check_moe(x, idx, w, bank, route, geo, act_quant=True):
     """Every stage of ``route`` with ``geo`` within its bound, in isolation (the benchmark's own checks)."""
-    from dsv4lab.bench.decode import moe_stage_checks
+    from dsv4lab.tools.bench.decode import moe_stage_checks
     for c in moe_stage_checks(x, idx, w, moe.ExpertTensors.of(bank), route, geo, LIMIT, act_quant,
                               name=f"{route} ({'expert' if geo.slot_split == 0 else 'token'}-major)"):
         assert c.ok, c.line()
@@ -336,8 +336,8 @@ def test_one_slot_rounding_flip_is_within_bound_not_within_the_old_tolerance():
     (2^-5 for |slot| in [4, 8): the logged max_abs was exactly 0.03125). Where the slots of a token cancel, that
     ulp is far beyond ``0.005 + 0.5·|sum|``, the elementwise tolerance the benchmark applied to the sum; it is
     within the sum of the slots' bounds, the check used now."""
-    from dsv4lab.verify.bounds import gamma, ulp
-    from dsv4lab.verify.compare import compare, tolerance
+    from dsv4lab.tools.verify.bounds import gamma, ulp
+    from dsv4lab.tools.verify.compare import compare, tolerance
     slots = torch.tensor([[[5.25], [-5.25], [0.00390625]]], dtype=torch.float64)  # [T=1, k=3, D=1]: cancelling
     exact = slots.sum(1)
     flipped = slots.clone()

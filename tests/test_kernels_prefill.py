@@ -6,7 +6,7 @@ Runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set in conftest) on sm
 inputs, experts that get no token and NaN-poisoned memory no kernel may read; ``gpu`` tests repeat the checks at
 larger shapes.
 
-Every output is judged by its op's error bound (``dsv4lab.verify.op_bounds``, docs/verification.md) under the
+Every output is judged by its op's error bound (``dsv4lab.tools.verify.op_bounds``, docs/verification.md) under the
 accumulation the kernel uses, stated at each call site: fp32 in the interpreter, fp32 tensor cores on a GPU, and
 Hopper's FP8 MMA (~14 bits inside each 128-term block) for the FP8 GEMM and the ``fp8`` MoE route on a GPU.
 """
@@ -17,13 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4lab import quant
-from dsv4lab.model.indexer import select_topk
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.op_bounds import OP_BOUNDS, check_expectation
-from dsv4lab.verify.registry import make_bank, make_linear, routing
-from dsv4lab.verify.stages import OpRecorder, default_accumulation, replay
+from dsv4lab.core import quant
+from dsv4lab.core.model.indexer import select_topk
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.op_bounds import OP_BOUNDS, check_expectation
+from dsv4lab.tools.verify.registry import make_bank, make_linear, routing
+from dsv4lab.tools.verify.stages import OpRecorder, default_accumulation, replay
 
 pytest.importorskip("triton")
 fg = pytest.importorskip("dsv4lab_kernels.fp8_gemm")
@@ -171,7 +171,7 @@ def test_fp8_route_refuses_scales_it_cannot_upcast_exactly():
 
 # ------------------------------------------------------------------------------------------ attention side
 def _attention_case(b, s, h, d, n_kv, k, masked, seed):
-    from dsv4lab.verify.registry import _make_attention
+    from dsv4lab.tools.verify.registry import _make_attention
     return _make_attention(dict(b=b, s=s, h=h, d=d, n_kv=n_kv, k=k, masked=masked),
                            torch.Generator().manual_seed(seed), "cpu", NM)
 
@@ -317,8 +317,8 @@ def test_gpu_tiny_model_chunked_prefill_through_prefill_kernels():
     import dsv4lab
     from conftest import TINY
     from dsv4lab.engine.triton_prefill import TritonPrefillBackend
-    from dsv4lab.verify.model import judge_kl, kl_per_position, kl_rule, rounding_noise_floor
-    from dsv4lab.verify.stages import verify_stages
+    from dsv4lab.tools.verify.model import judge_kl, kl_per_position, kl_rule, rounding_noise_floor
+    from dsv4lab.tools.verify.stages import verify_stages
     m = dsv4lab.load(TINY, device="cuda", max_batch=1)
     ref = dsv4lab.load(TINY, device="cuda", max_batch=1)
     ids = torch.randint(2, m.args.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))

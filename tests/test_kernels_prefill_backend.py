@@ -12,10 +12,10 @@ import torch
 
 from dsv4lab.engine.triton_prefill import (PREFILL_OPS, PrefillChoices, TritonPrefillBackend, accumulation_bound,
                                            linear_magnitude, load_choices, prefill_chunk)
-from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.registry import make_linear
+from dsv4lab.tools.verify.bounds import check_within_bound
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.registry import make_linear
 
 pytest.importorskip("triton")
 
@@ -41,7 +41,7 @@ def test_prefill_chunk_of_tiny_py_runs_none_of_the_prefill_ops_on_the_reference(
     floor of ``data/tiny-py``, ``scripts/measure_noise_floor.py``)."""
     import dsv4lab
     from conftest import ROOT
-    from dsv4lab.verify.model import fixed_sequence, kl_per_position
+    from dsv4lab.tools.verify.model import fixed_sequence, kl_per_position
     m = dsv4lab.load(ROOT / "data" / "tiny-py", backend="triton", max_batch=1)
     ops = m.ops
     ops.prefill_min_tokens = 32
@@ -70,7 +70,7 @@ def test_a_few_token_forward_runs_the_indexer_and_the_compressor_pool_on_kernels
     a 1-token step), and the logits agree with the reference's within the checkpoint's rounding floor."""
     import dsv4lab
     from conftest import ROOT
-    from dsv4lab.verify.model import fixed_sequence, kl_per_position
+    from dsv4lab.tools.verify.model import fixed_sequence, kl_per_position
     ids = torch.tensor([fixed_sequence(dsv4lab.load(ROOT / "data" / "tiny-py", max_batch=1).args, 44, seed=1)])
     out = {}
     for backend in ("triton", "reference"):
@@ -234,7 +234,7 @@ def test_backend_settings_default_to_the_measured_choices():
 
 
 def test_benchmark_choices_and_targets_from_rows():
-    from dsv4lab.bench.prefill import PrefillBench, choices, targets
+    from dsv4lab.tools.bench.prefill import PrefillBench, choices, targets
     b = PrefillBench(torch.device("cpu"), 10.0, smoke=True)
     b.peaks = dict(bf16_tflops=800.0, fp8_tflops=1500.0, copy_gbps=4000.0)
     for variant, rows, t in (("bf16:total", 64, 5000.0), ("bf16:total", 128, 4000.0), ("fp8:total", 64, 4500.0),
@@ -253,7 +253,7 @@ def test_benchmark_choices_and_targets_from_rows():
     t = targets(b, 4096)
     assert t["moe_best_pct"]["variant"] == "bf16+persistent:total" and not t["moe_best_pct"]["met"]
     # the layers of the same run use that variant whole, not the committed file's scheduling
-    from dsv4lab.bench.prefill import measured_moe_settings
+    from dsv4lab.tools.bench.prefill import measured_moe_settings
     assert measured_moe_settings(b, 4096) == dict(moe_route="bf16", moe_tag="persistent", moe_decode="auto",
                                                   moe_persistent=True, moe_scale_per_byte=False, moe_rows=128)
     assert t["fp8_gemm_vs_cublas"] == [dict(projection="wq_b", cublas_us=500.0, triton_best_us=700.0,
@@ -268,7 +268,7 @@ def test_gpu_tiny_prefill_runs_no_prefill_op_on_the_reference():
     (the calibration covers FP8-MMA-like accumulation: docs/verification.md)."""
     import dsv4lab
     from conftest import ROOT
-    from dsv4lab.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor
+    from dsv4lab.tools.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor
     m = dsv4lab.load(ROOT / "data" / "tiny-py", device="cuda", backend="triton", max_batch=1)
     m.ops.prefill_min_tokens = 32
     ids = torch.tensor([fixed_sequence(m.args, 300, seed=0)], device="cuda")

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4lab import quant
+from dsv4lab.core import quant
 from dsv4lab.engine.triton_prefill import accumulation_bound, linear_magnitude
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.verify.registry import fp8_linear_case, grouped_wo_a_case, make_linear
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.bounds import check_within_bound
+from dsv4lab.tools.verify.registry import fp8_linear_case, grouped_wo_a_case, make_linear
 
 pytest.importorskip("triton")
 fg = pytest.importorskip("dsv4lab_kernels.fp8_gemm")

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4lab.config import get_preset
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.model.rope import rope_table
+from dsv4lab.core.config import get_preset
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.core.model.rope import rope_table
 from test_kernels_glue import DEV, GPU, _mhc_bounds, _mhc_inputs, _poisoned, assert_bound
 
 pytest.importorskip("triton")

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4lab.model.indexer import select_topk
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.compare import compare, tolerance
+from dsv4lab.core.model.indexer import select_topk
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.compare import compare, tolerance
 
 pytest.importorskip("triton")
 ap = pytest.importorskip("dsv4lab_kernels.attention_prefill")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from dsv4lab.engine.triton_prefill import accumulation_bound, expert_stage_magnitude
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.verify.registry import make_bank, routing
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.bounds import check_within_bound
+from dsv4lab.tools.verify.registry import make_bank, routing
 
 pytest.importorskip("triton")
 ms = pytest.importorskip("dsv4lab_kernels.moe_sort")

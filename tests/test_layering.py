@@ -1,13 +1,16 @@
 """The floor plan of dsv4lab, enforced on the source (README, "What is here").
 
-Every module of ``dsv4lab/``, ``kernels/`` (imported as ``dsv4lab_kernels``) and the notebook sources stands on one
-floor, and imports only from its own floor or below::
+Every module of ``dsv4lab/``, ``kernels/dsv4lab_kernels/`` (imported as ``dsv4lab_kernels``) and the notebook sources
+stands on one floor — the folder it lives in — and imports only from its own floor or below::
 
-    faces    cli, commands/, the notebooks and what only they use (runs, plots, measurements), dsv4lab.load
-    tools    layouts.drill, verify/, perf/, bench/, train/, serve/, options
-    engine   engine/, parallel, collectives
-    core     errors, paths, provenance, config, quant, checkpoint, random_checkpoint, tokenizer, model/,
-             layouts/ (the layout algebra, repair specs and forensics on stored bytes), kernels/
+    faces    dsv4lab/faces/   cli, commands/, and what only the notebooks use (runs, plots, measurements);
+                              the notebooks; the root package's front door (dsv4lab.load)
+    tools    dsv4lab/tools/   verify/, perf/, bench/, train/, serve/, drill, options
+    engine   dsv4lab/engine/  loader, runner, dispatch, decode graphs, backends, parallel, collectives
+    core     dsv4lab/core/    errors, paths, provenance, config, quant, checkpoint, random_checkpoint, tokenizer,
+                              model/, layouts/; and kernels/dsv4lab_kernels/
+
+No source file is longer than :data:`MAX_LINES` lines.
 
 The imports are read with ``ast`` (nothing is imported to check them). The test fails on
 
@@ -35,25 +38,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 FLOORS = ("core", "engine", "tools", "faces")
-# Module name (fnmatch pattern) → floor; the first matching pattern wins.
-FLOOR_OF = (
-    ("dsv4lab.layouts.drill", "tools"),
-    ("dsv4lab.errors", "core"), ("dsv4lab.paths", "core"), ("dsv4lab.provenance", "core"),
-    ("dsv4lab.config", "core"), ("dsv4lab.quant", "core"), ("dsv4lab.checkpoint", "core"),
-    ("dsv4lab.random_checkpoint", "core"), ("dsv4lab.tokenizer", "core"), ("dsv4lab.model", "core"),
-    ("dsv4lab.model.*", "core"), ("dsv4lab.layouts", "core"), ("dsv4lab.layouts.*", "core"),
-    ("dsv4lab_kernels", "core"), ("dsv4lab_kernels.*", "core"),
-    ("dsv4lab.engine", "engine"), ("dsv4lab.engine.*", "engine"), ("dsv4lab.parallel", "engine"),
-    ("dsv4lab.collectives", "engine"),
-    ("dsv4lab.verify", "tools"), ("dsv4lab.verify.*", "tools"), ("dsv4lab.perf", "tools"), ("dsv4lab.perf.*", "tools"),
-    ("dsv4lab.bench", "tools"), ("dsv4lab.bench.*", "tools"), ("dsv4lab.train", "tools"),
-    ("dsv4lab.train.*", "tools"), ("dsv4lab.serve", "tools"), ("dsv4lab.serve.*", "tools"),
-    ("dsv4lab.options", "tools"),
-    ("dsv4lab", "faces"), ("dsv4lab.__main__", "faces"), ("dsv4lab.cli", "faces"), ("dsv4lab.commands", "faces"),
-    ("dsv4lab.commands.*", "faces"), ("dsv4lab.runs", "faces"), ("dsv4lab.plots", "faces"),
-    ("dsv4lab.plots.*", "faces"), ("dsv4lab.figure_data", "faces"), ("dsv4lab.notebook_format", "faces"),
-    ("dsv4lab.measurements", "faces"), ("notebooks.*", "faces"),
-)
+# A module's floor is its folder: dsv4lab/<floor>/... The kernels package and the notebooks have theirs named here;
+# the root package (``dsv4lab/__init__.py``, ``__main__``) is the faces' front door.
+FLOOR_OF_TOP = {"dsv4lab_kernels": "core", "notebooks": "faces", "dsv4lab": "faces"}
+MAX_LINES = 800
+"""No source file is longer than this: past it a file has stopped being one thing."""
 # Constants every floor may read from the root package (it imports nothing at its top, see below).
 ROOT_CONSTANTS = {"__version__"}
 
@@ -73,9 +62,9 @@ HEAVY_FOR_LIGHT = {"torch", "numpy", "safetensors", "tokenizers"}
 # Modules imported to build the command line, or that must run without torch (`dsv4lab roofline`, `import
 # dsv4lab`, the notebooks' result files): they defer torch and the package modules that import it.
 LIGHT = (
-    "dsv4lab", "dsv4lab.__main__", "dsv4lab.cli", "dsv4lab.commands", "dsv4lab.commands.*", "dsv4lab.errors",
-    "dsv4lab.paths", "dsv4lab.provenance", "dsv4lab.config", "dsv4lab.options", "dsv4lab.engine", "dsv4lab.perf",
-    "dsv4lab.perf.*", "dsv4lab.plots", "dsv4lab.plots.*", "dsv4lab.runs", "dsv4lab.notebook_format", "dsv4lab_kernels",
+    "dsv4lab", "dsv4lab.__main__", "dsv4lab.faces.cli", "dsv4lab.faces.commands", "dsv4lab.faces.commands.*", "dsv4lab.core.errors",
+    "dsv4lab.core.paths", "dsv4lab.core.provenance", "dsv4lab.core.config", "dsv4lab.tools.options", "dsv4lab.engine", "dsv4lab.tools.perf",
+    "dsv4lab.tools.perf.*", "dsv4lab.faces.plots", "dsv4lab.faces.plots.*", "dsv4lab.faces.runs", "dsv4lab.faces.notebook_format", "dsv4lab_kernels",
 )
 STDLIB = set(sys.stdlib_module_names)
 # Functions that import a kernel module by name (dsv4lab.engine.kernel_loader): called at a module's top, they
@@ -193,10 +182,12 @@ def _resolve(graph: Graph, name: str) -> str:
 
 
 def floor_of(module: str) -> str:
-    for pattern, floor in FLOOR_OF:
-        if fnmatchcase(module, pattern):
-            return floor
-    raise AssertionError(f"{module}: no floor assigned (add it to FLOOR_OF in tests/test_layering.py)")
+    parts = module.split(".")
+    if parts[0] == "dsv4lab" and len(parts) > 1 and parts[1] != "__main__":
+        if parts[1] not in FLOORS:
+            raise AssertionError(f"{module}: dsv4lab/{parts[1]} is not a floor folder (dsv4lab/{{{','.join(FLOORS)}}}/)")
+        return parts[1]
+    return FLOOR_OF_TOP[parts[0]]
 
 
 def is_light(module: str) -> bool:
@@ -304,6 +295,24 @@ def test_every_module_has_a_floor():
         floor_of(m)
 
 
+def test_the_package_root_holds_only_the_floor_folders():
+    """``dsv4lab/`` shows the floors and nothing else: the front door (``__init__``, ``__main__``) and one folder
+    per floor."""
+    root = REPO / "dsv4lab"
+    entries = {p.name for p in root.iterdir() if p.name not in ("__pycache__",) and not p.name.endswith(".egg-info")}
+    assert entries == {"__init__.py", "__main__.py", *FLOORS}
+
+
+def test_no_source_file_is_longer_than_the_limit():
+    long = {}
+    for top in ("dsv4lab", "kernels/dsv4lab_kernels", "notebooks/source", "tests", "scripts"):
+        for path in (REPO / top).rglob("*.py"):
+            n = len(path.read_text().splitlines())
+            if n > MAX_LINES:
+                long[str(path.relative_to(REPO))] = n
+    assert long == {}, f"files over {MAX_LINES} lines: split them by what they do"
+
+
 def test_no_module_imports_from_a_floor_above_its_own():
     assert upward_imports(GRAPH) == []
 
@@ -332,7 +341,7 @@ def test_light_modules_import_without_torch():
     """What the static check says, confirmed by importing them and building every command's parser."""
     light = sorted(m for m in GRAPH.modules if is_light(m) and not m.endswith("__main__"))
     code = (f"import importlib, sys\nfor m in {light!r}: importlib.import_module(m)\n"
-            "from dsv4lab.cli import build_parser\nbuild_parser()\n"
+            "from dsv4lab.faces.cli import build_parser\nbuild_parser()\n"
             f"print(sorted(m for m in {sorted(HEAVY_FOR_LIGHT | OPTIONAL_LIBRARIES)!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
@@ -345,17 +354,17 @@ def test_the_detector_flags_planted_mistakes(tmp_path):
     clean = read_graph(tmp_path)
     assert upward_imports(clean) == [] and cycles(clean) == [] and unjustified_deferred_imports(clean) == []
     # core importing a tool; two engine modules importing each other; a deferred import of a light library
-    (tmp_path / "dsv4lab" / "model" / "planted_upward.py").write_text("from ..bench import common\n")
+    (tmp_path / "dsv4lab" / "core" / "model" / "planted_upward.py").write_text("from dsv4lab.tools.bench import common\n")
     (tmp_path / "dsv4lab" / "engine" / "planted_a.py").write_text("from . import planted_b\n")
     (tmp_path / "dsv4lab" / "engine" / "planted_b.py").write_text("def f():\n    from . import planted_a\n")
-    (tmp_path / "dsv4lab" / "verify" / "planted_deferred.py").write_text(
-        "def f():\n    import json\n    from ..config import ModelArgs\n    import triton\n    return json\n")
+    (tmp_path / "dsv4lab" / "tools" / "verify" / "planted_deferred.py").write_text(
+        "def f():\n    import json\n    from dsv4lab.core.config import ModelArgs\n    import triton\n    return json\n")
     graph = read_graph(tmp_path)
-    assert upward_imports(graph) == ["dsv4lab.model.planted_upward (core) imports dsv4lab.bench.common (tools) "
+    assert upward_imports(graph) == ["dsv4lab.core.model.planted_upward (core) imports dsv4lab.tools.bench.common (tools) "
                                      "at line 1"]
     assert cycles(graph) == [["dsv4lab.engine.planted_a", "dsv4lab.engine.planted_b"]]
     deferred = unjustified_deferred_imports(graph)
     assert [d.split(" inside")[0] for d in deferred] == [
         "dsv4lab.engine.planted_b:2 imports dsv4lab.engine.planted_a",
-        "dsv4lab.verify.planted_deferred:2 imports json",
-        "dsv4lab.verify.planted_deferred:3 imports dsv4lab.config"]  # triton (line 4) is a named exception
+        "dsv4lab.tools.verify.planted_deferred:2 imports json",
+        "dsv4lab.tools.verify.planted_deferred:3 imports dsv4lab.core.config"]  # triton (line 4) is a named exception

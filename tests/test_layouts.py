@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4lab import cli, layouts as L, quant
-from dsv4lab.checkpoint import Checkpoint, file_hashes
+from dsv4lab.faces import cli
+from dsv4lab.core import layouts as L
+from dsv4lab.core import quant
+from dsv4lab.core.checkpoint import Checkpoint, file_hashes
 
 TINY = Path(__file__).resolve().parents[1] / "data" / "tiny"
 PAPER_PERM = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -471,7 +473,7 @@ def test_faults_are_identified_from_dumps_of_the_reference_run(faulted, tmp_path
     # the dumps `dsv4lab verify record --dump-layers` writes: the rows that really reached each routed expert in
     # a fixed run of the reference (a handful per expert, fewer than per-group matching would need)
     import dsv4lab
-    from dsv4lab.verify.model import write_linear_dumps
+    from dsv4lab.tools.verify.model import write_linear_dumps
     runner = dsv4lab.load(TINY, dtype=torch.float32)
     recorded = L.load_golden_dumps(write_linear_dumps(runner, list(range(5, 53)), tmp_path / "dumps.safetensors"))
     assert any(lin.endswith(".w2") for lin in recorded)

@@ -1,5 +1,5 @@
 """The notebooks: committed without outputs and in step with their sources (also when saved from JupyterLab:
-:mod:`dsv4lab.notebook_format`); each runs green in SMOKE mode through ``dsv4lab reproduce``, meets the reference
+:mod:`dsv4lab.faces.notebook_format`); each runs green in SMOKE mode through ``dsv4lab reproduce``, meets the reference
 expectations and saves only figures that pass the figure rules; parameter mistakes and failing cells are reported
 with the notebook and cell, after the manifest and partial outputs are written; a notebook run by hand writes into
 ``scratch/``, not ``runs/``; cells display compact tables."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4lab import notebook_format, runs
+from dsv4lab.faces import notebook_format, runs
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -29,7 +29,7 @@ def _read(path: Path) -> dict:
 
 
 def _reproduce(*argv: str) -> int:
-    from dsv4lab.cli import main
+    from dsv4lab.faces.cli import main
     return main(["reproduce", *argv])
 
 
@@ -132,8 +132,8 @@ def test_other_notebooks_are_saved_as_they_are(tmp_path):
 
 def test_the_repository_ships_the_jupyter_setting():
     doc = _read(NOTEBOOKS / "jupyter_config" / "jupyter_server_config.d" / "dsv4lab.json")
-    assert doc["ServerApp"]["jpserver_extensions"] == {"dsv4lab.notebook_format": True}
-    assert notebook_format._jupyter_server_extension_points() == [{"module": "dsv4lab.notebook_format"}]
+    assert doc["ServerApp"]["jpserver_extensions"] == {"dsv4lab.faces.notebook_format": True}
+    assert notebook_format._jupyter_server_extension_points() == [{"module": "dsv4lab.faces.notebook_format"}]
 
 
 # ============================================================================================ runs by hand, displays
@@ -202,8 +202,8 @@ SEED: int = 0  # seed
 CHECKPOINT: str = ""  # checkpoint
 
 # %%
-from dsv4lab import runs
-from dsv4lab.plots import plot_milestones
+from dsv4lab.faces import runs
+from dsv4lab.faces.plots import plot_milestones
 out = runs.notebook_outputs("NAME", RUN_DIR, dict(SEED=SEED))
 out.key("before_the_failure", 1)
 out.figure(plot_milestones([dict(id="a", label="a", v=1.0)], value="v", unit="u"), "partial")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4lab import paths
+from dsv4lab.core import paths
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -64,7 +64,7 @@ def test_the_package_list_is_complete():
     missing = [str(p.relative_to(REPO)) for p in needed
                if "dsv4lab/_data/" + str(p.relative_to(paths.DATA_DIR)) not in shipped]
     assert missing == []
-    assert "dsv4lab/style/dsv4lab.mplstyle" in shipped
+    assert "dsv4lab/faces/style/dsv4lab.mplstyle" in shipped
 
 
 def test_transformers_imports_from_the_repository_root():
@@ -158,7 +158,7 @@ def test_every_installed_module_imports_from_the_wheel(installed):
     code = f"""
 import importlib, pkgutil, sys
 import dsv4lab, dsv4lab_kernels
-from dsv4lab import paths
+from dsv4lab.core import paths
 repo = {str(REPO)!r}
 assert not dsv4lab.__file__.startswith(repo), dsv4lab.__file__
 assert not paths.IN_CHECKOUT and paths.HARDWARE_DIR.is_dir() and paths.DEFAULT_TOKENIZER.is_file(), paths.DATA_DIR

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import TINY
-from dsv4lab.checkpoint import Checkpoint, expected_tensors
-from dsv4lab.collectives import CountingAllReduce, LibraryAllReduce, SizeSwitchAllReduce, make_all_reduce
-from dsv4lab.config import get_preset
+from dsv4lab.core.checkpoint import Checkpoint, expected_tensors
+from dsv4lab.engine.collectives import CountingAllReduce, LibraryAllReduce, SizeSwitchAllReduce, make_all_reduce
+from dsv4lab.core.config import get_preset
 from dsv4lab.engine.sampling import finish_reason
-from dsv4lab.parallel import Layout, ParallelError, ParallelPlan, check_split, run_parallel
+from dsv4lab.engine.parallel import Layout, ParallelError, ParallelPlan, check_split, run_parallel
 
 PROMPT = [5, 6, 7, 8, 9]
 NEW_TOKENS = 12
@@ -113,8 +113,8 @@ LAYOUTS = [(2, 1), (1, 2)]  # TP2, EP2 (both at once, DeepSeek's scheme, is the 
 
 def _generate_ranks(rank, world, checkpoint, layouts, bench_out):
     from dsv4lab.engine.sampling import trajectory_hash
-    from dsv4lab.parallel import load_parallel
-    from dsv4lab.bench import collectives as bench_collectives
+    from dsv4lab.engine.parallel import load_parallel
+    from dsv4lab.tools.bench import collectives as bench_collectives
     ck = Checkpoint(checkpoint)
     out = []
     for tp, ep in layouts:
@@ -302,8 +302,8 @@ def test_peer_read_kernel_equals_rank_ordered_sum(world):
 def _gpu_peer_read_vs_nccl(rank, world):
     import torch.distributed as dist
 
-    from dsv4lab.collectives import PeerReadAllReduce
-    from dsv4lab.parallel import init_distributed
+    from dsv4lab.engine.collectives import PeerReadAllReduce
+    from dsv4lab.engine.parallel import init_distributed
     _, _, device = init_distributed()
     peer = PeerReadAllReduce(None, device, capacity_bytes=1 << 16)
     bad = []
@@ -331,7 +331,7 @@ def test_peer_read_matches_nccl_bit_for_bit_on_gpus():
 @pytest.mark.distributed
 def test_bench_collectives_on_cpu(two_ranks, bench_json):
     """The benchmark's worker ran in the ranks above (CPU: library all-reduce only, eager)."""
-    from dsv4lab.bench.collectives import format_table
+    from dsv4lab.tools.bench.collectives import format_table
     doc = json.loads(bench_json.read_text())
     assert {(row["variant"], row["mode"], row["message_bytes"]) for row in doc["rows"]} == {
         ("library", "eager", 4096), ("library", "eager", 8192)}

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dsv4lab.cli import main
-from dsv4lab.config import ConfigError, get_preset
-from dsv4lab.perf import costmodel as cm
-from dsv4lab.perf import account as acc_mod
-from dsv4lab.perf import roofline as rl
-from dsv4lab.perf.hardware import HardwareError, list_hardware, load_hardware
+from dsv4lab.faces.cli import main
+from dsv4lab.core.config import ConfigError, get_preset
+from dsv4lab.tools.perf import costmodel as cm
+from dsv4lab.tools.perf import account as acc_mod
+from dsv4lab.tools.perf import roofline as rl
+from dsv4lab.tools.perf.hardware import HardwareError, list_hardware, load_hardware
 
 REPO = Path(__file__).resolve().parents[1]
 FLASH = get_preset("flash")
@@ -59,7 +59,7 @@ def test_op_table_agrees_with_component_table_and_checkpoint():
         assert by_comp[comp] == pytest.approx(value, abs=1e-3)
     assert step.weight_bytes == pytest.approx(SPEC_TOTAL, abs=1e-3)
     # fully-read components equal the checkpoint table's main-layer + global tensors of that component
-    from dsv4lab.checkpoint import expected_tensors
+    from dsv4lab.core.checkpoint import expected_tensors
     main = {}
     for s in expected_tensors(FLASH):
         if s.block is None or s.block < FLASH.n_layers:
@@ -73,7 +73,7 @@ def test_op_table_agrees_with_component_table_and_checkpoint():
 
 
 def test_every_checkpoint_tensor_is_read_by_an_op():
-    from dsv4lab.checkpoint import expected_tensors
+    from dsv4lab.core.checkpoint import expected_tensors
     ops = {cm.op_of_tensor(s.name) for s in expected_tensors(get_preset("tiny"))}
     assert None in ops  # MTP
     assert {"routed.w13", "routed.w2", "attn.wo_a", "indexer.compressor.pool", "router.topk", "head"} <= ops
@@ -471,7 +471,7 @@ def test_cli_errors_and_other_actions(capsys, tmp_path):
 
 # ============================================================================================ figures, imports
 def test_figures_are_built_and_byte_stable(tmp_path):
-    from dsv4lab import plots
+    from dsv4lab.faces import plots
     rep = rl.roofline_report(FLASH, load_hardware("mi250-gcd"), tp=4)
     acc = acc_mod.paper_account()
 
@@ -496,8 +496,8 @@ def test_figures_are_built_and_byte_stable(tmp_path):
 
 
 def test_perf_and_plots_import_light():
-    code = ("import sys, dsv4lab.perf, dsv4lab.plots, dsv4lab.perf.costmodel, dsv4lab.perf.roofline, "
-            "dsv4lab.perf.hardware; heavy = [m for m in ('torch', 'matplotlib', 'yaml', 'numpy') if m in sys.modules];"
+    code = ("import sys, dsv4lab.tools.perf, dsv4lab.faces.plots, dsv4lab.tools.perf.costmodel, dsv4lab.tools.perf.roofline, "
+            "dsv4lab.tools.perf.hardware; heavy = [m for m in ('torch', 'matplotlib', 'yaml', 'numpy') if m in sys.modules];"
             " print(heavy); sys.exit(1 if heavy else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stdout + out.stderr

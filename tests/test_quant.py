@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from dsv4lab import quant
+from dsv4lab.core import quant
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 

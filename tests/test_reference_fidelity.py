@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from dsv4lab.random_checkpoint import RandomCheckpoint
-from dsv4lab.config import get_preset
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.model.rope import rope_frequencies
-from dsv4lab.verify.bounds import check_within_bound
-from dsv4lab.verify.registry import _make_attention
+from dsv4lab.core.random_checkpoint import RandomCheckpoint
+from dsv4lab.core.config import get_preset
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.core.model.rope import rope_frequencies
+from dsv4lab.tools.verify.bounds import check_within_bound
+from dsv4lab.tools.verify.registry import _make_attention
 
 NM = Numerics()  # bf16, every simulation on, attention_block 64
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import load_tiny
-from dsv4lab.config import get_preset
+from dsv4lab.core.config import get_preset
 from dsv4lab.engine.loader import build_model
 
 N = 300  # crosses the window (32), both ratios (4, 16) and the index top-k (16 of 75 entries)

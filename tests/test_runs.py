@@ -1,5 +1,5 @@
 """Run folders, the notebook output helper, expectations, and the helpers the notebooks call
-(:mod:`dsv4lab.layouts.drill`, :mod:`dsv4lab.measurements`)."""
+(:mod:`dsv4lab.tools.drill`, :mod:`dsv4lab.faces.measurements`)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,9 @@ from datetime import datetime, timezone
 import pytest
 import torch
 
-from dsv4lab import layouts, measurements, runs
-from dsv4lab.layouts import drill as layout_drill
+from dsv4lab.core import layouts
+from dsv4lab.faces import measurements, runs
+from dsv4lab.tools import drill as layout_drill
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,7 +55,7 @@ def test_outputs_are_files_and_portable(tmp_path):
 
 
 def test_figures_are_byte_stable_and_metadata_free(tmp_path):
-    from dsv4lab.plots import plot_milestones
+    from dsv4lab.faces.plots import plot_milestones
     rows = [dict(id="a", label="first", v=14.6, v_range=[14.2, 15.0]), dict(id="b", label="second", v=74.5)]
     hashes = []
     for i in range(2):
@@ -67,7 +68,7 @@ def test_figures_are_byte_stable_and_metadata_free(tmp_path):
 
 
 def test_plots_import_without_matplotlib():
-    code = "import sys, dsv4lab.plots, dsv4lab.runs; assert 'matplotlib' not in sys.modules"
+    code = "import sys, dsv4lab.faces.plots, dsv4lab.faces.runs; assert 'matplotlib' not in sys.modules"
     import subprocess
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
@@ -154,7 +155,7 @@ def test_results_files_are_validated(tmp_path):
 
 
 def test_kernel_checks_restore_the_registry_and_reject_unknown_ops():
-    from dsv4lab.verify import registry
+    from dsv4lab.tools.verify import registry
     before = {c.name: list(c.shapes) for c in registry.OPS}
     res = measurements.kernel_checks("reference", ["rms_norm", "rope"], max_shapes=1)
     assert res["status"] == "ran" and len(res["rows"]) == 2 and all(r["ok"] for r in res["rows"])

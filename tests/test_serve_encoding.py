@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4lab.serve.encoding import (ASSISTANT, BOS, EOS, REASONING_EFFORT_MAX_PREFIX, THINK_CLOSE, THINK_OPEN,
+from dsv4lab.tools.serve.encoding import (ASSISTANT, BOS, EOS, REASONING_EFFORT_MAX_PREFIX, THINK_CLOSE, THINK_OPEN,
                                     TOOL_CALLS_START, USER, ChatEncodingError, ChatOptions, DeepSeekV4ChatFormat,
                                     SimpleChatFormat, StreamingChatParser, chat_format_for, encode_messages,
                                     held_back_suffix, parse_completion, parse_tool_calls, render_tool_calls)
@@ -160,7 +160,7 @@ def test_encoder_errors_name_the_message():
 
 
 def test_chat_format_choice_follows_the_tokenizer(tiny_path):
-    from dsv4lab.tokenizer import load_tokenizer
+    from dsv4lab.core.tokenizer import load_tokenizer
     assert chat_format_for(load_tokenizer(tiny_path)).name == "simple"
     assert chat_format_for(load_tokenizer(tiny_path), "dsv4").name == "dsv4"
     with pytest.raises(ValueError):
@@ -168,8 +168,8 @@ def test_chat_format_choice_follows_the_tokenizer(tiny_path):
 
 
 def test_incremental_detokenizer_matches_full_decode(tiny_path):
-    from dsv4lab.serve.detokenizer import IncrementalDetokenizer, special_token_ids
-    from dsv4lab.tokenizer import load_tokenizer
+    from dsv4lab.tools.serve.detokenizer import IncrementalDetokenizer, special_token_ids
+    from dsv4lab.core.tokenizer import load_tokenizer
     tok = load_tokenizer(tiny_path)
     text = "naïve café — 東京 🙂 def f(x):\n    return x ** 2  # ok"
     ids = tok.encode(text)
@@ -188,8 +188,8 @@ def test_incremental_detokenizer_matches_full_decode(tiny_path):
 def test_protocol_errors_have_vllm_wording_and_params():
     from types import SimpleNamespace
 
-    from dsv4lab.serve.limits import Limits, check_fields
-    from dsv4lab.serve.protocol import APIError, check_context
+    from dsv4lab.tools.serve.limits import Limits, check_fields
+    from dsv4lab.tools.serve.protocol import APIError, check_context
     with pytest.raises(APIError) as e:
         check_context(10, 1, 10)
     assert (e.value.status, e.value.param) == (400, "input_tokens")

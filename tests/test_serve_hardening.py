@@ -24,9 +24,9 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from dsv4lab.serve.app import ServeConfig, create_app  # noqa: E402
-from dsv4lab.serve.protocol import ERROR_TYPES  # noqa: E402
-from dsv4lab.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
+from dsv4lab.tools.serve.app import ServeConfig, create_app  # noqa: E402
+from dsv4lab.tools.serve.protocol import ERROR_TYPES  # noqa: E402
+from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
 
 pytestmark = pytest.mark.serve
 
@@ -297,8 +297,8 @@ def test_tokenization_runs_off_the_event_loop(server):
 def test_the_api_key_comes_from_the_environment_and_its_scheme_in_any_case(monkeypatch, capsys):
     import uvicorn
 
-    from dsv4lab.cli import main
-    from dsv4lab.serve import API_KEY_ENV
+    from dsv4lab.faces.cli import main
+    from dsv4lab.tools.serve import API_KEY_ENV
     seen = {}
 
     def serve_briefly(app, **kwargs):  # instead of serving forever: check the app dsv4lab serve built

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server on loopback, driven by the official ``openai`` client and raw HTTP.
 
 One server on ``data/tiny-py`` (the trained default) serves the whole module, in the reference's default bf16
-numerics. The reference is batch-invariant (reductions are correctly rounded, see ``dsv4lab/model/numerics.py``),
+numerics. The reference is batch-invariant (reductions are correctly rounded, see ``dsv4lab/core/model/numerics.py``),
 so concurrent batched streams must equal sequential greedy runs bit for bit. References come from ``m.generate``
 on the same model object while the server is idle, so the comparison is with exactly what ``dsv4lab generate``
 runs.
@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from dsv4lab.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
+from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
 
 pytestmark = pytest.mark.serve
 
@@ -61,7 +61,7 @@ def served():
 
 
 def test_models_and_greedy_completion_equal_the_generate_cli(served, capsys):
-    from dsv4lab.cli import main
+    from dsv4lab.faces.cli import main
     models = served.client.models.list().data
     assert [m.id for m in models] == [MODEL]
     prompt = "def add(a, b):"
@@ -176,7 +176,7 @@ def test_context_errors_reach_the_openai_client_with_vllm_wording(served):
 
 
 def test_api_key_is_required_when_set(served):
-    from dsv4lab.serve.app import ServeConfig, create_app
+    from dsv4lab.tools.serve.app import ServeConfig, create_app
     cfg = ServeConfig(served_model_name=MODEL, max_model_len=64, api_key="s3cret")
     with BackgroundServer(create_app(served.scheduler, served.tokenizer, cfg)) as s:
         assert httpx.get(s.url + "/v1/models").status_code == 401
@@ -244,8 +244,8 @@ def test_client_disconnect_frees_its_sequence(served):
 
 
 def test_a_full_server_without_queue_answers_429(served):
-    from dsv4lab.serve.app import ServeConfig, create_app
-    from dsv4lab.serve.scheduler import SamplingParams, Scheduler
+    from dsv4lab.tools.serve.app import ServeConfig, create_app
+    from dsv4lab.tools.serve.scheduler import SamplingParams, Scheduler
     _wait_idle(served.scheduler)
     # A second one-slot scheduler on the same model: safe while the module's server is idle. Its slot is held by
     # a long greedy sequence submitted to the engine directly (no client timing involved), then released by abort.
@@ -297,7 +297,7 @@ def _fault_head(src: Path, dst: Path) -> None:
 
 
 def test_verify_endpoint_passes_a_healthy_server_and_catches_a_faulted_checkpoint(served, tmp_path, capsys):
-    from dsv4lab.serve import verify_endpoint
+    from dsv4lab.tools.serve import verify_endpoint
     golden = _golden(served, tmp_path)
     args = Namespace(url=served.url, golden=str(golden), model=None, api_key=None, no_teacher_forced=False,
                      timeout=120.0, out=str(tmp_path / "healthy"))
@@ -328,7 +328,7 @@ def test_verify_endpoint_passes_a_healthy_server_and_catches_a_faulted_checkpoin
 
 
 def test_bench_serve_prints_the_metric_table_and_writes_json(served, tmp_path, capsys):
-    from dsv4lab.bench import serve as bench_serve
+    from dsv4lab.tools.bench import serve as bench_serve
     out = tmp_path / "bench.json"
     args = Namespace(url=served.url, checkpoint=None, backend="reference", dtype="float32", model=None, endpoint="completions", api_key=None,
                      num_prompts=3, input_len=6, output_len=3, concurrency="1,3", request_rate=float("inf"),
@@ -350,7 +350,7 @@ def test_bench_serve_prints_the_metric_table_and_writes_json(served, tmp_path, c
 
 
 def test_bench_engine_case_reports_sglang_metrics(served):
-    from dsv4lab.bench.engine import bench_case, decode_weight_bytes, format_table
+    from dsv4lab.tools.bench.engine import bench_case, decode_weight_bytes, format_table
     _wait_idle(served.scheduler)
     r = bench_case(served.model, 2, 5, 3, seed=0, device="cpu")
     assert len(r["decode_step_latencies_s"]) == 2
@@ -362,13 +362,13 @@ def test_bench_engine_case_reports_sglang_metrics(served):
 
 
 def test_serve_command_rejects_a_missing_checkpoint(tmp_path):
-    from dsv4lab.cli import main
+    from dsv4lab.faces.cli import main
     assert main(["serve", "--checkpoint", str(tmp_path / "nothing")]) == 2
 
 
 def test_sampling_options_stop_strings_logprobs_and_thinking_format(served):
-    from dsv4lab.serve.app import ServeConfig, create_app
-    from dsv4lab.serve.encoding import chat_format_for
+    from dsv4lab.tools.serve.app import ServeConfig, create_app
+    from dsv4lab.tools.serve.encoding import chat_format_for
     prompt = [5, 6, 7, 8]
     # a seeded sampled request reproduces m.generate with the same seed
     sampled = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.8, seed=123,

@@ -10,14 +10,14 @@ import torch.nn.functional as F
 
 import dsv4lab
 from conftest import ROOT, load_tiny
-from dsv4lab.config import get_preset
+from dsv4lab.core.config import get_preset
 from dsv4lab.engine.sampling import trajectory_hash
 from dsv4lab.engine.speculative import SpeculativeDecoder, generate_speculative, max_draft_tokens
-from dsv4lab.random_checkpoint import RandomCheckpoint
-from dsv4lab.train.trainer import TrainingOps, lm_losses
-from dsv4lab.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor, \
+from dsv4lab.core.random_checkpoint import RandomCheckpoint
+from dsv4lab.tools.train.trainer import TrainingOps, lm_losses
+from dsv4lab.tools.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor, \
     rounding_noise_floors_with_mtp
-from dsv4lab.verify.speculative import critical_positions, rollback_vs_recompute
+from dsv4lab.tools.verify.speculative import critical_positions, rollback_vs_recompute
 
 TINY_PY = ROOT / "data" / "tiny-py"
 _golden = {ck: json.loads((ROOT / "data" / "golden" / f"{ck}.json").read_text()) for ck in ("tiny", "tiny-py")}
@@ -88,7 +88,7 @@ def test_the_mtp_heads_rounding_floor_is_measured_beside_the_main_heads():
 
 def test_verify_tiers_pass_and_catch_a_rollback_that_misses_the_ring_caches(monkeypatch):
     from dsv4lab.engine import speculative
-    from dsv4lab.verify.speculative import render_speculative, verify_speculative
+    from dsv4lab.tools.verify.speculative import render_speculative, verify_speculative
     m = _model("tiny", 1)
     g = dict(_golden["tiny"], oracles=_golden["tiny"]["oracles"][:1],
              teacher_forced=dict(_golden["tiny"]["teacher_forced"], ids=_golden["tiny"]["teacher_forced"]["ids"][:70]))
@@ -158,7 +158,7 @@ def test_snapshot_limit_and_api_errors():
 
 # ------------------------------------------------------------------------------------------ the MTP API
 def test_mtp_logits_equal_the_training_path():
-    # lm_losses (dsv4lab.train) runs the MTP block on the main model's streams with the next tokens' embeddings;
+    # lm_losses (dsv4lab.tools.train) runs the MTP block on the main model's streams with the next tokens' embeddings;
     # forward(mtp=True) must produce the same logits, so the same cross-entropies, bit for bit
     m = dsv4lab.load(TINY_PY, max_batch=2)
     window = torch.tensor([fixed_sequence(m.args, 42, seed=s) for s in (3, 4)])
@@ -200,7 +200,7 @@ def test_generate_cli_speculative_prints_the_plain_hash():
 
 
 def test_scheduler_speculative_matches_plain_and_samples_the_rest():
-    from dsv4lab.serve.scheduler import SamplingParams, Scheduler
+    from dsv4lab.tools.serve.scheduler import SamplingParams, Scheduler
     m = _model("tiny-py", 3)
     sched = Scheduler(m, max_running=3, speculative="mtp", draft_tokens=2)
     oracles = _golden["tiny-py"]["oracles"][:2]

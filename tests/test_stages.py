@@ -1,4 +1,4 @@
-"""The stage-isolated layer oracle (:mod:`dsv4lab.verify.stages`) and the calibrated model tier.
+"""The stage-isolated layer oracle (:mod:`dsv4lab.tools.verify.stages`) and the calibrated model tier.
 
 * the recording is a prefill, an eager decode step and a step of the engine's static decode path; the reference
   replayed against it is bit-identical at every stage, and every op of the forward and of the static step — the
@@ -29,15 +29,15 @@ import pytest
 import torch
 
 import dsv4lab
-from dsv4lab.layouts import FAULTS, inject_fault_into_checkpoint
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
-from dsv4lab.verify import model as model_tier
-from dsv4lab.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
-from dsv4lab.verify.op_bounds import OP_BOUNDS, TopK, check_outputs, check_topk
-from dsv4lab.verify.registry import OPS
-from dsv4lab.verify.stages import bound_of, output_names, record_reference, replay, replay_call, stage_name
-from dsv4lab.verify.variants import VARIANTS, KernelLike
+from dsv4lab.core.layouts import FAULTS, inject_fault_into_checkpoint
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.faults import MODEL_FAULTS, faulty_backend
+from dsv4lab.tools.verify import model as model_tier
+from dsv4lab.tools.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
+from dsv4lab.tools.verify.op_bounds import OP_BOUNDS, TopK, check_outputs, check_topk
+from dsv4lab.tools.verify.registry import OPS
+from dsv4lab.tools.verify.stages import bound_of, output_names, record_reference, replay, replay_call, stage_name
+from dsv4lab.tools.verify.variants import VARIANTS, KernelLike
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = {"tiny": ROOT / "data" / "tiny", "tiny-py": ROOT / "data" / "tiny-py"}
@@ -277,7 +277,7 @@ def test_kl_factors_equal_the_committed_calibration():
 def test_every_kernel_tables_accumulation_has_a_model_ordered_by_looseness():
     from dsv4lab.engine import triton_backend as tb
     from dsv4lab.engine.triton_prefill import KIND_MODEL
-    from dsv4lab.verify.bounds import UNIT_ROUNDOFF, gamma
+    from dsv4lab.tools.verify.bounds import UNIT_ROUNDOFF, gamma
     assert set(tb.ACCUMULATION_MODELS) <= set(UNIT_ROUNDOFF) and set(KIND_MODEL.values()) <= set(UNIT_ROUNDOFF)
     widths = [gamma(4096, m) for m in tb.ACCUMULATION_MODELS]
     assert widths == sorted(widths) and len(set(widths)) == len(widths)
@@ -296,9 +296,9 @@ def test_the_triton_backend_names_the_accumulation_of_the_kernel_each_call_takes
     from dsv4lab.engine import triton_backend as tb
     from dsv4lab.engine import triton_prefill as tp
     from dsv4lab.engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
-    from dsv4lab.model.numerics import Numerics
-    from dsv4lab.verify.kernels import variant_accumulation
-    from dsv4lab.verify.registry import make_bank, make_linear, routing
+    from dsv4lab.core.model.numerics import Numerics
+    from dsv4lab.tools.verify.kernels import variant_accumulation
+    from dsv4lab.tools.verify.registry import make_bank, make_linear, routing
 
     g = torch.Generator().manual_seed(0)
     lin, lin2 = make_linear("fp8", 96, 256, g), make_linear("fp8", 128, 256, g)

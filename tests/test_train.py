@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4lab import quant
-from dsv4lab.checkpoint import expected_tensors
-from dsv4lab.config import get_preset
-from dsv4lab.model.numerics import Numerics
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.train.quant_ablation import (NATIVE_DENSE, NATIVE_EXPERTS, DenseFormat, ExpertFormat, fp4_group_qdq,
+from dsv4lab.core import quant
+from dsv4lab.core.checkpoint import expected_tensors
+from dsv4lab.core.config import get_preset
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.train.quant_ablation import (NATIVE_DENSE, NATIVE_EXPERTS, DenseFormat, ExpertFormat, fp4_group_qdq,
                                     fp8_dense_qdq, requantize)
-from dsv4lab.train.trainer import (TrainConfig, TrainingOps, build_trainable, indexer_kl, lm_losses, load_weights_f32,
+from dsv4lab.tools.train.trainer import (TrainConfig, TrainingOps, build_trainable, indexer_kl, lm_losses, load_weights_f32,
                            native_state_dict, save_weights, train, trainable_from_state, update_router_biases)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,8 +139,8 @@ def test_native_export_loads_as_the_same_model(tmp_path):
     # trained-form state -> native tensors -> checkpoint -> dsv4lab.load equals the trainable model holding the
     # dequantized values (the ablation's "native" point): same modules, same numbers, both directions of the export
     import dsv4lab
-    from dsv4lab.checkpoint import Checkpoint, write_state_dict
-    from dsv4lab.train.trainer import DEFAULT_TOKENIZER
+    from dsv4lab.core.checkpoint import Checkpoint, write_state_dict
+    from dsv4lab.tools.train.trainer import DEFAULT_TOKENIZER
 
     state = _perturbed(build_trainable(ARGS, seed=7).state_dict(), 8)
     native = native_state_dict(ARGS, state)
@@ -223,7 +223,7 @@ needs_tiny_py = pytest.mark.skipif(not (TINY_PY / "config.json").exists(), reaso
 
 @needs_tiny_py
 def test_tiny_py_is_valid_small_and_meets_acceptance():
-    from dsv4lab.checkpoint import Checkpoint
+    from dsv4lab.core.checkpoint import Checkpoint
 
     rep = Checkpoint(TINY_PY).validate()
     assert rep.ok, rep.problems
@@ -253,7 +253,7 @@ def test_tiny_py_greedy_oracles_reproduce():
 def test_tiny_py_beats_half_the_unigram_baseline_on_a_heldout_file():
     # measured live on this interpreter's corpus: the held-out file with the most tokens, first 384 tokens
     import dsv4lab
-    from dsv4lab.train.corpus import read_corpus
+    from dsv4lab.tools.train.corpus import read_corpus
 
     report = json.loads((TINY_PY / "train_report.json").read_text())
     runner = dsv4lab.load(TINY_PY, dtype=torch.bfloat16, max_batch=1)

@@ -1,7 +1,7 @@
 """Parity with transformers' ``DeepseekV4ForCausalLM``, an independently written DeepSeek-V4 forward.
 
 Two tiny random configurations of their own (neither is ``data/tiny``) are written as native checkpoints,
-converted with :mod:`dsv4lab.verify.hf_convert`, and run on both sides in float32 with every quantization simulation
+converted with :mod:`dsv4lab.tools.verify.hf_convert`, and run on both sides in float32 with every quantization simulation
 off (transformers has none). Prefill logits must agree to a relative error ≤ 1e-4 at every position of prompts
 that cross the window, both compression ratios and the indexer's top-k.
 
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", minversion="5.8")
 
 import dsv4lab  # noqa: E402
-from dsv4lab import quant  # noqa: E402
-from dsv4lab.verify import hf_convert  # noqa: E402
-from dsv4lab.verify.faults import faulty_backend  # noqa: E402
-from dsv4lab.checkpoint import make_random_checkpoint  # noqa: E402
-from dsv4lab.config import ModelArgs, get_preset  # noqa: E402
+from dsv4lab.core import quant  # noqa: E402
+from dsv4lab.tools.verify import hf_convert  # noqa: E402
+from dsv4lab.tools.verify.faults import faulty_backend  # noqa: E402
+from dsv4lab.core.checkpoint import make_random_checkpoint  # noqa: E402
+from dsv4lab.core.config import ModelArgs, get_preset  # noqa: E402
 
 TOLERANCE = 1e-4
 # A top-k boundary closer than this (relative to the largest |score| of the row) could be flipped by fp32
@@ -323,7 +323,7 @@ def test_reset_leaves_no_trace_in_parity(first_pair: Pair):
 
 # ---------------------------------------------------------------------------------------------- converter
 def test_converter_dequantizers_agree_with_dsv4lab_codecs():
-    """The converter's own decoders (torch casts + the E2M1 table) equal dsv4lab.quant's on partial blocks."""
+    """The converter's own decoders (torch casts + the E2M1 table) equal dsv4lab.core.quant's on partial blocks."""
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(200, 328, generator=gen) * 2.0 ** torch.randint(-3, 4, (200, 328), generator=gen)
     q, s = quant.fp8_block_quantize(w)

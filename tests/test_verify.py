@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import dsv4lab
-from dsv4lab.layouts import FAULTS, inject_fault_into_checkpoint
-from dsv4lab.model.ops import ReferenceOps
-from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
-from dsv4lab.verify.compare import compare, tolerance
-from dsv4lab.verify.model import load_golden, record_golden, verify_model
+from dsv4lab.core.layouts import FAULTS, inject_fault_into_checkpoint
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.tools.verify.faults import MODEL_FAULTS, faulty_backend
+from dsv4lab.tools.verify.compare import compare, tolerance
+from dsv4lab.tools.verify.model import load_golden, record_golden, verify_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "data" / "golden" / "tiny.json"
@@ -39,9 +39,9 @@ def test_compare_helper_nan_positions_worst_element_and_tolerance():
 
 
 def test_verify_kernels_reference_is_bitwise():
-    from dsv4lab.model.numerics import Numerics
-    from dsv4lab.model.ops import ReferenceOps
-    from dsv4lab.verify.kernels import run_kernel_checks
+    from dsv4lab.core.model.numerics import Numerics
+    from dsv4lab.core.model.ops import ReferenceOps
+    from dsv4lab.tools.verify.kernels import run_kernel_checks
     rows = run_kernel_checks([ReferenceOps(Numerics())], None, "cpu", 0)
     assert rows and all(r["ok"] and r["bitwise_equal"] for r in rows)
     ops = {r["op"] for r in rows}
@@ -141,7 +141,7 @@ def test_noise_floor_tier_reads_a_backend_against_the_checkpoints_rounding_floor
     # calibrated KL rule; the same backend on a W2-faulted copy is far above it and fails
     import dataclasses
 
-    from dsv4lab.model.ops import ReferenceOps
+    from dsv4lab.core.model.ops import ReferenceOps
 
     class Reordered(ReferenceOps):
         name = "reordered-sums"
@@ -222,9 +222,9 @@ FUSED_FAULTS = [
 
 @pytest.mark.parametrize("case,what,impl", FUSED_FAULTS, ids=[f"{c}-{w}" for c, w, _ in FUSED_FAULTS])
 def test_a_faulty_fused_op_fails_its_bound(case, what, impl):
-    from dsv4lab.model.numerics import Numerics
-    from dsv4lab.verify.kernels import run_kernel_checks
-    from dsv4lab.verify.registry import OPS
+    from dsv4lab.core.model.numerics import Numerics
+    from dsv4lab.tools.verify.kernels import run_kernel_checks
+    from dsv4lab.tools.verify.registry import OPS
     method = next(c.method for c in OPS if c.name == case)
     if impl is None:  # the compressor's own helper, called by its step: the model fault of the same name
         members = {"compressed_rope_position": lambda self, block, ratio: block * ratio + ratio - 1,

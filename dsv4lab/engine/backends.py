@@ -1,18 +1,18 @@
-"""Backend registry: a backend is an ops object (see :class:`dsv4lab.model.ops.ReferenceOps`).
+"""Backend registry: a backend is an ops object (see :class:`dsv4lab.core.model.ops.ReferenceOps`).
 
 :func:`make_ops` builds one from a name of :data:`dsv4lab.engine.BACKENDS` or from an *ops factory* — any callable
 ``numerics → ops object``. The factory is how tools above the engine run a backend the engine does not know by
-name, e.g. the reference with a deliberate bug (:func:`dsv4lab.verify.faults.faulty_backend`), without the engine
+name, e.g. the reference with a deliberate bug (:func:`dsv4lab.tools.verify.faults.faulty_backend`), without the engine
 importing them.
 """
 from __future__ import annotations
 
 from typing import Callable, Union
 
-from ..errors import ConfigError
-from ..model.numerics import Numerics
-from ..model.ops import ReferenceOps
-from . import BACKENDS
+from dsv4lab.core.errors import ConfigError
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.engine import BACKENDS
 
 OpsFactory = Callable[[Numerics], ReferenceOps]
 Backend = Union[str, OpsFactory]
@@ -25,7 +25,7 @@ def make_ops(backend: Backend, numerics: Numerics) -> ReferenceOps:
     if backend == "reference":
         return ReferenceOps(numerics)
     if backend == "triton":
-        from .triton_backend import TritonOps  # imports triton: only when asked for
+        from dsv4lab.engine.triton_backend import TritonOps  # imports triton: only when asked for
         return TritonOps(numerics)
     raise ConfigError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 

@@ -3,7 +3,7 @@
 ``dsv4lab bench kernels --suite decode`` times, on the GPU, every FP8/BF16 projection of the decode step with the
 own Triton GEMV (routes × launch geometries) and with cuBLAS (``torch._scaled_mm`` with 1×128 activation and
 128×128 weight block scales; ``torch.mm(..., out_dtype=float32)`` for BF16 weights), checks each against the exact
-reference within the analytic bound of its own kernel (:mod:`dsv4lab.verify.bounds`), and writes the fastest
+reference within the analytic bound of its own kernel (:mod:`dsv4lab.tools.verify.bounds`), and writes the fastest
 choice that passed per ``(shape, batch)`` — and the fastest routed-MoE route and geometry per batch — to a JSON
 file committed as ``data/results/h200/decode_dispatch.json``. The Triton backend reads it here. Per batch it also
 holds the fastest passing geometry of the sparse attention (``attention``) and of the one-launch mHC site
@@ -28,8 +28,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from ..errors import DSV4LabError
-from ..paths import RESULTS_DIR, read_json
+from dsv4lab.core.errors import DSV4LabError
+from dsv4lab.core.paths import RESULTS_DIR, read_json
 
 log = logging.getLogger("dsv4lab.triton")
 

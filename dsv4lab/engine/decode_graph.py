@@ -1,9 +1,9 @@
 """The engine's decode step: one token per row, no host syncs, no data-dependent shapes — and its CUDA graphs.
 
-The reference forward (:mod:`dsv4lab.model.attention`) serves prefill, chunked prefill and decode with per-row
+The reference forward (:mod:`dsv4lab.core.model.attention`) serves prefill, chunked prefill and decode with per-row
 Python loops and ``int()`` / ``.tolist()`` reads of positions; a CUDA graph cannot capture that. This module is
 the *decode* step over the same modules, weights and caches, written with tensors only and with the backend's fused
-ops (:class:`~dsv4lab.model.ops.ReferenceOps` defines each as the composition it replaces):
+ops (:class:`~dsv4lab.core.model.ops.ReferenceOps` defines each as the composition it replaces):
 
 * per layer: ``hc_pre_norm`` (fused with the previous layer's last ``hc_post``) → ``linear_group`` (wq_a, wkv) →
   ``rms_norm`` → ``linear_group`` (wq_b and the indexer's wq_b) → ``head_rms_rope``; ``kv_norm_rope`` writes the new
@@ -38,10 +38,10 @@ from typing import Sequence
 
 import torch
 
-from ..model.attention import Attention
-from ..model.block import Block
-from ..model.moe import MoE
-from .decode_groups import group, step_groups
+from dsv4lab.core.model.attention import Attention
+from dsv4lab.core.model.block import Block
+from dsv4lab.core.model.moe import MoE
+from dsv4lab.engine.decode_groups import group, step_groups
 
 TIERS = (1, 2, 4, 8)
 log = logging.getLogger("dsv4lab.decode")

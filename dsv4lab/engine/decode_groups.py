@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.linear import Linear
+from dsv4lab.core.model.linear import Linear
 
 MAX_MEMBERS = 4
 

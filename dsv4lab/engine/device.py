@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import RequestError
+from dsv4lab.core.errors import RequestError
 
 
 def check_device(device: str | torch.device) -> torch.device:

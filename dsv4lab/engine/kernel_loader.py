@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 import sys
 
-from ..paths import KERNELS_DIR
+from dsv4lab.core.paths import KERNELS_DIR
 
 PDL_ENV = "DSV4LAB_PDL"
 """``0``: the decode kernels launch without programmatic dependent launch, which is on by default on sm_90+ GPUs

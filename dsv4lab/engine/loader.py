@@ -1,7 +1,7 @@
 """``dsv4lab.load``: build the model, read the native checkpoint into it, allocate caches, pick a backend.
 
 Loading reads one tensor at a time (memory-mapped), in the checkpoint's own format; nothing is dequantized at
-load. Optional layout repairs (:mod:`dsv4lab.layouts`) are applied to each tensor as it is read, so a repaired
+load. Optional layout repairs (:mod:`dsv4lab.core.layouts`) are applied to each tensor as it is read, so a repaired
 layout costs nothing on the hot path. Under tensor/expert parallelism each rank reads only its slices.
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import Checkpoint, CheckpointError
-from ..config import ModelArgs
-from ..layouts.repair import RepairSpec
-from ..model.numerics import Numerics
-from ..model.transformer import Transformer
-from .backends import Backend, make_ops
-from .device import check_device
-from .runner import ModelRunner
+from dsv4lab.core.checkpoint import Checkpoint, CheckpointError
+from dsv4lab.core.config import ModelArgs
+from dsv4lab.core.layouts.repair import RepairSpec
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.transformer import Transformer
+from dsv4lab.engine.backends import Backend, make_ops
+from dsv4lab.engine.device import check_device
+from dsv4lab.engine.runner import ModelRunner
 
 # Tensors the reference holds in fp32 although the file stores bf16 (spec §2.4: norms are fp32 parameters).
 _NORM_RE = re.compile(r"(^|\.)(norm|q_norm|kv_norm|attn_norm|ffn_norm|enorm|hnorm)\.weight$")
@@ -37,7 +37,7 @@ log = logging.getLogger("dsv4lab.load")
 class ShardPlan:
     """Which slice of each tensor a rank reads (tensor parallel rows/columns, expert-parallel ranges).
 
-    The single-process plan reads everything. :mod:`dsv4lab.parallel` provides plans for ``--tp``/``--ep``.
+    The single-process plan reads everything. :mod:`dsv4lab.engine.parallel` provides plans for ``--tp``/``--ep``.
     """
 
     tp_size = 1
@@ -112,7 +112,7 @@ def load_weights(model: Transformer, ck: Checkpoint, plan: ShardPlan, device, re
 
 def open_checkpoint(checkpoint) -> Checkpoint:
     """A checkpoint folder opened lazily, or an object that already answers like one (a :class:`Checkpoint`,
-    a :class:`~dsv4lab.random_checkpoint.RandomCheckpoint`) as it is."""
+    a :class:`~dsv4lab.core.random_checkpoint.RandomCheckpoint`) as it is."""
     if isinstance(checkpoint, (str, Path)):
         return Checkpoint(checkpoint)
     if all(hasattr(checkpoint, a) for a in ("tensors", "info", "get", "get_slice", "args", "path")):
@@ -134,20 +134,20 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
 
     Args:
         checkpoint: folder with ``config.json``, the safetensors index and shards, or an opened checkpoint
-            (e.g. a :class:`~dsv4lab.random_checkpoint.RandomCheckpoint`: a full-size model generated on the
+            (e.g. a :class:`~dsv4lab.core.random_checkpoint.RandomCheckpoint`: a full-size model generated on the
             device, no file).
         device: torch device for weights and caches.
         dtype: compute dtype (``torch.bfloat16`` follows the reference's rounding; ``float32``/``float64`` for
             oracles).
         act_quant, kv_fp8_sim, indexer_fp4_sim: the reference's quantization simulations (see
-            :class:`~dsv4lab.model.numerics.Numerics`).
+            :class:`~dsv4lab.core.model.numerics.Numerics`).
         backend: ``"reference"``, ``"triton"`` (falls back to the reference per op where no kernel exists), or an
-            ops factory (``numerics → ops``; e.g. :func:`dsv4lab.verify.faults.faulty_backend` for a deliberately
+            ops factory (``numerics → ops``; e.g. :func:`dsv4lab.tools.verify.faults.faulty_backend` for a deliberately
             faulted reference).
         max_batch: cache slots (concurrent sequences).
         max_seq_len: positions the caches hold (default: the config's ``max_seq_len``).
-        repairs: a layout repair spec (path or :class:`dsv4lab.layouts.RepairSpec`) applied while loading.
-        plan: a tensor/expert-parallel shard plan (see :mod:`dsv4lab.parallel`).
+        repairs: a layout repair spec (path or :class:`dsv4lab.core.layouts.RepairSpec`) applied while loading.
+        plan: a tensor/expert-parallel shard plan (see :mod:`dsv4lab.engine.parallel`).
         validate: check the whole checkpoint first (names, dtypes, shapes, truncation, the tokenizer; below
             :data:`VALUE_SCAN_LIMIT` bytes also every stored value for NaN/Inf and 0xFF scales — above it a warning
             says the scan was skipped and how to run it).

@@ -15,11 +15,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..model.transformer import Transformer
-from ..tokenizer import load_tokenizer
-from .decode_graph import FastDecoder, check_slots
-from .sampling import check_generation, sample, trajectory_hash
-from .speculative import check_speculative, generate_speculative
+from dsv4lab.core.model.transformer import Transformer
+from dsv4lab.core.tokenizer import load_tokenizer
+from dsv4lab.engine.decode_graph import FastDecoder, check_slots
+from dsv4lab.engine.sampling import check_generation, sample, trajectory_hash
+from dsv4lab.engine.speculative import check_speculative, generate_speculative
 
 log = logging.getLogger("dsv4lab.runner")
 
@@ -48,7 +48,7 @@ class ModelRunner:
     """A loaded model with per-sequence caches.
 
     Attributes:
-        args: the :class:`~dsv4lab.config.ModelArgs`.
+        args: the :class:`~dsv4lab.core.config.ModelArgs`.
         ops: the backend (``ops.name``, ``ops.numerics``).
         tokenizer: the checkpoint's tokenizer, or None.
         max_batch: cache slots; each concurrent sequence owns one.
@@ -388,7 +388,7 @@ class ModelRunner:
 
         ``on_token(id)`` hears each token as it is chosen (to stream it); why the generation stopped is
         :func:`~dsv4lab.engine.sampling.finish_reason` of the result. An out-of-range argument raises
-        :class:`~dsv4lab.errors.RequestError` (:func:`~dsv4lab.engine.sampling.check_generation`).
+        :class:`~dsv4lab.core.errors.RequestError` (:func:`~dsv4lab.engine.sampling.check_generation`).
         ``speculative="mtp"``: greedy self-speculative decoding, the MTP block drafting ``draft_tokens`` tokens per
         main-model forward (:mod:`dsv4lab.engine.speculative`); the ids equal plain greedy decoding's (``on_token``
         hears the tokens of each accepted run)."""

@@ -8,8 +8,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import RequestError
-from . import MAX_TEMPERATURE, SEED_RANGE
+from dsv4lab.core.errors import RequestError
+from dsv4lab.engine import MAX_TEMPERATURE, SEED_RANGE
 
 FINISH_REASONS = {
     "eos": "end of sequence (the model wrote EOS)",
@@ -21,7 +21,7 @@ FINISH_REASONS = {
 
 def check_generation(prompt_len: int, max_new_tokens, max_seq_len: int, temperature=0.0, top_p=1.0,
                      seed=None) -> None:
-    """Raise :class:`~dsv4lab.errors.RequestError` naming the first argument of a generation request that is
+    """Raise :class:`~dsv4lab.core.errors.RequestError` naming the first argument of a generation request that is
     out of range: a prompt of at least one token that leaves room in the cache, ``max_new_tokens`` >= 1,
     ``temperature`` in [0, :data:`MAX_TEMPERATURE`], ``top_p`` in (0, 1], ``seed`` in :data:`SEED_RANGE`."""
     if prompt_len < 1:

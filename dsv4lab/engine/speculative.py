@@ -196,7 +196,7 @@ class SpeculativeDecoder:
         previous cycle emitted last); ``draft_counts``: drafts per slot (default ``draft_tokens``; fewer near the
         end of a budget; capped so the cycle stays within ``max_seq_len``).
 
-        Teacher forcing (the rollback checks of ``dsv4lab.verify.speculative``): ``drafts`` replaces each slot's
+        Teacher forcing (the rollback checks of ``dsv4lab.tools.verify.speculative``): ``drafts`` replaces each slot's
         drafted ids (the chain still runs, so its cache writes are still undone) and ``teacher`` gives the true
         tokens ``t_0..t_k`` of positions ``P+1..P+k+1`` in place of the greedy targets."""
         r = self.runner

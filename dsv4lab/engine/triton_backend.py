@@ -46,13 +46,13 @@ from functools import partial
 
 import torch
 
-from ..model.linear import ExpertBank, Linear
-from ..model.numerics import Numerics
-from ..model.ops import ReferenceOps
-from .decode_dispatch import DecodeDispatch, DispatchError
-from .decode_groups import ProjectionGroup, group_of
-from .kernel_loader import kernel_module
-from .triton_prefill import TritonPrefillOps
+from dsv4lab.core.model.linear import ExpertBank, Linear
+from dsv4lab.core.model.numerics import Numerics
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.engine.decode_dispatch import DecodeDispatch, DispatchError
+from dsv4lab.engine.decode_groups import ProjectionGroup, group_of
+from dsv4lab.engine.kernel_loader import kernel_module
+from dsv4lab.engine.triton_prefill import TritonPrefillOps
 
 log = logging.getLogger("dsv4lab.triton")
 
@@ -83,7 +83,7 @@ _NOT_COUNTED = ("elementwise", "compressed_rope_position", "reset_compressor_sta
 REFERENCE_ONLY_OPS = tuple(n for n, v in vars(ReferenceOps).items()
                            if callable(v) and not n.startswith("_") and n not in KERNEL_OPS + _NOT_COUNTED)
 
-# Accumulation models, as dsv4lab.verify.bounds.UNIT_ROUNDOFF names them, from the tightest to the loosest; a
+# Accumulation models, as dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF names them, from the tightest to the loosest; a
 # kernel table's factor c (its sums err by γ(c·n) in fp32 units) maps to one of the first three.
 ACCUMULATION_MODELS = ("fp32", "fp32_tc", "fp32_tc4", "fp8_mma")
 _FACTOR_MODEL = {1.0: "fp32", 2.0: "fp32_tc", 4.0: "fp32_tc4"}
@@ -656,7 +656,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
 
     # ------------------------------------------------------------------ accumulation models (for verification)
     def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:
-        """The accumulation model (a name of ``dsv4lab.verify.bounds.UNIT_ROUNDOFF``) of the kernel that
+        """The accumulation model (a name of ``dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF``) of the kernel that
         ``self.<op>(*args, **kwargs)`` — or its variant ``variant`` (:meth:`variants`) — takes: the prefill kernels'
         (:meth:`prefill_accumulation_for`), the GEMV route or cuBLAS the measured dispatch picks
         (``fp8_gemv.ACCUMULATION``), the MoE route (``fp4_moe_decode.ACCUMULATION``), the decode kernels' tensor-core

@@ -33,7 +33,7 @@ bound (reduction length and accumulation model) for the tests and the benchmark'
 :meth:`TritonPrefillOps.prefill_accumulation_for` names the model of the kernel a call takes (verification judges
 each call by it).
 
-:class:`TritonPrefillBackend` is the mixin over :class:`~dsv4lab.model.ops.ReferenceOps` as a backend of its own
+:class:`TritonPrefillBackend` is the mixin over :class:`~dsv4lab.core.model.ops.ReferenceOps` as a backend of its own
 (prefill kernels, reference for everything else), used by the tests and the benchmark; it counts which ops ran on
 kernels (:meth:`TritonPrefillBackend.report`).
 """
@@ -50,10 +50,10 @@ from typing import Callable
 
 import torch
 
-from .. import quant
-from ..model.ops import ReferenceOps
-from ..paths import RESULTS_DIR
-from .kernel_loader import kernel_module as _kernels  # on first use: triton is imported with the kernels
+from dsv4lab.core import quant
+from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.core.paths import RESULTS_DIR
+from dsv4lab.engine.kernel_loader import kernel_module as _kernels  # on first use: triton is imported with the kernels
 
 log = logging.getLogger("dsv4lab.triton")
 
@@ -85,7 +85,7 @@ PROMOTION_K = 128       # the FP8 kernels promote the tensor-core partial to fp3
 
 
 # The accumulation kind of each prefill kernel family (of accumulation_bound), and its model's name in
-# dsv4lab.verify.bounds.UNIT_ROUNDOFF (which the backends report to verification).
+# dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF (which the backends report to verification).
 KIND_MODEL = {"fp32": "fp32", "tc_bf16": "fp32_tc", "tc_fp8": "fp8_mma"}
 MOE_ROUTE_KIND = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}  # scaled: bf16 MMA emulation on sm_90
 
@@ -535,7 +535,7 @@ class TritonPrefillOps:
         return None
 
     def prefill_accumulation_for(self, op: str, *args, **kwargs) -> str | None:
-        """The accumulation model (a name of ``dsv4lab.verify.bounds.UNIT_ROUNDOFF``) of the prefill kernel this call
+        """The accumulation model (a name of ``dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF``) of the prefill kernel this call
         takes — FP8 tensor cores promoted per 128-K block (``fp8_mma``), bf16 tensor cores (``fp32_tc``) or CUDA
         cores (``fp32``) — or None where no prefill kernel applies. Under the interpreter every kernel sums in numpy's
         IEEE fp32 (``fp32``)."""

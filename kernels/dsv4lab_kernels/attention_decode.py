@@ -4,7 +4,7 @@
 For one query row ``r`` and head ``h`` (K = V, one shared latent head):
 ``z_t = (q_h · kv_t) · scale`` over the selected rows ``t``; ``M = max_t z_t``;
 ``o_h = Σ_t act(exp(z_t − M)) · kv_t / (Σ_t exp(z_t − M) + exp(sink_h − M))`` — the reference's
-:meth:`~dsv4lab.model.ops.ReferenceOps.sparse_attention` term for term (the probabilities are rounded to the
+:meth:`~dsv4lab.core.model.ops.ReferenceOps.sparse_attention` term for term (the probabilities are rounded to the
 activation dtype before P·V, as the reference kernel does).
 
 A program owns one query row, ``BLOCK_H`` heads and one of ``splits`` contiguous slices of the selected rows.

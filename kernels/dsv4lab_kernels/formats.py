@@ -6,7 +6,7 @@ carry a rounding into the exponent (127.1 becomes 64, not 128), so activations a
 fp32 arithmetic here and cast to fp8 only once they are exactly representable; likewise its fp32 → bf16 cast
 truncates, so results are rounded to BF16 with :func:`round_to_bf16` before any bf16 cast.
 
-Host-side twins of these codecs (the oracles) are in :mod:`dsv4lab.quant`.
+Host-side twins of these codecs (the oracles) are in :mod:`dsv4lab.core.quant`.
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def quantize_fp8_block(x, amax, ACT_QUANT: tl.constexpr):
 @triton.jit
 def int8_group_scale(amax):
     """The paper's per-32 INT8 activation scale ``max(amax, 1e-8) / 127`` (fp32, correctly rounded as
-    :func:`dsv4lab.quant.act_quant_int8`)."""
+    :func:`dsv4lab.core.quant.act_quant_int8`)."""
     a = tl.maximum(amax, 1e-8)
     return tl.math.div_rn(a, tl.full(a.shape, 127.0, tl.float32))
 

@@ -59,7 +59,7 @@ from .formats import (RNE_MAGIC, e2m1_pair_times2_int, e2m1_pair_to_f32_scaled, 
                       round_to_bf16)
 from .launch import pdl_args, pdl_prologue
 from .fp8_gemv import interpreting
-from dsv4lab import quant
+from dsv4lab.core import quant
 
 ROUTES = ("dot", "fma", "int8", "dot_scaled")
 DECODES = ("auto", "asm", "plain", "bytewise")
@@ -582,7 +582,7 @@ def _act_qdq_kernel(x_ptr, y_ptr, R, K, BLOCK_R: tl.constexpr, PDL: tl.constexpr
 
 
 def act_qdq(x: torch.Tensor) -> torch.Tensor:
-    """:func:`dsv4lab.quant.act_qdq_fp8` of a bf16 activation ``[..., K]`` on the device, as exact bf16 values."""
+    """:func:`dsv4lab.core.quant.act_qdq_fp8` of a bf16 activation ``[..., K]`` on the device, as exact bf16 values."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     y = torch.empty_like(x2, dtype=torch.bfloat16)
@@ -615,7 +615,7 @@ class ExpertTensors:
 
     @classmethod
     def of(cls, bank) -> "ExpertTensors":
-        """The kernel view of an :class:`~dsv4lab.model.linear.ExpertBank`, cached on the bank (the scale check
+        """The kernel view of an :class:`~dsv4lab.core.model.linear.ExpertBank`, cached on the bank (the scale check
         reads the device once; decode steps — and CUDA-graph captures — reuse it)."""
         u8 = lambda t: t.view(torch.uint8)  # noqa: E731 — int8 / e8m0 storage read as raw bytes
         key = tuple(t.data_ptr() for t in (bank.w1, bank.w1_scale, bank.w3, bank.w3_scale, bank.w2, bank.w2_scale))
@@ -876,7 +876,7 @@ def reference_int8_moe(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
 class StageOracle:
     """A stage's exact oracle for each ``[T, k]`` slot: ``ref`` (the act-rounded output the kernel must
     reproduce), ``magnitude`` ``Σ|terms|`` of each output (fp64) and ``terms`` (the reduction length), NaN where
-    the slot's expert is not in the bank — what :func:`dsv4lab.verify.bounds.check_within_bound` needs."""
+    the slot's expert is not in the bank — what :func:`dsv4lab.tools.verify.bounds.check_within_bound` needs."""
 
     ref: torch.Tensor
     magnitude: torch.Tensor

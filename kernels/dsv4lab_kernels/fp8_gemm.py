@@ -106,7 +106,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, deq_split_ptr, q_split_ptr, s32_ptr,
 def quantize_activations(x: torch.Tensor, *, q: bool = True, deq_split: bool = False, q_split: bool = False,
                          scales32: bool = False, scale_cols: bool = False, rows_out: int | None = None,
                          block_m: int = 32) -> dict[str, torch.Tensor]:
-    """Quantize ``x [M, K]`` (bf16/fp32) per token per 128 columns, as ``dsv4lab.quant.act_quant_fp8``.
+    """Quantize ``x [M, K]`` (bf16/fp32) per token per 128 columns, as ``dsv4lab.core.quant.act_quant_fp8``.
 
     Returns a dict with ``scale`` (fp32 ``[M, ceil(K/128)]``, powers of two; column-major storage when
     ``scale_cols``) and, as asked: ``q`` (E4M3 ``[M, K]``), ``deq_split`` (bf16 ``[M, K]``: dequantized values,

@@ -4,7 +4,7 @@ cuBLAS alternative the backend's dispatch may pick instead (:func:`cublas_linear
 
 ``y[m, n] = Σ_k xq[m, k] · W[n, k]`` with ``W`` E4M3 ``[N, K]`` and one E8M0 scale per 128×128 block (partial
 edge blocks allowed), and — when ``act_quant`` is on — ``xq`` the reference's activation quantization (per token,
-per 128-wide K block, E4M3 values × a power-of-two scale, :func:`dsv4lab.quant.act_qdq_fp8` bit for bit)
+per 128-wide K block, E4M3 values × a power-of-two scale, :func:`dsv4lab.core.quant.act_qdq_fp8` bit for bit)
 computed in the kernel's prologue. Every product is exact in fp32; only the sums round.
 
 Routes (``route``):
@@ -30,7 +30,7 @@ Numerics (``ACCUMULATION``): ``fma`` sums in IEEE fp32 (``γ(n)`` over the ``n =
 128-block inside tensor cores (aligned, truncated) and the blocks in fp32: ``γ(4n)``. cuBLAS's block-scaled FP8 GEMM
 (``torch._scaled_mm``) is another model: measured on an H200 (the benchmark's accumulation probe) it keeps the
 precision of Hopper's FP8 MMA inside each 128-wide K block — a small term after a 2^15-times larger one in the same
-block is lost — so it is judged by the ``fp8_mma`` bound (:data:`dsv4lab.verify.bounds.BLOCKED`), the model of the
+block is lost — so it is judged by the ``fp8_mma`` bound (:data:`dsv4lab.tools.verify.bounds.BLOCKED`), the model of the
 prefill FP8 GEMMs, not by the fp32 one of the own routes.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import triton.language as tl
 from .formats import RNE_MAGIC, e8m0_to_f32, interpreting, round_to_bf16
 from .tickets import counters, take_ticket
 from .launch import pdl_args, pdl_prologue
-from dsv4lab import quant
+from dsv4lab.core import quant
 
 ROUTES = ("fma", "dot")
 ACCUMULATION = {"fma": ("fp32 FMA on CUDA cores, round to nearest", 1.0),
@@ -52,7 +52,7 @@ ACCUMULATION = {"fma": ("fp32 FMA on CUDA cores, round to nearest", 1.0),
                 "cublas": ("cuBLAS bf16 GEMM with fp32 output (tensor cores)", 4.0)}
 """route → (description, ``c`` of the fp32 bound ``γ(c·K)``). cuBLAS's FP8 GEMM is judged by :data:`CUBLAS_FP8_ACC`."""
 CUBLAS_FP8_ACC = "fp8_mma"
-"""The accumulation model (:data:`dsv4lab.verify.bounds.UNIT_ROUNDOFF`) cuBLAS's block-scaled FP8 GEMM is held to."""
+"""The accumulation model (:data:`dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF`) cuBLAS's block-scaled FP8 GEMM is held to."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class GemvGeometry:
 def quantize_e4m3_split(x, amax):
     """The reference's activation quantization of blocks whose ``amax`` is given (broadcastable): the E4M3 grid
     values ``q`` (fp32, |q| ≤ 448) and the power-of-two scale ``s = 2^ceil(log2(max(amax, 1e-4)/448))``, with
-    ``q·s`` = :func:`dsv4lab.quant.act_qdq_fp8` exactly. Both are exact in fp16 (``s`` is not: it stays fp32)."""
+    ``q·s`` = :func:`dsv4lab.core.quant.act_qdq_fp8` exactly. Both are exact in fp16 (``s`` is not: it stays fp32)."""
     abits = tl.maximum(amax, 1e-4).to(tl.int32, bitcast=True)
     ex = ((abits >> 23) & 0xFF) - 135 + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)  # ceil(log2(amax/448))
     xs = x * ((127 - ex) << 23).to(tl.float32, bitcast=True)
@@ -360,7 +360,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
 
 def act_quant_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's activation quantization on the device: ``x [M, K]`` → ``(q [rows, K] E4M3,
-    scale [rows, ⌈K/128⌉] fp32)`` with ``q·scale`` = :func:`dsv4lab.quant.act_qdq_fp8` exactly; rows past ``M``
+    scale [rows, ⌈K/128⌉] fp32)`` with ``q·scale`` = :func:`dsv4lab.core.quant.act_qdq_fp8` exactly; rows past ``M``
     (padding to ``rows``) are zero with scale 1. ``scale`` is a transposed view (outer-dim-major), the layout
     ``torch._scaled_mm`` wants for 1×128 block scales."""
     M, K = x.shape
@@ -421,7 +421,7 @@ def reference_fp8_gemv(x, weight, scale, act_quant=True, out_dtype=torch.bfloat1
 
 def reference_magnitude(x, weight, scale, act_quant=True, groups=1) -> torch.Tensor:
     """``Σ_k |xq[m,k]·W[n,k]|`` per output (fp64): the magnitude of the terms of :func:`reference_fp8_gemv`, for
-    the analytic bound of :mod:`dsv4lab.verify.bounds`."""
+    the analytic bound of :mod:`dsv4lab.tools.verify.bounds`."""
     N, Kg = weight.shape
     w = quant.fp8_block_dequant(weight, scale, torch.float64) if scale is not None else weight.double()
     xs = x.reshape(*x.shape[:-1], groups, Kg)

@@ -3,7 +3,7 @@ one program per token row (and head block), so the same kernels serve ``b`` deco
 rows.
 
 ========================= ========================================================== ===============================
-launcher                  reference (:class:`dsv4lab.model.ops.ReferenceOps`)        where
+launcher                  reference (:class:`dsv4lab.core.model.ops.ReferenceOps`)        where
 ========================= ========================================================== ===============================
 :func:`rms_norm`          ``rms_norm``                                               q_norm, final norm, MTP norms
 :func:`rope_rows`         ``rope``                                                   the attention output (inverse)

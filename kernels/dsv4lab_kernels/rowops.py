@@ -1,7 +1,7 @@
 """Device helpers shared by the glue kernels (``mhc``, ``norm_rope_quant``, ``compressor_decode``, ``router``,
 ``indexer_decode``): the reference's rounding points, written once.
 
-The reference (:mod:`dsv4lab.model.ops`) evaluates every reduction and transcendental in float64 and rounds at
+The reference (:mod:`dsv4lab.core.model.ops`) evaluates every reduction and transcendental in float64 and rounds at
 DeepSeek's fp32/bf16 boundaries. The glue's reductions are short (at most a few thousand terms per row), so the
 kernels do the same: products that are exact in fp64 (bf16 × fp32, fp32 × fp32) are summed in fp64, transcendentals
 are taken in fp64, and results are rounded to fp32 and then to bf16 exactly where the reference rounds. Two fp64
@@ -96,7 +96,7 @@ def log1p_f64(y):
 
 @triton.jit
 def rotate_pair(x0, x1, cos, sin, INVERSE: tl.constexpr):
-    """Interleaved RoPE of one pair in fp32, term for term as :func:`dsv4lab.model.rope.apply_rope` (launch with
+    """Interleaved RoPE of one pair in fp32, term for term as :func:`dsv4lab.core.model.rope.apply_rope` (launch with
     :data:`LAUNCH_EXACT` so the products are rounded separately, as in torch)."""
     if INVERSE:
         sin = -sin
@@ -119,7 +119,7 @@ def fwht_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
 def fp4_qdq_blocks(v):
     """The indexer's FP4 simulation of ``v [A, NB, 32]`` (fp32): per 32-block scale ``2^ceil(log2(amax/6))``
     (``amax ≥ 6·2^-126``), E2M1 round to nearest even with saturation at ±6, times the scale — as
-    :func:`dsv4lab.quant.fp4_qdq`, including a NaN in a block making the whole block NaN."""
+    :func:`dsv4lab.core.quant.fp4_qdq`, including a NaN in a block making the whole block NaN."""
     a = tl.abs(v)
     amax = tl.maximum(tl.max(a, axis=2), 6.0 * 1.1754943508222875e-38)  # 6·2^-126
     has_nan = tl.max((v != v).to(tl.int32), axis=2) > 0

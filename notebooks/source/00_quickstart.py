@@ -25,11 +25,11 @@ TOP_P: float = 0.95  # nucleus (top-p) sampling of the headline continuation
 from IPython.display import Markdown, display
 
 import dsv4lab
-from dsv4lab import plots, runs
-from dsv4lab.checkpoint import Checkpoint
+from dsv4lab.faces import plots, runs
+from dsv4lab.core.checkpoint import Checkpoint
 from dsv4lab.engine.sampling import trajectory_hash
-from dsv4lab.layouts import drill
-from dsv4lab.train import quant_ablation
+from dsv4lab.tools import drill
+from dsv4lab.tools.train import quant_ablation
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("00_quickstart", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, PROMPT=PROMPT,

@@ -8,7 +8,7 @@
 # 0.24. Output-column fingerprinting found the permutation, and applying the inverse `[0,4,1,5,2,6,3,7]` to W2
 # **and its scales** once at load time fixed it, at no hot-path cost.
 #
-# This notebook replays that story on the tiny checkpoint with the tools of `dsv4lab.layouts`: the fault is
+# This notebook replays that story on the tiny checkpoint with the tools of `dsv4lab.core.layouts`: the fault is
 # injected into a **copy** (the original is never touched), and every step is checked, not just shown.
 
 # %% tags=["parameters"]
@@ -27,9 +27,10 @@ TOKENS: int = 48  # tokens traced for the per-stage comparison (16 in SMOKE mode
 import shutil
 
 import dsv4lab
-from dsv4lab import layouts, plots, runs
-from dsv4lab.layouts import drill
-from dsv4lab.verify.model import fixed_sequence
+from dsv4lab.core import layouts
+from dsv4lab.faces import plots, runs
+from dsv4lab.tools import drill
+from dsv4lab.tools.verify.model import fixed_sequence
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("01_layout_repair", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, LAYER=LAYER,

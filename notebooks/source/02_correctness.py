@@ -14,16 +14,16 @@ SMOKE: bool = False  # tiny CPU run (tests): one shape per op, no Triton, one or
 INTERACTIVE: bool = False  # show the interactive widgets (this notebook has none)
 SEED: int = 0  # seed of the kernel-tier random inputs
 CHECKPOINT: str = ""  # checkpoint folder; empty: data/tiny-py when present, else data/tiny
-FAULT: str = "compressed_rope_block_end"  # a model fault the tiers must catch (dsv4lab.verify.faults.MODEL_FAULTS)
+FAULT: str = "compressed_rope_block_end"  # a model fault the tiers must catch (dsv4lab.tools.verify.faults.MODEL_FAULTS)
 TF_TOKENS: int = 0  # teacher-forced tokens; 0: the golden sequence, which crosses every boundary
 
 # %%
 # %matplotlib inline
 import dsv4lab
-from dsv4lab import measurements, plots, runs
-from dsv4lab.verify import layers as layer_tier
-from dsv4lab.verify import model as model_tier
-from dsv4lab.verify.faults import MODEL_FAULTS, faulty_backend
+from dsv4lab.faces import measurements, plots, runs
+from dsv4lab.tools.verify import layers as layer_tier
+from dsv4lab.tools.verify import model as model_tier
+from dsv4lab.tools.verify.faults import MODEL_FAULTS, faulty_backend
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("02_correctness", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, FAULT=FAULT,
@@ -49,8 +49,8 @@ out.keys(golden_present=golden is not None, golden_matches_checkpoint=golden_mat
 #
 # The figure puts each op's worst check at its error divided by what it is allowed, so a pass (left of the line
 # at 1) and a fail (right of it) read at a glance. When the checks carry the analytic bound's ratio
-# (`dsv4lab.verify.bounds`: `|out − ref| ≤ γₙ·Σ|terms| + ulps`), that ratio is plotted; otherwise the worst
-# element's error over its tolerance (`dsv4lab.verify.compare.tolerance`), and the caption says so.
+# (`dsv4lab.tools.verify.bounds`: `|out − ref| ≤ γₙ·Σ|terms| + ulps`), that ratio is plotted; otherwise the worst
+# element's error over its tolerance (`dsv4lab.tools.verify.compare.tolerance`), and the caption says so.
 
 # %%
 reference = measurements.kernel_checks("reference", seed=SEED, max_shapes=1 if SMOKE else None)

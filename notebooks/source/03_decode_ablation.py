@@ -25,8 +25,8 @@ BATCH: int = 1  # decode batch of the rows plotted
 
 # %%
 # %matplotlib inline
-from dsv4lab import figure_data, measurements, plots, runs
-from dsv4lab.perf.hardware import load_hardware
+from dsv4lab.faces import figure_data, measurements, plots, runs
+from dsv4lab.tools.perf.hardware import load_hardware
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("03_decode_ablation", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, GPU=GPU,

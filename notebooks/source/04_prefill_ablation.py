@@ -22,11 +22,11 @@ PROMPT_TOKENS: int = 4604  # the paper's prompt length, for the chunk-size accou
 
 # %%
 # %matplotlib inline
-from dsv4lab import figure_data, measurements, plots, runs
-from dsv4lab.config import get_preset
-from dsv4lab.perf import account as perf_account
-from dsv4lab.perf import roofline
-from dsv4lab.perf.hardware import load_hardware
+from dsv4lab.faces import figure_data, measurements, plots, runs
+from dsv4lab.core.config import get_preset
+from dsv4lab.tools.perf import account as perf_account
+from dsv4lab.tools.perf import roofline
+from dsv4lab.tools.perf.hardware import load_hardware
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("04_prefill_ablation", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, SEED=SEED, GPU=GPU,

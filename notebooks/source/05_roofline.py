@@ -5,7 +5,7 @@
 # **74.5 tok/s** — about 14% of the bandwidth roofline of the same step. The weights alone are ≈ 11.2 GB per token
 # for the whole model (the paper's §5.1), ≈ 3 GB on each of four ranks.
 #
-# `dsv4lab.perf` turns that into numbers one can check: a hardware catalogue where every figure carries its
+# `dsv4lab.tools.perf` turns that into numbers one can check: a hardware catalogue where every figure carries its
 # source (`data/hardware/*.yaml`), an op-level cost model (bytes and FLOPs per op of a decode step, per rank
 # under TP/EP), and a step-time model with penalty terms that rebuilds the paper's step from the components the
 # paper measured. Every figure says which of its numbers are **reported by the paper**, **measured** by this
@@ -28,11 +28,11 @@ CONTEXT: int = 4096  # cached tokens per sequence
 # %matplotlib inline
 from IPython.display import HTML, display
 
-from dsv4lab import figure_data, plots, runs
-from dsv4lab.config import get_preset
-from dsv4lab.perf import account as perf_account
-from dsv4lab.perf import roofline
-from dsv4lab.perf.hardware import catalogue, load_hardware
+from dsv4lab.faces import figure_data, plots, runs
+from dsv4lab.core.config import get_preset
+from dsv4lab.tools.perf import account as perf_account
+from dsv4lab.tools.perf import roofline
+from dsv4lab.tools.perf.hardware import catalogue, load_hardware
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("05_roofline", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, GPU=GPU, HARDWARE=HARDWARE,
@@ -150,7 +150,7 @@ out.figure(fig, "waterfall")
 if INTERACTIVE:
     import ipywidgets as widgets
 
-    from dsv4lab.errors import DSV4LabError
+    from dsv4lab.core.errors import DSV4LabError
 
     view = widgets.Output()
 

@@ -19,8 +19,8 @@ GPU: str = "h200"  # results folder of our measurements under data/results/
 
 # %%
 # %matplotlib inline
-from dsv4lab import figure_data, plots, runs
-from dsv4lab.perf import account as perf_account
+from dsv4lab.faces import figure_data, plots, runs
+from dsv4lab.tools.perf import account as perf_account
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
 out = runs.notebook_outputs("06_paper_figures", RUN_DIR, dict(checkpoint=ckpt, SMOKE=SMOKE, GPU=GPU))
@@ -56,7 +56,7 @@ fig = plots.plot_milestones(decode_rows, value="tok_s", unit="decode tok/s (batc
                             lines={"a later audit of the final checkpoint, 54–56": dict(value=audit, source="reported")},
                             standing=standing,
                             title="Decode, batch 1: the paper's milestones on 4×MI250, and where this project stands",
-                            where=dict(measured=measured, modelled="cost model (dsv4lab.perf), bounds at peak "
+                            where=dict(measured=measured, modelled="cost model (dsv4lab.tools.perf), bounds at peak "
                                                                    "bandwidth of each setting"))
 out.figure(fig, "decode")
 
@@ -87,7 +87,7 @@ fig = plots.plot_milestones(prefill_rows, value="input_tok_s", unit="prefill inp
                             standing=standing,
                             title=f"Prefill of a {prefill['prompt_tokens']:,}-token prompt: the paper's milestones "
                                   "on 4×MI250, and where this project stands",
-                            where=dict(measured=measured, modelled="cost model (dsv4lab.perf)"))
+                            where=dict(measured=measured, modelled="cost model (dsv4lab.tools.perf)"))
 out.figure(fig, "prefill")
 
 # %%

@@ -1,1 +1,0 @@
-"""One module per ``dsv4lab`` subcommand (see :mod:`dsv4lab.cli`)."""

@@ -1,0 +1,80 @@
+"""The errors a user can cause, under one base class.
+
+Every problem a user can fix — a bad flag value, a malformed file, a checkpoint that does not match its config,
+a layout the scales cannot follow — is raised as a :class:`DSV4LabError` whose message names the file, tensor or
+field and says what was expected. The command line catches the base class, prints the message as one line
+(``dsv4lab <command>: error: ...``) and exits with status 2, without a traceback (``DSV4LAB_DEBUG=1`` shows it).
+Anything else that escapes is a bug and keeps its traceback.
+
+The subclasses say which part of the package found the problem; the ones that used to be ``ValueError``\\s still
+are, so ``except ValueError`` around a call keeps working. Modules re-export the class they raise
+(``dsv4lab.core.config.ConfigError`` is ``dsv4lab.core.errors.ConfigError``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class DSV4LabError(Exception):
+    """A problem the user can fix; the message names the file, tensor or field and what was expected."""
+
+
+class UserError(DSV4LabError):
+    """A command-line input is wrong (a flag value, a missing file named on the command line)."""
+
+
+class ConfigError(DSV4LabError, ValueError):
+    """A configuration value is missing or inconsistent; the message names the field."""
+
+
+class ParallelError(ConfigError):
+    """A tensor/expert-parallel layout this model or this launch cannot run; the message says why."""
+
+
+class QuantError(DSV4LabError, ValueError):
+    """A quantized tensor is malformed (wrong dtype, shape or NaN scale); the message names it."""
+
+
+class CheckpointError(DSV4LabError):
+    """A checkpoint cannot be used; ``problems`` lists every finding (tensor or file, expected, found)."""
+
+    def __init__(self, path: str | Path, problems: list[str]):
+        self.path = str(path)
+        self.problems = list(problems)
+        if len(self.problems) == 1:  # one line, naming the checkpoint once
+            only = self.problems[0]
+            super().__init__(only if only.startswith(self.path) else f"{path}: {only}")
+            return
+        shown = "\n  ".join(self.problems[:50])
+        more = f"\n  ... and {len(self.problems) - 50} more" if len(self.problems) > 50 else ""
+        super().__init__(f"{path}: {len(self.problems)} problem(s):\n  {shown}{more}")
+
+
+class LayoutError(DSV4LabError, ValueError):
+    """A layout cannot be applied (shape, dtype, or a permutation the block scales cannot follow), or a repair
+    spec is malformed; the message names the tensor or field."""
+
+
+class ConversionError(DSV4LabError, ValueError):
+    """The model cannot be expressed as a transformers ``DeepseekV4Config``; the message names the field."""
+
+
+class HardwareError(DSV4LabError, ValueError):
+    """A catalogue file is missing, malformed, or lacks a number a model needs; the message names file and key."""
+
+
+class PerfError(DSV4LabError, ValueError):
+    """A performance-model input is missing or malformed; the message names the file and field."""
+
+
+class RunError(DSV4LabError, ValueError):
+    """A problem with a run folder, a results file or an expectations file (names the file and field)."""
+
+
+class RequestError(DSV4LabError, ValueError):
+    """A generation request is out of range (token count, sampling setting, prompt ids, device); the message names
+    the argument and the range it must be in."""
+
+
+__all__ = ["DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
+           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "RequestError"]

@@ -1,0 +1,1 @@
+"""One module per ``dsv4lab`` subcommand (see :mod:`dsv4lab.faces.cli`)."""
