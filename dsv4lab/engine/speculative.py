@@ -164,28 +164,24 @@ class SpeculativeDecoder:
         self.stats = SpeculativeStats()
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, tokens, slots: Sequence[int], start_pos=0, lengths=None,
-                next_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``tokens [b, n]`` (prompts, or a chunk of them) with the MTP block and remember, per slot, the next
-        token (``next_tokens[row]``, or the greedy choice where that is None or −1) and the MTP block's first
-        draft. A chunk that does not end its prompt passes the next chunk's first token. Returns the main and MTP
-        logits ``[b, n, vocab]``."""
+    def prefill(self, tokens, slots: Sequence[int], lengths=None, next_tokens=None, chunk: int | None = None,
+                logits: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+        """Start sequences: :meth:`ModelRunner.prefill` of ``tokens [b, n]`` (right-padded prompts, ``lengths``)
+        with the MTP block, ``chunk`` tokens per forward; remember, per slot, the next token (``next_tokens[row]``,
+        or the greedy choice where that is None or −1) and the MTP block's first draft. Returns the main and MTP
+        logits (``logits="all"``: ``[b, n, vocab]``; ``"last"``: ``[b, vocab]``)."""
         r = self.runner
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=r.device)
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
         b, n = tokens.shape
-        starts = torch.as_tensor(start_pos, dtype=torch.long).expand(b).tolist()
         lens = [n] * b if lengths is None else torch.as_tensor(lengths).tolist()
-        logits, mtp_logits, _, Xm = r.forward(tokens, start_pos, slots=list(slots), lengths=lengths, mtp=True,
-                                              next_tokens=next_tokens, return_hidden=True)
+        main, mtp_logits, streams = r.prefill(tokens, chunk, slots=list(slots), lengths=lengths, logits=logits,
+                                              mtp=True, next_tokens=next_tokens)
         given = None if next_tokens is None else torch.as_tensor(next_tokens).tolist()
         for i, slot in enumerate(slots):
-            last = lens[i] - 1
-            if last < 0:
-                continue
-            token = int(logits[i, last].argmax()) if given is None or given[i] < 0 else int(given[i])
-            self.slots[int(slot)] = _SlotState(starts[i] + lens[i], token, int(mtp_logits[i, last].argmax()),
-                                               Xm[i, last])
-        return logits, mtp_logits
+            at = (i,) if logits == "last" else (i, lens[i] - 1)
+            token = int(main[at].argmax()) if given is None or given[i] < 0 else int(given[i])
+            self.slots[int(slot)] = _SlotState(lens[i], token, int(mtp_logits[at].argmax()), streams[i])
+        return main, mtp_logits
 
     # ------------------------------------------------------------------ one cycle
     @torch.inference_mode()
@@ -307,19 +303,12 @@ def generate_speculative(runner, prompts: Sequence[Sequence[int]], max_new_token
         raise ValueError("every prompt needs at least one token")
     slots = list(range(len(prompts))) if slots is None else [int(s) for s in slots]
     dec = SpeculativeDecoder(runner, draft_tokens)
-    runner.reset(slots)
     outs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens <= 0:
         return outs, dec.stats
-    chunk = prefill_chunk or max(map(len, prompts))
-    for s in range(0, max(map(len, prompts)), chunk):
-        rows = [i for i, p in enumerate(prompts) if len(p) > s]
-        pieces = [prompts[i][s:s + chunk] for i in rows]
-        width = max(map(len, pieces))
-        tokens = [piece + [piece[-1]] * (width - len(piece)) for piece in pieces]
-        nxt = [prompts[i][s + chunk] if len(prompts[i]) > s + chunk else -1 for i in rows]
-        dec.prefill(tokens, [slots[i] for i in rows], start_pos=s, lengths=[len(p) for p in pieces],
-                    next_tokens=nxt)
+    width = max(map(len, prompts))
+    dec.prefill([p + [p[-1]] * (width - len(p)) for p in prompts], slots, lengths=[len(p) for p in prompts],
+                chunk=prefill_chunk, logits="last")
     active = []
     for i, p in enumerate(prompts):
         outs[i].append(dec.slots[slots[i]].token)

@@ -350,8 +350,7 @@ def oracle(runner) -> dict:
 def _teacher_forced(runner, steps, batch: int, prompt, tokens) -> list:
     """Prefill ``prompt`` into slots ``0..batch-1`` and run ``steps`` (a callable per step) on ``tokens``."""
     slots = list(range(batch))
-    runner.reset()
-    runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots)
+    runner.prefill([prompt] * batch, slots=slots)
     out = []
     for i, t in enumerate(tokens):
         out.append(steps(torch.full((batch,), t), torch.full((batch,), len(prompt) + i), torch.tensor(slots)))
@@ -384,9 +383,7 @@ def decode_round(runner, batch: int, n: int, prompt: list[int]) -> tuple[float, 
     (decode seconds, row 0's ids: the prefill's choice and the first ``n − 1`` steps')."""
     slots = list(range(batch))
     runner.reset()
-    logits = runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots,
-                            logits="last")[:, -1]
-    first = logits.argmax(-1).cpu()
+    first = runner.prefill([prompt] * batch, slots=slots).argmax(-1).cpu()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     t0 = time.perf_counter()
@@ -446,8 +443,7 @@ def context_row(runner, clock, n: int, o: dict, copy_gbps: float | None) -> dict
     runner.reset()
 
     def prefill():
-        for p in range(0, n, chunk):
-            last.append(runner.forward(ids[:, p:p + chunk], p, logits="last")[:, -1])
+        last.append(runner.prefill(ids, chunk))
     last: list = []
     prefill_s = clock.time(prefill)
     row = dict(context=n, prefill_s=round(prefill_s, 3), prefill_chunk=chunk, path=runner.decode_path)
@@ -505,9 +501,7 @@ def prefill_rows(runner, clock, o: dict) -> list[dict]:
 
         def once():
             runner.reset()
-            for p in range(0, n, chunk):
-                logits = runner.forward(ids[:, p:p + chunk], p, logits="last")  # the head on the last token only
-            first.append(int(logits[0, -1].argmax()))
+            first.append(int(runner.prefill(ids, chunk)[0].argmax()))  # the head on the last token only
         times = [clock.time(once) for _ in range(o["rounds"] + 1)][1:]
         rows.append(dict(chunk=chunk, prompt_tokens=n, ttft_s=round(statistics.median(times), 4),
                          rounds_s=[round(t, 4) for t in times], first_token=first[-1]))
@@ -529,8 +523,7 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
         if cuda:
             torch.cuda.synchronize(runner.device)
         t0 = time.perf_counter()
-        for p in range(0, n, chunk):
-            runner.forward(ids[:, p:p + chunk], p, logits="last")
+        runner.prefill(ids, chunk)
         if cuda:
             torch.cuda.synchronize(runner.device)
         wall_us = (time.perf_counter() - t0) * 1e6
@@ -644,8 +637,7 @@ def breakdown(runner, o: dict, device) -> dict:
     model's prediction of the same step (µs by op kind) on the H200 catalogue entry."""
 
     prompt = _prompt(runner.args, 16, seed=2)
-    runner.reset()
-    nxt = runner.forward(torch.tensor([prompt], device=device), 0, logits="last")[:, -1].argmax(-1)
+    nxt = runner.prefill(prompt).argmax(-1)
     runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
     graphs = runner.decoder.graphs if runner.decoder is not None else None
     if graphs is not None and 1 in graphs.graphs:
