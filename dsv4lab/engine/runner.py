@@ -17,7 +17,7 @@ import torch
 
 from dsv4lab.core.model.transformer import Transformer
 from dsv4lab.core.tokenizer import load_tokenizer
-from dsv4lab.engine.decode_graph import FastDecoder, check_slots
+from dsv4lab.engine.decode_graph import Decoder, check_slots
 from dsv4lab.engine.sampling import check_generation, sample, trajectory_hash
 from dsv4lab.engine.speculative import check_speculative, generate_speculative
 
@@ -70,7 +70,7 @@ class ModelRunner:
         self.mtp_positions = torch.zeros(self.max_batch, dtype=torch.long)
         self.last_speculative_stats = None  # SpeculativeStats of the last generate(speculative=...)
         self._all_reduce = plan.all_reduce() if plan is not None else None
-        self._decoders: dict[str, FastDecoder] = {}  # per path, kept when the path is switched and back
+        self._decoders: dict[str, Decoder] = {}  # per path, kept when the path is switched and back
         self.decode_note = ""
         self.decode_path = decode_path
 
@@ -98,17 +98,17 @@ class ModelRunner:
         self._decode_path = path
 
     @property
-    def decoder(self) -> FastDecoder | None:
+    def decoder(self) -> Decoder | None:
         """The static-step decoder of the current path (built on first use; None on the eager path). Assignable,
         e.g. to alternate decoders captured under different all-reduce strategies."""
         if self._decode_path == "eager":
             return None
         if self._decode_path not in self._decoders:
-            self._decoders[self._decode_path] = FastDecoder(self, graphs=self._decode_path == "graph")
+            self._decoders[self._decode_path] = Decoder(self, graphs=self._decode_path == "graph")
         return self._decoders[self._decode_path]
 
     @decoder.setter
-    def decoder(self, decoder: FastDecoder) -> None:
+    def decoder(self, decoder: Decoder) -> None:
         self._decoders[self._decode_path] = decoder
 
     def drop_decoders(self) -> None:
@@ -122,7 +122,9 @@ class ModelRunner:
         dec = self._decoders.get(self._decode_path)
         graphs = dec.graphs if dec is not None else None
         if graphs is not None:
-            info.update(tiers=list(graphs.tiers), captured={b: round(s, 3) for b, s in graphs.capture_s.items()})
+            # one-token step graphs by tier; other kinds as "kind b<tier>" (e.g. "tokens T3 mtp b4")
+            info.update(tiers=list(graphs.tiers), captured={k if isinstance(k, int) else f"{k[0]} b{k[1]}": round(s, 3)
+                                                            for k, s in graphs.capture_s.items()})
         if self.decode_note:
             info["note"] = self.decode_note
         return info
@@ -131,7 +133,7 @@ class ModelRunner:
         """One step of the static decode path for rows already validated: ``[b, vocab]`` fp32 logits."""
         return self._through_decoder(lambda d: d(tokens, positions, slots), tokens.shape[0])
 
-    def _through_decoder(self, use: Callable[[FastDecoder], object], b: int):
+    def _through_decoder(self, use: Callable[[Decoder], object], b: int):
         """``use(self.decoder)``; where capturing the graph of ``b`` rows fails, the static step without graphs."""
         decoder = self.decoder
         try:

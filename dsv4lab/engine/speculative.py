@@ -21,14 +21,12 @@ token are those plain greedy decoding computes for it: the ids and the trajector
 forward differently from a one-token step (a prefill kernel against a decode kernel) keeps the method correct
 but may break exact equality where the top-2 margin is within that rounding.
 
-**The graph-captured GPU step** (branch decode-step) needs: a static ``(k+1)``-token verify step — the static
-decode step generalised to ``k+1`` tokens per row (window rows written first, up to ``⌈(k+1)/r⌉`` compressed
-entries per row) with the MTP block's step appended, returning both logits and the two stream tensors; the draft
-chain as a captured one-token MTP step; and :class:`CacheSnapshot` as static gathers/scatters of ``k+1`` ring
-rows per cache and a masked NaN fill of at most ``⌈(k+1)/r⌉+1`` entries — all shapes fixed by ``k`` and the batch
-tier. Only the acceptance (a comparison of ``k`` ids per row) needs the host, once per cycle. This module drives
-the eager step through ``runner.forward`` / ``runner.forward_mtp``; a graph step with the same inputs and outputs
-drops in for those two calls.
+**Two paths.** On the eager decode path (``runner.decode_path == "eager"``, and for teacher forcing) a cycle runs
+through ``runner.forward(..., mtp=True)`` / ``runner.forward_mtp`` with :class:`CacheSnapshot`. On the static path
+(``"static"``, ``"graph"``: ``runner.decoder``) the whole cycle — chain, rollback, ``(k+1)``-token verify step with
+the MTP block, acceptance, rollback, the MTP step at the last accepted position — is one static device function
+(:mod:`dsv4lab.engine.speculative_step`), captured as one CUDA graph per (batch tier, ``K``) on a GPU; the host
+reads each cycle's accepted counts and tokens once. Both emit the ids plain greedy decoding emits.
 """
 from __future__ import annotations
 
@@ -36,6 +34,9 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
+
+from dsv4lab.engine.decode_graph import step_tokens
+from dsv4lab.engine.speculative_step import run_cycle
 
 METHODS = ("mtp",)
 
@@ -51,8 +52,10 @@ def check_speculative(method: str | None, temperature: float = 0.0) -> None:
 
 def max_draft_tokens(model) -> int:
     """The most drafts one cycle may verify: its ``k+1`` positions must fall on distinct rows of every ring cache
-    (the window, the compressor states: ``2·ratio`` rows), so that a snapshot of those rows can restore them."""
-    return min(period for blk in model.blocks() for _, period in blk.attn.ring_caches()) - 1
+    (the window, the compressor states: ``2·ratio`` rows), so that a snapshot of those rows can restore them, and
+    fit one static step (the window rings were sized for ``step_tokens`` tokens: ``load(..., max_step_tokens)``)."""
+    rings = min(period for blk in model.blocks() for _, period in blk.attn.ring_caches())
+    return min(rings, step_tokens(model)) - 1
 
 
 class CacheSnapshot:
@@ -158,9 +161,10 @@ class SpeculativeDecoder:
         limit = max_draft_tokens(runner.model)
         if not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be an integer in [1, {limit}] for this model (a cycle's positions "
-                             f"must fit its smallest ring cache), got {draft_tokens!r}")
+                             f"must fit its smallest ring cache and one decode step), got {draft_tokens!r}")
         self.runner, self.draft_tokens = runner, draft_tokens
         self.slots: dict[int, _SlotState] = {}
+        self._cycles: dict = {}  # the static path's SpeculativeCycle per draft count
         self.stats = SpeculativeStats()
 
     # ------------------------------------------------------------------ prefill
@@ -192,9 +196,10 @@ class SpeculativeDecoder:
         previous cycle emitted last); ``draft_counts``: drafts per slot (default ``draft_tokens``; fewer near the
         end of a budget; capped so the cycle stays within ``max_seq_len``).
 
-        Teacher forcing (the rollback checks of ``dsv4lab.tools.verify.speculative``): ``drafts`` replaces each slot's
-        drafted ids (the chain still runs, so its cache writes are still undone) and ``teacher`` gives the true
-        tokens ``t_0..t_k`` of positions ``P+1..P+k+1`` in place of the greedy targets."""
+        Teacher forcing (the rollback checks of ``dsv4lab.tools.verify.speculative``, the benchmark's injected
+        acceptance): ``drafts`` replaces each slot's drafted ids, −1 keeping the chain's (the chain still runs, so
+        its cache writes are still undone) and ``teacher`` gives the true tokens ``t_0..t_k`` of positions
+        ``P+1..P+k+1`` in place of the greedy targets (the eager path only)."""
         r = self.runner
         dev, max_len = r.device, r.args.max_seq_len
         slots = [int(s) for s in slots]
@@ -207,14 +212,20 @@ class SpeculativeDecoder:
         x = [q.token for q in seqs] if tokens is None else [int(t) for t in tokens]
         want = [self.draft_tokens] * len(seqs) if draft_counts is None else [int(k) for k in draft_counts]
         ks = [max(0, min(k, self.draft_tokens, max_len - 1 - q.position)) for k, q in zip(want, seqs)]
+        if teacher is None and r.decoder is not None:  # the static step (graph-replayed on a GPU)
+            return self._step_static(slots, seqs, x, ks, drafts)
         K = max(ks)
         slots_t = torch.tensor(slots, device=dev)
         P = torch.tensor([q.position for q in seqs], device=dev)
         snap = CacheSnapshot(r.model, slots_t, P, K + 1)
         chained = self._draft(seqs, slots, ks)
-        drafts = chained if drafts is None else [[int(t) for t in d][:k] for d, k in zip(drafts, ks)]
-        if any(len(d) != k for d, k in zip(drafts, ks)):
-            raise ValueError(f"drafts: expected {ks} ids per slot")
+        if drafts is not None:
+            drafts = [[int(t) for t in d][:k] for d, k in zip(drafts, ks)]
+            if any(len(d) != k for d, k in zip(drafts, ks)):
+                raise ValueError(f"drafts: expected {ks} ids per slot")
+            drafts = [[c if t < 0 else t for t, c in zip(d, cd)] for d, cd in zip(drafts, chained)]
+        else:
+            drafts = chained
         # the chain wrote the MTP caches ahead of P; the verify must read them as they were
         snap.restore(None, P)
         r.mtp_positions[slots_t.cpu()] = P.cpu()
@@ -262,6 +273,42 @@ class SpeculativeDecoder:
         st = self.stats
         st.cycles += len(seqs)
         st.verify_forwards += 1
+        st.drafted += sum(ks)
+        st.accepted += sum(accepted)
+        st.emitted += sum(m + 1 for m in accepted)
+        return results
+
+    def _step_static(self, slots: list[int], seqs: list[_SlotState], x: list[int], ks: list[int],
+                     drafts: Sequence[Sequence[int]] | None) -> list[StepResult]:
+        """:meth:`step` through the runner's static decoder: one :class:`~dsv4lab.engine.speculative_step.
+        SpeculativeCycle` (a graph replay on a GPU), then one read of the accepted counts and tokens."""
+        r = self.runner
+        K = max(1, max(ks))
+        forced = torch.full((len(seqs), K), -1, dtype=torch.long)
+        for i, d in enumerate(drafts or []):
+            d = [int(t) for t in d][:ks[i]]
+            if len(d) != ks[i]:
+                raise ValueError(f"drafts: expected {ks} ids per slot")
+            forced[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        P = torch.tensor([q.position for q in seqs])
+        out = run_cycle(r.decoder, self._cycles, torch.tensor(x), torch.tensor([q.draft for q in seqs]),
+                        torch.stack([q.streams for q in seqs]), P, torch.tensor(ks), torch.tensor(slots), forced)
+        host = torch.cat((out.accepted[:, None], out.next_mtp_logits.argmax(-1)[:, None], out.targets), 1).tolist()
+        accepted, next_draft, targets = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
+        keep = P + torch.tensor(accepted) + 1
+        r.positions[slots] = keep
+        r.mtp_positions[slots] = keep
+        results = []
+        for i, m in enumerate(accepted):
+            emitted = targets[i][:m + 1]
+            # copies: the graph's output buffers are rewritten by its next replay
+            self.slots[slots[i]] = _SlotState(int(keep[i]), emitted[-1], next_draft[i], out.next_streams[i].clone())
+            results.append(StepResult(emitted, out.logits[i, :m + 1].clone(),
+                                      torch.cat((out.mtp_logits[i, :m], out.next_mtp_logits[i][None])), ks[i], m))
+        st = self.stats
+        st.cycles += len(seqs)
+        st.verify_forwards += 1
+        st.mtp_forwards += K  # the chain's K − 1 steps and the step at the last accepted position
         st.drafted += sum(ks)
         st.accepted += sum(accepted)
         st.emitted += sum(m + 1 for m in accepted)
