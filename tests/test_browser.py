@@ -113,6 +113,7 @@ def interactive_lab(tmp_path):
     """JupyterLab serving parameterised copies of 01 and 05 with ``INTERACTIVE=True``; yields (base url, token)."""
     _require_browser()
     import nbformat
+    from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
     from dsv4lab.faces.commands.reproduce import read_notebook
@@ -120,9 +121,11 @@ def interactive_lab(tmp_path):
     served = tmp_path / "lab"
     served.mkdir()
     for name in ("01_layout_repair", "05_roofline"):
-        nb = read_notebook(ROOT / "notebooks" / f"{name}.py")
-        nb = parameterize_notebook(nb, dict(INTERACTIVE=True, SMOKE=True, RUN_DIR=str(tmp_path / "run" / name)))
-        nbformat.write(nb, str(served / f"{name}.ipynb"))
+        target = served / f"{name}.ipynb"  # built as dsv4lab reproduce builds it, then parameterised
+        nbformat.write(read_notebook(ROOT / "notebooks" / f"{name}.py"), str(target))
+        nb = parameterize_notebook(load_notebook_node(str(target)),
+                                   dict(INTERACTIVE=True, SMOKE=True, RUN_DIR=str(tmp_path / "run" / name)))
+        nbformat.write(nb, str(target))
     with _jupyterlab(served, tmp_path) as (base, token, _):
         yield base, token
 
