@@ -136,14 +136,16 @@ def test_speculative_on_the_static_step_equals_plain_greedy():
     assert outs == [x["expected_ids"][:n] for x in oracles] and st.verify_forwards < st.cycles
 
 
-def test_static_rollback_restores_every_cache_byte():
+@pytest.mark.parametrize("P,accepted", [(29, (0, 2)), (37, (1,))])
+def test_static_rollback_restores_every_cache_byte(P, accepted):
     """Forced drafts on the static cycle (the first ``m`` true, the rest wrong) at the window fill/wrap and a
-    ratio-4/16 completion: the caches of the slot equal those of a run of the accepted prefix alone."""
+    ratio-4/16 completion (29..32), and across the ring's own wrap (39 rows: 37..40, a ratio-4 completion at 39):
+    the caches of the slot equal those of a run of the accepted prefix alone."""
     r = small_model(decode_path="static")
-    P, k = 29, 3
+    k = 3
     prompt = _ids(1, P, seed=8)[0].tolist()
     truth = r.generate(prompt, k + 2, stop_at_eos=False)  # plain greedy: the tokens at P, P+1, ...
-    for m_true in (0, 2):
+    for m_true in accepted:
         dec = SpeculativeDecoder(r, k)
         dec.prefill([prompt], [0])
         wrong = [(t + 1) % r.args.vocab_size for t in truth[1 + m_true:k + 1]]

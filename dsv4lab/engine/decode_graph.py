@@ -374,6 +374,7 @@ class DecodeGraphs:
         self.tiers = tiers_for(runner.max_batch, tiers)
         self.graphs: dict = {}  # tier → (graph, io, logits) of the one-token step; (kind, tier) → (graph, io, out)
         self.capture_s: dict = {}
+        self.uncaptured: dict = {}  # (kind, tier) → why its capture failed (it runs eagerly)
         self._pool = None
 
     def tier(self, b: int) -> int | None:
@@ -472,11 +473,21 @@ class DecodeGraphs:
         if tier is None:
             raise ValueError(f"no graph tier holds batch {b}; tiers: {self.tiers}")
         key = (kind, tier)
+        if key in self.uncaptured:
+            return fn(*inputs)
         if key not in self.graphs:
             with torch.inference_mode():
                 io = tuple(torch.full((tier,) + tuple(x.shape[1:]), p, dtype=x.dtype, device=self.runner.device)
                            for x, p in zip(inputs, pads))
-            self.graphs[key] = self._captured(key, io, fn, 2)
+            try:
+                self.graphs[key] = self._captured(key, io, fn, 2)
+            except RuntimeError as err:
+                # an op that syncs with the host cannot be captured (e.g. a step whose b·T rows reach the prefill
+                # kernels, or the reference's expert loop): this kind and tier run eagerly from now on
+                self.uncaptured[key] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                log.warning("decode graphs: %s b%d not captured (%s); it runs eagerly", kind, tier,
+                            self.uncaptured[key])
+                return fn(*inputs)
         graph, io, out = self.graphs[key]
         for buf, x in zip(io, inputs):
             buf[:b].copy_(x)

@@ -125,6 +125,8 @@ class ModelRunner:
             # one-token step graphs by tier; other kinds as "kind b<tier>" (e.g. "tokens T3 mtp b4")
             info.update(tiers=list(graphs.tiers), captured={k if isinstance(k, int) else f"{k[0]} b{k[1]}": round(s, 3)
                                                             for k, s in graphs.capture_s.items()})
+            if graphs.uncaptured:
+                info["uncaptured"] = {f"{k} b{t}": why for (k, t), why in graphs.uncaptured.items()}
         if self.decode_note:
             info["note"] = self.decode_note
         return info

@@ -181,9 +181,10 @@ class Attention(nn.Module):
         o = ops.grouped_wo_a(o.reshape(b, n, self.n_local_groups, -1), self.wo_a, self.n_local_groups)
         y = ops.linear(o.flatten(2), self.wo_b, all_reduce=all_reduce)  # wo_b is split by columns under TP
 
-        # window ring: the last min(L, W) tokens of each row
+        # window ring: the last min(L, period) tokens of each row (the ring then holds the last `period` positions
+        # whatever the chunking, so its bytes do not depend on how a sequence was fed)
         for i, (L, p0, slot) in enumerate(rows):
-            keep = min(L, W)
+            keep = min(L, period)
             if keep:
                 p = torch.arange(p0 + L - keep, p0 + L, device=x.device)
                 self.win_kv[slot, p % period] = kv[i, L - keep:L].to(self.win_kv.dtype)
