@@ -130,7 +130,7 @@ def options(args) -> dict:
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
-                 alphas=o["alphas"][:2], draft_tokens=[k for k in o["draft_tokens"] if k <= 2],
+                 alphas=o["alphas"][:2], draft_tokens=o["draft_tokens"][:2],
                  contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32)
         if not torch.cuda.is_available():
             o["backend"] = "reference"  # the Triton backend on a CPU is the interpreter: minutes per token

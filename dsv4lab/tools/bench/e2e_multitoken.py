@@ -198,12 +198,16 @@ def _natural_row(r: dict, n: int, k: int, truth: list[int], greedy_tok_s: float)
                 tokens_per_cycle=round(st.tokens_per_cycle, 3), cycles=st.cycles)
 
 
-def natural_acceptance(checkpoint, o: dict) -> list[dict]:
+NATURAL_PROMPT = "def __init__(self, name, value=None):\n        self."
+"""The prompt of the natural-acceptance rows: text of the kind ``data/tiny-py`` was trained on (Python source)."""
+
+
+def natural_acceptance(checkpoint, o: dict, n: int = 24) -> list[dict]:
     """Speculative decoding without injection on a trained checkpoint (``--smoke``: ``data/tiny-py``, its MTP block
-    trained with it), static path, against its own plain greedy decoding of the same prompt."""
+    trained with it), ``n`` tokens after :data:`NATURAL_PROMPT` on the static path, against its own plain greedy
+    decoding of the same prompt."""
     m = load(checkpoint, max_batch=1, decode_path="static")
-    n = o["decode_tokens"]
-    prompt = [m.args.bos_token_id] + fixed_sequence(m.args, 15, seed=6)
+    prompt = [m.args.bos_token_id] + m.tokenizer.encode(NATURAL_PROMPT)
     first = m.prefill(prompt).argmax(-1).cpu()
     t0 = time.perf_counter()
     truth = [int(first[0])] + m.decode_greedy(first, n)[0]
