@@ -127,22 +127,24 @@ def test_gpu_fp8_gemv_rows64_at_every_projection_width(M):
 
 
 # ------------------------------------------------------------------------------------------ routed MoE
-@pytest.mark.parametrize("route,T", [("dot", 40), ("fma", 12)])  # (the interpreter runs fma row by row: fewer)
+@pytest.mark.parametrize("route,T", [("dot", 40), ("fma", 12)])
 def test_routed_moe_decode_at_many_rows_reads_each_expert_once_per_step(route, T):
     """The decode MoE is already grouped by expert: the program of the first (row, slot) pair routed to an expert
     works for every row routed to it (``_expert_of_pair``, ``_tokens_of``), so a step of many rows — verify steps
     of 4 tokens per sequence, consecutive rows sharing experts — reads each selected expert once. Every
     stage within its bound of the exact oracle; NaN-poisoned scales of unpicked experts and bytes past every
-    buffer never read; on the ``fma`` route a row's output equals that row computed alone, bit for bit (the per-row
-    sums do not depend on the other rows: what makes a T-token step equal T one-token steps)."""
+    buffer never read (the dot route's stages); on the ``fma`` route a row's output equals that row computed alone,
+    bit for bit (the per-row sums do not depend on the other rows: what makes a T-token step equal T one-token
+    steps; the interpreter runs that route row by row, so fewer rows)."""
     x, idx, w, bank = moe_case(T, E=12, k=3, D=160, I=96, seed=T)
     for s in range(0, T, 4):  # the four tokens of a sequence share one expert (drafts of one context often do)
         for t in range(s + 1, s + 4):
             if idx[s, 0] not in idx[t]:  # (an expert already picked, so its scales are not the poisoned ones)
                 idx[t, 0] = idx[s, 0]
     geo = G(block_n_up=16, block_n_down=32, block_k=128)
-    check_moe(x, idx, w, bank, route, geo)
-    if route == "fma":
+    if route == "dot":  # (the fma route's stages are held to their bound at fewer rows in test_kernels_moe_decode)
+        check_moe(x, idx, w, bank, route, geo)
+    else:
         ex = moe.ExpertTensors.of(bank)
         y = moe.routed_moe_decode(x, idx, w, ex, LIMIT, route, geo)
         for r in (0, T - 1):

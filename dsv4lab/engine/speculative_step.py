@@ -6,8 +6,9 @@ the rollback of the rejected positions and the MTP block's step at the last acce
 It is :class:`~dsv4lab.engine.speculative.SpeculativeDecoder`'s cycle (see that module for the method) on the static
 step (:mod:`dsv4lab.engine.decode_graph`), with two rewrites that make it uniform over the rows:
 
-* :class:`StaticSnapshot` is :class:`~dsv4lab.engine.speculative.CacheSnapshot` as gathers and masked scatters of
-  ``K+1`` ring rows per ring cache and a NaN fill of at most ``K//r + 1`` entries per entry cache;
+* :class:`StaticSnapshot` is :class:`~dsv4lab.engine.speculative.CacheSnapshot` as one gather of ``K+1`` ring rows per
+  ring cache and, per rollback, one scatter per ring cache and one NaN fill of at most ``K//r + 1`` entries per entry
+  cache (rows not rolled back go to the spare cache slot);
 * after the acceptance the MTP caches are rolled back to ``P+m`` for **every** row and the MTP block runs once at
   ``P+m`` with the token emitted there (``t_m``) and the main streams of that position. Where a draft was rejected
   that is the eager decoder's re-run; where every draft held (``m = k``) it recomputes what the verify step's MTP
@@ -31,10 +32,17 @@ class StaticSnapshot:
     """What writing positions ``start[i] .. start[i]+n−1`` of each row's slot can destroy, as fixed-shape tensors:
     :meth:`take` gathers the ``n`` ring rows of every ring cache (main layers and MTP block); :meth:`restore` puts
     back the rows of positions ``≥ keep[i]`` and sets the entries those positions completed back to NaN — byte for
-    byte the state of a run of the kept positions alone (as :class:`~dsv4lab.engine.speculative.CacheSnapshot`)."""
+    byte the state of a run of the kept positions alone (as :class:`~dsv4lab.engine.speculative.CacheSnapshot`).
+
+    One launch per cache and direction: a row that must not be restored is written to the **spare cache slot**
+    instead (no sequence owns it, the graphs pad batches there), so a restore is one scatter, never a gather, a
+    select and a scatter; the index tensors are computed once per call and shared by the caches."""
 
     def __init__(self, model, n: int):
-        self.n = n
+        if getattr(model, "spare_slot", None) is None:
+            raise ValueError("the static rollback writes what it keeps to the spare cache slot: load the model "
+                             "with dsv4lab.load")
+        self.n, self.spare = n, model.spare_slot
         self.rings: list[tuple[bool, torch.Tensor, int]] = []
         self.entries: list[tuple[bool, torch.Tensor, int]] = []
         for i, blk in enumerate(model.blocks()):
@@ -46,41 +54,39 @@ class StaticSnapshot:
             for buf, ratio in blk.attn.entry_caches():
                 self.entries.append((is_mtp, buf, ratio))
 
-    def _rows(self, start: torch.Tensor, period: int) -> torch.Tensor:
-        return (start[:, None] + torch.arange(self.n, device=start.device)[None, :]) % period
+    def _rows(self, start: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Ring rows ``[b, n]`` of the positions ``start … start+n−1``, per ring period."""
+        pos = start[:, None] + torch.arange(self.n, device=start.device)[None, :]
+        return {period: pos % period for period in {p for _, _, p in self.rings}}
 
     def take(self, slots: torch.Tensor, start: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[slots[:, None], self._rows(start, period)].clone() for _, buf, period in self.rings]
+        rows = self._rows(start)
+        return [buf[slots[:, None], rows[period]] for _, buf, period in self.rings]  # (indexing copies)
 
     def restore(self, saved: list[torch.Tensor], slots: torch.Tensor, start: torch.Tensor,
                 keep_main: torch.Tensor | None, keep_mtp: torch.Tensor | None) -> None:
         """Undo every write to a position ``≥ keep[i]`` of row ``i`` since :meth:`take`: the main layers' caches to
         ``keep_main``, the MTP block's to ``keep_mtp`` (None leaves those as they are)."""
+        rows = self._rows(start)
         pos = start[:, None] + torch.arange(self.n, device=start.device)[None, :]
-        for (is_mtp, buf, period), old in zip(self.rings, saved):
-            keep = keep_mtp if is_mtp else keep_main
+        for is_mtp, keep in ((False, keep_main), (True, keep_mtp)):
             if keep is None:
                 continue
-            rows = self._rows(start, period)
-            back = (pos >= keep[:, None]).reshape(pos.shape + (1,) * (old.ndim - 2))
-            buf[slots[:, None], rows] = torch.where(back, old, buf[slots[:, None], rows])
-        for is_mtp, buf, ratio in self.entries:
-            keep = keep_mtp if is_mtp else keep_main
-            if keep is None:
-                continue
-            # entries keep//r .. (start+n)//r − 1 were completed by positions ≥ keep (a contiguous run)
-            first = keep // ratio
-            ent = first[:, None] + torch.arange(self.n // ratio + 1, device=keep.device)[None, :]
-            end = ((start + self.n) // ratio).clamp(max=buf.shape[1])
-            drop = ent < end[:, None]
-            # an entry outside the run is sent to the run's first index with the value written there, so two
-            # writes to one index always agree (an index_put with duplicates keeps an arbitrary one)
-            first_c = first.clamp(max=buf.shape[1] - 1)
-            idx = torch.where(drop, ent, first_c[:, None])
-            cur = buf[slots, first_c]
-            first_val = torch.where(drop[:, :1, None], float("nan"), cur[:, None].float()).to(buf.dtype)
-            val = torch.where(drop[..., None], torch.full_like(first_val, float("nan")), first_val)
-            buf[slots[:, None], idx] = val.expand(-1, idx.shape[1], -1)
+            dest = torch.where(pos >= keep[:, None], slots[:, None], self.spare)  # [b, n]: the slot, or the spare
+            for (mtp, buf, period), old in zip(self.rings, saved):
+                if mtp == is_mtp:
+                    buf[dest, rows[period]] = old
+            firsts: dict[int, tuple] = {}
+            for mtp, buf, ratio in self.entries:
+                if mtp != is_mtp:
+                    continue
+                # entries keep//r .. (start+n)//r − 1 were completed by positions ≥ keep (a contiguous run)
+                if ratio not in firsts:
+                    ent = (keep // ratio)[:, None] + torch.arange(self.n // ratio + 1, device=keep.device)[None, :]
+                    firsts[ratio] = (ent, (start + self.n) // ratio)
+                ent, end = firsts[ratio]
+                drop = ent < end.clamp(max=buf.shape[1])[:, None]
+                buf[torch.where(drop, slots[:, None], self.spare), ent.clamp(max=buf.shape[1] - 1)] = float("nan")
 
 
 @dataclass
