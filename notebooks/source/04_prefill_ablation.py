@@ -117,7 +117,7 @@ out.table("sorter", sorter)
 #
 # The prefill benchmark (issue 18) also times each FP8 projection beside cuBLAS `_scaled_mm` with the same block
 # scales, and writes the settings its measurements pick (`choices`: chunk size per prompt length, MoE route /
-# decode / sorter rows, GEMM backend — read back by `dsv4lab.engine.triton_prefill.load_choices` on that GPU) and
+# decode / sorter rows, GEMM backend — read back by `dsv4lab.engine.dispatch` from that GPU's tuned file) and
 # the issue's targets as measured. Results files from before issue 18 carry neither; the tables are then empty.
 
 # %%
