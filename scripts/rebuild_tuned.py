@@ -5,8 +5,8 @@ the same way ``dsv4lab bench kernels`` writes it after a run (:mod:`dsv4lab.tool
                                     [--set OP.FIELD=VALUE …] --out TUNED.json
 
 Each RESULT is a ``bench kernels --suite decode`` result (its rows), a ``--suite prefill`` result (its
-``choices``), a tuned file, or a decode dispatch file of the earlier format (``dsv4lab.decode-dispatch/1``: converted entry by
-entry, each naming the measurement of its commit — give those results with ``--provenance``). Later results win
+``choices``), a tuned file, or a decode dispatch file of the earlier format (``dsv4lab.decode-dispatch/1``:
+converted entry by entry, each naming the measurement of its commit — give those results with ``--provenance``). Later results win
 over earlier ones, all over ``--base`` (an op, shape and row count a result does not hold keeps the base's entry).
 ``--ops`` takes only those ops from the results; ``--set OP.FIELD=VALUE`` (a JSON value, else a string) forces a
 field of every entry of OP by hand — an ablation, recorded as a source of its own.

@@ -40,9 +40,9 @@ def test_every_family_variant_builds_its_kernel_geometry_and_agrees_with_the_ker
     from dsv4lab.engine import triton_backend as tb
     from dsv4lab.engine.kernel_loader import kernel_module
     from dsv4lab.engine.triton_prefill import KIND_MODEL, MOE_ROUTE_KIND
-    named = {"fp8_gemm": {**kernel_module("fp8_gemm").FP8_GEMM_CONFIGS, **kernel_module("fp8_gemm").WEIGHT_GEMM_CONFIGS},
-             "attention_prefill": {**kernel_module("attention_prefill").ATTENTION_CONFIGS,
-                                   **kernel_module("attention_prefill").INDEXER_CONFIGS}}
+    fg, ap = kernel_module("fp8_gemm"), kernel_module("attention_prefill")
+    named = {"fp8_gemm": {**fg.FP8_GEMM_CONFIGS, **fg.WEIGHT_GEMM_CONFIGS},
+             "attention_prefill": {**ap.ATTENTION_CONFIGS, **ap.INDEXER_CONFIGS}}
     for family in kf.FAMILIES:
         mod = kernel_module(family.kernel)
         for v in family.variants:
@@ -112,7 +112,7 @@ def test_a_field_the_kernel_lacks_is_refused_naming_the_entry():
     from dsv4lab.engine.triton_backend import TritonOps
     ops = TritonOps(Numerics(), Dispatch(Tuned(_doc(**{"decode.attention": [dict(rows=1, choice=dict(block_q=3))]}),
                                               "bad.json"), GPU_DEFAULTS))
-    with pytest.raises(DispatchError, match=r"tuned bad.json: decode.attention\[0\] \(t\): AttentionGeometry: .*block_q"):
+    with pytest.raises(DispatchError, match=r"bad.json: decode.attention\[0\] \(t\): AttentionGeometry: .*block_q"):
         ops.attention_choice(1)
 
 
@@ -246,7 +246,8 @@ def test_bench_writes_the_entries_it_measured():
             dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, choice=dot),
             dict(kernel="moe_decode", variant="dot:n32", batch=1, time_us=40.0, pct_copy_bw=45, route="dot",
                  geometry_fields=dict(block_n_up=32, block_n_down=32)),
-            dict(kernel="moe_decode", variant="torch_sum_read", batch=1, time_us=20.0, pct_copy_bw=90, route="baseline"),
+            dict(kernel="moe_decode", variant="torch_sum_read", batch=1, time_us=20.0, pct_copy_bw=90,
+                 route="baseline"),
             dict(kernel="attn_decode", variant="h16r32_s16_1p", batch=1, time_us=31.0, route="triton",
                  geometry_fields=dict(attn, block_r=32)),
             dict(kernel="attn_decode", variant="h16r64_s16_1p", batch=1, time_us=23.0, route="triton",

@@ -419,5 +419,5 @@ class Dispatch:
 
 
 __all__ = ["SCHEMA", "ENV", "OPS", "PREFILL_SETTINGS", "PREFILL_DEFAULTS", "DispatchError", "Defaults",
-           "GPU_DEFAULTS", "INTERPRETER_DEFAULTS", "shape_key", "parse_shape_key", "split_k_for", "gpu_slug", "tuned_dir", "tuned_path", "Tuned",
-           "read_tuned", "load_tuned", "Pick", "Dispatch"]
+           "GPU_DEFAULTS", "INTERPRETER_DEFAULTS", "shape_key", "parse_shape_key", "split_k_for", "gpu_slug",
+           "tuned_dir", "tuned_path", "Tuned", "read_tuned", "load_tuned", "Pick", "Dispatch"]

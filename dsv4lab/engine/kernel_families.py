@@ -90,15 +90,13 @@ class Family:
         if model is None:
             model = self.accumulation.get("*")
         if model is None:
-            raise ValueError(f"{self.name}: no accumulation model for route {route!r} (known: {sorted(self.accumulation)})")
+            raise ValueError(f"{self.name}: no accumulation model for route {route!r} "
+                             f"(known: {sorted(self.accumulation)})")
         return model
 
     def runs(self, run: str, op: str | None = None) -> list[Variant]:
         """The variants of ``run`` in declaration order (for ``verify``: those of ``op``)."""
         return [v for v in self.variants if run in v.runs and (op is None or not v.ops or op in v.ops)]
-
-    def find(self, name: str, route: str | None = None) -> Variant | None:
-        return next((v for v in self.variants if v.name == name and (route is None or v.route == route)), None)
 
 
 # ============================================================================================ decode
@@ -234,7 +232,6 @@ PREFILL_MOE = Family(
      variant("w16p", "bf16", "full", warps1=16, persistent=True)))
 """The grouped FP4 MoE of a prefill chunk (``fp4_moe_grouped``): its routes and launch variants."""
 
-MOE_TAG_RUNS = ("quick", "full")
 SORTER_ROWS = (16, 32, 64, 128)
 """The sorter rows (the grouped GEMM's block height) the prefill benchmark's ablation times."""
 
@@ -297,6 +294,6 @@ def verify_variants(families, op: str) -> list[tuple[Family, Variant]]:
 
 
 __all__ = ["RUNS", "Variant", "variant", "Family", "GEMV", "MOE", "MOE_SAME_SEMANTICS", "ATTENTION", "MHC_SITE",
-           "PREFILL_MOE", "MOE_TAG_RUNS", "SORTER_ROWS", "moe_tags", "PREFILL_GEMM", "WEIGHT_GEMM",
+           "PREFILL_MOE", "SORTER_ROWS", "moe_tags", "PREFILL_GEMM", "WEIGHT_GEMM",
            "PREFILL_ATTENTION", "INDEXER", "SELECTIONS", "FAMILIES", "DECODE_FAMILIES", "PREFILL_FAMILIES",
            "verify_variants"]

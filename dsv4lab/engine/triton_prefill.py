@@ -81,7 +81,8 @@ def device_dispatch() -> Dispatch:
 
 def prefill_chunk(prompt_tokens: int, dispatch: Dispatch | None = None) -> int:
     """The prefill chunk for a prompt of ``prompt_tokens`` tokens on this device (or by ``dispatch``): the tuned
-    one, else one chunk up to 4,096 tokens and chunks of 4,096 beyond (:meth:`~dsv4lab.engine.dispatch.Dispatch.chunk`)."""
+    one, else one chunk up to 4,096 tokens and chunks of 4,096 beyond
+    (:meth:`~dsv4lab.engine.dispatch.Dispatch.chunk`)."""
     return (dispatch or device_dispatch()).chunk(prompt_tokens)
 
 

@@ -48,8 +48,8 @@ Numerics: every product is exact in fp32, only sums round. ``fma`` and ``int8`` 
 tensor cores (aligned, truncated partial sums) — :data:`ACCUMULATION` states the per-route bound the tests use.
 
 Three files: this one (geometry, the bank's tensors, the launchers), the kernels
-(:mod:`~dsv4lab_kernels.fp4_moe_decode_kernels`) and the exact oracles (:mod:`~dsv4lab_kernels.fp4_moe_decode_reference`,
-whose names this module re-exports).
+(:mod:`~dsv4lab_kernels.fp4_moe_decode_kernels`) and the exact oracles
+(:mod:`~dsv4lab_kernels.fp4_moe_decode_reference`, whose names this module re-exports).
 """
 from __future__ import annotations
 

@@ -260,4 +260,5 @@ def convert_decode_dispatch(old: dict, results: dict[str, dict]) -> dict:
 
 
 __all__ = ["GEOMETRY_OPS", "PREFILL_CHOICE_OPS", "source_of", "tuned_doc", "decode_entries", "prefill_entries",
-           "prefill_headline", "merge_tuned", "take_ops", "add_tuned_arguments", "TunedWriter", "LEGACY_DISPATCH_FORMAT", "convert_decode_dispatch"]
+           "prefill_headline", "merge_tuned", "take_ops", "add_tuned_arguments", "TunedWriter",
+           "LEGACY_DISPATCH_FORMAT", "convert_decode_dispatch"]

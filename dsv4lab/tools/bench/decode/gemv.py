@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4lab.engine.dispatch import split_k_for
-from dsv4lab.engine.kernel_families import GEMV
+from dsv4lab.engine.kernel_families import GEMV, Variant
 from dsv4lab.tools.bench.common import random_fp8_linear
 from dsv4lab.tools.bench.decode.harness import ROTATE_BYTES, DecodeBench, run_mode
 from dsv4lab.tools.verify.bounds import check_within_bound
@@ -17,15 +17,38 @@ from dsv4lab.tools.verify.bounds import check_within_bound
 
 @dataclass(frozen=True)
 class GemvVariant:
-    """One own-GEMV configuration timed on every projection (K split to ~2 programs per SM at each shape)."""
+    """One own-GEMV configuration of the GEMV family (:data:`~dsv4lab.engine.kernel_families.GEMV`), timed on
+    every projection with K split to ~2 programs per SM at each shape."""
 
-    route: str
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int = 3
-    unroll: int = 1
-    prequant: bool = False
+    variant: Variant
+
+    @property
+    def route(self) -> str:
+        return self.variant.route
+
+    @property
+    def block_n(self) -> int:
+        return self.variant.fields["block_n"]
+
+    @property
+    def block_k(self) -> int:
+        return self.variant.fields["block_k"]
+
+    @property
+    def num_warps(self) -> int:
+        return self.variant.fields["num_warps"]
+
+    @property
+    def num_stages(self) -> int:
+        return self.variant.fields.get("num_stages", 3)
+
+    @property
+    def unroll(self) -> int:
+        return self.variant.fields.get("unroll", 1)
+
+    @property
+    def prequant(self) -> bool:
+        return self.variant.fields.get("prequant", False)
 
     @property
     def structure(self) -> str:
@@ -36,16 +59,9 @@ class GemvVariant:
         return (f"{self.route}:n{bn}k{self.block_k}s{split}w{self.num_warps}p{self.num_stages}"
                 + (f"u{self.unroll}" if self.unroll > 1 else "") + (":pq" if self.prequant else ""))
 
-    @classmethod
-    def of(cls, v) -> "GemvVariant":
-        """The benchmark's view of a :class:`~dsv4lab.engine.kernel_families.Variant` of the GEMV family."""
-        f = v.fields
-        return cls(v.route, f["block_n"], f["block_k"], f["num_warps"], f.get("num_stages", 3), f.get("unroll", 1),
-                   f.get("prequant", False))
-
     def applies(self, batch: int, aq: bool) -> bool:
-        """``prequant`` only quantizes rows once where there are several rows to quantize."""
-        return not self.prequant or (aq and batch > 1)
+        """Where the family says it applies (``prequant`` only quantizes rows once where there are several)."""
+        return self.variant.applies(batch, aq)
 
 
 def gemv_variants(smoke: bool, quick: bool) -> list[GemvVariant]:
@@ -53,7 +69,7 @@ def gemv_variants(smoke: bool, quick: bool) -> list[GemvVariant]:
     ``fma`` route's tile shapes and unrolls (batch 1: bytes in flight per SM is what they trade), the ``dot`` route
     plain and with the rows quantized once (``prequant``, batch > 1); a quick run's five are timed on 12
     projections at batches 1 and 8 (≤ 140 s with the MoE)."""
-    return [GemvVariant.of(v) for v in GEMV.runs(run_mode(smoke, quick))]
+    return [GemvVariant(v) for v in GEMV.runs(run_mode(smoke, quick))]
 
 
 def projections(a) -> dict[str, tuple[int, int, int, bool]]:
