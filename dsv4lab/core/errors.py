@@ -76,5 +76,16 @@ class RequestError(DSV4LabError, ValueError):
     the argument and the range it must be in."""
 
 
+class NonFiniteError(DSV4LabError, ArithmeticError):
+    """The model produced a non-finite value (NaN or ±Inf) where a token must be chosen; the message names the
+    position and, where it was located, the first layer whose output is non-finite. Carries ``position`` (None
+    until known) and ``row`` (the batch row it was found in)."""
+
+    def __init__(self, message: str, position: int | None = None, row: int = 0):
+        super().__init__(message)
+        self.position, self.row = position, row
+
+
 __all__ = ["DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
-           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "RequestError"]
+           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "RequestError",
+           "NonFiniteError"]
