@@ -73,13 +73,15 @@ logit gap of 1e-3 already weighs the runner-up by e^-100, so nothing but an exac
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None, top_k: int = 0) -> torch.Tensor:
+           generator: torch.Generator | None = None, top_k: int = 0, check: bool = True) -> torch.Tensor:
     """``logits [b, V]`` → token ids ``[b]``: greedy (ties → lowest id) at a temperature below
     :data:`MIN_TEMPERATURE`, else a draw from the tokens kept by ``top_k`` (0 or −1: all) and then ``top_p`` (the
     fewest most likely tokens whose probability reaches it; the most likely token is always kept), computed in log
     space in float64 so that no accepted setting yields NaN. Non-finite logits raise
-    :class:`~dsv4lab.core.errors.NonFiniteError` (never a token)."""
-    check_rows(logits)
+    :class:`~dsv4lab.core.errors.NonFiniteError` (never a token); ``check=False`` is for a caller that checked the
+    model's logits before processing them (a −inf ban is intended there)."""
+    if check:
+        check_rows(logits)
     if temperature < MIN_TEMPERATURE:
         return logits.argmax(-1)
     logp = torch.log_softmax(logits.double() / temperature, -1)

@@ -278,9 +278,9 @@ class Scheduler:
         if isinstance(err, NonFiniteError) and seq.slot is not None:
             self.batch.leave(seq.slot)
             err = located(self.model, seq.slot, seq.prompt_ids + seq.output_ids, err)
-            message = f"request {seq.request_id}: {err}"
+            message = str(err)
         elif isinstance(err, RequestError):
-            message = f"request {seq.request_id}: {err}"
+            message = str(err)
         else:
             message = f"internal error in the engine ({type(err).__name__})"
         log.error("request %s failed: %s", seq.request_id, err)
@@ -426,12 +426,12 @@ class Scheduler:
         """``seq``'s next token from its logits row ``[vocab]``: its logit processors, then greedy or a draw
         (raises :class:`NonFiniteError` for non-finite logits)."""
         p = seq.params
+        check_rows(logits[None])  # the model's logits: before the processors, whose −inf bans are intended
         banned = sorted(p.stop_token_ids) if len(seq.output_ids) < p.min_tokens else ()
         row = bias_logits(logits[None], p.logit_bias, banned)
         if p.greedy:
-            check_rows(row)
             return int(row[0].argmax())
-        return int(sample(row, p.temperature, p.top_p, seq.generator, top_k=p.top_k)[0])
+        return int(sample(row, p.temperature, p.top_p, seq.generator, top_k=p.top_k, check=False)[0])
 
     def _emit_token(self, seq: Sequence, token: int, logits_row, prompt_logprobs) -> bool:
         """Deliver one chosen token of ``seq``; retire it when it is finished (returns True then)."""
