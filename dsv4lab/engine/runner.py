@@ -302,6 +302,8 @@ class ModelRunner:
         and no later position reads what that write replaced); ``tests/test_decode_greedy.py`` checks that
         continuing after such a stop equals continuing without it, bit for bit. On the eager path (``decode_path
         == "eager"``) it steps through :meth:`forward` instead, with a host read per step.
+        A row whose logits are not finite raises :class:`~dsv4lab.core.errors.NonFiniteError` naming its position
+        (checked on the device with the ids, :func:`dsv4lab.engine.finite.greedy_ids`), never a token.
         """
         cpu = torch.device("cpu")
         tok = torch.as_tensor(tokens, dtype=torch.long, device=cpu)

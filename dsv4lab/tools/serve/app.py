@@ -366,8 +366,8 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
             prompt = prompt[0]
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise APIError(400, "This checkpoint ships no tokenizer.json: send the prompt as token ids.",
-                               "prompt")
+                raise APIError(400, "This model has no tokenizer (no tokenizer.json, or a generated model): send the "
+                                    "prompt as token ids.", "prompt")
             refuse_unfittable_text(prompt, int(req.add_special_tokens))
             ids = in_vocabulary(tokenizer.encode(prompt, add_bos=req.add_special_tokens), "prompt")
         else:
@@ -535,8 +535,8 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
     async def chat_completions(request: Request):
         req = await read_body(request, ChatCompletionRequest)
         if config.chat_format is None or tokenizer is None:
-            raise APIError(400, "This checkpoint ships no tokenizer.json, so chat is unavailable: send token "
-                                "ids to /v1/completions.", "messages")
+            raise APIError(400, "This model has no tokenizer (no tokenizer.json, or a generated model), so chat is "
+                                "unavailable: send token ids to /v1/completions.", "messages")
         options = chat_options(req)
         prompt_ids = await asyncio.to_thread(chat_prompt, req, options)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
