@@ -11,7 +11,9 @@ Extensions understood beyond OpenAI's fields (vLLM's names): ``ignore_eos``, ``s
 ``skip_special_tokens``, ``return_token_ids`` (each choice gets ``token_ids`` and ``prompt_token_ids``),
 ``return_tokens_as_token_ids`` (logprob tokens written ``token_id:N``), ``echo`` with ``logprobs`` (the
 prompt's logprobs, teacher-forced), ``chat_template_kwargs={"thinking": true}`` and ``reasoning_effort``
-(DeepSeek-V4 thinking mode), ``continue_final_message``.
+(DeepSeek-V4 thinking mode), ``continue_final_message``, ``top_k``, ``min_tokens``, ``logit_bias`` (OpenAI's),
+``include_stop_str_in_output``. Generation settings vLLM has and this server lacks are refused
+(:data:`~dsv4lab.tools.serve.protocol.UNSUPPORTED`); JSON types are strict; ``docs/serving.md`` lists every field.
 """
 from __future__ import annotations
 
