@@ -71,10 +71,16 @@ class RunError(DSV4LabError, ValueError):
     """A problem with a run folder, a results file or an expectations file (names the file and field)."""
 
 
+class ResourceError(DSV4LabError):
+    """This machine lacks what a command needs (free disk space, memory); the message names the path or device,
+    what is needed and what is there."""
+
+
 class RequestError(DSV4LabError, ValueError):
     """A generation request is out of range (token count, sampling setting, prompt ids, device); the message names
     the argument and the range it must be in."""
 
 
 __all__ = ["DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
-           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "RequestError"]
+           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "ResourceError",
+           "RequestError"]

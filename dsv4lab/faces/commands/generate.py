@@ -115,6 +115,10 @@ def run(args) -> int:
         if m.tokenizer is None:
             raise UserError(f"{args.checkpoint} has no tokenizer.json: use --prompt-ids")
         ids = m.tokenizer.encode(args.prompt, add_bos=not args.no_bos)
+        outside = m.tokenizer.ids_outside(ids, m.args.vocab_size)
+        if outside:
+            raise UserError(f"--prompt: the tokenizer gives ids outside the vocabulary [0, {m.args.vocab_size}) "
+                            f"(position, id: {outside})")
     else:
         ids = parse_ids(args.prompt_ids)
         bad = [i for i in ids if not 0 <= i < m.args.vocab_size]
