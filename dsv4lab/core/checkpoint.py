@@ -33,6 +33,7 @@ from dsv4lab.core.checkpoint_values import scan_values
 from dsv4lab.core.config import ConfigError, ModelArgs, ceil_div
 from dsv4lab.core.errors import CheckpointError
 from dsv4lab.core.provenance import file_sha256
+from dsv4lab.core.resources import require_disk_space
 from dsv4lab.core.safetensors_format import DTYPE_SIZE, ShardHeader, TensorInfo, read_safetensors_header
 from dsv4lab.core.tokenizer import load_tokenizer
 
@@ -488,8 +489,9 @@ def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable
                      shards: list[list[TensorSpec]] | None = None) -> Path:
     """Write a native checkpoint: ``config.json``, ``model-0000i-of-0000n.safetensors`` and the index.
 
-    ``make_tensor(spec)`` supplies each tensor (checked against the spec's dtype and shape). Files are written
-    into a temporary sibling folder and renamed into place at the end; on any error nothing is left behind.
+    ``make_tensor(spec)`` supplies each tensor (checked against the spec's dtype and shape). The disk must have room
+    for every byte first; files are written into a temporary sibling folder and renamed into place at the end; on
+    any error nothing is left behind.
     ``extra_files`` maps a file name in the checkpoint to a source path to copy (e.g. ``tokenizer.json``).
     ``shards`` fixes which tensors go to which shard file (to keep another checkpoint's sharding when copying
     it); without it the table is split into ``n_shards`` runs of about equal bytes.
@@ -503,6 +505,7 @@ def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable
         specs = specs if specs is not None else expected_tensors(args)
         n_shards = n_shards or default_shard_count(sum(s.nbytes for s in specs))
         plan = _shard_plan(specs, n_shards)
+    require_disk_space(out.parent, sum(s.nbytes for shard in plan for s in shard), f"writing {out.name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dsv4lab.core.errors import ConfigError
+from dsv4lab.core.errors import ConfigError, excerpt
 from dsv4lab.core.paths import read_json
 
 LayerKind = Literal["swa", "csa", "hca"]
@@ -48,12 +48,6 @@ BOUNDS: dict[str, tuple[Any, Any]] = {
 }
 MAX_COMPRESS_RATIO = 1024
 """The largest compression ratio (Flash: 128); a compressor keeps two rings of ``2 × ratio`` rows per sequence."""
-
-
-def _excerpt(value: Any, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, so an error about a huge value stays one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -164,7 +158,7 @@ class ModelArgs:
 
         def need(cond: bool, name: str, msg: str) -> None:
             if not cond:
-                raise ConfigError(f"config field {name!r} = {_excerpt(getattr(self, name))}: {msg}")
+                raise ConfigError(f"config field {name!r} = {excerpt(getattr(self, name))}: {msg}")
 
         for name, (lo, hi) in BOUNDS.items():
             v = getattr(self, name)

@@ -81,6 +81,19 @@ class RequestError(DSV4LabError, ValueError):
     the argument and the range it must be in."""
 
 
-__all__ = ["DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (see :func:`dsv4lab.faces.runs.signals_end_runs`) so that a
+    ``kill`` ends a command as Ctrl-C does: every ``except KeyboardInterrupt`` that records an interrupted state
+    runs, and the command line exits with 143 (128 + SIGTERM) instead of 130."""
+
+
+def excerpt(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error quoting a user's value stays one short line however large
+    the value (a 10 MB string, a list of a million ids)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+__all__ = ["excerpt", "Terminated", "DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
            "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "ResourceError",
            "RequestError"]

@@ -248,6 +248,32 @@ def prefill_peaks(doc: Mapping[str, Any] | None, hardware: str | Hardware = "h20
     return {d: (hw.matrix_tflops(d), "datasheet") for d in ("bf16", "fp8") if hw.matrix_tflops(d)}
 
 
+def prefill_chunk_account(hardware: str | Hardware, prompt_tokens: int, chunks: Sequence[int | None]
+                          ) -> list[dict[str, Any]]:
+    """Notebook 04's chunk account: the cost model's prefill of a ``prompt_tokens`` prompt on MI250 GCDs in the
+    paper's setting (:data:`~dsv4lab.tools.perf.account.PAPER_PREFILL_SETTING`, the same as the paper's prefill
+    account that notebook 06 plots, so one modelled paper prefill has one value) at each chunk size, with the
+    paper's reported rate beside its chunk (2,048), then ``hardware`` in one pass. Rows for
+    :func:`dsv4lab.faces.plots.plot_step_waterfall` (``label, tokens, components_us, reported_rate,
+    reported_step_us``) and ``modelled_input_tok_s``."""
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    mi250, flash = load_hardware("mi250-gcd"), get_preset("flash")
+    final = {m["id"]: m for m in perf_account.load_paper("prefill_milestones")["milestones"]}["sorter_64"]
+    setting = perf_account.PAPER_PREFILL_SETTING
+    rows = []
+    for chunk in chunks:
+        rep = roofline_report(flash, mi250, phase="prefill", context=prompt_tokens, chunk=chunk, **setting)
+        paper = chunk == perf_account.PAPER_PREFILL_CHUNK
+        rows.append(dict(label=f"4×MI250 GCD TP{setting['tp']}, chunk {chunk or 'none'}", tokens=prompt_tokens,
+                         components_us=rep["predicted"]["components_us"], modelled_input_tok_s=rep["predicted"]["tok_s"],
+                         reported_rate=final["input_tok_s"] if paper else None,
+                         reported_step_us=final["ttft_s"] * 1e6 if paper else None))
+    rep = roofline_report(flash, hw, tp=1, phase="prefill", context=prompt_tokens)
+    rows.append(dict(label=f"1×{hw.name}, one pass", tokens=prompt_tokens, components_us=rep["predicted"]["components_us"],
+                     modelled_input_tok_s=rep["predicted"]["tok_s"]))
+    return rows
+
+
 # ============================================================================================ 05: roofline
 def step_points(report: Mapping[str, Any], group: str) -> list[dict[str, Any]]:
     """The ops of a modelled step as roofline points (at the rate the step-time model gives each)."""
@@ -420,5 +446,5 @@ def bytes_by_component(args: ModelArgs, *, tp: int = 1, ep: int = 1, context: in
 
 
 __all__ = ["E2E_FILES", "KERNEL_NAMES", "flash_cut", "e2e_runs", "e2e_bounds", "decode_standing", "prefill_standing",
-           "kernel_name", "decode_kernels", "decode_variant_table", "prefill_model_rows", "prefill_peaks",
+           "kernel_name", "decode_kernels", "decode_variant_table", "prefill_model_rows", "prefill_peaks", "prefill_chunk_account",
            "step_points", "paper_points", "measured_points", "roofline_panels", "milestone_rows", "bytes_by_component"]

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from dsv4lab.core.errors import UserError
-from dsv4lab.tools.options import add_backend, add_device, add_dtype, int_range
+from dsv4lab.tools.options import (add_backend, add_device, add_dtype, add_threads, int_range, resolve_device,
+                                   set_cpu_threads)
 from dsv4lab.tools.serve import API_KEY_ENV
 
 NAME = "serve"
@@ -32,6 +33,7 @@ def add_arguments(p):
     add_backend(p)
     add_device(p)
     add_dtype(p)
+    add_threads(p)
     p.add_argument("--max-model-len", type=int_range(2), default=None,
                    help="prompt + generated tokens per sequence (default and maximum: the model's cache length)")
     p.add_argument("--max-concurrency", type=int_range(1), default=8,
@@ -80,6 +82,7 @@ def run(args) -> int:
                          api_key=api_key, chat_format=args.chat_format,
                          batch_prefill=not args.no_batch_prefill, max_body_bytes=args.max_body_mb << 20,
                          speculative=args.speculative, draft_tokens=args.draft_tokens)
+    set_cpu_threads(args.threads, resolve_device(args.device))
     print(f"loading {args.checkpoint} (backend {args.backend}, {args.device}, {args.dtype})", file=sys.stderr)
     try:
         app, scheduler = build_app(opts)
