@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dsv4lab.core.config import ModelArgs, get_preset
+from dsv4lab.core.errors import RunError
 from dsv4lab.faces.measurements import load_results_file, provenance, results_path
 from dsv4lab.core.paths import REPO_ROOT, display_path
 from dsv4lab.tools.perf import account as perf_account
@@ -31,6 +32,44 @@ E2E_FILES = (  # (file under data/results/<gpu>/, what it is, the command that w
     ("e2e", "two GPUs, TP2, the whole model", "dsv4lab bench e2e --nproc 2 --tp 2 --out data/results/h200/e2e.json"),
 )
 PAPER_CONTEXT = 140  # mean position of the paper's 256-token decode run after a short prompt (perf.account)
+
+_E2E_FIELDS = ("gpu", "commit", "tp", "copy_bw_gbps", "summary.decode_tok_s", "summary.mbu", "summary.ttft_s",
+               "summary.prefill_input_tok_s", "ttft.prompt_tokens")
+FIELDS_READ: dict[str, tuple[str, ...]] = {
+    # decode_kernels: 03's kernel figure and ablation table, 05's measured roofline points
+    "decode_kernels": ("gpu", "commit", "copy_bw_gbps", "rows[].kernel", "rows[].variant", "rows[].batch",
+                       "rows[].time_us", "rows[].bytes", "rows[].gbps", "rows[].pct_copy_bw"),
+    # prefill_kernels: 04's throughput figure (tokens against tflops) and sorter table, 05's GEMM points
+    "prefill_kernels": ("gpu", "commit", "rows[].kernel", "rows[].variant", "rows[].tokens", "rows[].time_us",
+                        "rows[].tflops"),
+    # e2e_1gpu, e2e: 05's whole-step point, 06's decode and prefill standing, 05's waterfall (e2e_runs)
+    "e2e_1gpu": _E2E_FIELDS, "e2e": _E2E_FIELDS,
+}
+"""The fields of each committed results file (``data/results/<gpu>/<name>.json``) the figures read: ``a.b`` a
+nested field, ``rows[].x`` a field of every row. ``tests/test_figures.py`` checks every committed file has them, so
+a figure never draws a default in place of a field a benchmark stopped writing."""
+
+
+def missing_fields(doc: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
+    """The ``fields`` (as in :data:`FIELDS_READ`) ``doc`` lacks: ``rows[7].tflops`` names the first row without it."""
+    lacking = []
+    for spec in fields:
+        if "[]." in spec:
+            head, tail = spec.split("[].", 1)
+            items = doc.get(head)
+            if not isinstance(items, list):
+                lacking.append(head)
+                continue
+            bad = next((i for i, r in enumerate(items) if not isinstance(r, Mapping) or tail not in r), None)
+            if bad is not None:
+                lacking.append(f"{head}[{bad}].{tail}")
+            continue
+        node: Any = doc
+        for part in spec.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is None:
+            lacking.append(spec)
+    return list(dict.fromkeys(lacking))
 
 
 # ============================================================================================ end to end
@@ -62,6 +101,9 @@ def e2e_runs(gpu: str = "h200", files: Sequence[tuple[str, str, str]] = E2E_FILE
         if doc is None:
             out.append(entry)
             continue
+        lacking = missing_fields(doc, FIELDS_READ.get(name, _E2E_FIELDS))
+        if lacking:
+            raise RunError(f"{display_path(path)}: lacks {lacking}, which the end-to-end figures read")
         summary = doc.get("summary") or {}
         gpus = int(doc.get("ranks") or doc.get("nproc") or 1)
         layers = int(doc.get("layers") or full)
@@ -445,6 +487,6 @@ def bytes_by_component(args: ModelArgs, *, tp: int = 1, ep: int = 1, context: in
     return {k: v / step.tokens for k, v in out.items() if v > 0}
 
 
-__all__ = ["E2E_FILES", "KERNEL_NAMES", "flash_cut", "e2e_runs", "e2e_bounds", "decode_standing", "prefill_standing",
+__all__ = ["E2E_FILES", "FIELDS_READ", "missing_fields", "KERNEL_NAMES", "flash_cut", "e2e_runs", "e2e_bounds", "decode_standing", "prefill_standing",
            "kernel_name", "decode_kernels", "decode_variant_table", "prefill_model_rows", "prefill_peaks", "prefill_chunk_account",
            "step_points", "paper_points", "measured_points", "roofline_panels", "milestone_rows", "bytes_by_component"]

@@ -136,6 +136,7 @@ def plot_kernel_check_errors(rows: Sequence[Mapping[str, Any]], *, floor: float 
     (:func:`check_ratio`), against the line at 1 — left of it passes, right of it fails. Bitwise-equal checks sit
     in their own column; implementations are grouped by family (colour), failures are named."""
     worst: dict[tuple[str, str], tuple[float, bool]] = {}
+    bitwise: dict[tuple[str, str], bool] = {}  # every check of the pair bitwise equal: the left column
     basis = "bound"
     for r in rows:
         ratio, how = check_ratio(r)
@@ -143,6 +144,7 @@ def plot_kernel_check_errors(rows: Sequence[Mapping[str, Any]], *, floor: float 
         key = (str(r["op"]), str(r["impl"]))
         prev = worst.get(key, (0.0, True))
         worst[key] = (max(prev[0], ratio), prev[1] and bool(r.get("ok")))
+        bitwise[key] = bitwise.get(key, True) and bool(r.get("bitwise_equal"))
     ops = list(dict.fromkeys(k[0] for k in worst))
     families = list(dict.fromkeys(_family(k[1]) for k in worst))
     family_color = {f: (OTHER if f.startswith("reference") else PALETTE[(i - 1) % len(PALETTE)])
@@ -157,8 +159,8 @@ def plot_kernel_check_errors(rows: Sequence[Mapping[str, Any]], *, floor: float 
         ax.axvspan(x_exact / 2, x_exact * 2, color="#EEF3EA", zorder=0)
         ax.axvline(1.0, color="#B22222", linewidth=1.1, label="allowed (ratio 1: left passes, right fails)")
         for fam in families:
-            pts = [(min(max(ratio, floor), x_max / 1.5) if ratio > 0 else x_exact, ys[op] + offsets[fam], ok, impl)
-                   for (op, impl), (ratio, ok) in worst.items() if _family(impl) == fam]
+            pts = [(x_exact if bitwise[op, impl] else min(max(ratio, floor), x_max / 1.5), ys[op] + offsets[fam], ok,
+                    impl) for (op, impl), (ratio, ok) in worst.items() if _family(impl) == fam]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=source_label(MEASURED, fam),
                     **marker_style(MEASURED, family_color[fam], 4.5), alpha=0.9)
             for x, y, ok, impl in pts:

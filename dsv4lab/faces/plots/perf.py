@@ -285,7 +285,9 @@ def plot_hardware_catalogue(hardware, *, dtypes: Sequence[str] = ("bf16", "fp8",
         names = [h.name for h in hws]
         xs = list(range(len(hws)))
         peak = [(h.get("memory.bw_peak_gbps") or 0.0) / 1e3 for h in hws]
-        a1.bar([x - 0.2 for x in xs], peak, width=0.38, label="peak (datasheet)", **bar_style(REPORTED, PALETTE[0]))
+        known = [(x, p) for x, p in zip(xs, peak) if p]
+        a1.bar([x - 0.2 for x, _ in known], [p for _, p in known], width=0.38, label="peak (datasheet)",
+               **bar_style(REPORTED, PALETTE[0]))
         achievable = [achievable_bandwidth(h) for h in hws]
         looks = {MEASURED: ("achievable (copy kernel)", PALETTE[1]), REPORTED: ("achievable", PALETTE[3])}
         for kind, (what, color) in looks.items():
