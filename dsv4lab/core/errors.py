@@ -94,6 +94,13 @@ def excerpt(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-__all__ = ["excerpt", "Terminated", "DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
+def clip(text: str, limit: int = 160) -> str:
+    """The first line of ``text`` cut to ``limit`` characters (for quoting a library's error message in ours)."""
+    lines = str(text).strip().splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= limit else first[: limit - 1] + "…"
+
+
+__all__ = ["excerpt", "clip", "Terminated", "DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
            "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "ResourceError",
            "RequestError"]

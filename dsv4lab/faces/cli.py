@@ -35,7 +35,7 @@ import traceback
 
 from dsv4lab import __version__
 from dsv4lab.faces import commands
-from dsv4lab.core.errors import DSV4LabError, Terminated
+from dsv4lab.core.errors import DSV4LabError, Terminated, clip
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -96,11 +96,9 @@ def describe_failure(err: BaseException) -> tuple[str, bool]:
 _ALLOCATION_FAILURES = ("can't allocate memory", "CUDA out of memory", "out of memory", "Cannot allocate memory")
 
 
-def _first_line(err: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message, cut to ``limit`` characters."""
-    lines = str(err).strip().splitlines()
-    first = lines[0] if lines else type(err).__name__
-    return first if len(first) <= limit else first[: limit - 1] + "…"
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message, cut to 200 characters (its type's name when it has none)."""
+    return clip(err, 200) or type(err).__name__
 
 
 def _one_line(text: str) -> str:

@@ -30,6 +30,7 @@ unless set) and, without a GPU, ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4lab.faces import runs
-from dsv4lab.core.errors import RunError, Terminated, UserError, excerpt
+from dsv4lab.core.errors import RunError, Terminated, UserError, clip, excerpt
 from dsv4lab.core.resources import require_disk_space
 from dsv4lab.tools.options import float_range
 from dsv4lab.core.paths import NOTEBOOKS_DIR, display_path, read_yaml
@@ -120,8 +121,7 @@ def read_notebook(path: Path):
     try:
         return nbformat.read(str(path), as_version=4)
     except Exception as err:  # nbformat raises NotJSONError, ValidationError, KeyError... for a malformed file
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UserError(f"{path}: not a notebook nbformat can read ({type(err).__name__}: {excerpt(first, 120)})"
+        raise UserError(f"{path}: not a notebook nbformat can read ({type(err).__name__}: {clip(err, 120)})"
                         ) from None
 
 
@@ -140,7 +140,10 @@ def declared_parameters(path: Path) -> dict[str, dict]:
     idx, _ = parameters_cell(path)
     if idx is None:
         raise UserError(f"{path.stem}: no cell tagged 'parameters' (the first code cell must carry that tag)")
-    return papermill.inspect_notebook(str(path))
+    try:
+        return papermill.inspect_notebook(str(path))
+    except ValueError as err:  # e.g. no kernel named in the notebook's metadata
+        raise UserError(f"{path}: papermill cannot read its parameters ({clip(err)})") from None
 
 
 def _where(path: Path) -> str:
@@ -316,6 +319,9 @@ def run(args) -> int:
         try:
             return _run(args, chosen, params, problems, run_dir, manifest)
         except KeyboardInterrupt as stop:
+            # the kernel's pending tasks die with the run; asyncio would log each ("Task exception was never
+            # retrieved ... Kernel died") with a traceback after the one line that says the run was interrupted
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
             for n in manifest["notebooks"]:
                 if n["status"] in ("pending", "running"):
                     n["status"] = "not_run" if n["status"] == "pending" else "interrupted"
