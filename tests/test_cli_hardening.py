@@ -193,6 +193,23 @@ def test_verify_record_never_replaces_a_golden_without_force(tmp_path):
     assert "pass --force to replace it" in line
 
 
+def test_force_replaces_a_golden_whole(tmp_path, monkeypatch, capsys):
+    from dsv4lab.tools.verify import cli_record
+    out = tmp_path / "g.json"
+    out.write_text("{}")
+
+    def record(checkpoint, path, dump_layers, device):  # the recording itself is test_verify's subject
+        Path(path).write_text('{"version": 1}')
+        return dict(oracles=[1], trajectory=dict(n_tokens=256, hash="h"), teacher_forced=dict(ids=[1]),
+                    layers=dict(order=[1]))
+    monkeypatch.setattr(cli_record, "record_golden", record)
+    code, _, err = in_process(["verify", "record", "--checkpoint", str(TINY), "--out", str(out)], capsys)
+    assert code == 2 and "g.json already exists; pass --force" in err and out.read_text() == "{}"
+    code, out_text, _ = in_process(["verify", "record", "--checkpoint", str(TINY), "--out", str(out), "--force"],
+                                   capsys)
+    assert code == 0 and out.read_text() == '{"version": 1}' and "recorded 1 oracles" in out_text
+
+
 def test_a_golden_found_for_a_checkpoint_it_was_not_recorded_from_is_refused_naming_both_hashes(tmp_path):
     suspect = copy_of(TINY_PY, tmp_path)
     poke(suspect, "head.weight", 11, bytes([0x01, 0x3F]))
