@@ -4,6 +4,10 @@
     dsv4lab reproduce --smoke                       # tiny CPU run (what the tests run)
     dsv4lab reproduce --only 01,05 --params my.yaml --out runs/
 
+The notebooks are the percent-format scripts ``notebooks/NAME.py`` (jupytext's text notebooks, see
+``docs/notebooks.md``); each is read into a notebook here, in memory, and the executed copy is written as
+``.ipynb`` into the run folder. A folder given with ``--notebooks-dir`` may also hold ``.ipynb`` files.
+
 Each run gets its own folder ``<out>/<UTC timestamp>_<git short hash>/`` (never reused) holding the executed
 notebooks, results, figures, logs, ``manifest.json`` and ``report.md`` (see :mod:`dsv4lab.faces.runs`).
 
@@ -84,20 +88,48 @@ def add_arguments(p):
 
 
 # ============================================================================================ notebooks
+# Cells read from a text notebook carry no ids; these stable ones name a failing cell the same way in every run.
+CELL_ID = "cell-{:02d}"
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
 def discover(folder: Path) -> list[Path]:
-    """The notebooks of ``folder``: the declared order first (all of it for the repository's folder), then
-    any others by name."""
+    """The notebooks of ``folder`` (``*.py`` text notebooks and ``*.ipynb``; a text notebook wins over an
+    ``.ipynb`` of the same name, which is its paired copy): the declared order first (all of it for the
+    repository's folder), then any others by name."""
     found = {p.stem: p for p in folder.glob("*.ipynb")}
+    found.update({p.stem: p for p in folder.glob("*.py")})
     if folder.resolve() == NOTEBOOKS_DIR.resolve():
         missing = [n for n in NOTEBOOK_ORDER if n not in found]
         if missing:
-            raise UserError(f"{folder}: missing notebook(s) {missing} "
-                            "(rebuild them: python scripts/build_notebooks.py)")
+            raise UserError(f"{folder}: missing notebook(s) {missing} (notebooks/NAME.py)")
     ordered = [found[n] for n in NOTEBOOK_ORDER if n in found]
     ordered += [found[n] for n in sorted(found) if n not in NOTEBOOK_ORDER]
     if not ordered:
-        raise UserError(f"{folder}: no notebooks (*.ipynb)")
+        raise UserError(f"{folder}: no notebooks (*.py text notebooks or *.ipynb)")
     return ordered
+
+
+def read_notebook(path: Path):
+    """The notebook at ``path`` as an ``nbformat`` node: a percent-format ``.py`` through jupytext (cells numbered
+    ``cell-01`` ..., the Python 3 kernel), an ``.ipynb`` as it is. A file that is not a notebook is an error naming
+    it, in one line."""
+    import nbformat
+    path = Path(path)
+    try:
+        if path.suffix == ".ipynb":
+            return nbformat.read(str(path), as_version=4)
+        import jupytext
+        nb = jupytext.read(path, fmt="py:percent")
+    except Exception as err:  # nbformat and jupytext raise NotJSONError, ValidationError, KeyError... for a bad file
+        raise UserError(f"{path}: not a notebook nbformat can read ({type(err).__name__}: {clip(err, 120)})"
+                        ) from None
+    for i, cell in enumerate(nb.cells, 1):
+        cell["id"] = CELL_ID.format(i)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata.setdefault("language_info", {"name": "python"})
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    return nb
 
 
 def select(notebooks: list[Path], only: list[str] | None) -> list[Path]:
@@ -107,22 +139,12 @@ def select(notebooks: list[Path], only: list[str] | None) -> list[Path]:
     wanted = [w.strip() for item in only for w in item.split(",") if w.strip()]
     chosen: list[Path] = []
     for w in wanted:
-        w = w[:-6] if w.endswith(".ipynb") else w
+        w = w.removesuffix(".ipynb").removesuffix(".py")
         hits = [p for p in notebooks if p.stem == w or p.stem.split("_", 1)[0] == w]
         if not hits:
             raise UserError(f"--only {w!r}: no such notebook; available: {', '.join(p.stem for p in notebooks)}")
         chosen += [h for h in hits if h not in chosen]
     return [p for p in notebooks if p in chosen]  # keep the declared order
-
-
-def read_notebook(path: Path):
-    """The notebook at ``path`` (nbformat 4); a file that is not one is an error naming it, in one line."""
-    import nbformat
-    try:
-        return nbformat.read(str(path), as_version=4)
-    except Exception as err:  # nbformat raises NotJSONError, ValidationError, KeyError... for a malformed file
-        raise UserError(f"{path}: not a notebook nbformat can read ({type(err).__name__}: {clip(err, 120)})"
-                        ) from None
 
 
 def parameters_cell(path: Path) -> tuple[int | None, str | None]:
@@ -141,8 +163,8 @@ def declared_parameters(path: Path) -> dict[str, dict]:
     if idx is None:
         raise UserError(f"{path.stem}: no cell tagged 'parameters' (the first code cell must carry that tag)")
     try:
-        return papermill.inspect_notebook(str(path))
-    except ValueError as err:  # e.g. no kernel named in the notebook's metadata
+        return papermill.inspect_notebook(read_notebook(path))
+    except ValueError as err:  # e.g. an .ipynb that names no kernel in its metadata
         raise UserError(f"{path}: papermill cannot read its parameters ({clip(err)})") from None
 
 
@@ -242,8 +264,7 @@ def describe_failure(err: BaseException, executed: Path, source: Path) -> dict[s
             pass
     number = None
     if cell_id is not None:
-        import nbformat
-        src = nbformat.read(str(source), as_version=4)
+        src = read_notebook(source)
         number = next((i + 1 for i, c in enumerate(src.cells) if c.get("id") == cell_id), None)
     info.update(cell=number, cell_id=cell_id, line=line_no, source_line=src_line)
     where = (f"cell {number} (id {cell_id}" + (f", In [{info.get('exec_count')}]" if info.get("exec_count") else "")
@@ -399,6 +420,7 @@ def _argv(args) -> list[str]:
 
 
 def _execute_all(chosen: list[Path], params: dict[str, dict], run_dir: Path, manifest: dict, args) -> list[str]:
+    import nbformat
     import papermill
     from tqdm.auto import tqdm
 
@@ -410,7 +432,7 @@ def _execute_all(chosen: list[Path], params: dict[str, dict], run_dir: Path, man
     try:
         for path, entry in zip(bar, manifest["notebooks"]):
             bar.set_postfix_str(path.stem)
-            executed = run_dir / "notebooks" / path.name
+            executed = run_dir / "notebooks" / f"{path.stem}.ipynb"
             partial = executed.with_name(f".{path.stem}.partial.ipynb")  # papermill rewrites it after every cell
             log = run_dir / "logs" / f"{path.stem}.log"
             entry.update(status="running", executed=runs.display_path(executed), log=runs.display_path(log))
@@ -418,10 +440,15 @@ def _execute_all(chosen: list[Path], params: dict[str, dict], run_dir: Path, man
             parameters = dict(params[path.stem], RUN_DIR=str(run_dir.resolve()))
             t0 = time.time()
             try:
+                # The notebook is built into the run folder first and executed there in place (papermill records
+                # its input's path in the executed copy, and an in-memory input would be recorded as a whole copy),
+                # as a hidden partial file that becomes notebooks/NAME.ipynb only when it is whole.
+                executed.parent.mkdir(parents=True, exist_ok=True)
+                nbformat.write(read_notebook(path), str(partial))
                 with open(log, "w") as log_file:
                     try:
                         papermill.execute_notebook(
-                            str(path), str(partial), parameters=parameters, cwd=str(path.parent),
+                            str(partial), str(partial), parameters=parameters, cwd=str(path.parent),
                             progress_bar=dict(desc=f"  {path.stem}", leave=False, file=sys.stderr),
                             stdout_file=log_file, stderr_file=log_file, kernel_name="python3",
                             extra_arguments=list(KERNEL_ARGUMENTS),
