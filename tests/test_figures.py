@@ -339,7 +339,7 @@ def test_the_decode_kernel_figure_takes_no_part_or_floor_for_a_variant(tmp_path)
     assert (got["label"], got["best_variant"], got["variants"]) == ("mHC site (post + pre + norm)", "n64d32f2048w8", 2)
 
 
-# ============================================================================================ figures that cannot mislead
+# ================================================================================= figures that cannot mislead
 @pytest.mark.parametrize("name", sorted(figure_data.FIELDS_READ))
 def test_every_field_a_figure_reads_is_in_the_committed_results(name):
     doc = measurements.load_results_file(name)

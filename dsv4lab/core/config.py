@@ -154,7 +154,7 @@ class ModelArgs:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field outside its bounds (:data:`BOUNDS`) or inconsistent
-        with another, in one line: ``config field 'norm_eps' = -1e-06: must be in (0, 0.1]``."""
+        with another, in one line: ``config field 'norm_eps' = -1e-06: must be a finite number in (0, 0.1]``."""
 
         def need(cond: bool, name: str, msg: str) -> None:
             if not cond:

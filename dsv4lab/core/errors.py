@@ -101,6 +101,6 @@ def clip(text: str, limit: int = 160) -> str:
     return first if len(first) <= limit else first[: limit - 1] + "…"
 
 
-__all__ = ["excerpt", "clip", "Terminated", "DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
-           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "ResourceError",
-           "RequestError"]
+__all__ = ["excerpt", "clip", "Terminated", "DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError",
+           "CheckpointError", "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError",
+           "ResourceError", "RequestError"]

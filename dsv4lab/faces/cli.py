@@ -75,7 +75,7 @@ def describe_failure(err: BaseException) -> tuple[str, bool]:
     if isinstance(err, DSV4LabError):
         return str(err), False
     if isinstance(err, OSError):
-        where = err.filename if err.filename is not None else None
+        where = err.filename
         why = err.strerror or str(err) or type(err).__name__
         if err.errno == errno.ENOSPC:
             why += " (free some space, or write elsewhere)"
@@ -93,7 +93,8 @@ def describe_failure(err: BaseException) -> tuple[str, bool]:
     return _one_line(f"internal error, a bug ({type(err).__name__}: {_first_line(err)})"), True
 
 
-_ALLOCATION_FAILURES = ("can't allocate memory", "CUDA out of memory", "out of memory", "Cannot allocate memory")
+_ALLOCATION_FAILURES = ("can't allocate memory", "Cannot allocate memory", "out of memory")
+"""How torch's CPU allocator, the OS and CUDA word a failed allocation in a ``RuntimeError``."""
 
 
 def _first_line(err: BaseException) -> str:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{args._prog}: interrupted", file=sys.stderr)
         return 130
-    except Exception as err:  # noqa: BLE001 — every failure reaches the user as one line (module doc)
+    except Exception as err:  # every failure reaches the user as one line (module doc)
         if os.environ.get("DSV4LAB_DEBUG"):
             raise
         line, bug = describe_failure(err)

@@ -307,12 +307,13 @@ def prefill_chunk_account(hardware: str | Hardware, prompt_tokens: int, chunks: 
         rep = roofline_report(flash, mi250, phase="prefill", context=prompt_tokens, chunk=chunk, **setting)
         paper = chunk == perf_account.PAPER_PREFILL_CHUNK
         rows.append(dict(label=f"4×MI250 GCD TP{setting['tp']}, chunk {chunk or 'none'}", tokens=prompt_tokens,
-                         components_us=rep["predicted"]["components_us"], modelled_input_tok_s=rep["predicted"]["tok_s"],
+                         components_us=rep["predicted"]["components_us"],
+                         modelled_input_tok_s=rep["predicted"]["tok_s"],
                          reported_rate=final["input_tok_s"] if paper else None,
                          reported_step_us=final["ttft_s"] * 1e6 if paper else None))
     rep = roofline_report(flash, hw, tp=1, phase="prefill", context=prompt_tokens)
-    rows.append(dict(label=f"1×{hw.name}, one pass", tokens=prompt_tokens, components_us=rep["predicted"]["components_us"],
-                     modelled_input_tok_s=rep["predicted"]["tok_s"]))
+    rows.append(dict(label=f"1×{hw.name}, one pass", tokens=prompt_tokens,
+                     components_us=rep["predicted"]["components_us"], modelled_input_tok_s=rep["predicted"]["tok_s"]))
     return rows
 
 
@@ -487,6 +488,7 @@ def bytes_by_component(args: ModelArgs, *, tp: int = 1, ep: int = 1, context: in
     return {k: v / step.tokens for k, v in out.items() if v > 0}
 
 
-__all__ = ["E2E_FILES", "FIELDS_READ", "missing_fields", "KERNEL_NAMES", "flash_cut", "e2e_runs", "e2e_bounds", "decode_standing", "prefill_standing",
-           "kernel_name", "decode_kernels", "decode_variant_table", "prefill_model_rows", "prefill_peaks", "prefill_chunk_account",
-           "step_points", "paper_points", "measured_points", "roofline_panels", "milestone_rows", "bytes_by_component"]
+__all__ = ["E2E_FILES", "FIELDS_READ", "missing_fields", "KERNEL_NAMES", "flash_cut", "e2e_runs", "e2e_bounds",
+           "decode_standing", "prefill_standing", "kernel_name", "decode_kernels", "decode_variant_table",
+           "prefill_model_rows", "prefill_peaks", "prefill_chunk_account", "step_points", "paper_points",
+           "measured_points", "roofline_panels", "milestone_rows", "bytes_by_component"]

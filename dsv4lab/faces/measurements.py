@@ -195,5 +195,5 @@ def fresh_benchmark(kind: str, extra_args: Sequence[str], out: str | Path, timeo
     return dict(status="measured", path=str(out), message=tail)
 
 
-__all__ = ["RESULTS_DIR", "RESULT_FILES", "results_dir", "results_path", "load_results_file", "provenance", "availability",
-           "gpu_available", "e2e_headline", "kernel_checks", "check_rows_summary", "fresh_benchmark"]
+__all__ = ["RESULTS_DIR", "RESULT_FILES", "results_dir", "results_path", "load_results_file", "provenance",
+           "availability", "gpu_available", "e2e_headline", "kernel_checks", "check_rows_summary", "fresh_benchmark"]

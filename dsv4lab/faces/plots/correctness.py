@@ -275,5 +275,5 @@ def plot_layer_divergence(rows: Sequence[Mapping[str, Any]], *, floor: float = 1
     return fig
 
 
-__all__ = ["STAGE_LABELS", "KERNEL_CHECK_FIELDS", "plot_channel_similarity", "plot_stage_cosines", "check_ratio", "plot_kernel_check_errors",
-           "plot_divergence_vs_position", "plot_layer_divergence"]
+__all__ = ["STAGE_LABELS", "KERNEL_CHECK_FIELDS", "plot_channel_similarity", "plot_stage_cosines", "check_ratio",
+           "plot_kernel_check_errors", "plot_divergence_vs_position", "plot_layer_divergence"]
