@@ -18,7 +18,8 @@ from pathlib import Path
 
 from dsv4lab.core.config import PRESETS
 from dsv4lab.core.errors import UserError
-from dsv4lab.tools.options import add_backend, add_device, add_dtype, float_range, int_range
+from dsv4lab.tools.options import (add_backend, add_device, add_dtype, add_threads, float_range, int_range,
+                                   resolve_device, set_cpu_threads)
 from dsv4lab.tools.serve import API_KEY_ENV
 
 NAME = "serve"
@@ -41,6 +42,7 @@ def add_arguments(p):
     add_backend(p)
     add_device(p)
     add_dtype(p)
+    add_threads(p)
     p.add_argument("--max-model-len", type=int_range(2), default=None,
                    help="prompt + generated tokens per sequence (default and maximum: the model's cache length)")
     p.add_argument("--max-concurrency", type=int_range(1), default=8,
@@ -103,6 +105,7 @@ def run(args) -> int:
                          speculative=args.speculative, draft_tokens=args.draft_tokens,
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                          generate=args.generate, layers=args.layers, seed=args.seed)
+    set_cpu_threads(args.threads, resolve_device(args.device))
     what = args.checkpoint or f"a generated {args.generate} model (seed {args.seed}, layers {args.layers or 'all'})"
     print(f"loading {what} (backend {args.backend}, {args.device}, {args.dtype})", file=sys.stderr)
     try:
