@@ -81,7 +81,6 @@ class RequestError(DSV4LabError, ValueError):
     the argument and the range it must be in."""
 
 
-<<<<<<< HEAD
 class NonFiniteError(DSV4LabError, ArithmeticError):
     """The model produced a non-finite value (NaN or ±Inf) where a token must be chosen; the message names the
     position and, where it was located, the first layer whose output is non-finite. Carries ``position`` (None
@@ -92,10 +91,6 @@ class NonFiniteError(DSV4LabError, ArithmeticError):
         self.position, self.row = position, row
 
 
-__all__ = ["DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
-           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "RequestError",
-           "NonFiniteError"]
-=======
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the program is (see :func:`dsv4lab.faces.runs.signals_end_runs`) so that a
     ``kill`` ends a command as Ctrl-C does: every ``except KeyboardInterrupt`` that records an interrupted state
@@ -118,5 +113,4 @@ def clip(text: str, limit: int = 160) -> str:
 
 __all__ = ["excerpt", "clip", "Terminated", "DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError",
            "CheckpointError", "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError",
-           "ResourceError", "RequestError"]
->>>>>>> hardening
+           "ResourceError", "RequestError", "NonFiniteError"]
