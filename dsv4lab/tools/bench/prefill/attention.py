@@ -8,7 +8,7 @@ import torch
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.engine.kernel_families import INDEXER, PREFILL_ATTENTION
-from dsv4lab.tools.bench.prefill.harness import PrefillBench, configs
+from dsv4lab.tools.bench.prefill.harness import PrefillBench, named_configs
 from dsv4lab.tools.verify.registry import _make_attention
 
 
@@ -89,7 +89,7 @@ def prefill_attention_inputs(a, T: int, ratio: int, device, gen):
 def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens) -> None:
     from dsv4lab_kernels import attention_prefill as ap
     a, dev = args, b.device
-    configs = [c for c in configs(PREFILL_ATTENTION, True) if f"attn:{c}" in passed]
+    configs = [c for c in named_configs(PREFILL_ATTENTION, True) if f"attn:{c}" in passed]
     for T in tokens:
         if b.over_budget(f"attention @{T}"):
             return
@@ -110,7 +110,7 @@ def bench_attention(b: PrefillBench, args, gen, passed: set[str], tokens) -> Non
         pos = torch.arange(T, device=dev)[None]
         visible_pairs = float(((torch.arange(T, device=dev) + 1) // 4).sum())
         useful = 2.0 * a.index_n_heads * a.index_head_dim * visible_pairs
-        for cfg in configs(INDEXER, True):
+        for cfg in named_configs(INDEXER, True):
             if f"indexer_select:{cfg}" not in passed:
                 continue
             t = b.guard("indexer_select", lambda: b.time_events_us(

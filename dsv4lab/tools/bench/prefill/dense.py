@@ -11,7 +11,7 @@ from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.engine.kernel_families import PREFILL_GEMM, WEIGHT_GEMM
 from dsv4lab.engine.triton_prefill import linear_magnitude
 from dsv4lab.tools.bench.common import random_fp8_linear
-from dsv4lab.tools.bench.prefill.harness import PrefillBench, configs
+from dsv4lab.tools.bench.prefill.harness import PrefillBench, named_configs
 
 
 def random_bf16_linear(n: int, k: int, device, gen):
@@ -117,7 +117,7 @@ def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int) -> None:
     from dsv4lab_kernels import fp8_gemm as fg
     dev = b.device
     cublas = b.cuda and "fp8_gemm:cublas" in passed
-    configs = [c for c in configs(PREFILL_GEMM, True) if f"fp8_gemm:{c}" in passed]
+    configs = [c for c in named_configs(PREFILL_GEMM, True) if f"fp8_gemm:{c}" in passed]
     for name, (n, k) in dense_projections(a).items():
         if b.over_budget(f"fp8 {name} @{T}"):
             return
@@ -142,7 +142,7 @@ def bench_dense(b: PrefillBench, a, gen, passed: set[str], T: int) -> None:
         if configs:
             t = b.time_events_us(lambda: fg.fp8_linear(x, lin.weight, lin.scale, config=configs[0]), flush_l2=True)
             b.add("fp8_gemm", f"{name}:linear:triton", t, flops, "fp8", **meta)
-    wcfgs = [c for c in configs(WEIGHT_GEMM, True) if f"weight_gemm:{c}" in passed]
+    wcfgs = [c for c in named_configs(WEIGHT_GEMM, True) if f"weight_gemm:{c}" in passed]
     if not wcfgs or b.over_budget(f"weight gemms @{T}"):
         return
     G = a.o_groups

@@ -21,7 +21,7 @@ TAG_ROWS = 128  # sorter rows of the launch variants: the fastest at 4,096 token
 QUICK_ROUTES = ("bf16", "fp8")  # dot_scaled measured 2.2× slower than bf16 (probe 1): full runs only
 
 
-def configs(family, full: bool) -> tuple[str, ...]:
+def named_configs(family, full: bool) -> tuple[str, ...]:
     """The named kernel configurations a run times of ``family`` (a full run's list, else the quick one)."""
     return tuple(v.fields["config"] for v in family.runs("full" if full else "quick"))
 
@@ -37,9 +37,9 @@ def plan_variants(mode: str, routes, ablation_route: str) -> dict:
     moe = sorted({(r, 64, "") for r in routes} | {(ablation_route, n, "") for n in rows}
                  | ({("bf16", 128, "")} if "bf16" in routes else set())
                  | {(ablation_route, tag_rows, t) for t in tags})
-    return dict(moe=moe, rows=rows, tags=tags, tag_rows=tag_rows, gemm=configs(PREFILL_GEMM, full),
-                weight=configs(WEIGHT_GEMM, full), attention=configs(PREFILL_ATTENTION, full),
-                indexer=configs(INDEXER, full))
+    return dict(moe=moe, rows=rows, tags=tags, tag_rows=tag_rows, gemm=named_configs(PREFILL_GEMM, full),
+                weight=named_configs(WEIGHT_GEMM, full), attention=named_configs(PREFILL_ATTENTION, full),
+                indexer=named_configs(INDEXER, full))
 
 
 class PrefillBench(BenchRun):

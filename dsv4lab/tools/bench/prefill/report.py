@@ -4,7 +4,7 @@ targets as measured, and the summary printed last."""
 from __future__ import annotations
 
 from dsv4lab.engine.kernel_families import WEIGHT_GEMM, moe_tags
-from dsv4lab.tools.bench.prefill.harness import PrefillBench, configs
+from dsv4lab.tools.bench.prefill.harness import PrefillBench, named_configs
 
 MHC_OPS = ("hc_pre_norm", "hc_post_pre_norm", "hc_post")
 MOE_TAGS = moe_tags()
@@ -62,7 +62,7 @@ def choices(b: PrefillBench, headline: int) -> dict:
     wg: dict[str, dict[str, float]] = {}
     for r in _rows(b, "weight_gemm", tokens=headline):
         name, _, impl = r["variant"].partition(":")
-        if impl == "cublas" or impl == configs(WEIGHT_GEMM, True)[0]:
+        if impl == "cublas" or impl == named_configs(WEIGHT_GEMM, True)[0]:
             wg.setdefault(name, {})["cublas" if impl == "cublas" else "triton"] = r["time_us"]
     both = {k: v for k, v in wg.items() if len(v) == 2}
     if both:
