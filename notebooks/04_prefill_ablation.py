@@ -25,7 +25,6 @@ PROMPT_TOKENS: int = 4604  # the paper's prompt length, for the chunk-size accou
 from dsv4lab.faces import figure_data, measurements, plots, runs
 from dsv4lab.core.config import get_preset
 from dsv4lab.tools.perf import account as perf_account
-from dsv4lab.tools.perf import roofline
 from dsv4lab.tools.perf.hardware import load_hardware
 
 ckpt = runs.resolve_checkpoint(CHECKPOINT)
@@ -74,16 +73,7 @@ out.figure(plots.plot_prefill_throughput(rows, peaks=figure_data.prefill_peaks(d
 
 # %%
 chunks = (512, 2048) if SMOKE else (512, 1024, 2048, None)
-reported = {m["id"]: m for m in perf_account.load_paper("prefill_milestones")["milestones"]}
-account = []
-for chunk in chunks:
-    rep = roofline.roofline_report(flash, mi250, tp=4, phase="prefill", context=PROMPT_TOKENS, chunk=chunk)
-    account.append(dict(label=f"4×MI250 GCD TP4, chunk {chunk or 'none'}", tokens=PROMPT_TOKENS,
-                        components_us=rep["predicted"]["components_us"],
-                        reported_rate=reported["sorter_64"]["input_tok_s"] if chunk == 2048 else None,
-                        reported_step_us=reported["sorter_64"]["ttft_s"] * 1e6 if chunk == 2048 else None))
-rep = roofline.roofline_report(flash, hw, tp=1, phase="prefill", context=PROMPT_TOKENS)
-account.append(dict(label=f"1×{hw.name}, one pass", tokens=PROMPT_TOKENS, components_us=rep["predicted"]["components_us"]))
+account = figure_data.prefill_chunk_account(hw, PROMPT_TOKENS, chunks)  # the paper's setting, as 06's account
 out.table("chunk_account", [dict(label=a["label"], modelled_input_tok_s=a["tokens"] * 1e6 / sum(a["components_us"].values()),
                                  reported_input_tok_s=a.get("reported_rate"),
                                  modelled_ms=sum(a["components_us"].values()) / 1e3) for a in account])
@@ -117,7 +107,7 @@ out.table("sorter", sorter)
 #
 # The prefill benchmark (issue 18) also times each FP8 projection beside cuBLAS `_scaled_mm` with the same block
 # scales, and writes the settings its measurements pick (`choices`: chunk size per prompt length, MoE route /
-# decode / sorter rows, GEMM backend — read back by `dsv4lab.engine.triton_prefill.load_choices` on that GPU) and
+# decode / sorter rows, GEMM backend — read back by `dsv4lab.engine.dispatch` from that GPU's tuned file) and
 # the issue's targets as measured. Results files from before issue 18 carry neither; the tables are then empty.
 
 # %%
