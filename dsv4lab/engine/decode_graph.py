@@ -121,7 +121,7 @@ class _StepRows:
         b, T = positions.shape  # [sequences, tokens each]
         self.tokens, self.seq_slots = T, slots
         self.positions = positions.reshape(-1)
-        self.slots = slots if T == 1 else slots.repeat_interleave(T)
+        self.slots = slots if T == 1 else slots[:, None].expand(b, T).reshape(-1)
         p = self.positions
         u = torch.arange(window, device=p.device)
         window_pos = (p - (window - 1)).clamp(min=0)[:, None] + u[None, :]

@@ -1,10 +1,12 @@
-"""The model object users hold: ``forward`` over cache slots, ``reset``, ``generate``.
+"""The model object users hold: ``prefill``, ``forward`` over cache slots, ``reset``, ``generate``.
 
 Decoding (one token per row, no trace) goes through the engine's decode path (:attr:`ModelRunner.decode_path`):
 on a GPU with the Triton backend, the captured static step (:mod:`dsv4lab.engine.decode_graph`, graph replay per
 batch tier, batches padded to the tier); elsewhere the eager per-op forward (the reference's structure, and the
 path a trace needs). ``forward`` (the server's scheduler, the notebooks) and ``decode_greedy`` (greedy
-``generate``, the benchmarks: the same step, each step's ids read on the host one step behind the GPU) take it.
+``generate``, the benchmarks: the same step, each step's ids read on the host one step behind the GPU) take it;
+speculative decoding's cycles run on the same step with ``k+1`` tokens per sequence (:attr:`ModelRunner.decoder`,
+:mod:`dsv4lab.engine.speculative_step`). Prompts go through :meth:`ModelRunner.prefill`, the one prefill loop.
 """
 from __future__ import annotations
 
