@@ -137,15 +137,15 @@ def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_
     assert [r["draft_tokens"] for r in doc["verify"]] == [1, 2]
     for r in doc["verify"]:
         assert r["verify_over_step"] > 0 and r["cycle_over_step"] > 0 and 1 < r["bytes_ratio"] < r["cycle_bytes_ratio"]
-    rows = doc["speculative"]["rows"]
+    rows = doc["speculative"]
     assert {(r["alpha"], r["draft_tokens"]) for r in rows} == {(0.5, 1), (0.7, 1), (0.5, 2), (0.7, 2)}
     assert all(r["equal_to_greedy"] and r["tok_s"] > 0 and r["speedup"] > 0 and r["ideal_speedup_modelled"] > 0
                for r in rows)
     assert sum(r["acceptance_rate"] for r in rows) > 0  # injected: some drafts held
-    assert all(r["equal_to_greedy"] for r in doc["speculative"]["natural"])
     natural = doc["speculative_natural"]
-    assert [r["draft_tokens"] for r in natural] == [1, 2] and all(r["equal_to_greedy"] for r in natural)
-    assert all("tiny-py" in r["checkpoint"] for r in natural) and sum(r["acceptance_rate"] for r in natural) > 0
+    assert [r["draft_tokens"] for r in natural] == [1, 2, 1, 2] and all(r["equal_to_greedy"] for r in natural)
+    trained = [r for r in natural if "tiny-py" in r["checkpoint"]]  # its MTP block drafts for real
+    assert len(trained) == 2 and all(r["acceptance_rate"] > 0.3 for r in trained)
     assert {"verify_k1_over_step", "speculative_alpha0.8_speedup", "batch32_mbu"} <= set(doc["targets"])
     printed = capsys.readouterr().out
     assert "verify k=1" in printed and "speculative α=0.5 k=2" in printed and "without injection" in printed

@@ -309,10 +309,11 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         doc["breakdown"] = parts.run("breakdown", lambda: breakdown(runner, o, device))
     if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
         doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
-        doc["speculative"] = parts.run("speculative", lambda: speculative_rows(runner, clock, o, decode_round))
+        doc["speculative"], doc["speculative_natural"] = parts.run(
+            "speculative", lambda: speculative_rows(runner, clock, o, decode_round)) or ([], [])
         if o["smoke"]:
-            doc["speculative_natural"] = parts.run("speculative_natural",
-                                                   lambda: natural_acceptance(DATA_DIR / "tiny-py", o))
+            doc["speculative_natural"] += parts.run("speculative_tiny_py",
+                                                    lambda: natural_acceptance(DATA_DIR / "tiny-py", o)) or []
     doc["prefill"] = parts.run("ttft", lambda: prefill_rows(runner, clock, o)) or []
     if doc["prefill"]:
         best = min(doc["prefill"], key=lambda r: r["ttft_s"])

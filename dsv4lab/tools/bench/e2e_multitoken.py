@@ -15,8 +15,9 @@ and speculative decoding's throughput with **injected acceptance**.
   (``speedup``); ``equal_to_greedy`` checks every emitted id. Beside it the bytes-bound ideal (modelled):
   ``ideal_speedup = E[tokens per cycle] × bytes(one-token step) / bytes(cycle)``, ``E = Σ_{j≤k} α^j``, and
   ``of_ideal`` = speedup / ideal.
-* **natural acceptance**: the same loop without injection — on the run's model (random weights: acceptance ≈ 0, the
-  cost of speculating for nothing) and, in ``--smoke``, on ``data/tiny-py``, whose trained MTP block drafts for real.
+* **natural acceptance** (``speculative_natural``): the same loop without injection — on the run's model (random
+  weights: acceptance ≈ 0, the cost of speculating for nothing) and, in ``--smoke``, on ``data/tiny-py``, whose
+  trained MTP block drafts for real (each row names its ``checkpoint``).
 """
 from __future__ import annotations
 
@@ -158,10 +159,11 @@ def speculate(runner, prompt: list[int], n: int, k: int, truth: list[int] | None
     return dict(ids=out[:n + 1], seconds=dt, stats=dec.stats)
 
 
-def speculative_rows(runner, clock, o: dict, greedy_round) -> dict:
+def speculative_rows(runner, clock, o: dict, greedy_round) -> tuple[list[dict], list[dict]]:
     """Plain greedy decoding of ``--decode-tokens`` tokens after a 16-token prompt (``greedy_round``: bench e2e's
     ``decode_round``, the engine's decode loop), then speculative decoding of the same tokens per ``k`` and α
-    (injected acceptance) and once without injection; every output checked against the plain greedy ids."""
+    (injected acceptance) and once per ``k`` without injection; every output checked against the plain greedy ids.
+    Returns ``(rows, natural rows)``."""
     n = o["decode_tokens"]
     prompt = fixed_sequence(runner.args, 16, seed=6)
     runs = [greedy_round(runner, 1, n, prompt) for _ in range(o["rounds"] + 1)][1:]  # the first warms up
@@ -187,8 +189,8 @@ def speculative_rows(runner, clock, o: dict, greedy_round) -> dict:
                                  ideal_speedup_modelled=round(ideal, 3),
                                  of_ideal=round(tok_s / greedy_tok_s / ideal, 3)))
             r = speculate(runner, prompt, n, k, sync=clock.sync)
-            natural.append(_natural_row(r, n, k, truth, greedy_tok_s))
-    return dict(rows=rows, natural=natural, greedy_tok_s=round(greedy_tok_s, 2), decode_tokens=n)
+            natural.append(dict(checkpoint="this run's model", **_natural_row(r, n, k, truth, greedy_tok_s)))
+    return rows, natural
 
 
 def _natural_row(r: dict, n: int, k: int, truth: list[int], greedy_tok_s: float) -> dict:
@@ -228,15 +230,13 @@ def format_multitoken(doc: dict) -> list[str]:
         lines.append(f"verify k={r['draft_tokens']}: {r['verify_over_step']}× the 1-token step ({r['verify_us']} vs "
                      f"{r['step_us']} µs; bytes ratio {r['bytes_ratio']}, modelled); whole cycle "
                      f"{r['cycle_over_step']}× (bytes {r['cycle_bytes_ratio']}×)")
-    spec = doc.get("speculative") or {}
-    for r in spec.get("rows", []):
+    for r in doc.get("speculative") or []:
         lines.append(f"speculative α={r['alpha']} k={r['draft_tokens']}: {r['tok_s']} tok/s = {r['speedup']}× plain "
                      f"greedy ({r['greedy_tok_s']}), ideal {r['ideal_speedup_modelled']}× (modelled; "
                      f"{r['of_ideal']} of it), acceptance {r['acceptance_rate']}, equal to greedy "
                      f"{r['equal_to_greedy']}")
-    for r in spec.get("natural", []) + (doc.get("speculative_natural") or []):
-        where = r.get("checkpoint", "this model")
-        lines.append(f"speculative k={r['draft_tokens']} without injection ({where}): acceptance "
+    for r in doc.get("speculative_natural") or []:
+        lines.append(f"speculative k={r['draft_tokens']} without injection ({r['checkpoint']}): acceptance "
                      f"{r['acceptance_rate']}, {r['tokens_per_cycle']} tokens/cycle, {r['speedup']}× plain greedy, "
                      f"equal to greedy {r['equal_to_greedy']}")
     return lines

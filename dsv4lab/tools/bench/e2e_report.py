@@ -83,7 +83,7 @@ def multitoken_targets(doc: dict) -> dict:
         limit = round(1.2 * r["bytes_ratio"], 3)
         out[f"verify_k{r['draft_tokens']}_over_step"] = dict(value=r["verify_over_step"], target=limit,
                                                              met=r["verify_over_step"] <= limit)
-    at = [r for r in (doc.get("speculative") or {}).get("rows", []) if r["alpha"] == 0.8]
+    at = [r for r in doc.get("speculative") or [] if r["alpha"] == 0.8]
     best = max(at, key=lambda r: r["speedup"], default=None)
     out["speculative_alpha0.8_speedup"] = dict(_at_least(best and best["speedup"], 1.25),
                                                draft_tokens=best and best["draft_tokens"])
