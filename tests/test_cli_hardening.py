@@ -422,3 +422,41 @@ def test_thread_counts_follow_the_flag_the_environment_and_the_device(monkeypatc
         assert set_cpu_threads(None, "cpu") == 2  # torch already follows the variable
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "e2e", "--smoke", "--out", "{c}/e2e_1gpu.json"],
+    ["bench", "engine", "--checkpoint", "data/tiny", "--out", "{c}/e2e_1gpu.json"],
+    ["bench", "collectives", "--out", "{c}/e2e_1gpu.json"],
+    ["bench", "kernels", "--suite", "decode", "--smoke", "--out", "{t}/x.json", "--tuned-out", "{c}/e2e_1gpu.json"],
+    ["train-small", "ablation", "--weights", "w", "--tokens", "t", "--out", "{c}/e2e_1gpu.json"],
+])
+def test_a_committed_result_is_not_replaced_without_force(argv, tmp_path, capsys, monkeypatch):
+    """A rerun must not silently change what the repository reports: refused before any work, one line, exit 2,
+    the file untouched. The committed folder is a copy here, so a regression cannot damage the repository."""
+    from conftest import ROOT
+    from dsv4lab.core import provenance
+    from dsv4lab.faces import cli
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    result = committed / "e2e_1gpu.json"
+    result.write_bytes((ROOT / "data/results/h200/e2e_1gpu.json").read_bytes())
+    before = result.read_bytes()
+    monkeypatch.setattr(provenance, "COMMITTED_DIRS", (committed,))
+    monkeypatch.chdir(ROOT)
+    assert cli.main([a.format(c=committed, t=tmp_path) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "exists and is committed: pass --force" in err, err
+    assert result.read_bytes() == before
+
+
+def test_the_committed_folders_are_data_and_the_tuned_tables():
+    from dsv4lab.core.errors import UserError
+    from dsv4lab.core.paths import COMMITTED_DIRS, DATA_DIR, TUNED_DIR
+    from dsv4lab.core.provenance import refuse_replacing_committed
+    assert set(COMMITTED_DIRS) == {DATA_DIR, TUNED_DIR}
+    for path in (DATA_DIR / "results/h200/e2e_1gpu.json", TUNED_DIR / "h200.json", DATA_DIR / "golden/tiny.json"):
+        with pytest.raises(UserError, match="pass --force"):
+            refuse_replacing_committed(path, force=False)
+        refuse_replacing_committed(path, force=True)  # told to
+    refuse_replacing_committed(DATA_DIR / "results/h200/not_there.json", force=False)  # a new file is fine

@@ -33,6 +33,8 @@ DEFAULT_TOKENIZER = TOKENIZERS_DIR / "pystdlib-bpe-4096.json"  # the small model
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"       # a checkout only
 KERNELS_DIR = REPO_ROOT / "kernels" / "dsv4lab_kernels"  # the source of dsv4lab_kernels in a checkout
 STYLE_FILE = PACKAGE_DIR / "faces" / "style" / "dsv4lab.mplstyle"
+TUNED_DIR = KERNELS_DIR / "tuned"             # measured kernel choices per GPU (engine.dispatch)
+COMMITTED_DIRS = (DATA_DIR, TUNED_DIR)        # what a command replaces only when told --force
 RUNS_DIR = Path("runs")                       # relative: results of a command go where it runs
 
 
@@ -129,6 +131,6 @@ def _read(path: Path, error: type[Exception], parse, invalid: type[Exception], l
 
 
 __all__ = ["PACKAGE_DIR", "REPO_ROOT", "IN_CHECKOUT", "DATA_DIR", "HARDWARE_DIR", "PAPER_DIR", "GOLDEN_DIR",
-           "RESULTS_DIR", "REFERENCE_DIR", "EXPECTATIONS_FILE", "TOKENIZERS_DIR", "DEFAULT_TOKENIZER",
+           "RESULTS_DIR", "TUNED_DIR", "COMMITTED_DIRS", "REFERENCE_DIR", "EXPECTATIONS_FILE", "TOKENIZERS_DIR", "DEFAULT_TOKENIZER",
            "NOTEBOOKS_DIR", "KERNELS_DIR", "STYLE_FILE", "RUNS_DIR", "require", "display_path", "read_json",
            "read_yaml"]

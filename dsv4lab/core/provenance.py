@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from dsv4lab import __version__
-from dsv4lab.core.paths import REPO_ROOT, display_path
+from dsv4lab.core.errors import UserError
+from dsv4lab.core.paths import COMMITTED_DIRS, REPO_ROOT, display_path
 
 # Package versions recorded in a run's manifest (those that are installed).
 MANIFEST_PACKAGES = ("dsv4lab", "torch", "triton", "numpy", "safetensors", "tokenizers", "transformers", "matplotlib",
@@ -196,6 +197,18 @@ def write_json(path: str | Path, data: Any, indent: int = 1) -> Path:
     return write_text_if_changed(Path(path), dumps(data, indent))
 
 
+def refuse_replacing_committed(path: str | Path | None, force: bool, flag: str = "--out") -> None:
+    """Refuse, before any work, to replace an existing file under data/ or the tuned tables (committed
+    measurements, goldens, checkpoints) unless the command was given ``--force``: a rerun elsewhere must not
+    silently change what the repository reports."""
+    if path is None or force:
+        return
+    target = Path(path).resolve()
+    if target.exists() and any(target.is_relative_to(d.resolve()) for d in COMMITTED_DIRS):
+        raise UserError(f"{flag} {display_path(target)} exists and is committed: pass --force to replace it, "
+                        f"or write elsewhere")
+
+
 def result_path(out: str | Path | None, kind: str) -> Path:
     """``out``, or ``runs/<kind>/<local time>.json``: where a command writes a result it was not told where to."""
     return Path(out) if out else Path("runs") / kind / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -245,4 +258,4 @@ def rows_to_csv(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None
 
 __all__ = ["git_state", "short_commit", "source_date_epoch", "utc_stamp", "identity", "environment",
            "package_versions", "file_sha256", "jsonable", "dumps", "write_json", "write_text_if_changed",
-           "result_path", "md_table", "rows_to_csv", "MANIFEST_PACKAGES"]
+           "result_path", "refuse_replacing_committed", "md_table", "rows_to_csv", "MANIFEST_PACKAGES"]

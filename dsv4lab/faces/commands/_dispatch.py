@@ -18,9 +18,10 @@ from dsv4lab.core.errors import UserError
 class LazySubcommandParser(ArgumentParser):
     """The parser of one sub-command, filled from ``module`` (its arguments, description, ``run``) on first use."""
 
-    def __init__(self, *args, module: str, **kwargs):
+    def __init__(self, *args, module: str, before_run=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.module = module
+        self.before_run = before_run
         self.unavailable: ImportError | None = None
         self._filled = False
 
@@ -35,7 +36,7 @@ class LazySubcommandParser(ArgumentParser):
             return
         self.description = getattr(mod, "DESCRIPTION", None) or getattr(mod, "HELP", None) or self.description
         mod.add_arguments(self)
-        self.set_defaults(_run=mod.run, _prog=self.prog)
+        self.set_defaults(_run=_preceded(self.before_run, mod.run) if self.before_run else mod.run, _prog=self.prog)
 
     def parse_known_args(self, args=None, namespace=None):
         self.fill()
@@ -50,18 +51,26 @@ class LazySubcommandParser(ArgumentParser):
         return super().format_help()
 
 
-def subcommand_group(table: dict[str, tuple[str, str]], dest: str):
+def subcommand_group(table: dict[str, tuple[str, str]], dest: str, before_run=None):
     """``(add_arguments, run)`` of a command made of the sub-commands of ``table`` (name → (module, one-line
-    help)); the chosen sub-command's name lands in ``args.<dest>``."""
+    help)); the chosen sub-command's name lands in ``args.<dest>``. ``before_run(args)``, when given, runs before
+    every sub-command (checks common to the group, e.g. bench's committed outputs)."""
     def add_arguments(parser) -> None:
         sub = parser.add_subparsers(dest=dest, metavar="SUBCOMMAND", parser_class=LazySubcommandParser)
         sub.required = True
         for name, (module, help_line) in table.items():
-            sub.add_parser(name, help=help_line, description=help_line, module=module)
+            sub.add_parser(name, help=help_line, description=help_line, module=module, before_run=before_run)
 
     def run(args) -> int:
         return args._run(args)
     return add_arguments, run
+
+
+def _preceded(check, run):
+    def checked_run(args) -> int:
+        check(args)
+        return run(args)
+    return checked_run
 
 
 def _unavailable(err: ImportError):

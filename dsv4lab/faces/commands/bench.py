@@ -1,6 +1,7 @@
 """``dsv4lab bench {kernels,engine,serve,e2e,collectives}`` — measurements that write JSON results."""
 from __future__ import annotations
 
+from dsv4lab.core.provenance import refuse_replacing_committed
 from dsv4lab.faces.commands._dispatch import subcommand_group
 
 NAME = "bench"
@@ -14,4 +15,13 @@ SUBCOMMANDS = {
     "collectives": ("dsv4lab.tools.bench.collectives", "all-reduce latency: library vs peer-read, eager and graphed"),
 }
 
-add_arguments, run = subcommand_group(SUBCOMMANDS, "bench_command")
+
+def refuse_committed_outputs(args) -> None:
+    """Before any bench sub-command measures: a committed file named by ``--out`` (or ``--tuned-out``) is refused
+    unless ``--force`` (serve also checks its default path, known once the model is named)."""
+    for flag in ("out", "tuned_out"):
+        refuse_replacing_committed(getattr(args, flag, None), getattr(args, "force", False),
+                                   "--" + flag.replace("_", "-"))
+
+
+add_arguments, run = subcommand_group(SUBCOMMANDS, "bench_command", before_run=refuse_committed_outputs)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dsv4lab.core.errors import UserError
 from dsv4lab.tools.options import add_device, float_range, int_range
-from dsv4lab.core.provenance import write_json
+from dsv4lab.core.provenance import refuse_replacing_committed, write_json
 
 NAME = "train-small"
 HELP = "train the small DeepSeek-V4 model on the stdlib corpus, quantize it natively, evaluate, ablate"
@@ -72,7 +72,10 @@ def add_arguments(p):
     ab = sub.add_parser("ablation", help="weight-format ablation of the trained model (CPU)")
     ab.add_argument("--weights", required=True, help="folder written by `train`")
     ab.add_argument("--tokens", required=True, help="folder written by `prepare`")
-    ab.add_argument("--out", default="data/results/quant_ablation.json")
+    ab.add_argument("--out", default="data/results/quant_ablation.json",
+                    help="result JSON (default: the committed data/results/quant_ablation.json, replaced only with "
+                         "--force)")
+    ab.add_argument("--force", action="store_true", help="replace an existing committed result named by --out")
     ab.add_argument("--eval-windows", type=int_range(1), default=24,
                     help="held-out windows of max_seq_len tokens, spread evenly")
     ab.add_argument("--batch-size", type=int_range(1), default=4)
@@ -134,6 +137,7 @@ def run(args) -> int:
 
     if args.step == "ablation":
         from dsv4lab.tools.train.quant_ablation import run_ablation
+        refuse_replacing_committed(args.out, args.force)
         res = run_ablation(args.weights, args.tokens, args.out, eval_windows=args.eval_windows,
                            batch_size=args.batch_size, log=_log)
         for row in res["points"]:

@@ -58,6 +58,8 @@ def add_arguments(p):
     p.add_argument("--reps", type=int, default=7, help="timed runs per case (median reported)")
     p.add_argument("--no-layer", action="store_true", help="skip the TP2 real-dims layer")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench_collectives/<time>.json)")
+    p.add_argument("--force", action="store_true", help="replace an existing committed file (under data/ or the "
+                   "tuned tables) named by --out")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     p.add_argument("--budget-s", type=float, default=170.0,
                    help="watchdog: write what was measured and stop after this many seconds (default 170)")

@@ -111,6 +111,8 @@ def add_arguments(p):
                    "kernels/dsv4lab_kernels/launch.py)")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, a few tokens: checks the script")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench/e2e.json)")
+    p.add_argument("--force", action="store_true", help="replace an existing committed file (under data/ or the "
+                   "tuned tables) named by --out")
     p.add_argument("--commit", default=None, help="commit to record (default: git describe of this tree)")
 
 

@@ -41,6 +41,8 @@ def add_arguments(p):
     p.add_argument("--output-len", type=int_range(2), default=8, help="generated tokens per sequence (>= 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON result path (default runs/bench_engine/<time>.json)")
+    p.add_argument("--force", action="store_true", help="replace an existing committed file (under data/ or the "
+                   "tuned tables) named by --out")
 
 
 

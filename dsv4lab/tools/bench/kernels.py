@@ -11,6 +11,8 @@ SUITES = {"decode": decode, "prefill": prefill}
 def add_arguments(p) -> None:
     p.add_argument("--suite", choices=tuple(SUITES), required=True, help="which kernel family to benchmark")
     p.add_argument("--out", default=None, help="JSON path (default runs/bench/<suite>_kernels.json)")
+    p.add_argument("--force", action="store_true", help="replace an existing committed file (under data/ or the "
+                   "tuned tables) named by --out or --tuned-out")
     p.add_argument("--quick", action="store_true", help="fewer sizes and variants")
     # suite-specific options are accepted here and ignored by suites that do not use them
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one repetition (checks the script itself)")
