@@ -87,8 +87,12 @@ INDEXER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", INDEXER_CASES, ids=lambda c: "T{T}k{topk}s{split}".format(**c)
-                         + ("-fp32" if c.get("dtype") == torch.float32 else "") + ("-flat" if c.get("flat_slot") else ""))
+def _case_id(c: dict) -> str:
+    return "T{T}k{topk}s{split}".format(**c) + ("-fp32" if c.get("dtype") == torch.float32 else "") \
+        + ("-flat" if c.get("flat_slot") else "")
+
+
+@pytest.mark.parametrize("case", INDEXER_CASES, ids=_case_id)
 def test_split_indexer_is_the_reference_selection(case):
     """Set and order of the picks equal the reference's (stable descending sort: ties to the lower entry), −1 after
     the visible count; the scores are the fused kernel's bit for bit (the same helper); two launches agree (no
@@ -314,7 +318,8 @@ def test_static_step_attention_sites_with_the_long_context_kernels_forced(tiny_p
     from dsv4lab.engine import triton_backend
 
     launched = []  # which kernels the backend launched, in order
-    for module, name in ((triton_backend.idx_split, "indexer_select_split"), (triton_backend.idx_decode, "indexer_select"),
+    for module, name in ((triton_backend.idx_split, "indexer_select_split"),
+                         (triton_backend.idx_decode, "indexer_select"),
                          (triton_backend.attn_split, "sparse_attention_split"),
                          (triton_backend.attn, "sparse_attention_decode")):
         def spy(*args, _fn=getattr(module, name), _name=name, **kwargs):
@@ -390,3 +395,59 @@ class _Recording:
         ops = Ops(numerics, dispatch)
         ops.selections, ops.attention = [], []
         return ops
+
+
+# ============================================================================================ the benchmark
+def test_decode_suite_checks_and_sweeps_the_long_context_kernels(monkeypatch):
+    """The ``attention`` section's context sweep on the smoke shapes (the interpreter here: its times mean
+    nothing): every long-context variant checked first (the selection equal to the fused kernel's and exact given
+    its scores; the split-KV attention within its own bound), then timed beside today's kernels per context."""
+    from dsv4lab.tools.bench.decode import long_context as lc
+    from dsv4lab.tools.bench.decode.harness import DecodeBench
+    monkeypatch.setattr(lc, "SMOKE_CONTEXTS", (128,))
+    b = DecodeBench(torch.device(DEV), 600.0, smoke=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    passed = lc.check_long_context(b, TINY, gen)
+    assert passed == {"indexer_split:s16", "attn_split:h16r16c16:hca", "attn_split:h16r16c16:csa"}, b.errors
+    assert all(c["ok"] for c in b.checks) and len(b.checks) == 3
+    lc.bench_long_context(b, TINY, gen, passed, (1,))
+    assert not b.errors
+    got = {(r["kernel"], r["variant"], r["route"], r["entries"]) for r in b.rows}
+    assert got == {("indexer_ctx128", "today", "today", 32), ("indexer_ctx128", "s16", "split", 32),
+                   ("attn_hca_ctx128", "today", "today", 33), ("attn_hca_ctx128", "h16r16c16", "split", 33),
+                   ("attn_csa_ctx128", "today", "today", 48), ("attn_csa_ctx128", "h16r16c16", "split", 48)}
+
+
+def test_the_sweep_writes_a_long_context_choice_only_where_it_won():
+    """From the sweep's rows: per batch the variant with the least summed time, chosen from the fewest entries at
+    which it wins at every longer context (here from 4,096 keys: it lost at 1,024), else an entry naming today's
+    kernel; the dispatch reads them back."""
+    from dsv4lab.tools.bench.tuned import decode_entries, tuned_doc
+
+    def row(kernel, variant, batch, us, entries, route="split", **geo):
+        return dict(kernel=kernel, variant=variant, batch=batch, time_us=us, entries=entries, route=route,
+                    geometry_fields=geo or None)
+    rows = [row("indexer_ctx4096", "today", 1, 15.0, 1024, "today"), row("indexer_ctx16384", "today", 1, 60.0, 4096,
+                                                                         "today"),
+            row("indexer_ctx65536", "today", 1, 220.0, 16384, "today"),
+            row("indexer_ctx4096", "s512", 1, 18.0, 1024, split=512), row("indexer_ctx16384", "s512", 1, 12.0, 4096,
+                                                                          split=512),
+            row("indexer_ctx65536", "s512", 1, 20.0, 16384, split=512),
+            row("indexer_ctx65536", "s1024", 1, 25.0, 16384, split=1024),
+            row("indexer_ctx65536", "today", 8, 300.0, 16384, "today"),
+            row("indexer_ctx65536", "s512", 8, 320.0, 16384, split=512),
+            # HCA and CSA list 640 rows each after 65,536 tokens: summed at that count
+            row("attn_hca_ctx65536", "today", 1, 13.0, 640, "today"), row("attn_csa_ctx65536", "today", 1, 13.0, 640,
+                                                                           "today"),
+            row("attn_hca_ctx65536", "h16r32c32", 1, 9.0, 640, chunk=32), row("attn_csa_ctx65536", "h16r32c32", 1,
+                                                                              10.0, 640, chunk=32),
+            row("attn_hca_ctx4096", "today", 1, 8.0, 160, "today"), row("attn_hca_ctx4096", "h16r32c32", 1, 7.0, 160,
+                                                                          chunk=32)]
+    doc = dict(gpu="NVIDIA H200", commit="abc", rows=rows)
+    ops = decode_entries(doc, {}, "abc/decode")
+    assert [(e["rows"], e["choice"]) for e in ops["decode.indexer"]] == [
+        (1, dict(kernel="split", min_entries=4096, split=512)), (8, dict(kernel="fused"))]
+    assert [e["choice"] for e in ops["decode.attention_split"]] == [dict(kernel="split", min_entries=160, chunk=32)]
+    d = Dispatch(Tuned(tuned_doc("NVIDIA H200", {"abc/decode": {}}, ops)), GPU_DEFAULTS)
+    assert d.indexer(1, 16394).fields == dict(split=512) and d.indexer(1, 1100) is None and d.indexer(8, 16394) is None
+    assert d.attention_split(1, 640).fields == dict(chunk=32)

@@ -41,9 +41,10 @@ op                    choice
                       geometry is what the own kernel runs when a caller fixes the route)
 ``decode.moe``        ``route`` and the fields of ``fp4_moe_decode.MoeGeometry``
 ``decode.attention``  the fields of ``attention_decode.AttentionGeometry``
-``decode.attention_split`` the split-KV attention (``attention_split_decode``) where a query's selection lists
-                      ``≥ min_entries`` rows (window + compressed; fewer: ``decode.attention``'s kernel), with the
-                      fields of ``attention_split_decode.SplitKvGeometry``
+``decode.attention_split`` ``kernel`` (``slices``: ``decode.attention``'s kernel; ``split``: the split-KV
+                      ``attention_split_decode`` where a query's selection lists ``≥ min_entries`` rows — window +
+                      compressed —, ``decode.attention``'s kernel below) and the fields of
+                      ``attention_split_decode.SplitKvGeometry``
 ``decode.indexer``    ``kernel`` (``fused``: ``indexer_decode``; ``split``: ``indexer_split_decode`` where the key
                       cache holds ``≥ min_entries`` keys, the fused kernel below) and the fields of
                       ``indexer_split_decode.IndexerSplitGeometry``
@@ -99,7 +100,7 @@ OPS = {
     "decode.gemv": (True, ("impl", "route", "cublas_out"), "fp8_gemv.GemvGeometry"),
     "decode.moe": (False, ("route",), "fp4_moe_decode.MoeGeometry"),
     "decode.attention": (False, (), "attention_decode.AttentionGeometry"),
-    "decode.attention_split": (False, ("min_entries",), "attention_split_decode.SplitKvGeometry"),
+    "decode.attention_split": (False, ("kernel", "min_entries"), "attention_split_decode.SplitKvGeometry"),
     "decode.indexer": (False, ("kernel", "min_entries"), "indexer_split_decode.IndexerSplitGeometry"),
     "decode.mhc_site": (False, (), "mhc.MhcSiteGeometry"),
     "prefill.moe": (False, ("route", "tag", "decode", "persistent", "scale_per_byte"), None),
@@ -407,20 +408,22 @@ class Dispatch:
     def attention_split(self, rows: int, entries: int) -> Pick | None:
         """The split-KV attention's geometry fields for ``rows`` query rows whose selection lists ``entries`` rows
         (the window's and the compressed cache's, as the call is shaped: a captured graph keeps its kernel), when
-        the tuned entry (else :attr:`Defaults.attention_split`) chooses it from that many on; None: the kernel of
-        :meth:`attention`."""
-        return self._long_context("decode.attention_split", rows, entries, self.defaults.attention_split, None)
+        the tuned entry's ``kernel`` (else :attr:`Defaults.attention_split`) is ``split`` and ``entries ≥
+        min_entries``; None: the kernel of :meth:`attention`."""
+        return self._long_context("decode.attention_split", rows, entries, self.defaults.attention_split)
 
     def indexer(self, rows: int, keys: int) -> Pick | None:
         """The split indexer's geometry fields for ``rows`` rows over a key cache of ``keys`` entries, when the
         tuned entry's ``kernel`` (else :attr:`Defaults.indexer_split`) is ``split`` and ``keys ≥ min_entries``;
         None: the fused kernel (``indexer_decode``)."""
-        return self._long_context("decode.indexer", rows, keys, self.defaults.indexer_split, "split")
+        return self._long_context("decode.indexer", rows, keys, self.defaults.indexer_split)
 
-    def _long_context(self, op: str, rows: int, entries: int, default: dict | None, kernel: str | None):
+    def _long_context(self, op: str, rows: int, entries: int, default: dict | None) -> Pick | None:
+        """A long-context kernel's choice: the tuned entry at ``rows`` (else ``default``) when its ``kernel`` is
+        ``split`` (the default) and ``entries`` reach its ``min_entries``; None: today's kernel."""
         e = self._tuned(op, rows)
         c, where = (dict(e["choice"]), self._where(e)) if e is not None else (dict(default or {}), "default")
-        if not c or (kernel is not None and c.pop("kernel", kernel) != kernel):
+        if not c or c.pop("kernel", "split") != "split":
             return None
         if entries < int(c.pop("min_entries", 0)):
             return None

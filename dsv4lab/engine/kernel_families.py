@@ -216,7 +216,8 @@ def _split_kv(name: str, block_h: int, block_r: int, chunk: int, warps: int = 4,
 
 
 ATTENTION_SPLIT = Family(
-    "decode.attention_split", "attention_split_decode", "SplitKvGeometry", ("sparse_attention", "attention_from_caches"),
+    "decode.attention_split", "attention_split_decode", "SplitKvGeometry",
+    ("sparse_attention", "attention_from_caches"),
     # bf16 dots on tensor cores (a chunk's sums); the combine's fp32 sums on CUDA cores are tighter than that model.
     # Its own bound (op_bounds.attention.sparse_attention_split) is tighter than the op's, which holds as well.
     {"*": "fp32_tc4"},
