@@ -84,6 +84,8 @@ INDEXER_CASES = [
     dict(B=2, H=4, D=64, T=75, topk=16, p=[290, 77], split=16, block_t=16, block_e=8, dtype=torch.float32),
     # a cache shorter than k: every visible key picked, in score order
     dict(B=2, H=4, D=64, T=20, topk=32, p=[79, 50], split=16, block_t=16, block_e=16),
+    # many lists (38 and 16): the merge's floor under the k-th key leaves most candidates out
+    dict(B=2, H=4, D=64, T=600, topk=40, p=[2399, 1001], split=16, block_t=16, block_e=16),
 ]
 
 

@@ -16,7 +16,10 @@ scores take a few µs to read. Here the work is cut along the key axis into piec
    slice (fewer than ``k`` keys of its slice beat it), and every key that beats it is in the top ``k`` too, so its
    rank among all the candidates is its rank among all the visible keys: its position in its own list plus, for
    every other list, how many of that list's keys are larger — a branchless binary search, all lists at once
-   (``log₂(min(split, k)) + 1`` dependent loads). A candidate of rank ``< k`` is written at ``out[rank]``: the
+   (``log₂(min(split, k)) + 1`` dependent loads). Before that, a floor under the ``k``-th largest key read off
+   the lists themselves (``m`` lists holding a ``(j+1)``-th key, ``m·(j+1) ≥ k``: the smallest of those keys)
+   leaves out the candidates that cannot be picks — after 65,536 tokens (32 lists of 512 scores) all but a few
+   per list, so most merge programs return after one load. A candidate of rank ``< k`` is written at ``out[rank]``: the
    picks land sorted (score descending, entry ascending), each slot written by exactly one program, ``−1`` after
    ``min(k, visible)`` (program ``(b, 0, 0)``). No atomics, no order-dependent sums: the result is the reference's
    selection bit for bit whatever the scheduling.
@@ -41,7 +44,7 @@ from .indexer_decode import _query, _score_keys, _sort_key
 from .launch import pdl_args, pdl_prologue
 from .rowops import interpreting
 
-NO_ENTRY = -9223372036854775807 - 1  # int64 minimum: below every sort key
+NO_ENTRY = tl.constexpr(-9223372036854775807 - 1)  # int64 minimum: below every sort key
 
 
 @dataclass(frozen=True)
@@ -104,20 +107,32 @@ def _merge_kernel(cand_ptr, pos_ptr, out_ptr, T, TOPK, KOUT, RATIO, S_CAP, s_out
         tl.store(out_row + j, tl.full((BLOCK_K,), -1, tl.int64), mask=(j >= tl.minimum(TOPK, n_vis)) & (j < KOUT))
     if (s < n_lists) & (e * BLOCK_E < TOPK):
         lists = cand_ptr + b * S_CAP * KC
+        other = tl.arange(0, BLOCK_S)
+        active = other < n_lists
+        # A floor under the k-th largest key: if m lists each hold a (j+1)-th key, those m·(j+1) keys are all at
+        # least the smallest of the m (j+1)-th keys, so with m·(j+1) ≥ k that smallest key is ≤ the k-th largest.
+        # j from all lists but one (the last may be short); without such a floor every candidate is ranked.
+        j = other * 0 + tl.cdiv(TOPK, tl.maximum(n_lists - 1, 1)) - 1  # the same j for every list
+        jth = tl.load(lists + other * KC + j, mask=active & (j < KC), other=NO_ENTRY)
+        holds = jth != NO_ENTRY
+        m = tl.sum(holds.to(tl.int32), axis=0)
+        floor = tl.min(tl.where(holds, jth, -(NO_ENTRY + 1)), axis=0)
+        floor = tl.where(m * (tl.max(j, axis=0) + 1) >= TOPK, floor, NO_ENTRY)
         i = e * BLOCK_E + tl.arange(0, BLOCK_E)
         mine = tl.load(lists + s * KC + i, mask=i < KC, other=NO_ENTRY)
-        other = tl.arange(0, BLOCK_S)
-        searched = ((other < n_lists) & (other != s))[None, :]
-        # per (candidate, other list): how many of the list's keys are larger — the lists are sorted descending,
-        # so the largest prefix of larger keys, found with steps KC, KC/2, …, 1 (a probe past the list is "no")
-        larger = tl.zeros((BLOCK_E, BLOCK_S), tl.int32)
-        for k in tl.static_range(LOG2_KC + 1):
-            probe = larger + ((KC >> k) - 1)
-            v = tl.load(lists + other[None, :] * KC + probe, mask=searched & (probe < KC), other=NO_ENTRY)
-            larger = tl.where(v > mine[:, None], larger + (KC >> k), larger)
-        rank = i + tl.sum(larger, axis=1)  # its own list's keys before it are all larger
-        picked = (mine != NO_ENTRY) & (rank < TOPK)
-        tl.store(out_row + rank, 2147483647 - (mine & 0xFFFFFFFF), mask=picked)
+        live = (mine != NO_ENTRY) & (mine >= floor)  # below the floor: k keys are larger, never a pick
+        if tl.sum(live.to(tl.int32), axis=0) > 0:
+            searched = (active & (other != s))[None, :] & live[:, None]
+            # per (candidate, other list): how many of the list's keys are larger — the lists are sorted
+            # descending, so the largest prefix of larger keys, found with steps KC, KC/2, …, 1 (a probe past the
+            # list is "no")
+            larger = tl.zeros((BLOCK_E, BLOCK_S), tl.int32)
+            for k in tl.static_range(LOG2_KC + 1):
+                probe = larger + ((KC >> k) - 1)
+                v = tl.load(lists + other[None, :] * KC + probe, mask=searched & (probe < KC), other=NO_ENTRY)
+                larger = tl.where(v > mine[:, None], larger + (KC >> k), larger)
+            rank = i + tl.sum(larger, axis=1)  # its own list's keys before it are all larger
+            tl.store(out_row + rank, 2147483647 - (mine & 0xFFFFFFFF), mask=live & (rank < TOPK))
 
 
 def indexer_select_split(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
