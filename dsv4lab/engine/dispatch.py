@@ -68,7 +68,8 @@ kernels — the GEMV's ``dot`` route with K split until the grid has about two p
 (:meth:`Dispatch.own_gemv`), the routed MoE's ``fma`` route on 8-row one-warp programs (the H200's fastest at
 every batch tier, af2b4dc), the one-pass split attention, the fused indexer (the long-context split kernels,
 ``decode.attention_split`` and ``decode.indexer``'s ``split``, run only where a tuned entry or
-:attr:`Defaults.attention_split` / :attr:`Defaults.indexer_split` chooses them: not measured yet); the prefill settings of :data:`PREFILL_DEFAULTS` (the
+:attr:`Defaults.attention_split` / :attr:`Defaults.indexer_split` chooses them: not measured yet); the prefill
+settings of :data:`PREFILL_DEFAULTS` (the
 bf16 MoE route at 64 sorter rows, cuBLAS where it applies, the mHC pair, one chunk up to 4,096 tokens). Under
 Triton's interpreter (a machine without a GPU) :data:`INTERPRETER_DEFAULTS`: few, large programs and the CUDA-core
 routes, whose fp32 sums are closest to the reference's exact ones; no tuned file is read.
