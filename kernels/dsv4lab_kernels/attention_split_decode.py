@@ -64,11 +64,12 @@ def _visible_rows(pos_ptr, r, Ka, Kb, RATIO_B, PREFIX_B: tl.constexpr):
 
 
 @triton.jit
-def _chunk_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, bat_b_ptr, pos_ptr,
-                  pm_ptr, pl_ptr, pacc_ptr, H, D, Ka, Kb, scale, RATIO_B, N_CAP,
-                  stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb,
-                  ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, PREFIX_B: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+def _attn_chunk_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, bat_b_ptr, pos_ptr,
+                       pm_ptr, pl_ptr, pacc_ptr, H, D, Ka, Kb, scale, RATIO_B, N_CAP,
+                       stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb,
+                       ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, PREFIX_B: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Program ``(r, head block, c)``: the partial softmax of selection positions ``[c·CHUNK, (c+1)·CHUNK)``."""
     pdl_prologue(PDL)
     r = tl.program_id(0)
@@ -116,10 +117,10 @@ def _chunk_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_ptr, ba
 
 
 @triton.jit
-def _combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, Ka, Kb, RATIO_B,
-                    N_CAP, R, s_cos, stride_qr, stride_qh, ROUND_ACT: tl.constexpr, ROPE: tl.constexpr,
-                    PREFIX_B: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
+def _attn_chunk_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, Ka,
+                               Kb, RATIO_B, N_CAP, R, s_cos, stride_qr, stride_qh, ROUND_ACT: tl.constexpr,
+                               ROPE: tl.constexpr, PREFIX_B: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(r, head block, column block)``: the row's active chunks, combined block after block."""
     pdl_prologue(PDL)
     r = tl.program_id(0)
@@ -191,7 +192,7 @@ def sparse_attention_split(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Te
         assert cos.stride(-1) == 1 and 2 * cos.shape[-1] <= D
     pos = positions if positions is not None else batch_a
     bf16 = q.dtype == torch.bfloat16
-    _chunk_kernel[(R, triton.cdiv(H, g.block_h), n_cap)](
+    _attn_chunk_kernel[(R, triton.cdiv(H, g.block_h), n_cap)](
         q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, pos, pm, pl, pacc, H, D, Ka, Kb, float(scale),
         int(prefix_ratio_b), n_cap, q.stride(0), q.stride(1), kv_a.stride(0), kv_a.stride(1), kv_b.stride(0),
         kv_b.stride(1), rows_a.stride(0), max(rows_b.stride(0), 1), ROUND_ACT=bf16, DOT_FP32=interpreting(),
@@ -203,7 +204,7 @@ def sparse_attention_split(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Te
         raise ValueError(f"SplitKvGeometry.combine_columns={block_dc}: a power of two ≥ 2 is required")
     tables = (cos if rope else sink, sin if rope else sink)
     rope_args = (2 * cos.shape[-1], cos.stride(0)) if rope else (0, 0)
-    _combine_kernel[(R, triton.cdiv(H, g.block_h), triton.cdiv(D, block_dc))](
+    _attn_chunk_combine_kernel[(R, triton.cdiv(H, g.block_h), triton.cdiv(D, block_dc))](
         pm, pl, pacc, sink, out, *tables, pos, H, D, Ka, Kb, int(prefix_ratio_b), n_cap, *rope_args, out.stride(0),
         out.stride(1), ROUND_ACT=bf16, ROPE=rope, PREFIX_B=prefix_ratio_b > 0, CHUNK=g.chunk, BLOCK_H=g.block_h,
         BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=4, **(LAUNCH_EXACT if rope else {}), **pdl_args(q.device))

@@ -61,10 +61,11 @@ class IndexerSplitGeometry:
 
 
 @triton.jit
-def _candidates_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cand_ptr,
-                       H, DI, T, RATIO, w_scale, sq_b, sq_h, sw_b, sk_b, sk_t, s_sc, S_CAP,
-                       ROUND_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, KC: tl.constexpr, PDL: tl.constexpr = False):
+def _indexer_select_candidates_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cand_ptr,
+                                      H, DI, T, RATIO, w_scale, sq_b, sq_h, sw_b, sk_b, sk_t, s_sc, S_CAP,
+                                      ROUND_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
+                                      BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
+                                      KC: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(b, s)``: the sorted top ``KC`` of the visible keys ``[s·SPLIT, (s+1)·SPLIT)`` of row ``b``."""
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -91,9 +92,10 @@ def _candidates_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cand_ptr,
 
 
 @triton.jit
-def _merge_kernel(cand_ptr, pos_ptr, out_ptr, T, TOPK, KOUT, RATIO, S_CAP, s_out,
-                  SPLIT: tl.constexpr, KC: tl.constexpr, LOG2_KC: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def _indexer_select_merge_kernel(cand_ptr, pos_ptr, out_ptr, T, TOPK, KOUT, RATIO, S_CAP, s_out,
+                                 SPLIT: tl.constexpr, KC: tl.constexpr, LOG2_KC: tl.constexpr,
+                                 BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 PDL: tl.constexpr = False):
     """Program ``(b, s, e)``: candidates ``e·BLOCK_E …`` of row ``b``'s list ``s``, each written at its rank."""
     pdl_prologue(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -159,14 +161,13 @@ def indexer_select_split(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     kc = min(g.split, triton.next_power_of_2(topk))  # ≥ min(split, topk): every top-k entry is a candidate
     cand = torch.empty(B, s_cap, kc, dtype=torch.int64, device=qi.device)
     bf16 = qi.dtype == torch.bfloat16
-    _candidates_kernel[(B, s_cap)](qi, w, keys, slots, positions, scores, cand, H, DI, T, ratio, float(w_scale),
-                                   qi.stride(0), qi.stride(1), w.stride(0), keys.stride(0), keys.stride(1),
-                                   scores.stride(0), s_cap, ROUND_BF16=bf16, UPCAST=interpreting(),
-                                   BLOCK_H=max(16, triton.next_power_of_2(H)),
-                                   BLOCK_D=max(16, triton.next_power_of_2(DI)), BLOCK_T=g.block_t, SPLIT=g.split,
-                                   KC=kc, num_warps=g.num_warps, **pdl_args(qi.device))
+    _indexer_select_candidates_kernel[(B, s_cap)](
+        qi, w, keys, slots, positions, scores, cand, H, DI, T, ratio, float(w_scale), qi.stride(0), qi.stride(1),
+        w.stride(0), keys.stride(0), keys.stride(1), scores.stride(0), s_cap, ROUND_BF16=bf16, UPCAST=interpreting(),
+        BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(DI)), BLOCK_T=g.block_t,
+        SPLIT=g.split, KC=kc, num_warps=g.num_warps, **pdl_args(qi.device))
     block_e = min(g.block_e, kc)
-    _merge_kernel[(B, s_cap, triton.cdiv(kc, block_e))](
+    _indexer_select_merge_kernel[(B, s_cap, triton.cdiv(kc, block_e))](
         cand, positions, out, T, topk, kout, ratio, s_cap, out.stride(0), SPLIT=g.split, KC=kc,
         LOG2_KC=kc.bit_length() - 1, BLOCK_E=block_e, BLOCK_S=max(2, triton.next_power_of_2(s_cap)),
         BLOCK_K=max(2, triton.next_power_of_2(kout)), num_warps=g.merge_warps, **pdl_args(qi.device))
