@@ -135,14 +135,14 @@ def _generate_ranks(rank, world, checkpoint, layouts, bench_out):
 def _static_step_vs_forward(runner, tokens):
     """Two teacher-forced decode steps through the static (graph-capturable) step and through runner.forward,
     on this rank's split: their logits (relative error) and greedy tokens."""
-    from dsv4lab.engine.decode_graph import GraphDecoder
+    from dsv4lab.engine.decode_graph import Decoder
     logits = {}
     for path in ("forward", "static"):
         runner.reset()
         runner.forward([PROMPT], 0)
-        step = GraphDecoder(runner, graphs=False)
+        step = Decoder(runner, graphs=False)
         logits[path] = torch.stack([runner.forward([[t]], len(PROMPT) + i)[0, 0] if path == "forward"
-                                    else step([t], [0])[0] for i, t in enumerate(tokens)])
+                                    else step.decode([t], [0])[0] for i, t in enumerate(tokens)])
     runner.reset()
     want, got = logits["forward"], logits["static"]
     return dict(static_rel=float((got - want).norm() / want.norm()),
@@ -226,6 +226,7 @@ def test_torchrun_generate_prints_the_single_process_json(single_process):
     assert len(lines) == 1, tp.stdout  # rank 0 only
     got = json.loads(lines[0])
     got.pop("seconds")
+    assert got.pop("threads") == 1  # OMP_NUM_THREADS=1 above: each rank runs one CPU thread
     ids = single_process["output_ids"]
     m = dsv4lab.load(TINY, max_batch=1)
     text = m.tokenizer.decode(ids)
