@@ -22,6 +22,7 @@ from dsv4lab.core import quant
 from dsv4lab.core.config import get_preset
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.core.model.rope import rope_table
 from dsv4lab.engine.dispatch import GPU_DEFAULTS, INTERPRETER_DEFAULTS, SCHEMA, Dispatch, DispatchError, Tuned
 from dsv4lab.engine.kernel_families import ATTENTION_SPLIT, INDEXER_SPLIT
 from dsv4lab.tools.verify.op_bounds import OP_BOUNDS, check_expectation
@@ -218,7 +219,6 @@ def test_split_attention_from_caches(geo, kind):
 
 
 def _tables():
-    from dsv4lab.core.model.rope import rope_table
     return rope_table(TINY, 1, 1024)
 
 
@@ -267,6 +267,73 @@ def test_split_attention_geometry_is_checked():
         asp.sparse_attention_split(q, win, win_rows, slots, sink, 0.1, geometry=asp.SplitKvGeometry(chunk=40))
 
 
+# ============================================================================================ GPU, Flash widths
+FLASH = get_preset("flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", INDEXER_SPLIT.runs("full"), ids=lambda v: v.name)
+def test_gpu_split_indexer_at_flash_widths_after_65536_tokens(variant):
+    """Each benchmarked split-indexer geometry, compiled, at Flash's widths (64 index heads × 128, top-512) over a
+    cache of 16,421 keys (not a multiple of any split): one row after a 65,536-token prompt (16,384 visible keys,
+    up to 32 lists), one after 36,006 (9,001: a partial last list); every key a row cannot see NaN, one key
+    duplicated across slices. The picks are the fused kernel's and the scores its bits; the picks are exact given
+    the scores (the reference's stable sort of them on the CPU)."""
+    dev = "cuda"
+    H, D, k, T = FLASH.index_n_heads, FLASH.index_head_dim, FLASH.index_topk, 16421
+    g = torch.Generator(device=dev).manual_seed(33)
+    pos = torch.tensor([65535, 36005], device=dev)
+    slots = torch.tensor([2, 0], device=dev)
+    keys = quant.fp4_qdq(torch.randn(3, T, D, device=dev, generator=g), 32).to(torch.bfloat16)
+    vis = torch.arange(T, device=dev)[None, :] < ((pos + 1) // 4)[:, None]
+    keys[slots] = torch.where(vis[..., None], keys[slots], float("nan"))
+    keys[1] = float("nan")  # the slot no row reads
+    keys[2, [700, 5000, 9000, 16000]] = keys[2, 3].clone()
+    qi = quant.fp4_qdq(torch.randn(2, H, D, device=dev, generator=g), 32).to(torch.bfloat16)
+    w = torch.randn(2, H, device=dev, generator=g).to(torch.bfloat16)
+    fused, fused_scores = ixd.indexer_select(qi, w, keys, slots, pos, k, w_scale=FLASH.index_scale,
+                                             return_scores=True)
+    sel, scores = ixs.indexer_select_split(qi, w, keys, slots, pos, k, w_scale=FLASH.index_scale,
+                                           geometry=ixs.IndexerSplitGeometry(**variant.fields), return_scores=True)
+    got = torch.where(vis, scores, 0.0)
+    assert not got.isnan().any() and torch.equal(got, torch.where(vis, fused_scores, 0.0))
+    assert torch.equal(sel, fused)
+    want = ReferenceOps(NM).indexer_topk(got.cpu().to(torch.bfloat16)[:, None], pos.cpu()[:, None], 4, k)[:, 0]
+    assert torch.equal(sel.cpu(), want) and (sel >= 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ATTENTION_SPLIT.runs("full"), ids=lambda v: v.name)
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_gpu_split_attention_at_flash_widths(variant, kind):
+    """Each benchmarked split-KV geometry, compiled, at Flash's widths (64 heads × 512, window 128): HCA over 520
+    compressed rows (a 65,535-position row sees 512, a 30,001 one 234) and CSA's 512 picks among 16,384 entries
+    (a row at 20,003 sees 5,001), every row past the visible ones NaN: within the kernel's own bound and the op's,
+    the same bits on a second launch, and the inverse-RoPE epilogue the rotation of the kernel's own output."""
+    from dsv4lab.tools.bench.decode.long_context import _attention_case
+    dev = "cuda"
+    ratio, C, picks, positions = ((128, 520, None, (65535, 30001)) if kind == "hca"
+                                  else (4, 16384, FLASH.index_topk, (65535, 20003)))
+    geo = asp.SplitKvGeometry(**variant.fields)
+    g = torch.Generator(device=dev).manual_seed(geo.chunk)
+    case = _attention_case(dev, g, FLASH.n_heads, FLASH.head_dim, FLASH.window_size, C, ratio, picks, positions)
+    q, win, win_rows, cmp, cmp_rows, slots, sink, pos = case
+    scale = FLASH.head_dim ** -0.5
+    kw = dict(kv_b=cmp, rows_b=cmp_rows, batch_b=slots, geometry=geo, positions=pos, prefix_ratio_b=ratio)
+    out = asp.sparse_attention_split(q, win, win_rows, slots, sink, scale, **kw)
+    assert torch.isfinite(out.float()).all()
+    assert torch.equal(out, asp.sparse_attention_split(q, win, win_rows, slots, sink, scale, **kw))
+    inputs = tuple(t.cpu() for t in (q, win, win_rows, cmp, cmp_rows, slots, sink)) + (scale,)
+    ref = ReferenceOps(NM).attention_from_caches(*inputs)
+    _judge(f"split-KV {kind} {variant.name} (Flash widths)", out, ref,
+           [attention_from_caches_split(NM, "fp32_tc4", *inputs, chunk=geo.chunk, block_r=geo.block_r),
+            OP_BOUNDS["attention_from_caches"](NM, "fp32_tc4", *inputs)])
+    cos, sin = rope_table(FLASH, 2, 65536)
+    rotated = asp.sparse_attention_split(q, win, win_rows, slots, sink, scale, **kw, cos=cos.to(dev), sin=sin.to(dev))
+    want = ReferenceOps(NM).rope(out.cpu(), cos[pos.cpu()][:, None], sin[pos.cpu()][:, None], inverse=True)
+    assert torch.allclose(rotated.cpu().float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
 # ============================================================================================ the dispatch
 def _tuned(**ops) -> Tuned:
     return Tuned(dict(schema=SCHEMA, gpu="NVIDIA H200", sources={"t": dict(commit="abc")},
@@ -308,6 +375,18 @@ def test_family_variants_build_and_are_offered_to_verify():
 
 # ============================================================================================ through the engine
 def test_static_step_attention_sites_with_the_long_context_kernels_forced(tiny_path, monkeypatch):
+    """On this machine's device (the interpreter on a CPU; :func:`test_gpu_static_step_attention_sites` is the GPU
+    suite's copy): see :func:`_static_step_sites`."""
+    _static_step_sites(tiny_path, monkeypatch, DEV)
+
+
+@pytest.mark.gpu
+def test_gpu_static_step_attention_sites(tiny_path, monkeypatch):
+    """The same on the GPU: compiled kernels, tensor-core sums, the step's own tensors on the device."""
+    _static_step_sites(tiny_path, monkeypatch, "cuda")
+
+
+def _static_step_sites(tiny_path, monkeypatch, device):
     """The static decode step's attention sites (a CSA and an HCA layer of data/tiny: projections, compressors,
     the indexer's queries and selection, the attention read from the caches, the output projections) on the Triton
     backend with today's kernels and with the split kernels forced through the dispatch's device override: the
@@ -316,7 +395,7 @@ def test_static_step_attention_sites_with_the_long_context_kernels_forced(tiny_p
     rounding. Caches filled as a 300- and a 171-token context would leave them (random FP4-valued index keys,
     random entries), every row past them NaN."""
     import dsv4lab
-    from dsv4lab.engine.decode_graph import StaticDecodeStep, _StepRows
+    from dsv4lab.engine.decode_graph import StaticDecodeStep
     from dsv4lab.engine import triton_backend
 
     launched = []  # which kernels the backend launched, in order
@@ -328,11 +407,11 @@ def test_static_step_attention_sites_with_the_long_context_kernels_forced(tiny_p
             launched.append(_name)
             return _fn(*args, **kwargs)
         monkeypatch.setattr(module, name, spy)
-    runner = dsv4lab.load(tiny_path, backend="triton", max_batch=3, max_seq_len=320)
+    runner = dsv4lab.load(tiny_path, device=device, backend="triton", max_batch=3, max_seq_len=320)
     a = runner.args
     g = torch.Generator().manual_seed(33)
-    positions = torch.tensor([298, 170])  # no block completes: the caches are only read
-    slots = torch.tensor([2, 0])
+    positions = torch.tensor([298, 170], device=device)  # no block completes: the caches are only read
+    slots = torch.tensor([2, 0], device=device)
     layers = [blk for blk in runner.model.layers if blk.attn.ratio in (4, 16)][:2]
     assert sorted(blk.attn.ratio for blk in layers) == [4, 16]
     for blk in layers:
@@ -345,9 +424,9 @@ def test_static_step_attention_sites_with_the_long_context_kernels_forced(tiny_p
             for s, p in zip(slots.tolist(), positions.tolist()):
                 n = (p + 1) // ratio
                 v = torch.randn(n, cache.shape[-1], generator=g)
-                cache[s, :n] = (quant.fp4_qdq(v, 32) if fp4 else v).to(cache.dtype)
-        at.win_kv.normal_(generator=g)
-    x = torch.randn(2, 1, a.dim, generator=g).to(torch.bfloat16)
+                cache[s, :n] = (quant.fp4_qdq(v, 32) if fp4 else v).to(cache)
+        at.win_kv.copy_(torch.randn(at.win_kv.shape, generator=g))
+    x = torch.randn(2, 1, a.dim, generator=g).to(device, torch.bfloat16)
     forced = replace(INTERPRETER_DEFAULTS, indexer_split=dict(split=16, block_t=16, block_e=8),
                      attention_split=dict(chunk=16, block_r=16, combine_block=2))
     runs = {}
@@ -356,7 +435,7 @@ def test_static_step_attention_sites_with_the_long_context_kernels_forced(tiny_p
         runner.ops = ops
         step = StaticDecodeStep(runner)
         launched.clear()
-        outs = [step._attention(blk.attn, x, positions, slots, _StepRows(positions, a.window_size)) for blk in layers]
+        outs = [step._attention(blk.attn, x, step._rows(positions[:, None], slots)) for blk in layers]
         runs[name] = (outs, ops.selections, ops.attention)
         assert launched == (["indexer_select", "sparse_attention_decode", "sparse_attention_decode"] if name == "today"
                             else ["indexer_select_split", "sparse_attention_split", "sparse_attention_split"]), launched
