@@ -1,6 +1,7 @@
 """Compile every glue kernel of the decode step for a GPU target on a machine without one.
 
-Each launcher of ``kernels/{mhc,norm_rope_quant,compressor_decode,router,indexer_decode,attention_decode}.py`` (and the
+Each launcher of ``kernels/{mhc,norm_rope_quant,compressor_decode,router,indexer_decode,attention_decode}.py``, of the
+long-context ``indexer_split_decode.py`` and ``attention_split_decode.py`` (and the
 prefill kernels that are probed at run time: the mHC rows mix, the inline-PTX FP4 decode) is
 called at DeepSeek-V4-Flash widths on small CPU tensors; its Triton launch is intercepted and the kernel compiled
 (``triton.compile``, the wheel's own ptxas) for ``--target`` instead of run — so a kernel that the interpreter
@@ -175,6 +176,24 @@ def flash_calls():
             torch.zeros(b, a.window_size, dtype=torch.long), slots, torch.zeros(a.n_heads), d ** -0.5,
             geometry=attention_decode.AttentionGeometry(16, 16, 1, 8, True), cos=cos, sin=cos, positions=pos)),
     ]
+    # the long-context kernels at their benchmark geometries: a 65,536-token context's 16,384 index keys, HCA's
+    # 512 entries beside the window
+    from dsv4lab_kernels import attention_split_decode, indexer_split_decode
+    for v in indexer_split_decode_variants():
+        calls.append((f"indexer_select_split {v}", lambda v=v: indexer_split_decode.indexer_select_split(
+            torch.zeros(b, a.index_n_heads, a.index_head_dim, dtype=bf), torch.zeros(b, a.index_n_heads, dtype=bf),
+            torch.zeros(3, 16384, a.index_head_dim, dtype=bf), slots, pos, a.index_topk,
+            geometry=indexer_split_decode.IndexerSplitGeometry(**v))))
+    for v in attention_split_decode_variants():
+        calls.append((f"attention_split+rope {v}", lambda v=v: attention_split_decode.sparse_attention_split(
+            torch.zeros(b, a.n_heads, d, dtype=bf), torch.zeros(3, a.window_size, d, dtype=bf),
+            torch.zeros(b, a.window_size, dtype=torch.long), slots, torch.zeros(a.n_heads), d ** -0.5,
+            kv_b=torch.zeros(3, 512, d, dtype=bf), rows_b=torch.zeros(b, 512, dtype=torch.long), batch_b=slots,
+            geometry=attention_split_decode.SplitKvGeometry(**v), cos=cos, sin=cos, positions=pos,
+            prefix_ratio_b=128)))
+    calls.append(("indexer_select_split fp32", lambda: indexer_split_decode.indexer_select_split(
+        torch.zeros(b, a.index_n_heads, a.index_head_dim), torch.zeros(b, a.index_n_heads),
+        torch.zeros(3, 4096, a.index_head_dim), slots, pos, a.index_topk)))
     for ratio, ch, idx in ((4, d, False), (4, a.index_head_dim, True), (128, d, False)):
         width = (2 if ratio == 4 else 1) * ch
         calls.append((f"compressor_step r{ratio} c{ch}", lambda ratio=ratio, ch=ch, idx=idx, width=width:
@@ -209,6 +228,18 @@ def flash_calls():
             torch.empty(bn, bk // 2, dtype=bf), torch.empty(bn, bk // 2, dtype=bf), BLOCK_N=bn, BLOCK_K=bk,
             ASM=asm)))
     return calls
+
+
+def indexer_split_decode_variants() -> list[dict]:
+    """The split indexer's benchmarked geometries (``kernel_families.INDEXER_SPLIT``, the full run's)."""
+    from dsv4lab.engine.kernel_families import INDEXER_SPLIT
+    return [v.fields for v in INDEXER_SPLIT.runs("full")]
+
+
+def attention_split_decode_variants() -> list[dict]:
+    """The split-KV attention's benchmarked geometries (``kernel_families.ATTENTION_SPLIT``, the full run's)."""
+    from dsv4lab.engine.kernel_families import ATTENTION_SPLIT
+    return [v.fields for v in ATTENTION_SPLIT.runs("full")]
 
 
 def main(argv=None) -> int:

@@ -41,6 +41,13 @@ op                    choice
                       geometry is what the own kernel runs when a caller fixes the route)
 ``decode.moe``        ``route`` and the fields of ``fp4_moe_decode.MoeGeometry``
 ``decode.attention``  the fields of ``attention_decode.AttentionGeometry``
+``decode.attention_split`` ``kernel`` (``slices``: ``decode.attention``'s kernel; ``split``: the split-KV
+                      ``attention_split_decode`` where a query's selection lists ``≥ min_entries`` rows — window +
+                      compressed —, ``decode.attention``'s kernel below) and the fields of
+                      ``attention_split_decode.SplitKvGeometry``
+``decode.indexer``    ``kernel`` (``fused``: ``indexer_decode``; ``split``: ``indexer_split_decode`` where the key
+                      cache holds ``≥ min_entries`` keys, the fused kernel below) and the fields of
+                      ``indexer_split_decode.IndexerSplitGeometry``
 ``decode.mhc_site``   the fields of ``mhc.MhcSiteGeometry`` (the one-launch site, ≤ ``mhc.SITE_MAX_ROWS`` rows)
 ``prefill.moe``       ``route``, ``tag`` (a launch variant of :func:`~dsv4lab.engine.kernel_families.moe_tags`),
                       ``decode``, ``persistent``, ``scale_per_byte``
@@ -59,7 +66,10 @@ count (a prefill setting asked for outside a call) takes the entry at the most r
 **Defaults** (a GPU without a tuned file, a shape or op the file does not hold, or ``DSV4LAB_TUNED=off``): the own
 kernels — the GEMV's ``dot`` route with K split until the grid has about two programs per SM
 (:meth:`Dispatch.own_gemv`), the routed MoE's ``fma`` route on 8-row one-warp programs (the H200's fastest at
-every batch tier, af2b4dc), the one-pass split attention; the prefill settings of :data:`PREFILL_DEFAULTS` (the
+every batch tier, af2b4dc), the one-pass split attention, the fused indexer (the long-context split kernels,
+``decode.attention_split`` and ``decode.indexer``'s ``split``, run only where a tuned entry or
+:attr:`Defaults.attention_split` / :attr:`Defaults.indexer_split` chooses them: not measured yet); the prefill
+settings of :data:`PREFILL_DEFAULTS` (the
 bf16 MoE route at 64 sorter rows, cuBLAS where it applies, the mHC pair, one chunk up to 4,096 tokens). Under
 Triton's interpreter (a machine without a GPU) :data:`INTERPRETER_DEFAULTS`: few, large programs and the CUDA-core
 routes, whose fp32 sums are closest to the reference's exact ones; no tuned file is read.
@@ -91,6 +101,8 @@ OPS = {
     "decode.gemv": (True, ("impl", "route", "cublas_out"), "fp8_gemv.GemvGeometry"),
     "decode.moe": (False, ("route",), "fp4_moe_decode.MoeGeometry"),
     "decode.attention": (False, (), "attention_decode.AttentionGeometry"),
+    "decode.attention_split": (False, ("kernel", "min_entries"), "attention_split_decode.SplitKvGeometry"),
+    "decode.indexer": (False, ("kernel", "min_entries"), "indexer_split_decode.IndexerSplitGeometry"),
     "decode.mhc_site": (False, (), "mhc.MhcSiteGeometry"),
     "prefill.moe": (False, ("route", "tag", "decode", "persistent", "scale_per_byte"), None),
     "prefill.moe_rows": (False, ("sorter_rows",), None),
@@ -138,6 +150,11 @@ class Defaults:
             split until a projection's grid has about this many programs (the partials summed in a fixed order).
         moe_route, moe_geometry: the routed MoE's route and ``MoeGeometry`` fields (over the kernel's defaults).
         attention_geometry: ``AttentionGeometry`` fields of the decode attention (None: the kernel's default).
+        attention_split: the split-KV attention's choice where nothing is tuned — ``min_entries`` and
+            ``SplitKvGeometry`` fields (None: never).
+        indexer_split: the split indexer's choice where nothing is tuned — ``min_entries`` and
+            ``IndexerSplitGeometry`` fields (None: the fused kernel). Both are the device's override of the
+            long-context kernels (a test or a GPU visit may force them: :func:`dataclasses.replace` of a default).
         decode_max_rows: token rows up to which the decode kernels run.
         prefill_min_tokens: fewest token rows for the prefill kernels.
         prefill_max_chunk: the prefill chunk where none was measured (one chunk up to it, chunks of it beyond;
@@ -152,6 +169,8 @@ class Defaults:
     moe_route: str
     moe_geometry: dict = field(default_factory=dict, hash=False)
     attention_geometry: dict | None = field(default=None, hash=False)
+    attention_split: dict | None = field(default=None, hash=False)
+    indexer_split: dict | None = field(default=None, hash=False)
     decode_max_rows: int = 63
     prefill_min_tokens: int = 64
     prefill_max_chunk: int = 4096
@@ -386,6 +405,30 @@ class Dispatch:
             return Pick("triton", None, dict(e["choice"]), self._where(e))
         g = self.defaults.attention_geometry
         return None if g is None else Pick("triton", None, dict(g))
+
+    def attention_split(self, rows: int, entries: int) -> Pick | None:
+        """The split-KV attention's geometry fields for ``rows`` query rows whose selection lists ``entries`` rows
+        (the window's and the compressed cache's, as the call is shaped: a captured graph keeps its kernel), when
+        the tuned entry's ``kernel`` (else :attr:`Defaults.attention_split`) is ``split`` and ``entries ≥
+        min_entries``; None: the kernel of :meth:`attention`."""
+        return self._long_context("decode.attention_split", rows, entries, self.defaults.attention_split)
+
+    def indexer(self, rows: int, keys: int) -> Pick | None:
+        """The split indexer's geometry fields for ``rows`` rows over a key cache of ``keys`` entries, when the
+        tuned entry's ``kernel`` (else :attr:`Defaults.indexer_split`) is ``split`` and ``keys ≥ min_entries``;
+        None: the fused kernel (``indexer_decode``)."""
+        return self._long_context("decode.indexer", rows, keys, self.defaults.indexer_split)
+
+    def _long_context(self, op: str, rows: int, entries: int, default: dict | None) -> Pick | None:
+        """A long-context kernel's choice: the tuned entry at ``rows`` (else ``default``) when its ``kernel`` is
+        ``split`` (the default) and ``entries`` reach its ``min_entries``; None: today's kernel."""
+        e = self._tuned(op, rows)
+        c, where = (dict(e["choice"]), self._where(e)) if e is not None else (dict(default or {}), "default")
+        if not c or c.pop("kernel", "split") != "split":
+            return None
+        if entries < int(c.pop("min_entries", 0)):
+            return None
+        return Pick("triton", None, c, where)
 
     def mhc_site(self, rows: int) -> Pick | None:
         """The one-launch mHC site's fields at ``rows`` rows when tuned (None: the kernel's for the row count)."""

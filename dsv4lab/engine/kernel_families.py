@@ -19,7 +19,7 @@ run         who iterates the variants marked with it
 
 The fields of a verification variant are laid over the geometry the backend would otherwise launch: the device
 default of :mod:`dsv4lab.engine.dispatch` for the routed MoE and the decode attention, the kernel's own defaults for
-the GEMV (whose default is per shape). A benchmark variant's fields are laid over the kernel's defaults.
+the GEMV (whose default is per shape) and for the long-context kernels (the split indexer, the split-KV attention). A benchmark variant's fields are laid over the kernel's defaults.
 
 The kernels' launch geometries themselves (the dataclasses, the named configurations such as
 ``fp8_gemm.FP8_GEMM_CONFIGS``) stay in the kernel modules; ``tests/test_dispatch.py`` checks that every variant
@@ -45,6 +45,10 @@ class Variant:
         ops: the ops it is a verification variant of (empty: every op of its family).
         min_rows: fewest token rows it applies to (``prequant`` quantizes rows once: worth it from two).
         act_quant_only: applies only where activations are quantized.
+        min_entries: fewest cache entries it applies to — the long-context kernels (the split indexer: keys in the
+            index-key cache; the split-KV attention: rows a query's selection lists); the benchmarks time it only
+            from there on, and a tuned choice of it names the threshold the measurement found
+            (:mod:`dsv4lab.engine.dispatch`: ``min_entries``).
     """
 
     name: str
@@ -54,23 +58,25 @@ class Variant:
     ops: tuple = ()
     min_rows: int = 1
     act_quant_only: bool = False
+    min_entries: int = 0
 
     @property
     def fields(self) -> dict:
         return dict(self.geometry)
 
-    def applies(self, rows: int, act_quant: bool) -> bool:
-        return rows >= self.min_rows and (act_quant or not self.act_quant_only)
+    def applies(self, rows: int, act_quant: bool, entries: int | None = None) -> bool:
+        return rows >= self.min_rows and (act_quant or not self.act_quant_only) and (
+            entries is None or entries >= self.min_entries)
 
 
 def variant(name: str, route: str | None = None, runs: str = "full", ops: tuple = (), min_rows: int = 1,
-            act_quant_only: bool = False, **geometry) -> Variant:
+            act_quant_only: bool = False, min_entries: int = 0, **geometry) -> Variant:
     """A :class:`Variant`; ``runs`` as space-separated names of :data:`RUNS`."""
     bad = set(runs.split()) - set(RUNS)
     if bad:
         raise ValueError(f"variant {name}: unknown run(s) {sorted(bad)}; known: {RUNS}")
     return Variant(name, route, tuple(sorted(geometry.items())), frozenset(runs.split()), tuple(ops), min_rows,
-                   act_quant_only)
+                   act_quant_only, min_entries)
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,55 @@ ATTENTION = Family(
 """The sparse attention of the decode step (``attention_decode``)."""
 
 
+LONG_CONTEXTS = (4096, 16384, 65536)
+"""The prompt lengths at which the decode suite's ``attention`` section times the long-context kernels beside
+today's (the split indexer over ``context/4`` keys, HCA over ``context/128`` entries, CSA over its top-k picks)."""
+
+
+def _split_kv(name: str, block_h: int, block_r: int, chunk: int, warps: int = 4, runs: str = "full",
+              min_entries: int = 128) -> Variant:
+    return variant(name, None, runs, min_entries=min_entries, block_h=block_h, block_r=block_r, chunk=chunk,
+                   num_warps=warps)
+
+
+ATTENTION_SPLIT = Family(
+    "decode.attention_split", "attention_split_decode", "SplitKvGeometry",
+    ("sparse_attention", "attention_from_caches"),
+    # bf16 dots on tensor cores (a chunk's sums); the combine's fp32 sums on CUDA cores are tighter than that model.
+    # Its own bound (op_bounds.attention.sparse_attention_split) is tighter than the op's, which holds as well.
+    {"*": "fp32_tc4"},
+    (variant("split_kv_c16", None, "verify", ops=("sparse_attention", "attention_from_caches"), block_h=16,
+             block_r=16, chunk=16, combine_block=2),
+     variant("split_kv_c32_online", None, "verify", ops=("sparse_attention", "attention_from_caches"), block_h=16,
+             block_r=16, chunk=32, combine_block=4),
+     _split_kv("h16r16c16", 16, 16, 16, runs="smoke", min_entries=0),
+     # h: heads per program, r: rows per step, c: rows per program (chunk); one step per chunk: no rescaling
+     _split_kv("h16r32c32", 16, 32, 32, runs="quick full"), _split_kv("h16r16c16", 16, 16, 16),
+     _split_kv("h16r32c64", 16, 32, 64), _split_kv("h16r64c64", 16, 64, 64, warps=8),
+     _split_kv("h32r32c32", 32, 32, 32, warps=8), _split_kv("h16r32c128", 16, 32, 128)))
+"""The split-KV attention of the decode step for long selections (``attention_split_decode``)."""
+
+
+def _ixs(name: str, split: int, block_t: int = 64, warps: int = 4, merge_warps: int = 4, block_e: int = 64,
+         runs: str = "full", min_entries: int = 1024) -> Variant:
+    return variant(name, None, runs, min_entries=min_entries, split=split, block_t=block_t, block_e=block_e,
+                   num_warps=warps, merge_warps=merge_warps)
+
+
+INDEXER_SPLIT = Family(
+    "decode.indexer", "indexer_split_decode", "IndexerSplitGeometry", ("indexer_select_decode",),
+    {"*": "fp32_tc4"},  # the fused kernel's scores (the same helper); the selection is exact given them
+    (variant("split16", None, "verify", split=16, block_t=16, block_e=16),
+     variant("split32", None, "verify", split=32, block_t=16, block_e=8),
+     _ixs("s16", 16, block_t=16, block_e=16, runs="smoke", min_entries=0),
+     # s: keys per candidate program; t: keys per dot; w/m: warps of the candidate and merge launches
+     _ixs("s512t64w4m4", 512, runs="quick full"), _ixs("s256t64w4m4", 256), _ixs("s1024t64w4m4", 1024),
+     _ixs("s1024t64w8m4", 1024, warps=8), _ixs("s2048t64w8m4", 2048, warps=8),
+     _ixs("s512t32w4m4", 512, block_t=32), _ixs("s512t64w4m8", 512, merge_warps=8, block_e=128)))
+"""The indexer's decode selection split over the key axis for long contexts (``indexer_split_decode``); the
+fused kernel (``indexer_decode``) is the default and the baseline its rows are timed beside."""
+
+
 def _site(n: int, d: int, f: int, w: int, split_tail: bool = False) -> Variant:
     return variant(f"n{n}d{d}f{f}w{w}" + (":split_tail" if split_tail else ""), None, "full", splits=n, block_d=d,
                    block_dn=f, num_warps=w, **({"split_tail": True} if split_tail else {}))
@@ -280,9 +335,9 @@ SELECTIONS = Family(
     (variant("prefill", None, "verify"),))
 """The indexer's top-k and the compressor's pooling (``attention_prefill``: CUDA-core fp32)."""
 
-FAMILIES = (GEMV, MOE, ATTENTION, MHC_SITE, PREFILL_MOE, PREFILL_GEMM, WEIGHT_GEMM, PREFILL_ATTENTION, INDEXER,
-            SELECTIONS)
-DECODE_FAMILIES = (GEMV, MOE, ATTENTION)
+FAMILIES = (GEMV, MOE, ATTENTION, ATTENTION_SPLIT, INDEXER_SPLIT, MHC_SITE, PREFILL_MOE, PREFILL_GEMM, WEIGHT_GEMM,
+            PREFILL_ATTENTION, INDEXER, SELECTIONS)
+DECODE_FAMILIES = (GEMV, MOE, ATTENTION, ATTENTION_SPLIT, INDEXER_SPLIT)
 """The families whose variants ``TritonOps.variants`` offers for the decode kernels (the prefill ones come from
 ``TritonPrefillOps.prefill_variants``)."""
 PREFILL_FAMILIES = (PREFILL_MOE, PREFILL_GEMM, WEIGHT_GEMM, PREFILL_ATTENTION, INDEXER, SELECTIONS)
@@ -293,7 +348,8 @@ def verify_variants(families, op: str) -> list[tuple[Family, Variant]]:
     return [(f, v) for f in families if op in f.ops for v in f.runs("verify", op)]
 
 
-__all__ = ["RUNS", "Variant", "variant", "Family", "GEMV", "MOE", "MOE_SAME_SEMANTICS", "ATTENTION", "MHC_SITE",
+__all__ = ["RUNS", "Variant", "variant", "Family", "GEMV", "MOE", "MOE_SAME_SEMANTICS", "ATTENTION",
+           "LONG_CONTEXTS", "ATTENTION_SPLIT", "INDEXER_SPLIT", "MHC_SITE",
            "PREFILL_MOE", "SORTER_ROWS", "moe_tags", "PREFILL_GEMM", "WEIGHT_GEMM",
            "PREFILL_ATTENTION", "INDEXER", "SELECTIONS", "FAMILIES", "DECODE_FAMILIES", "PREFILL_FAMILIES",
            "verify_variants"]

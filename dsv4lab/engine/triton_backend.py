@@ -55,7 +55,8 @@ from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.engine.decode_groups import ProjectionGroup, group_of
 from dsv4lab.engine.dispatch import Dispatch
-from dsv4lab.engine.kernel_families import ATTENTION, DECODE_FAMILIES, GEMV, MOE, verify_variants
+from dsv4lab.engine.kernel_families import (ATTENTION, ATTENTION_SPLIT, DECODE_FAMILIES, GEMV, INDEXER_SPLIT, MOE,
+                                            verify_variants)
 from dsv4lab.engine.kernel_loader import kernel_module
 from dsv4lab.engine.triton_prefill import TritonPrefillOps, device_dispatch, interpreting
 
@@ -68,11 +69,13 @@ if not torch.cuda.is_available():
 gemv = kernel_module("fp8_gemv")
 moe = kernel_module("fp4_moe_decode")
 attn = kernel_module("attention_decode")
+attn_split = kernel_module("attention_split_decode")
 mhc = kernel_module("mhc")
 nrq = kernel_module("norm_rope_quant")
 cmp_decode = kernel_module("compressor_decode")
 router = kernel_module("router")
 idx_decode = kernel_module("indexer_decode")
+idx_split = kernel_module("indexer_split_decode")
 act_kernels = kernel_module("swiglu")
 
 # The fused glue ops (row-parallel kernels for any row count).
@@ -169,6 +172,19 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         the kernel's)."""
         p = self.config.attention(rows)
         return None if p is None else p.build(attn.AttentionGeometry)
+
+    def attention_split_choice(self, rows: int, entries: int):
+        """The split-KV attention's ``SplitKvGeometry`` for ``rows`` query rows whose selection lists ``entries``
+        rows, where the dispatch chooses it (:meth:`~dsv4lab.engine.dispatch.Dispatch.attention_split`); None: the
+        kernel of :meth:`attention_choice`."""
+        p = self.config.attention_split(rows, entries)
+        return None if p is None else p.build(attn_split.SplitKvGeometry)
+
+    def indexer_choice(self, rows: int, keys: int):
+        """The split indexer's ``IndexerSplitGeometry`` for ``rows`` rows over a cache of ``keys`` index keys,
+        where the dispatch chooses it (:meth:`~dsv4lab.engine.dispatch.Dispatch.indexer`); None: the fused kernel."""
+        p = self.config.indexer(rows, keys)
+        return None if p is None else p.build(idx_split.IndexerSplitGeometry)
 
     def _mhc_site(self, X: torch.Tensor):
         """The one-launch site's geometry for the rows of ``X [..., n, D]`` when tuned (None: the kernel's choice;
@@ -413,26 +429,34 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.sparse_attention(self, q, kv, idx, sink, scale)
         self._decode("sparse_attention")
         batch = torch.arange(b, device=q.device).repeat_interleave(s)
-        o = attn.sparse_attention_decode(q.reshape(b * s, h, d), kv, idx.reshape(b * s, -1), batch, sink, scale,
-                                         geometry=geometry or self.attention_choice(b * s))
+        kernel = attn_split.sparse_attention_split if isinstance(geometry, attn_split.SplitKvGeometry) \
+            else attn.sparse_attention_decode
+        o = kernel(q.reshape(b * s, h, d), kv, idx.reshape(b * s, -1), batch, sink, scale,
+                   geometry=geometry or self.attention_choice(b * s))
         return o.view(b, s, h, d)
 
     def attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None, sin=None,
-                              positions=None, cmp_ratio=0):
+                              positions=None, cmp_ratio=0, geometry=None):
         """Decode attention straight from the caches: ``q [b, H, d]``, the window ring ``win_kv [slots, W, d]``
         with ``win_rows [b, W]`` and optionally ``cmp_kv [slots, C, d]`` with ``cmp_rows [b, K]`` (−1 = masked),
         each row ``i`` reading cache slot ``slots[i]``; with ``cos, sin, positions`` the inverse RoPE of the output
-        in the kernel's epilogue. Returns ``[b, H, d]``."""
+        in the kernel's epilogue. Returns ``[b, H, d]``. The kernel: the split-KV one for a long selection where
+        the dispatch chooses it (:meth:`attention_split_choice`), else :mod:`dsv4lab_kernels.attention_decode`;
+        ``geometry`` (a variant's) fixes it."""
         why = self._unsupported(q.shape[0], q, win_kv)
         if why is not None:
             self._fallback("attention_from_caches", why)
             return ReferenceOps.attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale,
                                                       cos, sin, positions, cmp_ratio)
         self._decode("sparse_attention")
-        return attn.sparse_attention_decode(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
-                                            batch_b=slots if cmp_kv is not None else None,
-                                            geometry=self.attention_choice(q.shape[0]), cos=cos, sin=sin,
-                                            positions=positions, prefix_ratio_b=cmp_ratio if cmp_kv is not None else 0)
+        entries = win_rows.shape[1] + (cmp_rows.shape[1] if cmp_kv is not None else 0)
+        if geometry is None:
+            geometry = self.attention_split_choice(q.shape[0], entries) or self.attention_choice(q.shape[0])
+        kernel = attn_split.sparse_attention_split if isinstance(geometry, attn_split.SplitKvGeometry) \
+            else attn.sparse_attention_decode
+        return kernel(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
+                      batch_b=slots if cmp_kv is not None else None, geometry=geometry, cos=cos, sin=sin,
+                      positions=positions, prefix_ratio_b=cmp_ratio if cmp_kv is not None else 0)
 
     def indexer_scores(self, qi, w, keys, all_reduce=None):
         out = self._prefill("indexer_scores", self.prefill_indexer_scores(qi, w, keys, all_reduce))
@@ -551,11 +575,19 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.indexer_query(self, qi, cos, sin, positions)
         return nrq.indexer_query(qi, cos, sin, positions, self.numerics.indexer_fp4_sim)
 
-    def indexer_select_decode(self, qi, w, keys, slots, positions, topk, all_reduce=None, w_scale=1.0):
+    def indexer_select_decode(self, qi, w, keys, slots, positions, topk, all_reduce=None, w_scale=1.0,
+                              geometry=None):
+        """The fused kernel (:mod:`dsv4lab_kernels.indexer_decode`), or the one split over the key axis where the
+        dispatch chooses it for this cache (:meth:`indexer_choice`; ``geometry``, a variant's, fixes it): the same
+        selection either way."""
         why = "tensor-parallel partial sum" if all_reduce is not None else None
         if not self._glue("indexer_select_decode", qi, keys, why=why):
             return ReferenceOps.indexer_select_decode(self, qi, w, keys, slots, positions, topk, all_reduce,
                                                       w_scale)
+        geometry = geometry or self.indexer_choice(qi.shape[0], keys.shape[1])
+        if geometry is not None:
+            return idx_split.indexer_select_split(qi, w, keys, slots, positions, topk, w_scale=w_scale,
+                                                  geometry=geometry)
         return idx_decode.indexer_select(qi, w, keys, slots, positions, topk, w_scale=w_scale)
 
     def router_topk(self, logits, gate, ids):
@@ -615,6 +647,11 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
                 route = self.moe_choice(x.shape[0] if op == "routed_experts" else None)[0]
             return MOE.accumulation_of(route)
         if op in ("sparse_attention", "attention_from_caches", "indexer_select_decode"):
+            geometry = kwargs.get("geometry")
+            if isinstance(geometry, attn_split.SplitKvGeometry):
+                return ATTENTION_SPLIT.accumulation_of(None)
+            if isinstance(geometry, idx_split.IndexerSplitGeometry):
+                return INDEXER_SPLIT.accumulation_of(None)
             return ATTENTION.accumulation_of(None)
         if op == "expert_mlp":
             x, w1, w2, w3 = args[:4]
@@ -646,7 +683,8 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         (``fp4_moe_decode.reference_int8_moe``, in the tests and the benchmark) and at model level by a KL bound
         (docs/kernels_decode.md), so it is not a verification variant."""
         base = {GEMV.name: gemv.GemvGeometry(), MOE.name: self.moe_choice()[1],
-                ATTENTION.name: self.attention_choice()}
+                ATTENTION.name: self.attention_choice(), ATTENTION_SPLIT.name: attn_split.SplitKvGeometry(),
+                INDEXER_SPLIT.name: idx_split.IndexerSplitGeometry()}
         out = {}
         for family, v in verify_variants(DECODE_FAMILIES, method):
             kwargs = {"route": v.route} if v.route is not None else {}

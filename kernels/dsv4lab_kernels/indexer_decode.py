@@ -62,6 +62,52 @@ def _order_key(score, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _sort_key(score, t):
+    """One int64 per (score, entry) in the selection's order: larger for a larger score and, among equal scores,
+    for the lower entry ``t`` (the reference's stable descending sort) — score order key high, ``2³¹−1−t`` low;
+    every key is above int64's minimum, which marks "no entry". The entry is ``2147483647 − (key & 0xFFFFFFFF)``."""
+    return (_order_key(score, 0) - 2147483648 << 32) | (2147483647 - t).to(tl.int64)
+
+
+@triton.jit
+def _query(q_ptr, w_ptr, b, H, DI, w_scale, sq_b, sq_h, sw_b, ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr,
+           BLOCK_D: tl.constexpr):
+    """Row ``b``'s prepared query ``[BLOCK_H, BLOCK_D]`` (its dtype) and head weights ``w · w_scale`` (fp32,
+    rounded to bf16 as the reference's act product when ``ROUND_BF16``); zero past ``H`` heads and ``DI`` dims."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    hm = h < H
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :], mask=hm[:, None] & (d < DI)[None, :], other=0.0)
+    w = tl.load(w_ptr + b * sw_b + h, mask=hm, other=0.0).to(tl.float32) * w_scale
+    if ROUND_BF16:  # the head weights are the act tensor weights_proj(x) · scale
+        w = round_to_bf16(w)
+    return q, w
+
+
+@triton.jit
+def _score_keys(q, w, krow, t, tm, DI, sk_t, ROUND_BF16: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """The scores ``Σ_h bf16(relu(bf16(q_h·k_t))·w_h)`` of the keys ``t`` (valid where ``tm``; the others are never
+    read) of one cache slot (``krow``: its first key), as fp32 holding act values — the head sum in fp64, rounded
+    once, as the reference."""
+    d = tl.arange(0, BLOCK_D)
+    keys = tl.load(krow + t[:, None] * sk_t + d[None, :], mask=tm[:, None] & (d < DI)[None, :], other=0.0)
+    if UPCAST or not ROUND_BF16:  # the interpreter's bf16 dot is wrong; fp32 dots of these values are exact
+        dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    else:
+        dots = tl.dot(q, tl.trans(keys))
+    if ROUND_BF16:
+        dots = round_to_bf16(dots)
+        term = round_to_bf16(tl.maximum(dots, 0.0) * w[:, None])
+    else:
+        term = tl.maximum(dots, 0.0) * w[:, None]
+    score = tl.sum(term.to(tl.float64), axis=0).to(tl.float32)  # exact head sum, rounded once
+    if ROUND_BF16:
+        score = round_to_bf16(score)
+    return score
+
+
+@triton.jit
 def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_ptr, buf_ptr, out_ptr,
                            H, DI, T, KOUT, TOPK, RATIO, w_scale, sq_b, sq_h, sw_b, sk_b, sk_t, s_sc, s_buf, s_out,
                            ROUND_BF16: tl.constexpr, UPCAST: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -79,31 +125,11 @@ def _indexer_select_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, pos_ptr, sc_ptr, cnt_p
         j = tl.arange(0, BLOCK_K)
         tl.store(out_ptr + b * s_out + j, tl.full((BLOCK_K,), -1, tl.int64), mask=j < KOUT)
     if t0 < n_vis:
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        hm = h < H
-        dm = d < DI
-        q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-        w = tl.load(w_ptr + b * sw_b + h, mask=hm, other=0.0).to(tl.float32) * w_scale
-        if ROUND_BF16:  # the head weights are the act tensor weights_proj(x) · scale
-            w = round_to_bf16(w)
+        q, w = _query(q_ptr, w_ptr, b, H, DI, w_scale, sq_b, sq_h, sw_b, ROUND_BF16, BLOCK_H, BLOCK_D)
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < n_vis
-        slot = tl.load(slot_ptr + b)
-        keys = tl.load(k_ptr + slot * sk_b + t[:, None] * sk_t + d[None, :], mask=tm[:, None] & dm[None, :],
-                       other=0.0)
-        if UPCAST or not ROUND_BF16:  # the interpreter's bf16 dot is wrong; fp32 dots of these values are exact
-            dots = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-        else:
-            dots = tl.dot(q, tl.trans(keys))
-        if ROUND_BF16:
-            dots = round_to_bf16(dots)
-            term = round_to_bf16(tl.maximum(dots, 0.0) * w[:, None])
-        else:
-            term = tl.maximum(dots, 0.0) * w[:, None]
-        score = tl.sum(term.to(tl.float64), axis=0).to(tl.float32)  # exact head sum, rounded once
-        if ROUND_BF16:
-            score = round_to_bf16(score)
+        score = _score_keys(q, w, k_ptr + tl.load(slot_ptr + b) * sk_b, t, tm, DI, sk_t, ROUND_BF16, UPCAST,
+                            BLOCK_D)
         tl.store(sc_row + t, score, mask=tm)
         tl.debug_barrier()  # this program's scores are stored before it counts itself in
         if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == n_active - 1:
@@ -122,7 +148,7 @@ def _pick_block(s, t, tm, tau, take_ties, placed, ties, buf, SHIFT: tl.constexpr
     tie_rank = ties + tl.cumsum(tie.to(tl.int64), axis=0) - 1
     sel = ((u > tau) & tm) | (tie & (tie_rank < take_ties))
     slot_i = placed + tl.cumsum(sel.to(tl.int64), axis=0) - 1
-    key = (_order_key(s, 0) - 2147483648 << 32) | (2147483647 - t).to(tl.int64)
+    key = _sort_key(s, t)
     tl.store(buf + slot_i, key, mask=sel)
     return placed + tl.sum(sel.to(tl.int64), axis=0), ties + tl.sum(tie.to(tl.int64), axis=0)
 

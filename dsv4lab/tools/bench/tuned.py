@@ -2,7 +2,9 @@
 
 ``dsv4lab bench kernels --suite decode|prefill`` on a GPU turns its result into tuned entries —
 :func:`decode_entries` (per projection shape and batch the fastest implementation that passed its bound, per batch
-the fastest routed-MoE variant of the reference's semantics and the fastest attention and mHC-site geometries) and
+the fastest routed-MoE variant of the reference's semantics and the fastest attention and mHC-site geometries; the
+long-context kernels where the context sweep measured them faster, from the entries count where they start to win:
+:func:`long_context_entries`) and
 :func:`prefill_entries` (the result's ``choices``) — and merges them over a base (:func:`merge_tuned`: by default
 the GPU's committed file, so a run that measured part of the ops keeps the rest, each entry naming the
 measurement it came from). ``scripts/rebuild_tuned.py`` does the same from committed result files, and converts the
@@ -81,6 +83,62 @@ def decode_entries(doc: dict, shapes: dict, source: str) -> dict[str, list[dict]
             best = min(cands, key=lambda r: r["time_us"])
             out[op].append(dict(rows=T, choice=best["geometry_fields"], source=source, variant=best["variant"],
                                 us=best["time_us"], alternatives={r["variant"]: r["time_us"] for r in cands}))
+    out.update(long_context_entries(rows, source))
+    return out
+
+
+LONG_CONTEXT_OPS = {"decode.indexer": (("indexer_ctx",), "fused"),
+                    "decode.attention_split": (("attn_hca_ctx", "attn_csa_ctx"), "slices")}
+"""The long-context ops, the result rows of the decode suite's context sweep (kernel names up to the context) and
+the ``kernel`` a choice names where today's kernel stays (``bench.decode.long_context``)."""
+
+
+def long_context_entries(rows: list[dict], source: str) -> dict[str, list[dict]]:
+    """Per batch, from the context sweep's rows (``today`` and each long-context variant, with their ``entries``):
+    the variant fastest at the most entries measured (the regime these kernels are for; rows of one entry count
+    summed: HCA and CSA may list as many rows), chosen (``kernel`` ``split``) if it beats today's kernel there,
+    from ``min_entries`` = the fewest entries from which it is faster at every count with at least as many; else an
+    entry naming today's kernel, so a base file's older choice does not survive the measurement."""
+    out: dict[str, list[dict]] = {}
+    for op, (prefixes, today_kernel) in LONG_CONTEXT_OPS.items():
+        sweep = [r for r in rows if r["kernel"].startswith(prefixes) and "entries" in r]
+        out[op] = []
+        for T in sorted({r["batch"] for r in sweep}):
+            at = [r for r in sweep if r["batch"] == T]
+            today = {(r["kernel"], r["entries"]): r["time_us"] for r in at if r.get("route") == "today"}
+            by_variant: dict[str, dict] = {}
+            for r in at:
+                if r.get("route") == "split" and (r["kernel"], r["entries"]) in today:
+                    by_variant.setdefault(r["variant"], {})[(r["kernel"], r["entries"])] = r
+            if not today or not by_variant:
+                continue
+            longest = max(e for _, e in today)
+            at_longest = [key for key in today if key[1] == longest]
+            cands = {v: rs for v, rs in by_variant.items() if all(key in rs for key in at_longest)}
+            if not cands:
+                continue
+            name, picked = min(cands.items(), key=lambda kv: sum(kv[1][key]["time_us"] for key in at_longest))
+
+            def totals(e, picked=picked, today=today):
+                keys = [key for key in today if key[1] == e]
+                if not all(key in picked for key in keys):
+                    return None
+                return sum(picked[key]["time_us"] for key in keys), sum(today[key] for key in keys)
+            threshold = None
+            for e in sorted({e for _, e in today}, reverse=True):  # from the longest down, while it wins
+                t = totals(e)
+                if t is None or t[0] >= t[1]:
+                    break
+                threshold = e
+            # the evidence: each candidate's and today's µs summed over the sweep's rows (the batch's contexts)
+            sums = {v: round(sum(r["time_us"] for r in rs.values()), 2) for v, rs in by_variant.items()}
+            evidence = dict(source=source, rows=T, alternatives=sums | {"today": round(sum(today.values()), 2)})
+            if threshold is None:
+                out[op].append(dict(choice=dict(kernel=today_kernel), variant="today", **evidence))
+            else:
+                geometry = next(iter(picked.values()))["geometry_fields"]
+                out[op].append(dict(choice=dict(kernel="split", min_entries=threshold, **geometry), variant=name,
+                                    **evidence))
     return out
 
 
@@ -259,6 +317,7 @@ def convert_decode_dispatch(old: dict, results: dict[str, dict]) -> dict:
     return tuned_doc(old["gpu"], sources, ops)
 
 
-__all__ = ["GEOMETRY_OPS", "PREFILL_CHOICE_OPS", "source_of", "tuned_doc", "decode_entries", "prefill_entries",
+__all__ = ["GEOMETRY_OPS", "PREFILL_CHOICE_OPS", "LONG_CONTEXT_OPS", "long_context_entries", "source_of",
+           "tuned_doc", "decode_entries", "prefill_entries",
            "prefill_headline", "merge_tuned", "take_ops", "add_tuned_arguments", "TunedWriter",
            "LEGACY_DISPATCH_FORMAT", "convert_decode_dispatch"]

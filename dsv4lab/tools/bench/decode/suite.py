@@ -12,6 +12,7 @@ from dsv4lab.tools.bench.decode.gemv import (bench_gemv, check_gemv, gemv_varian
                                              projection_shapes)
 from dsv4lab.tools.bench.decode.harness import BATCHES, QUICK_BATCHES, QUICK_BUDGET_S, DecodeBench
 from dsv4lab.tools.bench.decode.layer import bench_layer, check_static_decode
+from dsv4lab.tools.bench.decode.long_context import bench_long_context, check_long_context
 from dsv4lab.tools.bench.decode.mhc import bench_mhc
 from dsv4lab.tools.bench.decode.moe import bench_moe, check_moe, moe_variants
 from dsv4lab.tools.bench.tuned import TunedWriter, decode_entries, source_of
@@ -76,8 +77,12 @@ def run_suite(args) -> int:
 
     def attention():
         passed = check_attention(b, a)
+        passed |= b.guard("long-context checks", lambda: check_long_context(b, a, gen)) or set()
         b.guard("static decode step (tiny)", lambda: check_static_decode(b, tiny))
         bench_attention(b, a, gen, passed, batches)
+        # the context sweep: batch 1 and the largest batch (the long-context kernels' two ends)
+        ends = sorted({batches[0], batches[-1]})
+        b.guard("long-context sweep", lambda: bench_long_context(b, a, gen, passed, ends))
     sections = {"moe": lambda: bench_moe(b, a, gen, passed_moe, batches, mv),
                 "gemv": lambda: bench_gemv(b, a, gen, gemv_ok, batches, gv),
                 "mhc": lambda: bench_mhc(b, a, gen, batches),

@@ -35,6 +35,40 @@ def sparse_attention(nm, acc, q, kv, idx, sink, scale):
     ``ρ = e^{Δz+Δm} − 1 + (6 + 3|z−m|)·u`` plus the online rescaling's ``(5K + 2·(z_max−z_min))·u``; the numerator
     adds one bf16 rounding of each probability (either side may round against another maximum) and γ_K; the
     denominator γ_{K+1}; the quotient ``(δN + |o|·δD)/(D − δD)``."""
+    K = idx.shape[-1]
+    return _attention_interval(nm, acc, q, kv, idx, sink, scale, rescales=K, num_gamma=gamma(K, acc),
+                               den_gamma=gamma(K + 1, acc), rule="bf16 probabilities either side")
+
+
+def sparse_attention_split(nm, acc, q, kv, idx, sink, scale, chunk: int, block_r: int):
+    """:func:`sparse_attention` as the split-KV kernel evaluates it (``dsv4lab_kernels.attention_split_decode``):
+    the selection cut into ``S = ⌈K/chunk⌉`` chunks of ``chunk`` positions, each an online softmax over blocks of
+    ``block_r`` rows, then the chunks rescaled to the global max and summed in fp32. Against the general bound,
+    three terms change (docs/verification.md, "Split-KV attention"):
+
+    * the rescaling chain of a probability: at most ``⌈chunk/block_r⌉ − 1`` rescalings inside its chunk and one
+      in the combine (each an exp and a product: ``(5 + 2|Δm|)·u``, the ``Δm`` summing to at most
+      ``z_max − z_min``) — ``(5⌈chunk/block_r⌉ + 2(z_max − z_min))·u`` instead of ``(5K + …)·u``;
+    * the numerator: a chunk's sum of at most ``chunk`` terms in ``acc`` (γ_chunk), the chunks' sum in fp32 on
+      CUDA cores (γ_S) — instead of γ_K;
+    * the denominator: γ_chunk for a chunk's sum, γ_{S+1} for the chunks' and the sink's — instead of γ_{K+1}.
+
+    The exp of each probability's own argument, taken against its chunk's running max (no farther from it than the
+    global max), and the bf16 rounding of each probability on either side are as in the general bound."""
+    K = idx.shape[-1]
+    n = max(1, min(chunk, K))
+    S = max(1, -(-K // chunk))
+    return _attention_interval(nm, acc, q, kv, idx, sink, scale, rescales=-(-n // block_r),
+                               num_gamma=gamma(n, acc) + gamma(S, "fp32"),  # the combine: CUDA cores, fp32
+                               den_gamma=gamma(n, acc) + gamma(S + 1, "fp32"),
+                               rule=f"split-KV, {S} chunk(s) of {chunk}")
+
+
+def _attention_interval(nm, acc, q, kv, idx, sink, scale, rescales: int, num_gamma: float, den_gamma: float,
+                        rule: str):
+    """The interval of :func:`sparse_attention`'s derivation, given the evaluation's longest rescaling chain
+    (``rescales`` exp-and-product steps besides the range term), the relative error of its numerator's sums
+    (``num_gamma``) and of its denominator's (``den_gamma``)."""
     u = elementwise_roundoff(acc)
     u_act = unit_roundoff(nm.act) if nm.act in (torch.bfloat16, torch.float16) else 0.0
     b, s, h, d = q.shape
@@ -51,7 +85,7 @@ def sparse_attention(nm, acc, q, kv, idx, sink, scale):
     m = z.amax(-1, keepdim=True)
     dm = dz.amax(-1, keepdim=True)
     zmin = torch.where(vmask, z, torch.full_like(z, float("inf"))).amin(-1, keepdim=True)
-    chain = (5 * K + 2 * (m - zmin).clamp_min(0)) * u
+    chain = (5 * rescales + 2 * (m - zmin).clamp_min(0)) * u
     p = torch.exp(z - m)
     dev = torch.where(vmask, (z - m).abs(), torch.zeros_like(z))
     rho = torch.where(vmask, torch.expm1(dz + dm) + (6 + 3 * dev) * u + chain, torch.zeros_like(z))
@@ -63,24 +97,39 @@ def sparse_attention(nm, acc, q, kv, idx, sink, scale):
     mag_rho = torch.einsum("bshk,bskd->bshd", p * rho, g.abs())
     gmax = g.abs().amax((-2, -1))[:, :, None, None]
     den = p.sum(-1, keepdim=True) + ps
-    d_num = mag_rho + (u_act + gamma(K, acc)) * (mag + mag_rho) * (1 + u_act) + K * FP32_MIN_NORMAL * gmax
-    d_den = (p * rho).sum(-1, keepdim=True) + rho_s * ps + gamma(K + 1, acc) * den * (1 + rho.amax(-1, keepdim=True)) \
+    d_num = mag_rho + (u_act + num_gamma) * (mag + mag_rho) * (1 + u_act) + K * FP32_MIN_NORMAL * gmax
+    d_den = (p * rho).sum(-1, keepdim=True) + rho_s * ps + den_gamma * den * (1 + rho.amax(-1, keepdim=True)) \
         + K * FP32_MIN_NORMAL
     o = num / den
     err = (d_num + o.abs() * d_den) / (den - d_den).clamp_min(den * 0.5)
     err = err + 2 * u * (o.abs() + err)
-    return Interval.around(o, err, f"attention over K={K} rows, d={d} (bf16 probabilities either side)").round(nm.act)
+    return Interval.around(o, err, f"attention over K={K} rows, d={d} ({rule})").round(nm.act)
 
 
 def attention_from_caches(nm, acc, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None, sin=None,
                           positions=None, cmp_ratio=0):
     """:func:`sparse_attention` over the selected rows of both caches, then (given the tables) the inverse RoPE of
     its interval (:func:`rope_interval`). ``cmp_ratio`` only tells a kernel which rows may be skipped."""
+    return _from_caches(sparse_attention, nm, acc, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos,
+                        sin, positions)
+
+
+def attention_from_caches_split(nm, acc, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None,
+                                sin=None, positions=None, cmp_ratio=0, *, chunk: int, block_r: int):
+    """:func:`attention_from_caches` as the split-KV kernel evaluates it (:func:`sparse_attention_split`)."""
+    def attention(nm, acc, q, kv, idx, sink, scale):
+        return sparse_attention_split(nm, acc, q, kv, idx, sink, scale, chunk, block_r)
+    return _from_caches(attention, nm, acc, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos, sin,
+                        positions)
+
+
+def _from_caches(attention, nm, acc, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos, sin,
+                 positions):
     kv, rows = win_kv[slots], win_rows
     if cmp_kv is not None:
         kv = torch.cat((kv, cmp_kv[slots].to(kv.dtype)), 1)
         rows = torch.cat((win_rows, torch.where(cmp_rows >= 0, cmp_rows + win_kv.shape[1], -1)), 1)
-    iv = sparse_attention(nm, acc, q[:, None], kv, rows[:, None], sink, scale)
+    iv = attention(nm, acc, q[:, None], kv, rows[:, None], sink, scale)
     iv = Interval(iv.lo[:, 0], iv.hi[:, 0], iv.rule)
     if cos is None:
         return iv
