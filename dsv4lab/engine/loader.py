@@ -147,7 +147,8 @@ def check_memory(args: ModelArgs, weight_bytes: int, max_batch: int, dtype: torc
 def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
          act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: Backend = "reference",
          max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
-         validate: bool = True, progress: bool | None = None, decode_path: str = "auto"):
+         validate: bool = True, progress: bool | None = None, decode_path: str = "auto",
+         prefill_path: str = "auto", warmup: bool = False):
     """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
 
     Args:
@@ -174,10 +175,17 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         decode_path: how decode steps run — ``"auto"`` (CUDA-graph replay of the static step on a GPU with the
             Triton backend, the eager per-op forward otherwise), ``"graph"``, ``"static"`` or ``"eager"`` (see
             :data:`dsv4lab.engine.runner.DECODE_PATHS`).
+        prefill_path: how multi-token prefill chunks run — ``"auto"`` (CUDA-graph replay of the static prefill
+            step per chunk bucket on a GPU with the Triton backend, the eager per-op forward otherwise),
+            ``"graph"``, ``"static"`` or ``"eager"`` (see :data:`dsv4lab.engine.prefill_step.PREFILL_PATHS`).
+        warmup: compile (and capture) every prefill bucket and decode tier before returning
+            (:meth:`~dsv4lab.engine.runner.ModelRunner.warmup`; its report is ``runner.warmup_report``), so that no
+            prompt compiles a kernel later; ``progress`` shows its progress bar.
     """
     check_device(device)
     ck = open_checkpoint(checkpoint)
     stored = sum(i.nbytes for i in ck.tensors.values())
+    warmup_progress = progress  # the warm-up's bar: asked for, or (None) when stderr is a terminal
     if progress is None:
         progress = stored >= PROGRESS_BYTES and sys.stderr.isatty()
     if validate:
@@ -200,6 +208,9 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         if hasattr(m, "cache_dequant"):
             m.cache_dequant = native < CACHE_DEQUANT_LIMIT
     model.allocate(max_batch, numerics.act, numerics.acc, device)
-    runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes, decode_path=decode_path)
+    runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes, decode_path=decode_path,
+                         prefill_path=prefill_path)
     runner.reset()
+    if warmup:
+        runner.warmup_report = runner.warmup(progress=warmup_progress)
     return runner

@@ -22,18 +22,22 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
 * **TTFT**: a ``--prompt-tokens`` prompt prefilled in chunks of each ``--chunks`` size until the first token;
   then, at the fastest chunk, one more prefill with every backend op timed (summed over the layers, the glue
   between them apart) beside the cost model's prediction of that prefill (``prefill_breakdown``).
+* **warmup** and **first prompt**: the warm-up at load, then the TTFT of the first prompt of each
+  ``--first-prompts`` length against the same prompt warm (:mod:`dsv4lab.tools.bench.e2e_warmup`; ``--no-warmup``
+  measures the cold first prompts instead).
 * **ABBA** (more than one rank): batch-1 decode rounds alternating two all-reduce strategies A B B A.
 * **breakdown** (CUDA): one graph replay of the batch-1 step under the profiler — GPU time by kernel family and
   the number of kernel launches per step and per layer — beside the roofline model's prediction on the H200
   catalogue entry.
 
-The parts run in the order decode rows, breakdown, TTFT (and its per-op breakdown), ABBA, contexts — what a tight
+The parts run in the order warm-up and first prompts, decode rows, breakdown, TTFT (and its per-op breakdown), ABBA, contexts — what a tight
 budget should keep first. Every part's wall time is recorded (``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``). ``--smoke`` runs the same code on the tiny preset on a CPU
 (gloo between ranks) in seconds.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -64,6 +68,7 @@ from dsv4lab.core.provenance import short_commit
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.common import OP_NAMES, OpTimer, kernel_profile, median_copy_us, top_kernels, write_json
+from dsv4lab.tools.bench.e2e_warmup import first_prompt_rows, format_first_prompts, warmup_part
 
 HELP = ("end-to-end: decode tok/s and MBU at batch 1/2/4/8 and after long prompts, TTFT, oracle hash, graph checks, "
         "ABBA, kernel breakdown")
@@ -89,6 +94,11 @@ def add_arguments(p):
     p.add_argument("--context-chunk", type=int, default=8192, help="prefill chunk of the context prompts")
     p.add_argument("--prompt-tokens", type=int, default=4604)
     p.add_argument("--chunks", default="2048,4096", help="prefill chunk sizes to measure (comma-separated)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="warm up right after load: every prefill bucket and decode tier compiled and captured "
+                        "(--no-warmup: the first prompts below measure a cold start)")
+    p.add_argument("--first-prompts", default="1,100,1000,4604,8192",
+                   help="prompt lengths whose first TTFT is measured against their warm TTFT ('' to skip)")
     p.add_argument("--abba", default="library,peer_read", help="two all-reduce strategies for the ABBA run "
                    "('' to skip)")
     p.add_argument("--budget-s", type=float, default=480.0,
@@ -111,11 +121,14 @@ def options(args) -> dict:
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
              prompt_tokens=args.prompt_tokens, chunks=positive_ints(args.chunks, "--chunks"),
              abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
+             warmup=args.warmup, first_prompts=positive_ints(args.first_prompts, "--first-prompts")
+             if args.first_prompts.strip() else [],
              commit=args.commit, pdl=not getattr(args, "no_pdl", False) and os.environ.get(PDL_ENV) != "0")
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
-                 contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32)
+                 contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32,
+                 first_prompts=[1, 17] if o["first_prompts"] else [])
         if not torch.cuda.is_available():
             o["backend"] = "reference"  # the Triton backend on a CPU is the interpreter: minutes per token
             if o["abba"]:
@@ -159,6 +172,8 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, doc)
     print(format_summary(doc))
+    for line in format_first_prompts(doc):
+        print(line)
     print(f"wrote {out}")
     if doc.get("failed"):
         print(f"FAILED parts: {', '.join(f'{k} ({v})' for k, v in doc['failed'].items())}")
@@ -241,7 +256,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         os.environ[PDL_ENV] = "0"  # read at every kernel launch (kernels/dsv4lab_kernels/launch.py), graph capture included
     args = cut_layers(get_preset(o["preset"]), o["layers"])
     max_len = max([o["prompt_tokens"], 16 + o["decode_tokens"], 48]
-                  + [c + o["context_tokens"] for c in o["contexts"]]) + 8
+                  + [c + o["context_tokens"] for c in o["contexts"]] + o["first_prompts"]) + 8
     if world > 1:
         _, _, device = init_distributed()
         ck = RandomCheckpoint(args, o["seed"], device, name=o["preset"])
@@ -262,8 +277,13 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     copy_gbps = parts.run("copy_bandwidth", lambda: copy_bandwidth(device))
     doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
                ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
-               decode_path=runner.decode_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
+               decode_path=runner.decode_path, prefill_path=runner.prefill_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
                max_seq_len=max_len, smoke=o["smoke"], pdl=_pdl_active(device), **identity(device, o.get("commit")))
+    if o["warmup"]:  # first: no part has compiled anything yet
+        doc["warmup"] = parts.run("warmup", lambda: warmup_part(runner))
+    if o["first_prompts"]:  # before any other part runs a prompt of these lengths
+        doc["first_prompt"] = parts.run("first_prompt", lambda: first_prompt_rows(
+            runner, clock, o["first_prompts"], o["rounds"], after_warmup=bool(doc.get("warmup"))))
     doc["oracle"] = parts.run("oracle", lambda: oracle(runner))
     doc["oracle_hash"] = (doc["oracle"] or {}).get("hash")
     log(rank, f"oracle hash {doc['oracle_hash']}")
