@@ -8,10 +8,10 @@ builds it (``triton/runtime/jit.py``: ``create_function_from_signature`` binds t
 
 * a ``tl.constexpr`` parameter: its value;
 * a tensor: its element type and whether its address is a multiple of 16 bytes (``"D"``; unless the parameter is
-  in ``do_not_specialize_on_alignment``);
+  in ``do_not_specialize_on_alignment``; in ``do_not_specialize``: its type only);
 * an integer, unless the parameter is in ``do_not_specialize``: ``1`` becomes a compile-time constant; otherwise
-  its type (``i32``, ``i64`` or ``u64`` by range) and whether it is a multiple of 16 (``"D"``); in
-  ``do_not_specialize``: its type only;
+  its type (``i32``, ``i64`` or ``u64`` by range) and whether it is a multiple of 16 (``"D"``; not for a parameter
+  in ``do_not_specialize_on_alignment``); in ``do_not_specialize``: its type only;
 * a float or bool: its type only (never specialized);
 
 plus the launch options (``num_warps``, ``num_stages``, ``launch_pdl``, …). :func:`arg_key` restates that rule in
@@ -38,7 +38,7 @@ import torch
 _INT_RANGES = (("i32", -2 ** 31, 2 ** 31 - 1), ("i64", -2 ** 63, 2 ** 63 - 1), ("u64", 2 ** 63, 2 ** 64 - 1))
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                 torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-                torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+                torch.bool: "u1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 def arg_key(value, specialize: bool = True, align: bool = True) -> tuple:
@@ -56,11 +56,13 @@ def arg_key(value, specialize: bool = True, align: bool = True) -> tuple:
             return (kind, None)
         if value == 1:
             return ("constexpr", 1)
-        return (kind, "D" if value % 16 == 0 else "")
+        return (kind, "D" if align and value % 16 == 0 else "")
     if isinstance(value, float):
         return ("fp32", None)
     if isinstance(value, torch.Tensor):
         name = _DTYPE_NAMES.get(value.dtype, str(value.dtype).replace("torch.", ""))
+        if not specialize:
+            return ("*" + name, None)
         return ("*" + name, "D" if align and value.data_ptr() % 16 == 0 else "")
     return (type(value).__name__, None)
 
