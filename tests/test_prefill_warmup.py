@@ -98,6 +98,9 @@ def test_after_warmup_prompts_of_any_length_launch_only_warmed_specializations()
     warmed = set(rec.keys)
     assert report.prefill_s.keys() == {64, 96, 128} and report.decode_s.keys() == {1, 2}
     assert report.specializations == len(warmed) and report.kernels == len(rec.kernels) > 20
+    # what each part added (the widest bucket first: the others add only the keys of their own sizes)
+    assert list(report.new_specializations) == ["prefill 128", "prefill 96", "prefill 64", "decode 1", "decode 2"]
+    assert sum(report.new_specializations.values()) == len(warmed)
     for chunks, rows, keys in _sweep(m):
         new = keys - warmed
         assert not new, f"{rows} row(s) in chunks {chunks} launched {len(new)} key(s) the warm-up did not: " + \

@@ -44,6 +44,8 @@ class WarmupReport:
         seconds: the whole warm-up.
         kernels: distinct Triton kernels launched (0 for the reference backend).
         specializations: distinct launch keys — the binaries compiled (or read from Triton's cache).
+        new_specializations: per part (``prefill <bucket>``, ``decode <tier>``, in the order run), the keys it
+            launched that no part before it had: what each bucket or tier adds to the compile cost.
         launches: kernel launches recorded.
         note: why a part was skipped or ran without graphs, if it did.
     """
@@ -55,6 +57,7 @@ class WarmupReport:
     seconds: float = 0.0
     kernels: int = 0
     specializations: int = 0
+    new_specializations: dict[str, int] = field(default_factory=dict)
     launches: int = 0
     note: str = ""
 
@@ -120,22 +123,17 @@ def warm_up(runner, progress: bool | None = None, record: bool = True) -> Warmup
     try:
         if recorder is not None:
             recorder.__enter__()
-        for c in buckets:
+        work = [("prefill", c, report.prefill_s, prefiller.warm) for c in buckets]
+        work += [("decode", b, report.decode_s, lambda b: _warm_decode(runner, b)) for b in tiers]
+        for kind, size, seconds, run in work:
             if bar is not None:
-                bar.set_postfix_str(f"prefill {c}")
-            t0 = time.perf_counter()
-            prefiller.warm(c)
+                bar.set_postfix_str(f"{kind} {size}")
+            keys, t0 = len(recorder.keys) if recorder is not None else 0, time.perf_counter()
+            run(size)
             _sync(runner)
-            report.prefill_s[c] = round(time.perf_counter() - t0, 3)
-            if bar is not None:
-                bar.update()
-        for b in tiers:
-            if bar is not None:
-                bar.set_postfix_str(f"decode batch {b}")
-            t0 = time.perf_counter()
-            _warm_decode(runner, b)
-            _sync(runner)
-            report.decode_s[b] = round(time.perf_counter() - t0, 3)
+            seconds[size] = round(time.perf_counter() - t0, 3)
+            if recorder is not None:
+                report.new_specializations[f"{kind} {size}"] = len(recorder.keys) - keys
             if bar is not None:
                 bar.update()
     finally:
