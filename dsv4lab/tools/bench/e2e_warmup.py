@@ -38,11 +38,7 @@ def first_prompt_rows(runner, clock, lengths: list[int], rounds: int, after_warm
         first: list[int] = []
 
         def once():
-            runner.reset()
-            logits = None
-            for p in range(0, n, chunk):
-                logits = runner.forward(ids[:, p:p + chunk], p, logits="last")
-            first.append(int(logits[0, -1].argmax()))
+            first.append(int(runner.prefill(ids, chunk)[0].argmax()))  # (prefill resets the slot)
         times = [clock.time(once) for _ in range(rounds + 1)]
         warm = statistics.median(times[1:])
         ratio = times[0] / warm if warm > 0 else None
