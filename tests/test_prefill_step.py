@@ -189,13 +189,15 @@ def test_static_prefill_equals_the_eager_forward_on_the_triton_prefill_kernels()
 # ============================================================================================ GPU
 def _pinned(nm):
     """The Triton backend with every kernel choice that could depend on the row count pinned (the prefill kernels
-    at any row count, the Triton GEMMs rather than cuBLAS, fixed MoE and mHC settings)."""
+    at any row count, the Triton GEMMs rather than cuBLAS — whose algorithm may change with the row count —, fixed
+    MoE settings, the mHC rows kernel at its default geometry rather than the tuned one-launch site)."""
     from dsv4lab.engine.triton_backend import TritonOps
     ops = TritonOps(nm)
     ops.prefill_min_tokens = 1
     ops.prefill_gemm_backend = ops.prefill_weight_gemm_backend = "triton"
     ops.prefill_moe_route, ops.prefill_moe_rows, ops.prefill_moe_tag = "bf16", 64, ""
-    ops.prefill_mhc_rows = False
+    ops.prefill_moe_decode, ops.prefill_moe_persistent, ops.prefill_moe_scale_per_byte = "auto", False, False
+    ops.prefill_mhc_rows, ops.prefill_mhc_rows_geometry = True, ""  # the rows kernel at its default geometry
     return ops
 
 
