@@ -579,12 +579,16 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
     """One chunked prefill of the TTFT prompt with every backend op timed (:class:`~dsv4lab.tools.bench.common.OpTimer`:
     CUDA events, outermost calls, summed over the layers), the time between the ops (``untimed_us``: torch glue,
     cache writes, host waits), beside the cost model's prediction of the same prefill on the H200 catalogue entry
-    (µs per op kind, and its terms)."""
+    (µs per op kind, and its terms). A graph's replay calls no op: on the graph prefill path the same static step
+    runs eagerly here (``path``)."""
 
     ids = torch.tensor([_prompt(runner.args, o["prompt_tokens"], seed=7)], device=runner.device)
     n = ids.shape[1]
     cuda = runner.device.type == "cuda"
     runner.reset()  # the TTFT rounds at this chunk ran just before: compiles and autotuning are done
+    path = runner.prefill_path
+    if path == "graph":
+        runner.prefill_path = "static"
     with OpTimer(runner.ops, OP_NAMES, cuda=cuda) as timer:
         if cuda:
             torch.cuda.synchronize(runner.device)
@@ -594,9 +598,11 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
             torch.cuda.synchronize(runner.device)
         wall_us = (time.perf_counter() - t0) * 1e6
         ops_us = timer.totals_us()
+    runner.prefill_path = path
     runner.reset()
     pred = _predicted(prefill_cost(runner.args, tokens=n, chunk=chunk, tp=o["tp"], ep=o["ep"]))
-    return dict(chunk=chunk, prompt_tokens=n, measured_total_us=round(wall_us, 1),
+    return dict(chunk=chunk, prompt_tokens=n, path="static" if path == "graph" else path,
+                measured_total_us=round(wall_us, 1),
                 measured_op_us={k: round(v, 1) for k, v in sorted(ops_us.items(), key=lambda kv: -kv[1])},
                 untimed_us=round(wall_us - sum(ops_us.values()), 1), predicted_us_by_kind=pred["by_kind"],
                 predicted_total_us=pred["total"], predicted_terms_us=pred["terms"])
