@@ -78,7 +78,8 @@ def cache_state(m) -> dict[str, torch.Tensor]:
 
 def assert_same(got: list[torch.Tensor], want: list[torch.Tensor], got_m, want_m, what: str) -> None:
     for i, (g, w) in enumerate(zip(got, want)):
-        assert torch.equal(_bytes(g), _bytes(w)), f"{what}: forward {i}: max |Δ| {(g - w).abs().nan_to_num().max():.3g}"
+        assert torch.equal(_bytes(g), _bytes(w)), \
+            f"{what}: forward {i}: max |Δ| {(g - w).abs().nan_to_num().max():.3g}"
     a, b = cache_state(got_m), cache_state(want_m)
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     assert not differ, f"{what}: caches differ: {differ}"
@@ -168,7 +169,8 @@ def test_the_bucket_ladder_is_multiples_of_16_at_most_one_and_a_half_apart_past_
     assert bucket_ladder(50, 100) == (64, 96, 128)
     eager, static = tiny_pair
     assert default_buckets(static) == (16, 32, 48, 64, 96, 128, 192)  # the reference: to the cache length (160)
-    assert static.prefiller.bucket(1) == 16 and static.prefiller.bucket(49) == 64 and static.prefiller.bucket(999) == 192
+    pf = static.prefiller
+    assert pf.bucket(1) == 16 and pf.bucket(49) == 64 and pf.bucket(999) == 192
 
 
 @pytest.mark.slow

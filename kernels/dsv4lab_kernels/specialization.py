@@ -77,7 +77,8 @@ class LaunchKey:
     options: tuple
 
     def describe(self) -> str:
-        return f"{self.kernel}({', '.join(f'{n}={v}' for n, v in self.args)}; {', '.join(f'{n}={v}' for n, v in self.options)})"
+        args = ", ".join(f"{n}={v}" for n, v in self.args)
+        return f"{self.kernel}({args}; {', '.join(f'{n}={v}' for n, v in self.options)})"
 
 
 def _constexpr_value(value):

@@ -305,7 +305,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     copy_gbps = parts.run("copy_bandwidth", lambda: copy_bandwidth(device))
     doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
                ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
-               decode_path=runner.decode_path, prefill_path=runner.prefill_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
+               decode_path=runner.decode_path, prefill_path=runner.prefill_path, load_s=round(load_s, 1),
+               copy_bw_gbps=copy_gbps,
                max_seq_len=max_len, smoke=o["smoke"], pdl=_pdl_active(device), **identity(device, o.get("commit")))
     if o["warmup"]:  # first: no part has compiled anything yet
         doc["warmup"] = parts.run("warmup", lambda: warmup_part(runner))
