@@ -14,7 +14,8 @@ indexer keys, the compressors' kv/score rings — is compared byte for byte with
 * the Triton prefill kernels under the interpreter (``TritonPrefillBackend``, every op on its prefill kernel at any
   row count, so both paths take the same kernels): bit for bit on a small generated model (slow);
 * on a GPU (marked ``gpu``): the graph-replayed step against the same step run eagerly, and against the eager
-  per-op forward with every kernel choice pinned.
+  per-op forward with every kernel choice pinned; after the warm-up, a chunked prompt under torch's sync check
+  (``set_sync_debug_mode("error")``): no host sync.
 """
 from __future__ import annotations
 
@@ -225,3 +226,24 @@ def test_graph_replayed_prefill_equals_the_eager_forward_at_pinned_kernel_choice
     ids = _ids(420, 4096, seed=12).cuda()
     chunks = (70, 200, 33, 110)
     assert_same(_run(graph, ids, chunks, 2), _run(eager, ids, chunks, 2), graph, eager, "graph vs eager")
+
+
+@pytest.mark.gpu
+def test_a_warmed_up_graph_prefill_never_waits_for_the_gpu():
+    """Two chunks of a prompt after the warm-up under torch's sync check set to raise: no host read-back, no
+    synchronising copy (the chunk's inputs go in from pinned memory), and the second chunk's replay is issued
+    while the first may still run; the logits equal those of the same chunks without the check."""
+    m = dsv4lab.load(TINY, device="cuda", backend="triton", max_batch=1, max_seq_len=512, validate=False,
+                     prefill_path="graph", warmup=True)
+    ids = _ids(333, 4096, seed=13)  # host ids, as the server passes them
+    chunks = (200, 133)
+    want = _run(m, ids, chunks, 0)
+    m.reset()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [m.forward(ids[:, :200], 0, logits="last"), m.forward(ids[:, 200:], 200, logits="last")]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert m.prefiller.graphs is not None and not m.prefiller.note, m.prefiller.note
+    assert all(torch.equal(_bytes(g), _bytes(w)) for g, w in zip(got, want))

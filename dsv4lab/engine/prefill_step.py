@@ -283,11 +283,12 @@ class PrefillGraphs:
 
     @torch.inference_mode()  # the static inputs were made in inference mode: copying into them must be too
     def replay(self, bucket: int, io_host: torch.Tensor) -> torch.Tensor:
-        """Run the bucket's graph on ``io_host [bucket + 3]`` (tokens, start, length, slot; a host tensor): one copy
-        in, the replay, a copy of the ``[1, vocab]`` logits out — no host sync."""
+        """Run the bucket's graph on ``io_host [bucket + 3]`` (tokens, start, length, slot; a host tensor, pinned so
+        that the copy in is asynchronous — from pageable memory torch waits for the stream): one copy in, the
+        replay, a copy of the ``[1, vocab]`` logits out — no host sync."""
         self.capture(bucket)
         graph, io, logits = self.graphs[bucket]
-        io.copy_(io_host)
+        io.copy_(io_host, non_blocking=io_host.is_pinned())
         graph.replay()
         return logits.clone()
 
@@ -305,9 +306,10 @@ class Prefiller:
         self.runner = runner
         self.step = StaticPrefillStep(runner)
         self.buckets = tuple(sorted(buckets or default_buckets(runner)))
-        if not self.buckets or self.buckets[0] % SMALLEST_BUCKET:
+        if not self.buckets or any(c % SMALLEST_BUCKET for c in self.buckets):
             raise ValueError(f"prefill buckets must be multiples of {SMALLEST_BUCKET}, got {self.buckets}")
         self.graphs = PrefillGraphs(runner, self.step) if graphs else None
+        self.pinned = runner.device.type == "cuda"
         self.note = ""
 
     def bucket(self, n: int) -> int:
@@ -340,7 +342,7 @@ class Prefiller:
             out = self._guarded(lambda: self.graphs.replay(bucket, io))
             if out is not None:
                 return out
-        io = io.to(self.runner.device)
+        io = io.to(self.runner.device, non_blocking=io.is_pinned())
         return self.step(io[:bucket], io[bucket:])
 
     def __call__(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor,
@@ -353,7 +355,9 @@ class Prefiller:
             for s in range(0, n, widest):
                 piece = min(widest, n - s)
                 bucket = self.bucket(piece)
-                io = torch.zeros(bucket + 3, dtype=torch.long)
+                # a fresh pinned buffer per chunk: the copy to the device overlaps the chunk before it (torch's
+                # pinned-memory cache keeps the buffer until that copy is done)
+                io = torch.zeros(bucket + 3, dtype=torch.long, pin_memory=self.pinned)
                 io[:piece] = tokens[i, s:s + piece]
                 io[bucket:] = torch.tensor([p + s, piece, int(slots[i])])
                 out[i] = self._run(bucket, io)
