@@ -49,6 +49,11 @@ def test_bench_e2e_smoke_on_two_ranks_writes_the_fields_and_the_single_process_o
     assert {r["chunk"] for r in doc["prefill"]} == {16, 40} and all(r["ttft_s"] > 0 for r in doc["prefill"])
     assert doc["ttft"]["chunk"] in (16, 40) and doc["ranks"] == 2 and doc["commit"]
     assert len({r["first_token"] for r in doc["prefill"]}) == 1  # chunking does not change the first token
+    fp = doc["first_prompt"]  # after the warm-up: each length's first prompt against the same prompt warm
+    assert doc["warmup"]["prefill_path"] == doc["prefill_path"] == "eager" and fp["after_warmup"]
+    assert [r["prompt_tokens"] for r in fp["rows"]] == [1, 17] and all(r["same_token"] for r in fp["rows"])
+    assert all(r["first_ttft_s"] > 0 and r["ratio"] == pytest.approx(r["first_ttft_s"] / r["warm_ttft_s"], rel=1e-2)
+               for r in fp["rows"])
     pb = doc["prefill_breakdown"]  # the fastest chunk's prefill, op by op, beside the cost model
     assert pb["chunk"] == doc["ttft"]["chunk"] and pb["measured_total_us"] > 0 and pb["predicted_total_us"] > 0
     assert {"linear", "routed_experts", "sparse_attention"} <= set(pb["measured_op_us"])

@@ -150,7 +150,7 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
          act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: Backend = "reference",
          max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
          validate: bool = True, progress: bool | None = None, decode_path: str = "auto",
-         max_step_tokens: int = DEFAULT_STEP_TOKENS):
+         max_step_tokens: int = DEFAULT_STEP_TOKENS, prefill_path: str = "auto", warmup: bool = False):
     """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
 
     Args:
@@ -180,12 +180,19 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         max_step_tokens: the most tokens one static decode step may carry per sequence (a speculative verify step
             carries ``draft_tokens + 1``); the window rings are sized for it (``window_size + max_step_tokens − 1``
             rows, see :mod:`dsv4lab.engine.decode_graph`).
+        prefill_path: how multi-token prefill chunks run — ``"auto"`` (CUDA-graph replay of the static prefill
+            step per chunk bucket on a GPU with the Triton backend, the eager per-op forward otherwise),
+            ``"graph"``, ``"static"`` or ``"eager"`` (see :data:`dsv4lab.engine.prefill_step.PREFILL_PATHS`).
+        warmup: compile (and capture) every prefill bucket and decode tier before returning
+            (:meth:`~dsv4lab.engine.runner.ModelRunner.warmup`; its report is ``runner.warmup_report``), so that no
+            prompt compiles a kernel later; ``progress`` shows its progress bar.
     """
     check_device(device)
     if not isinstance(max_step_tokens, int) or max_step_tokens < 1:
         raise ValueError(f"max_step_tokens must be an integer ≥ 1, got {max_step_tokens!r}")
     ck = open_checkpoint(checkpoint)
     stored = sum(i.nbytes for i in ck.tensors.values())
+    warmup_progress = progress  # the warm-up's bar: asked for, or (None) when stderr is a terminal
     if progress is None:
         progress = stored >= PROGRESS_BYTES and sys.stderr.isatty()
     if validate:
@@ -208,6 +215,9 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         if hasattr(m, "cache_dequant"):
             m.cache_dequant = native < CACHE_DEQUANT_LIMIT
     model.allocate(max_batch, numerics.act, numerics.acc, device, step_tokens=max_step_tokens)
-    runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes, decode_path=decode_path)
+    runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes, decode_path=decode_path,
+                         prefill_path=prefill_path)
     runner.reset()
+    if warmup:
+        runner.warmup_report = runner.warmup(progress=warmup_progress)
     return runner

@@ -21,8 +21,10 @@ from dsv4lab.core.model.transformer import Transformer
 from dsv4lab.core.tokenizer import load_tokenizer
 from dsv4lab.engine.decode_graph import Decoder, check_slots
 from dsv4lab.engine.finite import NON_FINITE, check_rows, greedy_ids, locating_non_finite, non_finite
+from dsv4lab.engine.prefill_step import Prefiller, resolve_prefill_path
 from dsv4lab.engine.sampling import check_generation, sample, trajectory_hash
 from dsv4lab.engine.speculative import check_speculative, generate_speculative
+from dsv4lab.engine.warmup import WarmupReport, warm_up
 
 log = logging.getLogger("dsv4lab.runner")
 
@@ -60,7 +62,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, ops, checkpoint: Path | None = None, plan=None, read_bytes=None,
-                 decode_path: str = "auto"):
+                 decode_path: str = "auto", prefill_path: str = "auto"):
         self.model, self.ops, self.plan = model, ops, plan
         self.args = model.args
         self.checkpoint = checkpoint
@@ -76,6 +78,9 @@ class ModelRunner:
         self._decoders: dict[str, Decoder] = {}  # per path, kept when the path is switched and back
         self.decode_note = ""
         self.decode_path = decode_path
+        self._prefillers: dict[str, Prefiller] = {}
+        self.prefill_path = prefill_path
+        self.warmup_report: WarmupReport | None = None  # the last warm-up's (load(warmup=True) or warmup())
 
     @property
     def backend(self) -> str:
@@ -154,6 +159,32 @@ class ModelRunner:
             self.decode_path = "static"
             return use(self.decoder)
 
+    # ------------------------------------------------------------------ prefill path and warm-up
+    @property
+    def prefill_path(self) -> str:
+        """How a plain multi-token forward (``logits="last"``) runs: ``graph``, ``static`` or ``eager`` (see
+        :data:`~dsv4lab.engine.prefill_step.PREFILL_PATHS`)."""
+        return self._prefill_path
+
+    @prefill_path.setter
+    def prefill_path(self, path: str) -> None:
+        self._prefill_path = resolve_prefill_path(self, path)
+
+    @property
+    def prefiller(self) -> Prefiller | None:
+        """The static prefill step of the current path (built on first use; None on the eager path)."""
+        if self._prefill_path == "eager":
+            return None
+        if self._prefill_path not in self._prefillers:
+            self._prefillers[self._prefill_path] = Prefiller(self, graphs=self._prefill_path == "graph")
+        return self._prefillers[self._prefill_path]
+
+    def warmup(self, progress: bool | None = None) -> WarmupReport:
+        """Compile (and capture) every prefill bucket and decode tier now, so no prompt compiles later
+        (:func:`dsv4lab.engine.warmup.warm_up`)."""
+        self.warmup_report = warm_up(self, progress)
+        return self.warmup_report
+
     # ------------------------------------------------------------------ state
     def reset(self, slots: Sequence[int] | torch.Tensor | None = None) -> None:
         """Drop the per-sequence state of ``slots`` (all slots if None). A new sequence must start reset."""
@@ -221,6 +252,10 @@ class ModelRunner:
             logits = self._fast_decode(tokens_cpu[:, 0], start, slots_t)[:, None]
             self.positions[slots_t] += 1
             return logits
+        if plain and n > 1 and trace is None and logits == "last" and self.prefiller is not None:
+            out = self.prefiller(tokens_cpu, start, lengths_t, slots_t)  # static chunks per bucket (no host sync)
+            self.positions[slots_t] += lengths_t
+            return out
         if mtp:
             self._check_mtp(slots_t, start)
         ragged = int(lengths_t.min()) < n  # (host copies: no device read-back to decide the padding mask)

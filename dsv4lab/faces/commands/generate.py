@@ -48,6 +48,12 @@ def add_arguments(p):
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "static", "eager"),
                    help="auto (default): CUDA-graph replay of the static decode step on a GPU with the triton "
                         "backend, the eager per-op forward otherwise")
+    p.add_argument("--prefill-path", default="auto", choices=("auto", "graph", "static", "eager"),
+                   help="auto (default): the static prefill step per chunk bucket, CUDA-graph replayed, on a GPU "
+                        "with the triton backend; the eager per-op forward otherwise")
+    p.add_argument("--warmup", action="store_true",
+                   help="before generating, compile every prefill bucket and decode tier (with a progress bar), as "
+                        "a server does at start: the prompt then compiles nothing")
     p.add_argument("--speculative", default=None, choices=("mtp",),
                    help="self-speculative greedy decoding: the MTP block drafts, the model verifies (lossless)")
     p.add_argument("--draft-tokens", type=int_range(1), default=1,
@@ -114,6 +120,13 @@ def run(args) -> int:
         m.decode_path = args.decode_path
     except ValueError as err:
         raise UserError(f"--decode-path {args.decode_path}: {err}") from None
+    try:
+        m.prefill_path = args.prefill_path
+    except ValueError as err:
+        raise UserError(f"--prefill-path {args.prefill_path}: {err}") from None
+    warmup = m.warmup(progress=None if rank == 0 else False) if args.warmup else None
+    if warmup is not None and rank == 0 and not args.json:
+        print(warmup.describe(), file=sys.stderr)
     if args.prompt is not None:
         if m.tokenizer is None:
             raise UserError(f"{args.checkpoint} has no tokenizer.json: use --prompt-ids")
@@ -153,7 +166,10 @@ def run(args) -> int:
     reason = finish_reason(out, len(ids), args.max_new_tokens, cache, m.args.eos_token_id)
     text = m.tokenizer.decode(out) if m.tokenizer is not None else None
     res = dict(prompt_ids=ids, output_ids=out, hash=trajectory_hash(out), text=text, finish_reason=reason,
-               backend=m.backend, dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info(), threads=threads)
+               backend=m.backend, dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info(), threads=threads,
+               prefill_path=m.prefill_path)
+    if warmup is not None:
+        res["warmup"] = warmup.to_dict()
     if args.speculative is not None:
         res["speculative"] = dict(method=args.speculative, draft_tokens=args.draft_tokens,
                                   **m.last_speculative_stats.to_dict())

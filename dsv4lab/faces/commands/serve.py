@@ -11,6 +11,7 @@ See ``docs/serving.md``.
 """
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import os
 import sys
@@ -68,6 +69,9 @@ def add_arguments(p):
     p.add_argument("--draft-tokens", type=int, default=1,
                    help="tokens the MTP block drafts per step (default 1; at most what the model's smallest ring "
                         "cache allows, which the error names)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="before serving, compile every prefill bucket and decode tier (progress bar on stderr), so no "
+                        "request waits for a compiler (default: on a GPU; --no-warmup starts faster)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"))
 
 
@@ -104,7 +108,7 @@ def run(args) -> int:
                          batch_prefill=not args.no_batch_prefill, max_body_bytes=args.max_body_mb << 20,
                          speculative=args.speculative, draft_tokens=args.draft_tokens,
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                         generate=args.generate, layers=args.layers, seed=args.seed)
+                         generate=args.generate, layers=args.layers, seed=args.seed, warmup=args.warmup)
     set_cpu_threads(args.threads, resolve_device(args.device))
     what = args.checkpoint or f"a generated {args.generate} model (seed {args.seed}, layers {args.layers or 'all'})"
     print(f"loading {what} (backend {args.backend}, {args.device}, {args.dtype})", file=sys.stderr)

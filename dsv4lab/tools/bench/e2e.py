@@ -23,6 +23,9 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
 * **TTFT**: a ``--prompt-tokens`` prompt prefilled in chunks of each ``--chunks`` size until the first token;
   then, at the fastest chunk, one more prefill with every backend op timed (summed over the layers, the glue
   between them apart) beside the cost model's prediction of that prefill (``prefill_breakdown``).
+* **warmup** and **first prompt**: the warm-up at load, then the TTFT of the first prompt of each
+  ``--first-prompts`` length against the same prompt warm (:mod:`dsv4lab.tools.bench.e2e_warmup`; ``--no-warmup``
+  measures the cold first prompts instead).
 * **ABBA** (more than one rank): batch-1 decode rounds alternating two all-reduce strategies A B B A.
 * **verify** and **speculative** (one rank): the speculative verify step of ``k+1`` tokens (``--draft-tokens``)
   against the one-token step and against its bytes ratio; speculative decoding's tok/s with injected acceptance
@@ -32,13 +35,15 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   the number of kernel launches per step and per layer — beside the roofline model's prediction on the H200
   catalogue entry.
 
-The parts run in the order decode rows, breakdown, verify, speculative, TTFT (and its per-op breakdown), ABBA,
-contexts — what a tight budget should keep first. Every part's wall time is recorded (``timing_s``); parts that would start after
+The parts run in the order warm-up and first prompts, decode rows, breakdown, verify, speculative, TTFT (and its
+per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
+(``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``). ``--smoke`` runs the same code on the tiny preset on a CPU
 (gloo between ranks) in seconds.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -71,6 +76,7 @@ from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.common import OP_NAMES, OpTimer, kernel_profile, median_copy_us, top_kernels, write_json
 from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_rows, verify_rows
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
+from dsv4lab.tools.bench.e2e_warmup import first_prompt_rows, format_first_prompts, warmup_part
 from dsv4lab.core.paths import DATA_DIR
 from dsv4lab.engine.speculative import max_draft_tokens
 
@@ -102,6 +108,11 @@ def add_arguments(p):
     p.add_argument("--context-chunk", type=int, default=8192, help="prefill chunk of the context prompts")
     p.add_argument("--prompt-tokens", type=int, default=4604)
     p.add_argument("--chunks", default="2048,4096", help="prefill chunk sizes to measure (comma-separated)")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="warm up right after load: every prefill bucket and decode tier compiled and captured "
+                        "(--no-warmup: the first prompts below measure a cold start)")
+    p.add_argument("--first-prompts", default="1,100,1000,4604,8192",
+                   help="prompt lengths whose first TTFT is measured against their warm TTFT ('' to skip)")
     p.add_argument("--abba", default="library,peer_read", help="two all-reduce strategies for the ABBA run "
                    "('' to skip)")
     p.add_argument("--budget-s", type=float, default=480.0,
@@ -127,13 +138,15 @@ def options(args) -> dict:
              prompt_tokens=args.prompt_tokens, chunks=positive_ints(args.chunks, "--chunks"),
              abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
              draft_tokens=positive_ints(args.draft_tokens, "--draft-tokens") if args.draft_tokens.strip() else [],
-             alphas=_alphas(args.alphas),
+             alphas=_alphas(args.alphas), warmup=args.warmup,
+             first_prompts=positive_ints(args.first_prompts, "--first-prompts") if args.first_prompts.strip() else [],
              commit=args.commit, pdl=not getattr(args, "no_pdl", False) and os.environ.get(PDL_ENV) != "0")
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
                  alphas=o["alphas"][:2], draft_tokens=o["draft_tokens"][:2],
-                 contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32)
+                 contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32,
+                 first_prompts=[1, 17] if o["first_prompts"] else [])
         if not torch.cuda.is_available():
             o["backend"] = "reference"  # the Triton backend on a CPU is the interpreter: minutes per token
             if o["abba"]:
@@ -187,6 +200,8 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, doc)
     print(format_summary(doc))
+    for line in format_first_prompts(doc):
+        print(line)
     print(f"wrote {out}")
     if doc.get("failed"):
         print(f"FAILED parts: {', '.join(f'{k} ({v})' for k, v in doc['failed'].items())}")
@@ -269,7 +284,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         os.environ[PDL_ENV] = "0"  # read at every kernel launch (kernels/dsv4lab_kernels/launch.py), graph capture included
     args = cut_layers(get_preset(o["preset"]), o["layers"])
     max_len = max([o["prompt_tokens"], 16 + o["decode_tokens"], 48]
-                  + [c + o["context_tokens"] for c in o["contexts"]]) + 8
+                  + [c + o["context_tokens"] for c in o["contexts"]] + o["first_prompts"]) + 8
     if world > 1:
         _, _, device = init_distributed()
         ck = RandomCheckpoint(args, o["seed"], device, name=o["preset"])
@@ -292,8 +307,14 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     copy_gbps = parts.run("copy_bandwidth", lambda: copy_bandwidth(device))
     doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
                ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
-               decode_path=runner.decode_path, load_s=round(load_s, 1), copy_bw_gbps=copy_gbps,
+               decode_path=runner.decode_path, prefill_path=runner.prefill_path, load_s=round(load_s, 1),
+               copy_bw_gbps=copy_gbps,
                max_seq_len=max_len, smoke=o["smoke"], pdl=_pdl_active(device), **identity(device, o.get("commit")))
+    if o["warmup"]:  # first: no part has compiled anything yet
+        doc["warmup"] = parts.run("warmup", lambda: warmup_part(runner))
+    if o["first_prompts"]:  # before any other part runs a prompt of these lengths
+        doc["first_prompt"] = parts.run("first_prompt", lambda: first_prompt_rows(
+            runner, clock, o["first_prompts"], o["rounds"], after_warmup=bool(doc.get("warmup"))))
     doc["oracle"] = parts.run("oracle", lambda: oracle(runner))
     doc["oracle_hash"] = (doc["oracle"] or {}).get("hash")
     log(rank, f"oracle hash {doc['oracle_hash']}")
@@ -561,12 +582,16 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
     """One chunked prefill of the TTFT prompt with every backend op timed (:class:`~dsv4lab.tools.bench.common.OpTimer`:
     CUDA events, outermost calls, summed over the layers), the time between the ops (``untimed_us``: torch glue,
     cache writes, host waits), beside the cost model's prediction of the same prefill on the H200 catalogue entry
-    (µs per op kind, and its terms)."""
+    (µs per op kind, and its terms). A graph's replay calls no op: on the graph prefill path the same static step
+    runs eagerly here (``path``)."""
 
     ids = torch.tensor([_prompt(runner.args, o["prompt_tokens"], seed=7)], device=runner.device)
     n = ids.shape[1]
     cuda = runner.device.type == "cuda"
     runner.reset()  # the TTFT rounds at this chunk ran just before: compiles and autotuning are done
+    path = runner.prefill_path
+    if path == "graph":
+        runner.prefill_path = "static"
     with OpTimer(runner.ops, OP_NAMES, cuda=cuda) as timer:
         if cuda:
             torch.cuda.synchronize(runner.device)
@@ -576,9 +601,11 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
             torch.cuda.synchronize(runner.device)
         wall_us = (time.perf_counter() - t0) * 1e6
         ops_us = timer.totals_us()
+    runner.prefill_path = path
     runner.reset()
     pred = _predicted(prefill_cost(runner.args, tokens=n, chunk=chunk, tp=o["tp"], ep=o["ep"]))
-    return dict(chunk=chunk, prompt_tokens=n, measured_total_us=round(wall_us, 1),
+    return dict(chunk=chunk, prompt_tokens=n, path="static" if path == "graph" else path,
+                measured_total_us=round(wall_us, 1),
                 measured_op_us={k: round(v, 1) for k, v in sorted(ops_us.items(), key=lambda kv: -kv[1])},
                 untimed_us=round(wall_us - sum(ops_us.values()), 1), predicted_us_by_kind=pred["by_kind"],
                 predicted_total_us=pred["total"], predicted_terms_us=pred["terms"])

@@ -62,6 +62,7 @@ class ServerOptions:
     generate: str | None = None
     layers: int = 0
     seed: int = 0
+    warmup: bool | None = None  # compile every prefill bucket and decode tier before serving (None: on a GPU)
 
     @property
     def model_name(self) -> str:
@@ -106,6 +107,9 @@ def build_app(opts: ServerOptions, model=None):
     from dsv4lab.tools.serve.app import ServeConfig, create_app
 
     model = model if model is not None else load_model(opts)
+    on_gpu = getattr(getattr(model, "device", None), "type", None) == "cuda"
+    if hasattr(model, "warmup") and (opts.warmup or (opts.warmup is None and on_gpu)):
+        log.info("%s", model.warmup(progress=None).describe())  # the first request then compiles nothing
     cache_len = int(model.args.max_seq_len)
     max_model_len = min(opts.max_model_len or cache_len, cache_len)
     scheduler = Scheduler(model, max_running=opts.max_concurrency, max_waiting=opts.max_queue,
