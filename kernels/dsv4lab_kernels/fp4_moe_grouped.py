@@ -48,7 +48,6 @@ quantization block), written per sorted row in the layout stage 2 reads. Stage 2
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,9 +55,10 @@ import triton
 import triton.language as tl
 
 from .formats import e2m1_pair_to_f32_scaled, e8m0_to_f32, pow2
-from .fp8_gemm import interpreting, pow2_exponent, quantize_activations, quantize_block_fp8, to_bf16
-from .rowops import DeviceProbe
-from .moe_sort import SortedRouting, sort_by_expert
+from .fp8_gemm import interpreting, quantize_activations, to_bf16
+from .rowops import DeviceProbe, once_per_tensors
+from .moe_sort import SortedRouting, expert_work_item, sort_by_expert
+from .swiglu import routed_swiglu_fp8
 
 ROUTES = ("bf16", "fp8", "scaled")
 DECODES = ("auto", "asm", "f16")
@@ -223,19 +223,6 @@ def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok
     return acc
 
 
-# ============================================================================================ work order
-@triton.jit
-def _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr):
-    """Work item ``w`` (< used blocks × ``n_tiles``) → (block, N tile, local expert). Items are numbered expert
-    by expert (an expert's blocks are contiguous, so ``w // n_tiles`` is one of its blocks), then tile by tile,
-    then block by block: programs running together share each weight tile."""
-    e = tl.load(block_expert_ptr + w // n_tiles)
-    first = tl.load(first_block_ptr + e)
-    nb = tl.load(expert_blocks_ptr + e)
-    local = w - first * n_tiles
-    return first + local % nb, local // nb, e
-
-
 # ============================================================================================ stage 1: gate/up
 @triton.jit
 def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, block_expert_ptr, first_block_ptr,
@@ -246,7 +233,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
     n_tiles = tl.cdiv(I, BLOCK_N)
     total = tl.load(used_blocks_ptr) * n_tiles
     for w in range(tl.program_id(0), total, tl.num_programs(0)):  # one item per program unless persistent
-        blk, tile, e = _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
+        blk, tile, e = expert_work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
         rows = blk * ROWS + tl.arange(0, ROWS)
         slot = tl.load(sorted_ptr + rows)
         valid = slot >= 0
@@ -267,18 +254,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
         u = to_bf16(acc_u).to(tl.float32)
         keep = n_ok[:, None] & valid[None, :]
         if FUSE:
-            if limit > 0:
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-                g = tl.minimum(g, limit)
-            rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
-            # SiLU in fp64, rounded once to fp32, as ReferenceOps.elementwise: an fp32 exp's last-bit differences
-            # would flip bf16/FP8 roundings of h downstream
-            gd = g.to(tl.float64)
-            silu = (gd / (1.0 + tl.exp(-gd))).to(tl.float32)
-            h = silu * u * rw[None, :]
-            h = tl.where(keep, to_bf16(h).to(tl.float32), 0.0)
-            ex = pow2_exponent(tl.max(tl.abs(h), axis=0))  # per row, over this 128-column quantization block
-            q = quantize_block_fp8(h, ex[None, :])
+            q, ex = routed_swiglu_fp8(g, u, tl.load(rw_ptr + slot, mask=valid, other=0.0), limit, keep)
             row_off = rows[None, :].to(tl.int64) * stride_o0
             if ROUTE == 2:
                 tl.store(out0_ptr + row_off + rn[:, None], q, mask=keep)
@@ -311,7 +287,7 @@ def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, fi
     n_tiles = tl.cdiv(D, BLOCK_N)
     total = tl.load(used_blocks_ptr) * n_tiles
     for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        blk, tile, e = _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
+        blk, tile, e = expert_work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
         rows = blk * ROWS + tl.arange(0, ROWS)
         slot = tl.load(sorted_ptr + rows)
         valid = slot >= 0
@@ -389,22 +365,13 @@ def _check_bank(bank) -> None:
         assert t.is_contiguous(), f"expert bank {name} must be contiguous"
 
 
-_EXACT_CACHE: dict[tuple, tuple[list, bool]] = {}
 _SCALES = ("w1_scale", "w3_scale", "w2_scale")
 
 
 def _per_bank(kind, bank, compute) -> bool:
-    """``compute(scales)`` once per bank's scale tensors. Keyed by address and shape, and valid only while those
-    very tensors are alive (weak references): memory freed by one bank and reused by the next must not answer for
-    it — a stale "exact" sent a later bank down a route its scales do not allow."""
-    scales = [getattr(bank, n) for n in _SCALES]
-    key = (kind,) + tuple((t.data_ptr(), tuple(t.shape)) for t in scales)
-    hit = _EXACT_CACHE.get(key)
-    if hit is not None and all(ref() is t for ref, t in zip(hit[0], scales)):
-        return hit[1]
-    ok = compute(scales)
-    _EXACT_CACHE[key] = ([weakref.ref(t) for t in scales], ok)
-    return ok
+    """``compute(scales)`` once per bank's scale tensors (:func:`~.rowops.once_per_tensors`: a stale "exact" once
+    sent a later bank, at the freed memory of an earlier one, down a route its scales do not allow)."""
+    return once_per_tensors(kind, [getattr(bank, n) for n in _SCALES], compute)
 
 
 def fp8_route_exact(bank, block_k: int = 128) -> bool:
