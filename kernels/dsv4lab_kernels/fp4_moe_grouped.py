@@ -54,17 +54,19 @@ import torch
 import triton
 import triton.language as tl
 
+from . import fp4_moe_fp8lut as fp8lut
 from .formats import e2m1_pair_to_f32_scaled, e8m0_to_f32, pow2
 from .fp8_gemm import interpreting, quantize_activations, to_bf16
 from .rowops import DeviceProbe, once_per_tensors
 from .moe_sort import SortedRouting, expert_work_item, sort_by_expert
 from .swiglu import routed_swiglu_fp8
 
-ROUTES = ("bf16", "fp8", "scaled")
+ROUTES = ("bf16", "fp8", "scaled", fp8lut.ROUTE)
+FP8_SPLIT_ROUTES = ("fp8", fp8lut.ROUTE)  # E4M3 activations in the split layout, h with fp32 scales per 128
 DECODES = ("auto", "asm", "f16")
 FP8_ROUTE_MAX_SPREAD = 14  # binades of 1×32 scales one K tile may span for the exact E2M1 → E4M3 upcast
 ASM_MAX_SCALE_BYTE = 128  # the asm decode multiplies by 2^(s−1) in bf16: s ≤ 128 (scales ≤ 2) keeps it finite
-ROUTE_ID = {name: i for i, name in enumerate(ROUTES)}
+ROUTE_ID = {name: i for i, name in enumerate(ROUTES)}  # the routes of the kernels below (fp8lut has its own)
 
 
 # ============================================================================================ unpacking
@@ -346,6 +348,7 @@ class MoEGeometry:
     decode: str = "auto"  # bf16 route's weight decode: "asm" (GPU), "f16" (portable) or "auto" (see the docstring)
     persistent: bool = False  # one program per SM walking the work items, instead of one program per item
     scale_per_byte: bool = False  # bf16 route: load each byte's scale (a cached gather) instead of broadcasting
+    lut_ref: str = "auto"  # fp8lut route: one scale reference per weight row ("row") or per tile ("tile"), or "auto"
 
     def replace(self, **kw) -> "MoEGeometry":
         return replace(self, **kw)
@@ -472,7 +475,7 @@ def _activation_operands(x: torch.Tensor, route: str) -> tuple[torch.Tensor, tor
     if route == "bf16":
         qa = quantize_activations(x, q=False, deq_split=True)
         return qa["deq_split"], qa["scale"]
-    if route == "fp8":
+    if route in FP8_SPLIT_ROUTES:
         qa = quantize_activations(x, q=False, q_split=True)
         return qa["q_split"], qa["scale"]
     qa = quantize_activations(x, q=True, scales32=True)
@@ -491,8 +494,9 @@ def _h_buffers(n_rows: int, inter: int, route: str, device, poison: bool):
     h = torch.empty(n_rows, inter, dtype=torch.float8_e4m3fn, device=device)
     if poison:
         h.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
-    if route == "fp8":
-        hs = torch.empty(n_rows, triton.cdiv(inter, 128), dtype=torch.float32, device=device)
+    if route in FP8_SPLIT_ROUTES:  # fp8lut reads a column block's rows contiguously: stored column block-major
+        hs = torch.empty(n_rows, triton.cdiv(inter, 128), dtype=torch.float32, device=device) if route == "fp8" \
+            else torch.empty(triton.cdiv(inter, 128), n_rows, dtype=torch.float32, device=device).t()
         if poison:
             hs.fill_(nan_fill)
     else:
@@ -505,11 +509,16 @@ def _h_buffers(n_rows: int, inter: int, route: str, device, poison: bool):
 def _check_route(route: str, bank, geo: MoEGeometry) -> None:
     assert route in ROUTES, f"unknown MoE route {route!r}; known: {', '.join(ROUTES)}"
     assert geo.block_k1 % 32 == 0 and geo.block_k2 % 32 == 0, "BLOCK_K must be a multiple of the FP4 group (32)"
+    if route in FP8_SPLIT_ROUTES:
+        assert 128 % geo.block_k1 == 0 and 128 % geo.block_k2 == 0, f"{route} route: BLOCK_K must divide 128"
     if route == "fp8":
-        assert 128 % geo.block_k1 == 0 and 128 % geo.block_k2 == 0, "fp8 route: BLOCK_K must divide 128"
         assert fp8_route_exact(bank, max(geo.block_k1, geo.block_k2)), \
             f"fp8 route: some K tile's FP4 scales span more than {FP8_ROUTE_MAX_SPREAD} binades (the E4M3 upcast " \
             "would not be exact)"
+    if route == fp8lut.ROUTE:
+        assert fp8lut.lut_route_exact(bank, max(geo.block_k1, geo.block_k2)), \
+            f"fp8lut route: some weight row's K tile has FP4 scales spanning more than {fp8lut.LUT_MAX_SPREAD} " \
+            f"binades or outside bytes {fp8lut.LUT_SCALE_BYTES} (its E4M3 weights would not be exact)"
 
 
 def gate_up(xv: torch.Tensor, xs: torch.Tensor, bank, routing: SortedRouting, route: str, geo: MoEGeometry,
@@ -537,6 +546,9 @@ def gate_up(xv: torch.Tensor, xs: torch.Tensor, bank, routing: SortedRouting, ro
     grid = _grid(routing, triton.cdiv(I, geo.block_n1), geo, dev)
     w1, w3 = _u8(bank.w1), _u8(bank.w3)
     s1, s3 = _u8(bank.w1_scale), _u8(bank.w3_scale)
+    if route == fp8lut.ROUTE:
+        fp8lut.gate_up(xv, xs, bank, routing, geo, rw, out0, out1, limit, fuse, grid, dev)
+        return out0, out1
     _gate_up_kernel[grid](xv, xs, w1, w3, s1, s3, routing.sorted_slots, routing.block_expert,
                           routing.expert_first_block, routing.expert_blocks, routing.used_blocks, rw, out0, out1,
                           D, I, routing.top_k, float(limit), xv.stride(0), xs.stride(0), w1.stride(0), w1.stride(1),
@@ -556,6 +568,9 @@ def down(hv: torch.Tensor, hs: torch.Tensor, bank, routing: SortedRouting, route
     out = torch.empty(n_slots, D, dtype=torch.bfloat16, device=hv.device)
     w2, s2 = _u8(bank.w2), _u8(bank.w2_scale)
     grid = _grid(routing, triton.cdiv(D, geo.block_n2), geo, hv.device)
+    if route == fp8lut.ROUTE:
+        fp8lut.down(hv, hs, bank, routing, geo, out, x_sorted, grid)
+        return out
     _down_kernel[grid](hv, hs, w2, s2, routing.sorted_slots, routing.block_expert, routing.expert_first_block,
                        routing.expert_blocks, routing.used_blocks, out, D, I, hv.stride(0),
                        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),

@@ -65,15 +65,16 @@ _TENSOR_ANSWERS: dict[tuple, tuple[list, object]] = {}
 
 
 def once_per_tensors(kind, tensors, compute):
-    """``compute(tensors)`` once per ``kind`` and set of tensors (a bank's scales checked for an exact route). Keyed
-    by address and shape, and valid only while those very tensors are alive (weak references): memory freed by one
-    set and reused by the next must not answer for it."""
+    """``compute(tensors)`` once per ``kind`` and set of tensors (a bank's scales checked for an exact route, or
+    tensors derived from them). Keyed by address and shape, and valid only while those very tensors are alive (weak
+    references): memory freed by one set and reused by the next must not answer for it."""
     key = (kind,) + tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
     hit = _TENSOR_ANSWERS.get(key)
     if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
         return hit[1]
     answer = compute(tensors)
     _TENSOR_ANSWERS[key] = ([weakref.ref(t) for t in tensors], answer)
+    weakref.finalize(tensors[0], _TENSOR_ANSWERS.pop, key, None)  # an answer may hold tensors: freed with its set
     return answer
 
 
