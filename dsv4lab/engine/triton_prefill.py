@@ -135,7 +135,8 @@ class TritonPrefillOps:
     file, else the default of :data:`~dsv4lab.engine.dispatch.PREFILL_DEFAULTS`):
         prefill_min_tokens: fewest token rows for which a prefill kernel is used.
         prefill_moe_route: ``"bf16"`` (default), ``"fp8"`` (falls back to ``bf16`` for a bank whose scales the
-            exact E4M3 upcast cannot hold) or ``"scaled"``.
+            exact E4M3 upcast cannot hold), ``"fp8lut"`` (FP8 tensor cores with the table decode; falls back to
+            ``fp8``, then ``bf16``, for a bank outside its 11-binade window) or ``"scaled"``.
         prefill_moe_rows: sorter rows (the grouped GEMM's block height); None: by token count.
         prefill_moe_decode / prefill_moe_persistent / prefill_moe_scale_per_byte: the bf16 route's weight decode,
             scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
@@ -213,6 +214,8 @@ class TritonPrefillOps:
     def _moe_route(self, bank, route: str | None = None, tokens: int | None = None) -> str:
         fm = _kernels("fp4_moe_grouped")
         route = route or self._setting("moe_route", tokens)
+        if route == "fp8lut" and not _kernels("fp4_moe_fp8lut").lut_route_exact(bank):
+            route = "fp8"
         if route == "fp8" and not fm.fp8_route_exact(bank):
             return "bf16"
         return route

@@ -451,11 +451,11 @@ def _decode_probe_kernel(w_ptr, d_ptr, lo_ptr, hi_ptr, BLOCK_N: tl.constexpr, BL
 
 
 def decode_probe_inputs(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every byte value under every exponent offset: 48 rows of 64 bytes (one 128-wide K tile), row ``n`` with
-    offset ``n % 12`` in all four groups and bytes ``64·(n // 12) … + 63``."""
-    n = torch.arange(48, device=device)
-    w = ((n // 12)[:, None] * 64 + torch.arange(64, device=device)[None, :]).to(torch.uint8)
-    d = (n % 12)[:, None].expand(48, 4).to(torch.int32).contiguous()
+    """Every byte value under every exponent offset: 64 rows of 64 bytes (one 128-wide K tile), row ``n`` with
+    offset ``n % 12`` in all four groups and bytes ``64·(n // 12) … + 63`` (mod 256): each offset meets every byte."""
+    n = torch.arange(64, device=device)
+    w = ((n // 12)[:, None] * 64 + torch.arange(64, device=device)[None, :]).remainder(256).to(torch.uint8)
+    d = (n % 12)[:, None].expand(64, 4).to(torch.int32).contiguous()
     return w, d
 
 
