@@ -1,43 +1,49 @@
 """The grouped FP4 MoE on FP8 tensor cores, route ``fp8lut``: each packed E2M1 weight tile is turned into E4M3
-bytes by a per-group byte table once per work item and multiplied with all the item's rows by FP8 MMAs (wgmma on
-sm_90); the activations are the reference's E4M3 values and scales. The launchers, buffers and the other routes are
-in :mod:`.fp4_moe_grouped`, which calls the two kernels here for this route.
+bytes by a per-group byte table once per work item and multiplied with all the item's rows by FP8 MMAs (wgmma
+E4M3 × E4M3 on sm_90); the activations are the reference's own E4M3 values and scales. :mod:`.fp4_moe_grouped`
+allocates the buffers and calls :func:`gate_up` / :func:`down` here for this route.
 
-**Work.** A work item is (sorted block of ``ROWS`` rows of one expert, ``BLOCK_N``-wide N tile)
-(:func:`.moe_sort.expert_work_item`: numbered expert by expert, tile by tile, block by block, so the programs that
-run together share each weight tile and the expert's rows through L2); ``persistent`` launches one program per SM
-walking the items. Per item and 128-wide K tile: the packed bytes (and their 1×32 E8M0 scales) go through shared
-memory into the MMA's operand registers (Triton's asynchronous copies, ``num_stages`` deep), are decoded there to
-E4M3 — once for all ``ROWS`` rows — and feed the MMA as its first operand (``accᵀ[N, rows] = W · Xᵀ``), the
-block's activation rows (gathered by token, E4M3, even columns then odd ones as
-``quantize_activations(q_split=True)`` lays them out) its second. Gate/up computes both projections of a tile for
-the same rows and ends in the reference's activation (:func:`.swiglu.routed_swiglu_fp8`) and the FP8 quantization of
-h per row over the tile's 128 columns; down reads that h.
+**Work.** A work item is (sorted block of ``ROWS`` rows of one expert, N tile) (:func:`.moe_sort.expert_work_item`:
+numbered expert by expert, tile by tile, block by block, so the programs that run together share each weight tile
+and the expert's rows through L2); ``persistent`` launches one program per SM walking the items. The weight tile is
+the MMA's first operand (``accᵀ[N, rows] = W · Xᵀ``), so the rows of a block are its N (16 … 128) and the weights
+are decoded once for all of them. Per 128-wide K tile the packed bytes and their scales arrive by Triton's
+asynchronous copies (``num_stages`` deep; a row's four scale bytes as one word), are decoded to E4M3 and staged
+through shared memory into the MMA's operand; the block's activation rows (gathered by token: even columns then odd
+ones, as ``quantize_activations(q_split=True)`` lays them out) are the second operand. No activation row is masked:
+a padding row reads a row that exists and only reaches its own MMA column, which is never stored.
+
+* **Gate/up**: an item is a block and the 128 columns of one h quantization block, computed as two halves of 64;
+  each half is one MMA operand of 128 weight rows — gate's 64 then up's 64 (w3 addressed from w1 by their byte
+  distance, so the copies stay 16-byte aligned), one warp group each at 8 warps — then split, rounded to bf16 and
+  taken through the reference's activation (:func:`.swiglu.routed_swiglu`); after both halves h is quantized per
+  row over its 128 columns and written in the layout down reads, its scales column block by column block.
+* **Down**: an item is a block and 128 output columns; h's scales are read per sorted row, contiguously.
 
 **Numerics (exact products).** A tile's weights are ``e2m1 · 2^(s − 127)`` with one scale byte ``s`` per 32 along
-K. With ``top`` the largest scale of a reference block — one weight row's four groups of the K tile (``ref="row"``)
-or the whole ``BLOCK_N × 128`` tile (``ref="tile"``) — each weight is written as ``w = e4m3(e2m1 · 2^j) · 2^(top −
-133)`` with ``j = s − top + 6``. For ``j`` in [−5, 6] (a block's scales within :data:`LUT_MAX_SPREAD` = 11
-binades) every ``e2m1 · 2^j`` is a normal E4M3 value or zero (0.5 · 2^-5 = 2^-6 is E4M3's smallest normal, 6 · 2^6
-= 384 ≤ 448), so the E4M3 weight is exact; the activation ``x = x_q · s_x`` is exact by the reference's own rule.
-Per 128-wide K tile (the activation's scale block) the MMA sums the 128 exact products ``e4m3 · x_q`` into a fresh
-partial, which is then **promoted**: multiplied by the powers of two ``2^(top − 133) · s_x`` (exact) and added to
-the fp32 accumulator. That is the ``fp8_mma`` accumulation model of :mod:`dsv4lab.tools.verify.bounds` — at most
-``γ_128(2^-13)`` of ``Σ|terms|`` inside a tile (Hopper's FP8 MMA keeps ~14 bits of its running sum), the tiles'
-partials summed in fp32 (``BLOCKED["fp8_mma"]``) — with no term of its own: the derivation is in
-``dsv4lab/tools/verify/op_bounds/dot.py`` (:func:`~dsv4lab.tools.verify.op_bounds.dot.fp8lut_promotion`). ``ref="tile"``
-needs one multiply per accumulator element and tile (the block scale folds into the row scales), ``ref="row"`` two;
-``"auto"`` takes ``tile`` wherever the bank's scales allow it (:func:`lut_tile_ref_exact`). A bank outside the
-window (:func:`lut_route_exact`) is refused: the backend then takes the ``fp8`` route (14 binades) or ``bf16``.
+K. With ``top`` the largest scale byte of a reference block — one weight row's four groups of the K tile
+(``ref="row"``) or the whole tile (``ref="tile"``: 128 weight rows × 128, precomputed per bank by :func:`tile_tops`)
+— each weight is ``w = e4m3(e2m1 · 2^j) · 2^(top − 133)`` with ``j = s − top + 6``. For ``j`` in [−5, 6] (a block's
+scales within :data:`LUT_MAX_SPREAD` = 11 binades) every ``e2m1 · 2^j`` is a normal E4M3 value or zero (0.5 · 2^-5
+= 2^-6 is E4M3's smallest normal, 6 · 2^6 = 384 ≤ 448): the E4M3 weight is exact, and the activation ``x_q · s_x``
+is exact by the reference's own rule. Per 128-wide K tile (the activation's scale block) the MMA sums the tile's
+exact products ``e4m3 · x_q`` into a fresh partial, which is then **promoted**: multiplied by the powers of two
+``2^(top − 133) · s_x`` (exact) and added to the fp32 accumulator. That is the ``fp8_mma`` accumulation model
+(derived in :func:`dsv4lab.tools.verify.op_bounds.dot.promoted_fp8_model`: ``γ_128(2^-13)`` of ``Σ|terms|``
+inside a tile, Hopper's FP8 MMA keeping ~14 bits of its running sum, the tiles' partials summed in fp32).
+``ref="tile"`` costs one multiply–add per accumulator element and K tile, ``ref="row"`` one more; ``"auto"`` takes
+``tile`` wherever the bank's scales allow it. A bank outside the window (:func:`lut_route_exact`, scale bytes 7 …
+254) is refused: the backend then takes the ``fp8`` route (14 binades) or ``bf16``.
 
-**The decode.** For a group with ``d = j + 5`` in [0, 11] the E4M3 bytes of the eight magnitudes are a table of
-two 32-bit words: ``LUT_LO + 8d · 0x01010100`` (codes 0–3; code 0 stays 0) and ``LUT_HI + 8d · 0x01010101`` (codes
-4–7) — each byte is its magnitude's E4M3 at ``d = 0`` plus ``d`` in the exponent field, never carrying (the largest
-is 0x7C). ``"asm"`` looks up four weights with one ``prmt`` (a byte permute indexed by four 3-bit codes) after
-gathering the codes' magnitudes into its selector, and ORs the sign bits in: about 14 instructions per eight weights
-(inline PTX, GPUs only; checked once per process against the portable decode on every byte and every ``d`` by
+**The decode.** For a group with ``d = j + 5`` in [0, 11] the E4M3 bytes of the eight magnitudes are two 32-bit
+words: ``LUT_LO + 8d · 0x01010100`` (codes 0–3; code 0 stays 0) and ``LUT_HI + 8d · 0x01010101`` (codes 4–7) — each
+byte is its magnitude's E4M3 at ``d = 0`` plus ``d`` in the exponent field, never carrying (the largest is 0x7C).
+``"asm"`` looks four weights up with one ``prmt`` (a byte permute indexed by four 3-bit codes) after gathering the
+codes' magnitudes into its selector, and ORs the sign bits in: 13 SASS instructions per eight weights (inline PTX,
+GPUs only; checked once per process against the portable decode on every byte and every ``d`` by
 :func:`lut_decode_works`). ``"portable"`` computes the same bytes element-wise with integer operations (the CPU
-interpreter's; a GPU's fallback); ``"auto"`` takes ``asm`` where it works.
+interpreter's; a GPU's fallback, ~3.7× the K loop's instructions); ``"auto"`` takes ``asm`` where it works.
+``scripts/compile_prefill_moe.py`` compiles both stages for sm_90 on a machine without a GPU and counts the K loop.
 """
 from __future__ import annotations
 
@@ -371,7 +377,7 @@ def lut_route_exact(bank, block_k: int = 128) -> bool:
 
 def tile_tops(scales, block_n: int, block_k: int) -> tuple[torch.Tensor, bool]:
     """One reference per tile (``ref="tile"``): the largest scale byte of every ``block_n × block_k`` tile of
-    ``scales`` (int32 ``[E, N/block_n, K/block_k]``, a few hundred KB for a Flash layer; gate/up's tiles hold w1's
+    ``scales`` (int32 ``[E, N/block_n, K/block_k]``, ~1.5 MB for a Flash layer's three; gate/up's tiles hold w1's
     and w3's rows), and whether every tile is within the window. Computed once per set of scale tensors."""
     def compute(ts):
         top, low = _block_extremes(ts, block_n, block_k)

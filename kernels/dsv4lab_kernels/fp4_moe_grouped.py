@@ -9,7 +9,7 @@ the reason its 64-row sorter beat the 32-row one.
 Operands are swapped (``accᵀ[N, rows] = W[N, K] · Xᵀ[K, rows]``): the unpacked weight tile is the MMA's first
 operand and the block's rows its second, so 16…128-row blocks all map onto the MMA shapes.
 
-Three routes, all computing the reference's products exactly (E2M1 × 2^s and E4M3 × 2^s are exact in bf16 and
+Four routes, all computing the reference's products exactly (E2M1 × 2^s and E4M3 × 2^s are exact in bf16 and
 fp32) and differing only in fp32 summation order:
 
 * ``bf16`` — weights unpacked to bf16 (value × scale), activations pre-dequantized to bf16;
@@ -19,7 +19,9 @@ fp32) and differing only in fp32 summation order:
   dense GEMM);
 * ``scaled`` — ``tl.dot_scaled`` with the packed E2M1 weights and their E8M0 scales as they are stored, and the
   FP8 activations with their per-128 scale repeated per 32 (Triton emulates it where the hardware has no MX
-  tensor cores, e.g. through bf16 on sm_90).
+  tensor cores, e.g. through bf16 on sm_90);
+* ``fp8lut`` — FP8 tensor cores with the weights turned into E4M3 by a per-group byte table, gate and up in one
+  MMA operand, its own kernels and layouts (:mod:`.fp4_moe_fp8lut`, exact within 11 binades per reference block).
 
 For the ``bf16``/``fp8`` routes the activations are stored with the even K columns first and the odd ones second
 (``quantize_activations(..., deq_split/q_split)``), so a weight byte's low nibble meets the first half and its
