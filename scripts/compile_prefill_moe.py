@@ -7,8 +7,10 @@ every Triton launch is intercepted and compiled (``triton.compile`` with the whe
 instead of run, with the signature the JIT would give it on a GPU (``native_specialize_impl``: 16-divisible
 integers and aligned tensors, the value 1 as a constant — the asynchronous copies' widths depend on it). Per kernel
 and configuration it reports registers and spilled bytes per thread, shared memory, the MMA instructions of the
-PTX (an FP8 wgmma reads ``wgmma.mma_async…e4m3.e4m3``) and, with ``--sass``, the instruction mix of the K loop
-(per 128-wide K tile and thread: a model of the issue cost, not a time). Must run without ``TRITON_INTERPRET``.
+PTX (an FP8 wgmma reads ``wgmma.mma_async…e4m3.e4m3``), whether the inline-PTX table decode gets four bytes of one
+weight group per call in the layout Triton chose (:func:`asm_packs_one_group`; exit 1 if not) and, with
+``--sass``, the instruction mix of the K loop (per 128-wide K tile and thread: a model of the issue cost, not a
+time). Must run without ``TRITON_INTERPRET``; on the GPU machine it reads what that machine's Triton emits.
 
     python scripts/compile_prefill_moe.py [--target cuda:90] [--sass] [--json]
 """
@@ -103,6 +105,35 @@ def k_loop_mix(sass: str) -> dict:
     return dict(instructions=sum(ops.values()), **{op: ops[op] for op in SASS_OPS if ops[op]})
 
 
+def asm_packs_one_group(ttgir: str) -> bool | None:
+    """Whether every inline-PTX table decode (``tt.elementwise_inline_asm`` with four packed elements) gets four
+    consecutive bytes of one weight row per call — what its single table per call assumes (the four bytes lie in
+    one 16-byte group then: the packs are 4-aligned). Read from the layout of its operands in the TTGIR: a blocked
+    layout with the bytes' axis fastest and a multiple of 4 of them per thread, a dot operand with ``kWidth`` a
+    multiple of 4, or a linear layout whose first two register bases step the byte axis by 1 and 2. None where the
+    kernel has no such call."""
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    verdicts = []
+    for line in re.findall(r"tt\.elementwise_inline_asm.*packed_element = 4.*", ttgir):
+        for shape, name in re.findall(r"tensor<([\dx]+)xi8, (#ttg\.\w+<\{[^}]*\}>|#\w+)", line):
+            rank, spec = len(shape.split("x")), layouts.get(name, name)
+            if spec.startswith("#ttg.blocked"):
+                per = [int(v) for v in re.search(r"sizePerThread = \[([\d, ]+)\]", spec).group(1).split(",")]
+                order = [int(v) for v in re.search(r"order = \[([\d, ]+)\]", spec).group(1).split(",")]
+                verdicts.append(order[0] == rank - 1 and per[-1] % 4 == 0)
+            elif "dot_op" in spec:
+                verdicts.append(int(re.search(r"kWidth = (\d+)", spec).group(1)) % 4 == 0)
+            elif spec.startswith("#ttg.linear"):
+                regs = re.search(r"register = \[(.*?)\]\], lane", spec)
+                first = re.findall(r"\[([\d, ]+)\]", regs.group(1) + "]") if regs else []
+                unit = [0] * (rank - 1)
+                verdicts.append(len(first) >= 2 and first[0].replace(" ", "") == ",".join(map(str, unit + [1]))
+                                and first[1].replace(" ", "") == ",".join(map(str, unit + [2])))
+            else:
+                verdicts.append(False)
+    return None if not verdicts else all(verdicts)
+
+
 def compile_launches(target: GPUTarget, calls, sass: bool = False) -> list[dict]:
     """Run ``calls`` ((name, thunk) pairs) with every Triton launch compiled for ``target`` instead of executed."""
     rows = []
@@ -115,7 +146,8 @@ def compile_launches(target: GPUTarget, calls, sass: bool = False) -> list[dict]
             k = triton.compile(_source(self, args, kwargs, target), target=target, options=options)
             row = dict(call=current[0], kernel=self.__name__, ok=True, seconds=round(time.perf_counter() - t0, 1),
                        shared=k.metadata.shared,
-                       mma=sorted(set(re.findall(r"wgmma\.mma_async[\w.]*|mma\.sync[\w.]*", k.asm.get("ptx", "")))))
+                       mma=sorted(set(re.findall(r"wgmma\.mma_async[\w.]*|mma\.sync[\w.]*", k.asm.get("ptx", "")))),
+                       asm_packs_one_group=asm_packs_one_group(k.asm.get("ttgir", "")))
             if target.backend == "cuda":
                 res = _resources(k)
                 code = res.pop("sass")
@@ -203,11 +235,13 @@ def main(argv=None) -> int:
             if not r["ok"]:
                 print(f"FAIL {r['call']}: {r['kernel']}: {r['error']}")
                 continue
+            packs = {None: "", True: ", table decode packs: one group each", False: ", TABLE DECODE PACKS CROSS ROWS"}
             print(f"ok   {r['call']}: {r['kernel']} {r['seconds']} s, registers {r.get('registers')}, spilled "
-                  f"{r.get('spill_bytes')} B, smem {r['shared']} B, MMA {', '.join(r['mma']) or 'none'}")
+                  f"{r.get('spill_bytes')} B, smem {r['shared']} B, MMA {', '.join(r['mma']) or 'none'}"
+                  f"{packs[r['asm_packs_one_group']]}")
             if r.get("k_loop"):
                 print(f"       K loop per 128-wide tile and thread (modelled): {r['k_loop']}")
-    return 0 if rows and all(r["ok"] for r in rows) else 1
+    return 0 if rows and all(r["ok"] and r.get("asm_packs_one_group") is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

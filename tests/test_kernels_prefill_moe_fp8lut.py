@@ -258,8 +258,9 @@ def test_verify_kernels_runs_the_fp8lut_variants():
 @pytest.mark.slow
 def test_fp8lut_compiles_to_fp8_wgmma_for_sm90():
     """``scripts/compile_prefill_moe.py --quick``: both stages of the default launch compile for sm_90 with the
-    signature the JIT gives them there, and their PTX multiplies on FP8 tensor cores (wgmma, E4M3 × E4M3); the
-    inline-PTX decode compiles too. Skipped where Triton has no NVIDIA backend."""
+    signature the JIT gives them there, their PTX multiplies on FP8 tensor cores (wgmma, E4M3 × E4M3), and the
+    layout Triton chose hands the inline-PTX decode four bytes of one weight group per call (its single table per
+    call needs it); the decode's self-test kernel compiles too. Skipped where Triton has no NVIDIA backend."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     from conftest import ROOT
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
@@ -272,6 +273,7 @@ def test_fp8lut_compiles_to_fp8_wgmma_for_sm90():
     for kernel in ("_gate_up_kernel", "_down_kernel"):
         row = next(r for r in rows if r["kernel"] == kernel)
         assert any(m.startswith("wgmma.mma_async") and m.endswith("e4m3.e4m3") for m in row["mma"]), row
+        assert row["asm_packs_one_group"] is True, row  # the inline PTX's one table per four bytes holds
     assert any(r["kernel"] == "_decode_probe_kernel" and r["ok"] for r in rows)
 
 

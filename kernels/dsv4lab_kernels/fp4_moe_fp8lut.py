@@ -41,7 +41,9 @@ byte is its magnitude's E4M3 at ``d = 0`` plus ``d`` in the exponent field, neve
 ``"asm"`` looks four weights up with one ``prmt`` (a byte permute indexed by four 3-bit codes) after gathering the
 codes' magnitudes into its selector, and ORs the sign bits in: 13 SASS instructions per eight weights (inline PTX,
 GPUs only; checked once per process against the portable decode on every byte and every ``d`` by
-:func:`lut_decode_works`). ``"portable"`` computes the same bytes element-wise with integer operations (the CPU
+:func:`lut_decode_works`). One call takes four packed bytes and one table: the four must be consecutive bytes of one
+row (then they lie in one 16-byte group), which the layout Triton gives the tile does — ``sizePerThread`` 16 along
+the bytes here — and ``scripts/compile_prefill_moe.py`` checks in the TTGIR of every configuration it compiles. ``"portable"`` computes the same bytes element-wise with integer operations (the CPU
 interpreter's; a GPU's fallback, ~3.7× the K loop's instructions); ``"auto"`` takes ``asm`` where it works.
 ``scripts/compile_prefill_moe.py`` compiles both stages for sm_90 on a machine without a GPU and counts the K loop.
 """
@@ -245,6 +247,16 @@ def _gate_up_half(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top_ptr, e,
 
 
 @triton.jit
+def _store_h(out_ptr, h, ex, rows, valid, i0, I, stride_o, HALF: tl.constexpr):
+    """h's columns ``i0 …`` quantized to E4M3 with the rows' scales ``2^ex``, stored at the sorted rows in the split
+    layout stage 2 reads (even columns, then odd ones)."""
+    rn = i0 + tl.arange(0, HALF)
+    split = (rn % 2) * (I // 2) + rn // 2
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_o + split[:, None], quantize_block_fp8(h, ex[None, :]),
+             mask=(rn < I)[:, None] & valid[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, tops_ptr, sorted_ptr, block_expert_ptr,
                     first_block_ptr, expert_blocks_ptr, used_blocks_ptr, rw_ptr, out0_ptr, out1_ptr, D, I, TOPK,
                     limit, stride_xm, stride_xsr, stride_xsk, stride_we, stride_wn, stride_se, stride_sn,
@@ -281,12 +293,8 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, tops_ptr,
         if FUSE:
             # the FP8 quantization of h per row over the item's 128 columns (both halves)
             ex = pow2_exponent(tl.maximum(tl.max(tl.abs(h0), axis=0), tl.max(tl.abs(h1), axis=0)))
-            row_off = rows[None, :].to(tl.int64) * stride_o0
-            for half in tl.static_range(2):
-                rn = tile * BLOCK_N + half * HALF + tl.arange(0, HALF)
-                split = (rn % 2) * (I // 2) + rn // 2  # the split layout stage 2 reads
-                q = quantize_block_fp8(h1 if half else h0, ex[None, :])
-                tl.store(out0_ptr + row_off + split[:, None], q, mask=(rn < I)[:, None] & valid[None, :])
+            _store_h(out0_ptr, h0, ex, rows, valid, tile * BLOCK_N, I, stride_o0, HALF)
+            _store_h(out0_ptr, h1, ex, rows, valid, tile * BLOCK_N + HALF, I, stride_o0, HALF)
             tl.store(out1_ptr + rows.to(tl.int64) * stride_o1r + tile * stride_o1k, pow2(ex), mask=valid)
 
 
