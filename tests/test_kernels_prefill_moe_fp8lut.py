@@ -179,6 +179,20 @@ def test_the_window_is_eleven_binades_per_reference_block_and_the_backend_falls_
         fm._check_route("fp8lut", bank, fm.MoEGeometry())
 
 
+def test_a_fallback_from_fp8lut_runs_at_its_own_default_decode():
+    """fp8lut asked with its portable decode (what a tuned ``lut_portable`` choice sets) on a bank outside the
+    window: the fallback route runs at its own default decode (``portable`` is no decode of the bf16 route) and
+    matches the reference."""
+    from dsv4lab.engine.triton_prefill import TritonPrefillBackend
+    x, idx, w, bank = _case(9, 4, 2, 256, 128, seed=14)
+    for value, route in ((132, "fp8"), (135, "bf16")):
+        _set_scales(bank, 120, rows=5, col=1, value=value)
+        ops = TritonPrefillBackend(NM, min_tokens=1, moe_route="fp8lut", moe_decode="portable", moe_rows=16)
+        assert ops._moe_plan(bank, None, 9)[0] == route
+        _check(f"routed ({route} fallback)", ops.prefill_routed_experts(x, idx, w, bank, 10.0), "routed_experts",
+               x, idx, w, bank, 10.0)
+
+
 def test_one_reference_per_tile_where_the_scales_allow_it_else_per_row():
     """Rows 11 binades apart in one tile: exact per row, not per tile — ``auto`` takes rows (and computes what
     ``row`` does), ``tile`` is refused; the tile tops hold each tile's largest byte."""

@@ -220,6 +220,14 @@ class TritonPrefillOps:
             return "bf16"
         return route
 
+    def _moe_plan(self, bank, route: str | None, tokens: int, rows: int | None = None):
+        """The route and geometry of one grouped-MoE call. Where the bank sends the asked route to a fallback
+        (``fp8lut`` → ``fp8`` → ``bf16``), the asked route's ``decode`` — a choice among that route's own decodes
+        (``fp8lut``'s ``portable`` is none of ``bf16``'s) — goes back to the fallback's default."""
+        asked = route or self._setting("moe_route", tokens)
+        chosen, geo = self._moe_route(bank, asked, tokens), self._moe_geometry(tokens, rows)
+        return chosen, geo if chosen == asked else geo.replace(decode="auto")
+
     def _moe_applies(self, x: torch.Tensor, tokens: int, bank) -> bool:
         return (bank.fmt == "fp4" and self.numerics.act_quant and self._prefill_applies(x, tokens)
                 and bank.dim % 32 == 0 and bank.inter % 32 == 0)
@@ -340,7 +348,7 @@ class TritonPrefillOps:
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
         fm = _kernels("fp4_moe_grouped")
-        route, geo = self._moe_route(bank, route, idx.shape[0]), self._moe_geometry(idx.shape[0], rows)
+        route, geo = self._moe_plan(bank, route, idx.shape[0], rows)
         if trace is None:
             return fm.routed_experts(x.contiguous(), idx, weights.float(), bank, limit, route=route, geo=geo,
                                      all_reduce=all_reduce)
@@ -357,14 +365,14 @@ class TritonPrefillOps:
     def prefill_moe_stage1(self, x, idx, bank, route=None, rows=None):
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
-        return _kernels("fp4_moe_grouped").moe_stage1(x, idx, bank, route=self._moe_route(bank, route, idx.shape[0]),
-                                                     geo=self._moe_geometry(idx.shape[0], rows))
+        route, geo = self._moe_plan(bank, route, idx.shape[0], rows)
+        return _kernels("fp4_moe_grouped").moe_stage1(x, idx, bank, route=route, geo=geo)
 
     def prefill_moe_stage2(self, h, idx, bank, route=None, rows=None):
         if not self._moe_applies(h, idx.shape[0], bank):
             return None
-        return _kernels("fp4_moe_grouped").moe_stage2(h, idx, bank, route=self._moe_route(bank, route, idx.shape[0]),
-                                                     geo=self._moe_geometry(idx.shape[0], rows))
+        route, geo = self._moe_plan(bank, route, idx.shape[0], rows)
+        return _kernels("fp4_moe_grouped").moe_stage2(h, idx, bank, route=route, geo=geo)
 
     # ------------------------------------------------------------------ attention side
     def prefill_sparse_attention(self, q, kv, idx, sink, scale, config=None):
