@@ -120,7 +120,7 @@ def _moe_case(T=13, E=8, k=3, D=160, I=96, seed=3, offset=0, n_local=None):
     return x, idx, w.float(), bank
 
 
-@pytest.mark.parametrize("route", ["bf16", "fp8", "scaled"])
+@pytest.mark.parametrize("route", ["bf16", "fp8", "scaled"])  # fp8lut: tests/test_kernels_prefill_moe_fp8lut.py
 def test_grouped_moe_routes_match_reference(route):
     x, idx, w, bank = _moe_case()
     assert fm.fp8_route_exact(bank)
@@ -262,12 +262,12 @@ def test_chunked_prefill_attention_every_layer_kind(layer, kind, chunks):
 
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("route", ["bf16", "scaled", "fp8"])
+@pytest.mark.parametrize("route", ["bf16", "scaled", "fp8", "fp8lut"])
 def test_gpu_grouped_moe_at_larger_shapes(route):
     """Stage by stage against the reference, and the fused kernel as a whole: a last-bit difference in g or u may
     flip a bf16 and then an FP8 rounding of h, which the routed-experts bound follows through (it allows a flip
     exactly where the interval of h straddles a rounding boundary). Hopper's FP8 MMA keeps ~14 bits inside each
-    128-term block: the fp8 route is judged under that accumulation."""
+    128-term block: the fp8 and fp8lut routes are judged under that accumulation."""
     dev = "cuda"
     g = torch.Generator().manual_seed(11)
     T, E, k, D, I = 700, 32, 6, 1024, 512
@@ -278,7 +278,7 @@ def test_gpu_grouped_moe_at_larger_shapes(route):
     rg, ru = REF.moe_stage1(x, idx, bank)
     h = REF.moe_activation(rg, ru, w, 10.0)
     r2, total = REF.moe_stage2(h, idx, bank), REF.routed_experts(x, idx, w, bank, 10.0)
-    acc = "fp8_mma" if route == "fp8" else default_accumulation(dev)
+    acc = "fp8_mma" if route in ("fp8", "fp8lut") else default_accumulation(dev)
     for rows in (16, 64, 128):
         geo = fm.MoEGeometry(rows=rows)
         kg, ku = fm.moe_stage1(x, idx, bank, route=route, geo=geo)

@@ -199,6 +199,10 @@ def test_benchmark_choices_and_targets_from_rows():
     assert c["gemm_backend"] == "cublas" and c["chunk_by_prompt"] == [[4604, 4096]]
     t = targets(b, 4096)
     assert t["moe_best_pct"]["variant"] == "bf16+persistent:total" and not t["moe_best_pct"]["met"]
+    # issue 34's target: the fastest route's useful FLOP rate against the FP8 peak of the same run (≥ 45 %)
+    m8 = t["moe_fp8_peak"]
+    assert m8["variant"] == "bf16+persistent:total" and m8["fp8_peak_tflops"] == 1500.0 and not m8["met"]
+    assert m8["pct_fp8_peak"] == pytest.approx(100 * 1.237e12 / 3900e-6 / 1e12 / 1500.0, abs=0.1)
     # the layers of the same run use that variant whole, not the committed file's scheduling
     from dsv4lab.tools.bench.prefill import measured_moe_settings
     assert measured_moe_settings(b, 4096) == dict(moe_route="bf16", moe_tag="persistent", moe_decode="auto",

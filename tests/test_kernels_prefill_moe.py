@@ -129,12 +129,13 @@ def test_gpu_asm_decode_self_test_passes_on_hopper():
     ("bf16", fm.MoEGeometry(rows=64)), ("bf16", fm.MoEGeometry(rows=128)),
     ("bf16", fm.MoEGeometry(rows=64, decode="f16")), ("bf16", fm.MoEGeometry(rows=32, persistent=True)),
     ("bf16", fm.MoEGeometry(rows=64, scale_per_byte=True)),
-    ("fp8", fm.MoEGeometry(rows=64)), ("scaled", fm.MoEGeometry(rows=64))])
+    ("fp8", fm.MoEGeometry(rows=64)), ("scaled", fm.MoEGeometry(rows=64)), ("fp8lut", fm.MoEGeometry(rows=64)),
+    ("fp8lut", fm.MoEGeometry(rows=128, persistent=True))])
 def test_gpu_grouped_moe_stage_by_stage_within_bounds(route, geo):
     """Real widths (D 4096, I 2048), 32 experts with about as many rows each as 256 experts at 4,096 tokens."""
     dev = "cuda"
     x, idx, w, bank = _case(T=512, E=32, k=6, D=4096, I=2048, seed=11, device=dev)
-    acc = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}[route]
+    acc = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16", "fp8lut": "tc_fp8"}[route]
     rg, ru = REF.moe_stage1(x, idx, bank)
     g, u = fm.moe_stage1(x, idx, bank, route=route, geo=geo)
     _within("stage1.g", g, rg, expert_stage_magnitude(x, idx, bank, "w1", True), 4096, acc, torch.bfloat16)

@@ -271,32 +271,44 @@ MHC_SITE = Family(
 # ============================================================================================ prefill
 PREFILL_MOE = Family(
     "prefill.moe", "fp4_moe_grouped", "MoEGeometry", ("routed_experts", "moe_stage1", "moe_stage2"),
-    {"bf16": "fp32_tc", "fp8": "fp8_mma", "scaled": "fp32_tc"},  # scaled: bf16 MMA emulation on sm_90
+    # scaled: bf16 MMA emulation on sm_90; fp8 and fp8lut: FP8 MMA promoted to fp32 every 128-K block
+    {"bf16": "fp32_tc", "fp8": "fp8_mma", "scaled": "fp32_tc", "fp8lut": "fp8_mma"},
     (variant("prefill_bf16_rows16", "bf16", "verify", ops=("routed_experts",), rows=16),
      variant("prefill_bf16_rows64_persistent", "bf16", "verify", ops=("routed_experts",), rows=64, persistent=True),
      variant("prefill_fp8_rows32", "fp8", "verify", ops=("routed_experts",), rows=32),
      variant("prefill_scaled_rows16", "scaled", "verify", ops=("routed_experts",), rows=16),
+     variant("prefill_fp8lut_rows16", "fp8lut", "verify", ops=("routed_experts",), rows=16),
+     variant("prefill_fp8lut_rows32_persistent_row_ref", "fp8lut", "verify", ops=("routed_experts",), rows=32,
+             persistent=True, lut_ref="row"),
      *(variant(f"prefill_{r}", r, "verify", ops=("moe_stage1", "moe_stage2"), rows=16)
-       for r in ("bf16", "fp8", "scaled")),
-     # launch variants ("tags", the benchmark's `bf16+<tag>` rows; the tuned file names the fastest): route None
-     # for any route, "bf16" for the bf16 route's decode, scheduling and scale loads
+       for r in ("bf16", "fp8", "scaled", "fp8lut")),
+     # launch variants ("tags", the benchmark's `<route>+<tag>` rows; the tuned file names the fastest): route None
+     # for any route, a route's own for its decode, scheduling and scale loads; names are unique across routes
      variant("", None, "quick full"), variant("f16", "bf16", "quick full", decode="f16"),
-     variant("persistent", "bf16", "quick full", persistent=True),
+     variant("persistent", None, "quick full", persistent=True),
      variant("sbyte", "bf16", "full", scale_per_byte=True), variant("w4", None, "full", warps1=4, warps2=4),
      variant("k64", None, "full", block_k1=64, block_k2=64), variant("w16", None, "quick full", warps1=16),
-     variant("w16p", "bf16", "full", warps1=16, persistent=True)))
-"""The grouped FP4 MoE of a prefill chunk (``fp4_moe_grouped``): its routes and launch variants."""
+     variant("w16p", "bf16", "full", warps1=16, persistent=True),
+     # fp8lut: the per-row reference (two multiplies per promoted element instead of one), the portable decode
+     # (what the inline-PTX table decode saves), pipeline depth
+     variant("lut_row", "fp8lut", "quick full", lut_ref="row"),
+     variant("lut_portable", "fp8lut", "full", decode="portable"),
+     variant("lut_s2", "fp8lut", "full", stages1=2, stages2=2), variant("lut_s4", "fp8lut", "full", stages1=4,
+                                                                         stages2=4),
+     variant("lut_s4p", "fp8lut", "quick full", stages1=4, stages2=4, persistent=True)))
+"""The grouped FP4 MoE of a prefill chunk (``fp4_moe_grouped``; the ``fp8lut`` route's kernels in
+``fp4_moe_fp8lut``): its routes and launch variants."""
 
 SORTER_ROWS = (16, 32, 64, 128)
 """The sorter rows (the grouped GEMM's block height) the prefill benchmark's ablation times."""
 
 
 def moe_tags(route: str | None = None) -> dict[str, dict]:
-    """The grouped MoE's launch variants (name → ``MoEGeometry`` fields) a ``route`` can run (None: all): the bf16
-    route's own ones only on it, and on the fp8 route no K tile wider than its 128-wide scale block."""
+    """The grouped MoE's launch variants (name → ``MoEGeometry`` fields) a ``route`` can run (None: all): a route's
+    own ones only on it, and on the FP8 routes no K tile wider than the activation's 128-wide scale block."""
     return {v.name: v.fields for v in PREFILL_MOE.variants if "full" in v.runs
             and (route is None or v.route in (None, route))
-            and not (route == "fp8" and v.fields.get("block_k1", 128) > 128)}
+            and not (route in ("fp8", "fp8lut") and v.fields.get("block_k1", 128) > 128)}
 
 
 PREFILL_GEMM = Family(

@@ -135,7 +135,8 @@ class TritonPrefillOps:
     file, else the default of :data:`~dsv4lab.engine.dispatch.PREFILL_DEFAULTS`):
         prefill_min_tokens: fewest token rows for which a prefill kernel is used.
         prefill_moe_route: ``"bf16"`` (default), ``"fp8"`` (falls back to ``bf16`` for a bank whose scales the
-            exact E4M3 upcast cannot hold) or ``"scaled"``.
+            exact E4M3 upcast cannot hold), ``"fp8lut"`` (FP8 tensor cores with the table decode; falls back to
+            ``fp8``, then ``bf16``, for a bank outside its 11-binade window) or ``"scaled"``.
         prefill_moe_rows: sorter rows (the grouped GEMM's block height); None: by token count.
         prefill_moe_decode / prefill_moe_persistent / prefill_moe_scale_per_byte: the bf16 route's weight decode,
             scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
@@ -213,9 +214,19 @@ class TritonPrefillOps:
     def _moe_route(self, bank, route: str | None = None, tokens: int | None = None) -> str:
         fm = _kernels("fp4_moe_grouped")
         route = route or self._setting("moe_route", tokens)
+        if route == "fp8lut" and not _kernels("fp4_moe_fp8lut").lut_route_exact(bank):
+            route = "fp8"
         if route == "fp8" and not fm.fp8_route_exact(bank):
             return "bf16"
         return route
+
+    def _moe_plan(self, bank, route: str | None, tokens: int, rows: int | None = None):
+        """The route and geometry of one grouped-MoE call. Where the bank sends the asked route to a fallback
+        (``fp8lut`` → ``fp8`` → ``bf16``), the asked route's ``decode`` — a choice among that route's own decodes
+        (``fp8lut``'s ``portable`` is none of ``bf16``'s) — goes back to the fallback's default."""
+        asked = route or self._setting("moe_route", tokens)
+        chosen, geo = self._moe_route(bank, asked, tokens), self._moe_geometry(tokens, rows)
+        return chosen, geo if chosen == asked else geo.replace(decode="auto")
 
     def _moe_applies(self, x: torch.Tensor, tokens: int, bank) -> bool:
         return (bank.fmt == "fp4" and self.numerics.act_quant and self._prefill_applies(x, tokens)
@@ -337,7 +348,7 @@ class TritonPrefillOps:
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
         fm = _kernels("fp4_moe_grouped")
-        route, geo = self._moe_route(bank, route, idx.shape[0]), self._moe_geometry(idx.shape[0], rows)
+        route, geo = self._moe_plan(bank, route, idx.shape[0], rows)
         if trace is None:
             return fm.routed_experts(x.contiguous(), idx, weights.float(), bank, limit, route=route, geo=geo,
                                      all_reduce=all_reduce)
@@ -354,14 +365,14 @@ class TritonPrefillOps:
     def prefill_moe_stage1(self, x, idx, bank, route=None, rows=None):
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
-        return _kernels("fp4_moe_grouped").moe_stage1(x, idx, bank, route=self._moe_route(bank, route, idx.shape[0]),
-                                                     geo=self._moe_geometry(idx.shape[0], rows))
+        route, geo = self._moe_plan(bank, route, idx.shape[0], rows)
+        return _kernels("fp4_moe_grouped").moe_stage1(x, idx, bank, route=route, geo=geo)
 
     def prefill_moe_stage2(self, h, idx, bank, route=None, rows=None):
         if not self._moe_applies(h, idx.shape[0], bank):
             return None
-        return _kernels("fp4_moe_grouped").moe_stage2(h, idx, bank, route=self._moe_route(bank, route, idx.shape[0]),
-                                                     geo=self._moe_geometry(idx.shape[0], rows))
+        route, geo = self._moe_plan(bank, route, idx.shape[0], rows)
+        return _kernels("fp4_moe_grouped").moe_stage2(h, idx, bank, route=route, geo=geo)
 
     # ------------------------------------------------------------------ attention side
     def prefill_sparse_attention(self, q, kv, idx, sink, scale, config=None):

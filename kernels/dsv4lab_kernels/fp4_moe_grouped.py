@@ -9,7 +9,7 @@ the reason its 64-row sorter beat the 32-row one.
 Operands are swapped (``accᵀ[N, rows] = W[N, K] · Xᵀ[K, rows]``): the unpacked weight tile is the MMA's first
 operand and the block's rows its second, so 16…128-row blocks all map onto the MMA shapes.
 
-Three routes, all computing the reference's products exactly (E2M1 × 2^s and E4M3 × 2^s are exact in bf16 and
+Four routes, all computing the reference's products exactly (E2M1 × 2^s and E4M3 × 2^s are exact in bf16 and
 fp32) and differing only in fp32 summation order:
 
 * ``bf16`` — weights unpacked to bf16 (value × scale), activations pre-dequantized to bf16;
@@ -19,7 +19,9 @@ fp32) and differing only in fp32 summation order:
   dense GEMM);
 * ``scaled`` — ``tl.dot_scaled`` with the packed E2M1 weights and their E8M0 scales as they are stored, and the
   FP8 activations with their per-128 scale repeated per 32 (Triton emulates it where the hardware has no MX
-  tensor cores, e.g. through bf16 on sm_90).
+  tensor cores, e.g. through bf16 on sm_90);
+* ``fp8lut`` — FP8 tensor cores with the weights turned into E4M3 by a per-group byte table, gate and up in one
+  MMA operand, its own kernels and layouts (:mod:`.fp4_moe_fp8lut`, exact within 11 binades per reference block).
 
 For the ``bf16``/``fp8`` routes the activations are stored with the even K columns first and the odd ones second
 (``quantize_activations(..., deq_split/q_split)``), so a weight byte's low nibble meets the first half and its
@@ -48,23 +50,25 @@ quantization block), written per sorted row in the layout stage 2 reads. Stage 2
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from . import fp4_moe_fp8lut as fp8lut
 from .formats import e2m1_pair_to_f32_scaled, e8m0_to_f32, pow2
-from .fp8_gemm import interpreting, pow2_exponent, quantize_activations, quantize_block_fp8, to_bf16
-from .rowops import DeviceProbe
-from .moe_sort import SortedRouting, sort_by_expert
+from .fp8_gemm import interpreting, quantize_activations, to_bf16
+from .rowops import DeviceProbe, once_per_tensors
+from .moe_sort import SortedRouting, expert_work_item, sort_by_expert
+from .swiglu import routed_swiglu_fp8
 
-ROUTES = ("bf16", "fp8", "scaled")
+ROUTES = ("bf16", "fp8", "scaled", fp8lut.ROUTE)
+FP8_SPLIT_ROUTES = ("fp8", fp8lut.ROUTE)  # E4M3 activations in the split layout, h with fp32 scales per 128
 DECODES = ("auto", "asm", "f16")
 FP8_ROUTE_MAX_SPREAD = 14  # binades of 1×32 scales one K tile may span for the exact E2M1 → E4M3 upcast
 ASM_MAX_SCALE_BYTE = 128  # the asm decode multiplies by 2^(s−1) in bf16: s ≤ 128 (scales ≤ 2) keeps it finite
-ROUTE_ID = {name: i for i, name in enumerate(ROUTES)}
+ROUTE_ID = {name: i for i, name in enumerate(ROUTES)}  # the routes of the kernels below (fp8lut has its own)
 
 
 # ============================================================================================ unpacking
@@ -223,19 +227,6 @@ def _accumulate_tile(acc, w_ptr, s_ptr, e, rn, n_ok, x_ptr, xs_ptr, xrow, row_ok
     return acc
 
 
-# ============================================================================================ work order
-@triton.jit
-def _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr):
-    """Work item ``w`` (< used blocks × ``n_tiles``) → (block, N tile, local expert). Items are numbered expert
-    by expert (an expert's blocks are contiguous, so ``w // n_tiles`` is one of its blocks), then tile by tile,
-    then block by block: programs running together share each weight tile."""
-    e = tl.load(block_expert_ptr + w // n_tiles)
-    first = tl.load(first_block_ptr + e)
-    nb = tl.load(expert_blocks_ptr + e)
-    local = w - first * n_tiles
-    return first + local % nb, local // nb, e
-
-
 # ============================================================================================ stage 1: gate/up
 @triton.jit
 def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, block_expert_ptr, first_block_ptr,
@@ -246,7 +237,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
     n_tiles = tl.cdiv(I, BLOCK_N)
     total = tl.load(used_blocks_ptr) * n_tiles
     for w in range(tl.program_id(0), total, tl.num_programs(0)):  # one item per program unless persistent
-        blk, tile, e = _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
+        blk, tile, e = expert_work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
         rows = blk * ROWS + tl.arange(0, ROWS)
         slot = tl.load(sorted_ptr + rows)
         valid = slot >= 0
@@ -267,18 +258,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, sorted_ptr, b
         u = to_bf16(acc_u).to(tl.float32)
         keep = n_ok[:, None] & valid[None, :]
         if FUSE:
-            if limit > 0:
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-                g = tl.minimum(g, limit)
-            rw = tl.load(rw_ptr + slot, mask=valid, other=0.0)
-            # SiLU in fp64, rounded once to fp32, as ReferenceOps.elementwise: an fp32 exp's last-bit differences
-            # would flip bf16/FP8 roundings of h downstream
-            gd = g.to(tl.float64)
-            silu = (gd / (1.0 + tl.exp(-gd))).to(tl.float32)
-            h = silu * u * rw[None, :]
-            h = tl.where(keep, to_bf16(h).to(tl.float32), 0.0)
-            ex = pow2_exponent(tl.max(tl.abs(h), axis=0))  # per row, over this 128-column quantization block
-            q = quantize_block_fp8(h, ex[None, :])
+            q, ex = routed_swiglu_fp8(g, u, tl.load(rw_ptr + slot, mask=valid, other=0.0), limit, keep)
             row_off = rows[None, :].to(tl.int64) * stride_o0
             if ROUTE == 2:
                 tl.store(out0_ptr + row_off + rn[:, None], q, mask=keep)
@@ -311,7 +291,7 @@ def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, sorted_ptr, block_expert_ptr, fi
     n_tiles = tl.cdiv(D, BLOCK_N)
     total = tl.load(used_blocks_ptr) * n_tiles
     for w in range(tl.program_id(0), total, tl.num_programs(0)):
-        blk, tile, e = _work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
+        blk, tile, e = expert_work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr)
         rows = blk * ROWS + tl.arange(0, ROWS)
         slot = tl.load(sorted_ptr + rows)
         valid = slot >= 0
@@ -370,6 +350,7 @@ class MoEGeometry:
     decode: str = "auto"  # bf16 route's weight decode: "asm" (GPU), "f16" (portable) or "auto" (see the docstring)
     persistent: bool = False  # one program per SM walking the work items, instead of one program per item
     scale_per_byte: bool = False  # bf16 route: load each byte's scale (a cached gather) instead of broadcasting
+    lut_ref: str = "auto"  # fp8lut route: one scale reference per weight row ("row") or per tile ("tile"), or "auto"
 
     def replace(self, **kw) -> "MoEGeometry":
         return replace(self, **kw)
@@ -389,22 +370,13 @@ def _check_bank(bank) -> None:
         assert t.is_contiguous(), f"expert bank {name} must be contiguous"
 
 
-_EXACT_CACHE: dict[tuple, tuple[list, bool]] = {}
 _SCALES = ("w1_scale", "w3_scale", "w2_scale")
 
 
 def _per_bank(kind, bank, compute) -> bool:
-    """``compute(scales)`` once per bank's scale tensors. Keyed by address and shape, and valid only while those
-    very tensors are alive (weak references): memory freed by one bank and reused by the next must not answer for
-    it — a stale "exact" sent a later bank down a route its scales do not allow."""
-    scales = [getattr(bank, n) for n in _SCALES]
-    key = (kind,) + tuple((t.data_ptr(), tuple(t.shape)) for t in scales)
-    hit = _EXACT_CACHE.get(key)
-    if hit is not None and all(ref() is t for ref, t in zip(hit[0], scales)):
-        return hit[1]
-    ok = compute(scales)
-    _EXACT_CACHE[key] = ([weakref.ref(t) for t in scales], ok)
-    return ok
+    """``compute(scales)`` once per bank's scale tensors (:func:`~.rowops.once_per_tensors`: a stale "exact" once
+    sent a later bank, at the freed memory of an earlier one, down a route its scales do not allow)."""
+    return once_per_tensors(kind, [getattr(bank, n) for n in _SCALES], compute)
 
 
 def fp8_route_exact(bank, block_k: int = 128) -> bool:
@@ -505,7 +477,7 @@ def _activation_operands(x: torch.Tensor, route: str) -> tuple[torch.Tensor, tor
     if route == "bf16":
         qa = quantize_activations(x, q=False, deq_split=True)
         return qa["deq_split"], qa["scale"]
-    if route == "fp8":
+    if route in FP8_SPLIT_ROUTES:
         qa = quantize_activations(x, q=False, q_split=True)
         return qa["q_split"], qa["scale"]
     qa = quantize_activations(x, q=True, scales32=True)
@@ -524,8 +496,9 @@ def _h_buffers(n_rows: int, inter: int, route: str, device, poison: bool):
     h = torch.empty(n_rows, inter, dtype=torch.float8_e4m3fn, device=device)
     if poison:
         h.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
-    if route == "fp8":
-        hs = torch.empty(n_rows, triton.cdiv(inter, 128), dtype=torch.float32, device=device)
+    if route in FP8_SPLIT_ROUTES:  # fp8lut reads a column block's rows contiguously: stored column block-major
+        hs = torch.empty(n_rows, triton.cdiv(inter, 128), dtype=torch.float32, device=device) if route == "fp8" \
+            else torch.empty(triton.cdiv(inter, 128), n_rows, dtype=torch.float32, device=device).t()
         if poison:
             hs.fill_(nan_fill)
     else:
@@ -538,11 +511,16 @@ def _h_buffers(n_rows: int, inter: int, route: str, device, poison: bool):
 def _check_route(route: str, bank, geo: MoEGeometry) -> None:
     assert route in ROUTES, f"unknown MoE route {route!r}; known: {', '.join(ROUTES)}"
     assert geo.block_k1 % 32 == 0 and geo.block_k2 % 32 == 0, "BLOCK_K must be a multiple of the FP4 group (32)"
+    if route in FP8_SPLIT_ROUTES:
+        assert 128 % geo.block_k1 == 0 and 128 % geo.block_k2 == 0, f"{route} route: BLOCK_K must divide 128"
     if route == "fp8":
-        assert 128 % geo.block_k1 == 0 and 128 % geo.block_k2 == 0, "fp8 route: BLOCK_K must divide 128"
         assert fp8_route_exact(bank, max(geo.block_k1, geo.block_k2)), \
             f"fp8 route: some K tile's FP4 scales span more than {FP8_ROUTE_MAX_SPREAD} binades (the E4M3 upcast " \
             "would not be exact)"
+    if route == fp8lut.ROUTE:
+        assert fp8lut.lut_route_exact(bank, max(geo.block_k1, geo.block_k2)), \
+            f"fp8lut route: some weight row's K tile has FP4 scales spanning more than {fp8lut.LUT_MAX_SPREAD} " \
+            f"binades or outside bytes {fp8lut.LUT_SCALE_BYTES} (its E4M3 weights would not be exact)"
 
 
 def gate_up(xv: torch.Tensor, xs: torch.Tensor, bank, routing: SortedRouting, route: str, geo: MoEGeometry,
@@ -570,6 +548,9 @@ def gate_up(xv: torch.Tensor, xs: torch.Tensor, bank, routing: SortedRouting, ro
     grid = _grid(routing, triton.cdiv(I, geo.block_n1), geo, dev)
     w1, w3 = _u8(bank.w1), _u8(bank.w3)
     s1, s3 = _u8(bank.w1_scale), _u8(bank.w3_scale)
+    if route == fp8lut.ROUTE:
+        fp8lut.gate_up(xv, xs, bank, routing, geo, rw, out0, out1, limit, fuse, grid, dev)
+        return out0, out1
     _gate_up_kernel[grid](xv, xs, w1, w3, s1, s3, routing.sorted_slots, routing.block_expert,
                           routing.expert_first_block, routing.expert_blocks, routing.used_blocks, rw, out0, out1,
                           D, I, routing.top_k, float(limit), xv.stride(0), xs.stride(0), w1.stride(0), w1.stride(1),
@@ -589,6 +570,9 @@ def down(hv: torch.Tensor, hs: torch.Tensor, bank, routing: SortedRouting, route
     out = torch.empty(n_slots, D, dtype=torch.bfloat16, device=hv.device)
     w2, s2 = _u8(bank.w2), _u8(bank.w2_scale)
     grid = _grid(routing, triton.cdiv(D, geo.block_n2), geo, hv.device)
+    if route == fp8lut.ROUTE:
+        fp8lut.down(hv, hs, bank, routing, geo, out, x_sorted, grid)
+        return out
     _down_kernel[grid](hv, hs, w2, s2, routing.sorted_slots, routing.block_expert, routing.expert_first_block,
                        routing.expert_blocks, routing.used_blocks, out, D, I, hv.stride(0),
                        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),

@@ -122,6 +122,20 @@ def _place_kernel(idx_ptr, before_ptr, totals_ptr, sorted_ptr, block_expert_ptr,
         tl.store(used_ptr + e * 0, tl.sum(blocks, axis=0), mask=e == 0)
 
 
+# ============================================================================================ work order
+@triton.jit
+def expert_work_item(w, n_tiles, block_expert_ptr, first_block_ptr, expert_blocks_ptr):
+    """Work item ``w`` (< ``used_blocks`` × ``n_tiles``) of a grouped GEMM over the sorted blocks → (block, N tile,
+    local expert). Items are numbered expert by expert (an expert's blocks are contiguous, so ``w // n_tiles`` is
+    one of its blocks), then tile by tile, then block by block: programs running together share each weight tile
+    (and the expert's rows) through L2."""
+    e = tl.load(block_expert_ptr + w // n_tiles)
+    first = tl.load(first_block_ptr + e)
+    nb = tl.load(expert_blocks_ptr + e)
+    local = w - first * n_tiles
+    return first + local % nb, local // nb, e
+
+
 def sort_by_expert(idx: torch.Tensor, n_experts: int, rows: int, expert_offset: int = 0) -> SortedRouting:
     """Group the slots of ``idx [T, k]`` (global expert ids) by the local experts ``[offset, offset+E)``.
 

@@ -15,6 +15,8 @@ launched with ``enable_fp_fusion=False`` so no multiply–add is contracted into
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -57,6 +59,23 @@ class DeviceProbe:
         """Why :meth:`works` said what it said (for logs and benchmark records)."""
         state = self._state.get(device_key(device))
         return "not probed" if state is None else (self._ok_word if state is True else str(state))
+
+
+_TENSOR_ANSWERS: dict[tuple, tuple[list, object]] = {}
+
+
+def once_per_tensors(kind, tensors, compute):
+    """``compute(tensors)`` once per ``kind`` and set of tensors (a bank's scales checked for an exact route, or
+    tensors derived from them). Keyed by address and shape, and valid only while those very tensors are alive (weak
+    references): memory freed by one set and reused by the next must not answer for it."""
+    key = (kind,) + tuple((t.data_ptr(), tuple(t.shape)) for t in tensors)
+    hit = _TENSOR_ANSWERS.get(key)
+    if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
+        return hit[1]
+    answer = compute(tensors)
+    _TENSOR_ANSWERS[key] = ([weakref.ref(t) for t in tensors], answer)
+    weakref.finalize(tensors[0], _TENSOR_ANSWERS.pop, key, None)  # an answer may hold tensors: freed with its set
+    return answer
 
 
 @triton.jit

@@ -11,14 +11,17 @@ from dsv4lab.engine.triton_prefill import accumulation_bound
 from dsv4lab.tools.bench.common import BenchRun, measure_ceilings
 from dsv4lab.tools.verify.bounds import check_within_bound
 
-MOE_ROUTES = ("bf16", "fp8", "scaled")
+MOE_ROUTES = ("bf16", "fp8", "scaled", "fp8lut")
 TOKENS = (512, 1024, 2048, 4096, 8192)
 PROMPTS = (1024, 2048, 4096, 4604, 8192)
 CHUNKS = (512, 1024, 2048, 4096, 0)  # 0: the whole prompt in one chunk
-PEAK_OF_ROUTE = {"bf16": "bf16", "fp8": "fp8", "scaled": "bf16"}  # sm_90 has no MX cores: dot_scaled runs in bf16
-ACCUMULATION_OF_ROUTE = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}
+PEAK_OF_ROUTE = {"bf16": "bf16", "fp8": "fp8", "scaled": "bf16", "fp8lut": "fp8"}  # sm_90: dot_scaled runs in bf16
+ACCUMULATION_OF_ROUTE = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16", "fp8lut": "tc_fp8"}
 TAG_ROWS = 128  # sorter rows of the launch variants: the fastest at 4,096 tokens (probe 1: 9.72 ms vs 10.76 at 64)
-QUICK_ROUTES = ("bf16", "fp8")  # dot_scaled measured 2.2× slower than bf16 (probe 1): full runs only
+QUICK_ROUTES = ("bf16", "fp8", "fp8lut")  # dot_scaled measured 2.2× slower than bf16 (probe 1): full runs only
+WIDE_ROUTES = ("bf16", "fp8lut")
+"""Routes also timed at 128 sorter rows in the headline (fp8lut decodes a weight tile once per block: the wider the
+block, the fewer decodes per FLOP — modelled from its SASS, docs/kernels_prefill.md)."""
 
 
 def named_configs(family, full: bool) -> tuple[str, ...]:
@@ -28,18 +31,29 @@ def named_configs(family, full: bool) -> tuple[str, ...]:
 
 def plan_variants(mode: str, routes, ablation_route: str) -> dict:
     """What a run of ``mode`` (smoke / quick / full) checks and times: the quick probe keeps the headline
-    variants (every route, the bf16 route's decodes and scheduling, 64 and 128 rows, the default geometries)."""
+    variants (every route, the ablation route's decodes and scheduling, 64 and 128 rows, the default geometries).
+
+    ``cases``: the headline's (route, sorter rows, launch variant) timings — every route at 64 rows and the
+    :data:`WIDE_ROUTES` at 128, the ablation route's launch variants at ``tag_rows``, and every other route's own
+    launch variants at 64 and 128 rows; ``moe``: what is checked (the cases and the sorter-rows ablation)."""
     full = mode == "full"
     rows = {"quick": (64, 128), "smoke": (16, 64)}.get(mode, SORTER_ROWS)
     quick_tags = {v.name for v in PREFILL_MOE.runs("quick") if v.name and not v.ops}
-    tags = [t for t in moe_tags(ablation_route) if t and (full or (mode == "quick" and t in quick_tags))]
+
+    def timed(names) -> list[str]:
+        return [t for t in names if t and (full or (mode == "quick" and t in quick_tags))]
+    tags = timed(moe_tags(ablation_route))
     tag_rows = 64 if mode == "smoke" else TAG_ROWS
-    moe = sorted({(r, 64, "") for r in routes} | {(ablation_route, n, "") for n in rows}
-                 | ({("bf16", 128, "")} if "bf16" in routes else set())
-                 | {(ablation_route, tag_rows, t) for t in tags})
-    return dict(moe=moe, rows=rows, tags=tags, tag_rows=tag_rows, gemm=named_configs(PREFILL_GEMM, full),
-                weight=named_configs(WEIGHT_GEMM, full), attention=named_configs(PREFILL_ATTENTION, full),
-                indexer=named_configs(INDEXER, full))
+    cases = [(r, 64, "") for r in routes] + [(r, 128, "") for r in WIDE_ROUTES if r in routes and mode != "smoke"]
+    cases += [(ablation_route, tag_rows, t) for t in tags]
+    for r in routes:
+        if r != ablation_route:
+            own = timed(v.name for v in PREFILL_MOE.variants if v.route == r and "full" in v.runs)
+            cases += [(r, n, t) for t in own for n in (64, 128)]
+    moe = sorted(set(cases) | {(ablation_route, n, "") for n in rows})
+    return dict(moe=moe, cases=cases, rows=rows, tags=tags, tag_rows=tag_rows,
+                gemm=named_configs(PREFILL_GEMM, full), weight=named_configs(WEIGHT_GEMM, full),
+                attention=named_configs(PREFILL_ATTENTION, full), indexer=named_configs(INDEXER, full))
 
 
 class PrefillBench(BenchRun):

@@ -125,17 +125,16 @@ class MoEBench:
 
 def bench_moe_headline(b: PrefillBench, moe: MoEBench, routes, headline: int, plan: dict, ablation_tokens,
                        ablation_route, quick: bool) -> None:
-    """Every route at the headline token count, the bf16 route's variants and 128 rows, then the sorter-rows
-    ablation at the paper's M = 2048 and at the headline count."""
-    cases = [(r, 64, "") for r in routes] + [("bf16", 128, "")] * ("bf16" in routes)
-    cases += [(ablation_route, plan["tag_rows"], t) for t in plan["tags"]]
+    """The headline cases of the plan (every route, the wide routes at 128 rows, the launch variants:
+    :func:`~dsv4lab.tools.bench.prefill.harness.plan_variants`), then the sorter-rows ablation at the paper's
+    M = 2048 and at the headline count."""
     rows_list = plan["rows"]
-    for route, rows, tag in cases:
+    for route, rows, tag in plan["cases"]:
         if not b.over_budget(f"moe {moe_variant_name(route, rows, tag)} @{headline}"):
             b.guard(f"moe {route} {rows} {tag}", lambda: moe.run(route, rows, headline, True, tag))
     for T in (headline,) if quick else (ablation_tokens, headline):
         for rows in rows_list:
-            if T == headline and rows in (64, 128):
+            if T == headline and (ablation_route, rows, "") in plan["cases"]:
                 continue  # timed above
             if not b.over_budget(f"sorter ablation {ablation_route} rows {rows} @{T}"):
                 b.guard(f"moe ablation {rows} @{T}", lambda: moe.run(ablation_route, rows, T, True))

@@ -103,8 +103,9 @@ def choices(b: PrefillBench, headline: int) -> dict:
 
 
 def targets(b: PrefillBench, headline: int) -> dict:
-    """The issue's targets, measured: grouped MoE %-of-peak at 4,096 tokens; FP8 GEMM vs cuBLAS; attention and
-    indexer shares of a layer against their roofline shares."""
+    """The issue's targets, measured: grouped MoE %-of-peak at 4,096 tokens (of its own dtype's peak, and the
+    fastest route's useful FLOP rate against the FP8 peak measured in the same run: issue 34's ≥ 45 %); FP8 GEMM
+    vs cuBLAS; attention and indexer shares of a layer against their roofline shares."""
     moe = [r for r in _rows(b, "moe_grouped_gemm", tokens=headline) if r["variant"].endswith(":total")]
     best = max((r for r in moe if r["pct_peak"] is not None), key=lambda r: r["pct_peak"], default=None)
     fastest = min(moe, key=lambda r: r["time_us"], default=None)
@@ -114,6 +115,12 @@ def targets(b: PrefillBench, headline: int) -> dict:
         met=best["pct_peak"] >= 50), moe_fastest=None if fastest is None else dict(
         tokens=headline, variant=fastest["variant"], sorter_rows=fastest["sorter_rows"],
         time_ms=round(fastest["time_us"] / 1e3, 3), pct_peak=fastest["pct_peak"], peak_kind=fastest["peak_kind"]))
+    fp8_peak = b.peaks.get("fp8_tflops") if b.peaks else None
+    if fastest is not None and fastest["tflops"] is not None and fp8_peak:
+        pct = round(100 * fastest["tflops"] / fp8_peak, 1)
+        out["moe_fp8_peak"] = dict(tokens=headline, variant=fastest["variant"], sorter_rows=fastest["sorter_rows"],
+                                   tflops=fastest["tflops"], fp8_peak_tflops=fp8_peak, pct_fp8_peak=pct,
+                                   met=pct >= 45)
     gemm = []
     for r in _rows(b, "fp8_gemm", tokens=headline):
         name, _, impl = r["variant"].partition(":")
@@ -177,6 +184,11 @@ def print_summary(doc: dict) -> None:
     f = t.get("moe_fastest")
     if f:
         print(f"fastest grouped MoE @{f['tokens']}: {f['variant']} rows {f['sorter_rows']}, {f['time_ms']} ms")
+    m8 = t.get("moe_fp8_peak")
+    if m8:
+        print(f"target grouped MoE @{m8['tokens']} ≥ 45% of the FP8 peak: {m8['pct_fp8_peak']}% ({m8['variant']}, "
+              f"rows {m8['sorter_rows']}, {m8['tflops']} of {m8['fp8_peak_tflops']} TFLOP/s) → "
+              f"{'met' if m8['met'] else 'MISSED'}")
     for g in t.get("fp8_gemm_vs_cublas", []):
         print(f"target FP8 GEMM {g['projection']}: Triton best {g['triton_best_us']:.1f} µs vs cuBLAS "
               f"{g['cublas_us']:.1f} µs → {'met' if g['met'] else 'slower: the backend dispatches to cuBLAS'}")

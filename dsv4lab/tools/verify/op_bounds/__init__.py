@@ -11,7 +11,9 @@ accumulation (:func:`~dsv4lab.tools.verify.bounds.elementwise_roundoff`). Each f
 points step by step (the op's docstring in ``model/ops.py``); ``docs/verification.md`` derives each family:
 
 * **dot products** (``linear``, ``linear_f32``, ``grouped_wo_a``, ``moe_stage1``, ``moe_stage2``): exact products,
-  ``γ_K(acc)·Σ|terms|`` for the K-term sum, then the reference's roundings (fp32, then bf16);
+  ``γ_K(acc)·Σ|terms|`` for the K-term sum, then the reference's roundings (fp32, then bf16); the FP8 kernels'
+  evaluation (exact E4M3 operands, MMA partials promoted to fp32 per K tile) is derived to be the ``fp8_mma`` model
+  in :func:`~.dot.promoted_fp8_model`;
 * **elementwise** (``rms_norm``, ``head_rms``, ``rope``, ``swiglu``, ``moe_activation``, ``router_scores``,
   ``hc_post``): a relative error per evaluation step, with transcendental functions allowed ``(4 + 2|x|)·u``
   (a GPU's ``exp2`` approximation is within 2 ulp; scaling the argument by log₂e adds ``|x|·u``);
@@ -43,7 +45,8 @@ from dsv4lab.tools.verify.op_bounds.attention import (attention_from_caches, com
                                                       indexer_query, indexer_scores, kv_norm_rope, sparse_attention)
 from dsv4lab.tools.verify.op_bounds.dot import (expert_mlp, grouped_wo_a, linear, linear_f32, linear_f32_group,
                                                 linear_group, moe_activation, moe_combine, moe_output, moe_stage1,
-                                                moe_stage1_int8, moe_stage2, routed_experts, routed_experts_int8)
+                                                moe_stage1_int8, moe_stage2, promoted_fp8_model, routed_experts,
+                                                routed_experts_int8)
 from dsv4lab.tools.verify.op_bounds.elementwise import (hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm,
                                                         head_rms, rms_norm, rms_norm_interval, rope, rope_interval,
                                                         router_scores, swiglu)
@@ -74,4 +77,4 @@ OP_BOUNDS = {
 __all__ = ["OP_BOUNDS", "EXACT", "TopK", "TopKInterval", "RouterChoice", "check_expectation", "check_outputs",
            "check_topk", "check_topk_interval", "act_qdq_interval", "fp8_qdq_interval", "fp4_qdq_interval",
            "act_int8_interval", "swiglu_interval", "rms_norm_interval", "rope_interval", "hadamard_interval",
-           "finish_interval", "routed_experts_int8", "moe_stage1_int8"]
+           "finish_interval", "routed_experts_int8", "moe_stage1_int8", "promoted_fp8_model"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dsv4lab.core import quant
-from dsv4lab.tools.verify.bounds import Interval, elementwise_roundoff
+from dsv4lab.tools.verify.bounds import BLOCKED, Interval, elementwise_roundoff
 from dsv4lab.tools.verify.op_bounds.intervals import (F64, act_int8_interval, as_f64, maybe_act_quant, point,
                                                       swiglu_interval)
 
@@ -36,6 +36,40 @@ def grouped_wo_a(nm, acc, o, lin, groups):
     parts = [point(o[..., g, :]).matmul(w[g], acc) for g in range(groups)]
     iv = Interval(torch.stack([p.lo for p in parts], -2), torch.stack([p.hi for p in parts], -2), parts[0].rule)
     return iv.round(nm.acc).round(nm.act)
+
+
+def promoted_fp8_model(block_k: int, k: int) -> str:
+    """The accumulation model of a ``k``-term dot product evaluated as the FP8 kernels evaluate it, derived: the
+    grouped MoE's ``fp8`` and ``fp8lut`` routes (``kernels/dsv4lab_kernels/fp4_moe_grouped.py``,
+    ``fp4_moe_fp8lut.py``) and the FP8 block GEMM, each promoting its MMA partial once per ``block_k``-wide K tile.
+    Returns ``"fp8_mma"``, whose bound (:func:`~dsv4lab.tools.verify.bounds.gamma`,
+    :data:`~dsv4lab.tools.verify.bounds.BLOCKED`) is ``γ_min(k,128)(2^-13) + γ_⌈k/128⌉(2^-23)`` of ``Σ|terms|``.
+
+    Per output and K tile:
+
+    1. every operand is exact: the weight as E4M3 times a power of two (``fp8lut``: ``e2m1 · 2^(s − top + 6)`` is
+       a normal E4M3 value or zero for ``s − top`` in [−11, 0], which the route checks per bank; ``fp8``: the same
+       within 14 binades), the activation as the reference's own ``x_q · s_x`` (E4M3 times a power of two);
+    2. so every product ``e4m3 · x_q`` is exact (4 × 4 significant bits), and the tile's ``block_k`` products are
+       summed in the FP8 MMA, which keeps about 14 significant bits of its running sum: ``γ_block_k(2^-13)``;
+    3. the partial is multiplied by powers of two (the weight's unit, the activation's scale): exact while it stays
+       in fp32's normal range, which the routes' scale checks keep (``fp8lut``: scale bytes 7 … 254) — a tile must
+       not straddle two activation blocks, so ``block_k`` divides 128;
+    4. the ⌈k/block_k⌉ partials are added in fp32 on CUDA cores (RN: u = 2^-24, within the model's 2^-23).
+
+    For ``block_k = 128`` that is the model term by term. A narrower tile ``b`` gives ``γ_b(2^-13) +
+    γ_⌈k/b⌉(2^-23)``: against the model its inner term is smaller by at least ``(min(k,128) − b)·2^-13``
+    (``≥ 2^-8`` whenever ``k > b``) and its outer term larger by at most ``⌈k/b⌉·2^-23·(1+ε) ≤ k·2^-28`` (``b ≥
+    32``), so the model still holds for ``k ≤ 2^20`` (every width of the model: 4,096 at most).
+
+    Raises ValueError for a tile or a length the model does not cover."""
+    block, _ = BLOCKED["fp8_mma"]
+    if block_k < 32 or block % block_k:
+        raise ValueError(f"an FP8 partial of {block_k} terms per promotion: the fp8_mma model covers tiles of 32, "
+                         f"64 or {block} (dividing the {block}-wide activation block)")
+    if block_k < block and k > 2 ** 20:
+        raise ValueError(f"{k} terms promoted every {block_k}: beyond the fp8_mma model's outer sum (k ≤ 2^20)")
+    return "fp8_mma"
 
 
 def _per_expert(shape, idx, bank, rows_fn):
