@@ -7,7 +7,8 @@
   the next token fed at that position rewrites every row that write touched, and no later position reads what it
   replaced — is checked directly: a stray token written at position ``p`` (window ring wrapped, a CSA ratio-4 entry
   completed, an HCA ratio-16 entry completed), then the real tokens from ``p`` on, gives the same logits, bit for
-  bit, as never writing it.
+  bit, as never writing it — by the static step, and by the eager forward (the loop is the same on every path:
+  :class:`~dsv4lab.engine.batch_loop.BatchLoop`, whose ``finish`` puts the slot's position back).
 """
 from __future__ import annotations
 
@@ -52,50 +53,58 @@ def test_decode_greedy_chooses_what_the_forward_loop_chooses(path):
     assert runs["greedy"][1] == [59, 0, 70]  # each slot advanced by the 40 tokens fed
 
 
-def _stray_write_then_continue(ids: torch.Tensor, prompt: int, stray_at: int, end: int) -> list[torch.Tensor]:
+def _stray_write_then_continue(ids: torch.Tensor, prompt: int, stray_at: int, end: int,
+                               path: str = "static") -> list[torch.Tensor]:
     """Prefill ``ids[:prompt]``, decode the real ids one by one to ``end``; when ``stray_at`` is set, first write a
-    stray token at that position through the static step without advancing the slot (what a step run past a stop
-    leaves), so the real token fed there next overwrites it."""
-    m = dsv4lab.load(TINY, max_batch=1, max_seq_len=end + 8, decode_path="static")
+    stray token at that position without advancing the slot (what a step run past a stop leaves): through the
+    static step, or on the eager path a forward whose advance is taken back (what ``BatchLoop.finish`` does), so
+    the real token fed there next overwrites it."""
+    m = dsv4lab.load(TINY, max_batch=1, max_seq_len=end + 8, decode_path=path)
     m.forward(ids[:, :prompt], 0)
     logits = []
     for p in range(prompt, end):
-        if p == stray_at:
+        if p == stray_at and path == "static":
             m.decoder.step(torch.tensor([7]), torch.tensor([p]), torch.tensor([0]))  # positions untouched
+        elif p == stray_at:
+            m.forward(torch.tensor([[7]]), p)
+            m.positions[0] = p
         logits.append(m.forward(ids[:, p:p + 1], p))
     return logits
 
 
 # the stray write's position: wrapping the ring (window 32); completing a ratio-4 entry (the CSA compressor and the
-# indexer's keys); completing a ratio-16 entry (HCA); later, the top-k choosing 16 of 20 entries
-@pytest.mark.parametrize("stray_at", [37, 43, 47, 79])
-def test_a_step_past_the_stop_is_overwritten_exactly(stray_at):
+# indexer's keys); completing a ratio-16 entry (HCA; also a ratio-4 one, and the ring wrapped); later, the top-k
+# choosing 16 of 20 entries
+@pytest.mark.parametrize("stray_at, path", [(37, "static"), (43, "static"), (47, "static"), (79, "static"),
+                                            (47, "eager")])
+def test_a_step_past_the_stop_is_overwritten_exactly(stray_at, path):
     ids = _ids(stray_at + 24, seed=stray_at)
     # on to the next ratio-16 completion: every later position that could read what the stray write replaced
     prompt, end = stray_at - 3, stray_at + 20
-    clean = _stray_write_then_continue(ids, prompt, None, end)
-    stray = _stray_write_then_continue(ids, prompt, stray_at, end)
+    clean = _stray_write_then_continue(ids, prompt, None, end, path)
+    stray = _stray_write_then_continue(ids, prompt, stray_at, end, path)
     for i, (s, c) in enumerate(zip(stray, clean)):
         assert torch.equal(s, c), f"position {prompt + i}: max |Δ| {(s - c).abs().max():.3g}"
 
 
-def test_decode_greedy_stops_at_the_stop_token_and_counts_what_it_fed():
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_decode_greedy_stops_at_the_stop_token_and_counts_what_it_fed(path):
     ids = _ids(26, seed=11)
-    ref = dsv4lab.load(TINY, max_batch=1, max_seq_len=96, decode_path="static")
+    ref = dsv4lab.load(TINY, max_batch=1, max_seq_len=96, decode_path=path)
     first = ref.forward(ids, 0, logits="last")[:, -1].argmax(-1)
     free = ref.decode_greedy(first, 30)[0]
     j = next(i for i in range(6, 30) if free[i] not in free[:i])  # a stop token first chosen at step j
-    m = dsv4lab.load(TINY, max_batch=1, max_seq_len=96, decode_path="static")
+    m = dsv4lab.load(TINY, max_batch=1, max_seq_len=96, decode_path=path)
     m.forward(ids, 0, logits="last")
     got = m.decode_greedy(first, 30, stop_token=free[j])[0]
     assert got == free[:j + 1]
     assert int(m.positions[0]) == 26 + j + 1  # the first token and the j chosen before the stop
-    # continuing the stopped sequence equals continuing the free run's
-    assert torch.equal(m.forward(torch.tensor([[5]]), 26 + j + 1), _continue(ids, first, j, 5))
+    # continuing the stopped sequence (one step was run past its stop) equals continuing the free run's
+    assert torch.equal(m.forward(torch.tensor([[5]]), 26 + j + 1), _continue(ids, first, j, 5, path))
 
 
-def _continue(ids, first, j, token):
-    m = dsv4lab.load(TINY, max_batch=1, max_seq_len=96, decode_path="static")
+def _continue(ids, first, j, token, path):
+    m = dsv4lab.load(TINY, max_batch=1, max_seq_len=96, decode_path=path)
     m.forward(ids, 0, logits="last")
     m.decode_greedy(first, j + 1)
     return m.forward(torch.tensor([[token]]), 26 + j + 1)

@@ -1,15 +1,15 @@
-"""One-token decode steps for a changing set of rows, the host reading each step's ids one step behind the device.
+"""Decode steps over a changing set of rows, the host reading each step's ids one step behind the device.
 
-:meth:`ModelRunner.decode_greedy <dsv4lab.engine.runner.ModelRunner.decode_greedy>` runs a fixed batch to its end;
-a server's batch changes between steps: sequences join after their prefill and leave when they finish.
-:class:`BatchLoop` is that loop. Each :meth:`~BatchLoop.step`
+The engine's one step-late loop: the server's scheduler drives it step by step (rows join after their prefill and
+leave when they finish) and :meth:`ModelRunner.decode_greedy <dsv4lab.engine.runner.ModelRunner.decode_greedy>`
+(greedy ``generate``, the benchmarks) runs a fixed batch through it to its end. Each :meth:`~BatchLoop.step`
 
 1. feeds every stepping row its next token — on the device, the id the row's previous step chose (never read back
    first), or a token the host gave (:meth:`~BatchLoop.join`, :meth:`~BatchLoop.feed`);
-2. launches one step through the runner's decoder (``runner.decoder.stepper(slots)``: the CUDA-graph tier or the
-   static step; ``runner.forward`` on the eager path), chooses each row's argmax on the device and queues its copy
-   to the host with one ``isfinite`` flag folded in (:func:`dsv4lab.engine.finite.greedy_ids`: −1 for a row whose
-   logits are not finite);
+2. launches one step through the runner's decoder (``runner.through_decoder``: the CUDA-graph tier or the static
+   step, falling back to the static step where a capture fails; ``runner.forward`` on the eager path), chooses each
+   row's argmax on the device and queues its copy to the host with one ``isfinite`` flag folded in
+   (:func:`dsv4lab.engine.finite.greedy_ids`: −1 for a row whose logits are not finite);
 3. returns the **previous** step's ids of the device-fed rows (read while this step runs) and, for the rows the host
    chooses for (sampling, logprobs, logit processors: ``on_host``), this step's logits, which the host reads at once.
 
@@ -17,9 +17,10 @@ Rows join and leave between steps; the stepper is rebuilt only when the set of s
 with the number of steps it may take (its token budget, its room in the cache); it stops stepping when they are
 spent and stays until its last id has been read. **The overshoot rule, per row:** a row whose id read at step
 ``i`` is a stop token has already been fed into step ``i + 1`` (launched before the read): that step wrote the stop
-token's cache rows at the slot's next position. A caller that continues the sequence overwrites them with the next
-token fed there (see ``tests/test_decode_greedy.py``: bit for bit); a caller that ends it resets the slot. No row
-ever steps past its budget or the cache: the count-based limits are known before launching.
+token's cache rows at the slot's next position. A caller that continues the sequence calls :meth:`~BatchLoop.finish`
+(the slot's position goes back to just after the tokens whose choices were read) and overwrites those rows with the
+next token fed there (``tests/test_decode_greedy.py``: bit for bit, on every decode path); a caller that ends it
+resets the slot. No row ever steps past its budget or the cache: the count-based limits are known before launching.
 
 The loop keeps ``runner.positions`` of its slots equal to the positions it has fed, so ``runner.forward`` (a
 prefill of another slot between steps, the eager path) sees consistent bookkeeping.
@@ -40,6 +41,7 @@ class _Row:
     steps_left: int             # steps it may still take
     on_host: bool               # the host chooses its tokens (from the logits this step returns)
     token: int | None = None    # a host-given next token (None: the device's choice of the row's last step)
+    read_to: int = 0            # the position after the last token whose choice the host has read
 
 
 @dataclass
@@ -68,6 +70,7 @@ class BatchLoop:
         self.steps = 0
         self._slots: list[int] = []            # the stepping rows of the last launch, in batch order
         self._advance = None                   # stepper for _slots
+        self._slots_host: torch.Tensor | None = None  # _slots as a host tensor (runner.positions' index)
         self._feed: torch.Tensor | None = None  # the last launch's argmax per row (device)
         self._positions: torch.Tensor | None = None
         self._pending: tuple[list[_Row], torch.Tensor, object] | None = None  # (rows, host ids, ready event)
@@ -86,7 +89,7 @@ class BatchLoop:
                              f"max_seq_len={self.runner.args.max_seq_len}")
         if not 0 <= int(token) < self.runner.args.vocab_size:
             raise ValueError(f"token id {token} is outside [0, {self.runner.args.vocab_size})")
-        self.rows[slot] = _Row(slot, position, steps, on_host, int(token))
+        self.rows[slot] = _Row(slot, position, steps, on_host, int(token), read_to=position)
         self.runner.positions[slot] = position
 
     def feed(self, slot: int, token: int) -> None:
@@ -96,8 +99,16 @@ class BatchLoop:
         self.rows[int(slot)].token = int(token)
 
     def leave(self, slot: int) -> None:
-        """Drop a row (finished, failed or aborted); a step already launched for it is not read."""
+        """Drop a row (finished, failed or aborted); a step already launched for it is not read. The slot's
+        position stays where the loop fed it (a caller that ends the sequence resets the slot)."""
         self.rows.pop(int(slot), None)
+
+    def finish(self, slot: int) -> None:
+        """Drop a row whose sequence goes on elsewhere (the overshoot rule): its slot's position becomes the one
+        after the last token whose choice was read, so a step launched past the last id read (for a row that
+        stopped) does not count, and the next token fed at that position overwrites what it wrote."""
+        row = self.rows.pop(int(slot))
+        self.runner.positions[row.slot] = row.read_to
 
     @property
     def busy(self) -> bool:
@@ -123,6 +134,7 @@ class BatchLoop:
             for row, token in zip(rows, host.tolist()):
                 if self.rows.get(row.slot) is row:  # not a row that left (its slot may hold a new one by now)
                     out.ids.append((row.slot, token))
+                    row.read_to += 1  # a row's launches are read in order, one position each
         return out
 
     def _launch(self, stepping: list[_Row], out: Step) -> None:
@@ -134,7 +146,8 @@ class BatchLoop:
         else:
             tokens, positions = self._inputs(stepping, dev)
             if slots != self._slots or self._advance is None:
-                self._advance = self._stepper(torch.tensor(slots, dtype=torch.long, device=dev))
+                self._slots_host = torch.tensor(slots, dtype=torch.long)
+                self._advance = self._stepper(self._slots_host.to(dev))
             self._slots = slots
         logits = self._advance(tokens, positions)
         feed, seen = greedy_ids(logits)
@@ -157,7 +170,10 @@ class BatchLoop:
             row.position += 1
             row.steps_left -= 1
             row.token = None
-            r.positions[row.slot] = row.position
+            if row.on_host:  # its logits were read at once
+                row.read_to = row.position
+        # (set, not added: on the eager path runner.forward has advanced them already)
+        r.positions[self._slots_host] = torch.tensor([row.position for row in stepping], dtype=torch.long)
         self.steps += 1
 
     def _inputs(self, stepping: list[_Row], dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,12 +196,11 @@ class BatchLoop:
         return source[host[0]], host[1]
 
     def _stepper(self, slots: torch.Tensor):
-        """``advance(tokens, positions) → [b, vocab]`` logits for ``slots``: the decoder's stepper, or on the eager
-        path (no decoder) ``runner.forward`` one token per row."""
+        """``advance(tokens, positions) → [b, vocab]`` logits for ``slots``: the decoder's stepper (the static step
+        where capturing its graph fails), or on the eager path (no decoder) ``runner.forward`` one token per row."""
         r = self.runner
-        decoder = r.decoder
-        if decoder is not None:
-            return decoder.stepper(slots)
+        if r.decoder is not None:
+            return r.through_decoder(lambda decoder: decoder.stepper(slots), slots.shape[0])
         slots_cpu = slots.cpu()
 
         def forward_step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

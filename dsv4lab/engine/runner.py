@@ -3,8 +3,9 @@
 Decoding (one token per row, no trace) goes through the engine's decode path (:attr:`ModelRunner.decode_path`):
 on a GPU with the Triton backend, the captured static step (:mod:`dsv4lab.engine.decode_graph`, graph replay per
 batch tier, batches padded to the tier); elsewhere the eager per-op forward (the reference's structure, and the
-path a trace needs). ``forward`` (the server's scheduler, the notebooks) and ``decode_greedy`` (greedy
-``generate``, the benchmarks: the same step, each step's ids read on the host one step behind the GPU) take it;
+path a trace needs). ``forward`` (the server's prefills, the notebooks) and the engine's one step-late loop
+(:class:`~dsv4lab.engine.batch_loop.BatchLoop`: each step's ids read on the host one step behind the GPU — the
+server's scheduler, and ``decode_greedy`` for greedy ``generate`` and the benchmarks) take it;
 speculative decoding's cycles run on the same step with ``k+1`` tokens per sequence (:attr:`ModelRunner.decoder`,
 :mod:`dsv4lab.engine.speculative_step`). Prompts go through :meth:`ModelRunner.prefill`, the one prefill loop.
 """
@@ -19,8 +20,9 @@ import torch
 
 from dsv4lab.core.model.transformer import Transformer
 from dsv4lab.core.tokenizer import load_tokenizer
+from dsv4lab.engine.batch_loop import BatchLoop
 from dsv4lab.engine.decode_graph import Decoder, check_slots
-from dsv4lab.engine.finite import NON_FINITE, check_rows, greedy_ids, locating_non_finite, non_finite
+from dsv4lab.engine.finite import NON_FINITE, check_rows, locating_non_finite, non_finite
 from dsv4lab.engine.prefill_step import Prefiller, resolve_prefill_path
 from dsv4lab.engine.sampling import check_generation, sample, trajectory_hash
 from dsv4lab.engine.speculative import check_speculative, generate_speculative
@@ -141,10 +143,11 @@ class ModelRunner:
 
     def _fast_decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One step of the static decode path for rows already validated: ``[b, vocab]`` fp32 logits."""
-        return self._through_decoder(lambda d: d(tokens, positions, slots), tokens.shape[0])
+        return self.through_decoder(lambda d: d(tokens, positions, slots), tokens.shape[0])
 
-    def _through_decoder(self, use: Callable[[Decoder], object], b: int):
-        """``use(self.decoder)``; where capturing the graph of ``b`` rows fails, the static step without graphs."""
+    def through_decoder(self, use: Callable[[Decoder], object], b: int):
+        """``use(self.decoder)`` for a step of ``b`` rows; where capturing the graph of ``b`` rows fails, the decode
+        path becomes ``static`` (noted in :meth:`decode_info`) and ``use`` gets the static step's decoder."""
         decoder = self.decoder
         try:
             return use(decoder)
@@ -409,17 +412,21 @@ class ModelRunner:
         ``0..b-1``); step ``i`` feeds the token step ``i−1`` chose, on the device. Each step's choices are copied to
         the host while the next step runs, so the host's work (reading, streaming, the stop check) never leaves
         the GPU idle; ``on_tokens(ids)`` hears each step's ``b`` ids. Stops after ``steps`` steps, or once every
-        row has chosen ``stop_token``; each row's list ends at its first ``stop_token``. Returns the chosen ids
-        per row; the slots advance by the tokens fed (``tokens`` and every chosen id but each row's last).
+        row has chosen ``stop_token`` (every row steps until then: the batch, and so each step's kernels, stay the
+        same); each row's list ends at its first ``stop_token``. Returns the chosen ids per row; the slots advance
+        by the tokens fed whose choices were read (``tokens`` and every chosen id but the last step's).
 
-        Stopping early leaves one step run past the stop (launched before the stop was read): it wrote the
-        stopped token's cache rows at the slot's next position, which the next token fed there overwrites (every
-        cache this step writes is a ring of at least the window's period, or an entry rebuilt from such rows,
-        and no later position reads what that write replaced); ``tests/test_decode_greedy.py`` checks that
-        continuing after such a stop equals continuing without it, bit for bit. On the eager path (``decode_path
-        == "eager"``) it steps through :meth:`forward` instead, with a host read per step.
+        The loop is the engine's one step-late loop, :class:`~dsv4lab.engine.batch_loop.BatchLoop` (the server's),
+        with its rows fixed: on every decode path (the eager one steps through :meth:`forward`). Stopping early
+        leaves one step run past the stop (launched before the stop was read): it wrote the stopped token's cache
+        rows at the slot's next position, which the next token fed there overwrites (every cache this step writes
+        is a ring of at least the window's period, or an entry rebuilt from such rows, and no later position reads
+        what that write replaced) — the loop's overshoot rule, :meth:`BatchLoop.finish
+        <dsv4lab.engine.batch_loop.BatchLoop.finish>`; ``tests/test_decode_greedy.py`` checks that continuing after
+        such a stop equals continuing without it, bit for bit.
         A row whose logits are not finite raises :class:`~dsv4lab.core.errors.NonFiniteError` naming its position
-        (checked on the device with the ids, :func:`dsv4lab.engine.finite.greedy_ids`), never a token.
+        (checked on the device with the ids, :func:`dsv4lab.engine.finite.greedy_ids`), never a token; the slots
+        then stand where the loop fed them.
         """
         cpu = torch.device("cpu")
         tok = torch.as_tensor(tokens, dtype=torch.long, device=cpu)
@@ -436,58 +443,30 @@ class ModelRunner:
         if int(start.max()) + steps > self.args.max_seq_len:
             raise ValueError(f"{steps} steps from position {int(start.max())} would exceed "
                              f"max_seq_len={self.args.max_seq_len}")
+        loop = BatchLoop(self)
+        for slot, token, position in zip(slots_t.tolist(), tok.tolist(), start.tolist()):
+            loop.join(slot, token, position, steps)
         out: list[list[int]] = [[] for _ in range(b)]
         stopped = [False] * b
-
-        def take(i: int, ids: list[int]) -> bool:  # step i's choices → True once every row has stopped
+        read = 0  # steps whose ids the host has read
+        while loop.busy:
+            ids = [token for _, token in loop.step().ids]  # the rows in batch order (none leaves before the end)
+            if not ids:  # the first step: launched, nothing to read yet
+                continue
             if NON_FINITE in ids:  # a row's logits were not finite: an error, never a token
                 r = ids.index(NON_FINITE)
-                raise non_finite(r, int(start[r]) + i)
+                raise non_finite(r, int(start[r]) + read)
             for r, t in enumerate(ids):
                 if not stopped[r]:
                     out[r].append(t)
                     stopped[r] = t == stop_token
+            read += 1
             if on_tokens is not None:
                 on_tokens(ids)
-            return stop_token is not None and all(stopped)
-
-        if self.decoder is None:  # the eager path: step by step through forward
-            nxt = tok
-            for i in range(steps):
-                nxt, seen = greedy_ids(self.forward(nxt[:, None], start + i, slots=slots_t)[:, -1])
-                nxt = nxt.cpu()
-                if take(i, seen.tolist()):
-                    break
-            return out
-        dev = self.device
-        advance = self._through_decoder(lambda d: d.stepper(slots_t.to(dev)), b)
-        nxt, pos = tok.to(dev), start.to(dev)
-        # step i's choices land in host[i % 2]; ready[i % 2] says when (two of each: the host reads step i − 1's
-        # while step i's copy is queued)
-        host = torch.empty((2, b), dtype=torch.long, pin_memory=dev.type == "cuda")
-        ready = [torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda" else None
-
-        def read(i: int) -> list[int]:
-            if ready is not None:
-                ready[i % 2].synchronize()
-            return host[i % 2].tolist()
-
-        fed = 0
-        try:
-            for i in range(steps):
-                nxt, seen = greedy_ids(advance(nxt, pos))  # seen: the ids, −1 where a row is not finite
-                pos = pos + 1
-                fed += 1
-                host[i % 2].copy_(seen, non_blocking=True)
-                if ready is not None:
-                    ready[i % 2].record()
-                if i > 0 and take(i - 1, read(i - 1)):
-                    fed -= 1  # step i fed a stopped row's token: the step run past the stop
-                    break
-            else:
-                take(steps - 1, read(steps - 1))
-        finally:
-            self.positions[slots_t] += fed
+            if stop_token is not None and all(stopped):
+                break
+        for slot in slots_t.tolist():
+            loop.finish(slot)
         return out
 
     def _token_rows(self, ids, b: int, name: str, greedy_marker: bool = False) -> torch.Tensor:
