@@ -425,7 +425,7 @@ class ModelRunner:
                     break
             return out
         dev = self.device
-        advance = self._through_decoder(lambda d: d.stepper(slots_t.to(dev)), b)
+        advance = self._through_decoder(lambda d: d.stepper(slots_t.to(dev), greedy=True), b)
         nxt, pos = tok.to(dev), start.to(dev)
         # step i's choices land in host[i % 2]; ready[i % 2] says when (two of each: the host reads step i − 1's
         # while step i's copy is queued)
@@ -440,7 +440,7 @@ class ModelRunner:
         fed = 0
         try:
             for i in range(steps):
-                nxt, seen = greedy_ids(advance(nxt, pos))  # seen: the ids, −1 where a row is not finite
+                nxt, seen, _ = advance(nxt, pos)  # chosen inside the step; seen: −1 where a row is not finite
                 pos = pos + 1
                 fed += 1
                 host[i % 2].copy_(seen, non_blocking=True)
