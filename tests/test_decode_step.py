@@ -22,6 +22,8 @@ import torch
 import dsv4lab
 from conftest import TINY, calibrated_max_kl
 from dsv4lab.engine.decode_graph import Decoder, StaticDecodeStep, tiers_for
+from dsv4lab.engine.dispatch import INTERPRETER_DEFAULTS, SCHEMA, Dispatch, Tuned
+from dsv4lab.engine.kernel_families import FUSION_NAMES
 from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.tools.verify.model import kl_per_position
 
@@ -158,6 +160,13 @@ def test_fused_static_step_on_the_triton_kernels(capsys):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert not tri.ops.calls.reference, tri.ops.report()  # every op of the step ran on a kernel
     layers = tri.args.n_layers
+    # the interpreter's default runs every fused path (kernel_families.FUSIONS); turned off, the same bits from
+    # the unfused launches: moe_site's two per layer but the last
+    tri.ops.config = Dispatch(Tuned(dict(schema=SCHEMA, gpu="interpreter", sources={"t": {}}, ops={"decode.fusion": [
+        dict(rows=64, source="t", choice={n: False for n in FUSION_NAMES})]}), "off.json"), INTERPRETER_DEFAULTS)
+    unfused_counts, unfused = count_launches(lambda: step(tok, pos, torch.tensor([0, 1])))
+    assert torch.equal(got, unfused), f"max |Δ| {(got - unfused).abs().max():.3g}"
+    assert unfused_counts["triton"] - counts["triton"] == 2 * (layers - 1), (unfused_counts, counts)
     with capsys.disabled():
         print(f"\n[decode step, tiny, b=2] first call: {first['triton']} Triton launches + {first['torch']} torch ops; "
               f"second: {counts['triton']} Triton launches + {counts['torch']} torch ops "

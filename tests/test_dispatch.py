@@ -100,10 +100,27 @@ def test_lookup_takes_the_fewest_rows_at_or_above_the_call_and_the_defaults_else
     (_doc(**{"decode.gemv": [dict(rows=1, choice={})]}), r"decode.gemv\[0\]: needs 'shape'"),
     (_doc(**{"decode.moe": [dict(rows=1, choice={}, source="x")]}), "source 'x' is not among 'sources'"),
     (_doc(**{"prefill.gemm": [dict(rows=1, choice=dict(backnd="triton"))]}), r"unknown choice field\(s\) backnd"),
+    (_doc(**{"decode.fusion": [dict(rows=1, choice=dict(moe_sites=True))]}), r"unknown choice field\(s\) moe_sites"),
+    (_doc(**{"decode.fusion": [dict(rows=1, choice=dict(greedy=1))]}), "each fused path is true or false"),
 ])
 def test_a_malformed_tuned_file_is_refused_naming_the_entry(doc, message):
     with pytest.raises(DispatchError, match=message):
         Tuned(doc, "bad.json")
+
+
+def test_a_fused_path_runs_where_the_tuned_entry_or_the_device_default_says():
+    """``decode.fusion``: the entry's choice for the names it gives, the device default for the others (the GPU's:
+    none until measured; the interpreter's: all, the same bits with fewer launches)."""
+    from dsv4lab.engine.dispatch import INTERPRETER_DEFAULTS
+    tuned = Tuned(_doc(**{"decode.fusion": [dict(rows=4, choice=dict(moe_site=True)),
+                                            dict(rows=16, choice=dict(moe_site=False, greedy=True))]}), "t.json")
+    gpu = Dispatch(tuned, GPU_DEFAULTS)
+    assert gpu.fused("moe_site", 1) and not gpu.fused("greedy", 1)  # greedy: not in the entry, off by default
+    assert not gpu.fused("moe_site", 8) and gpu.fused("greedy", 8)
+    assert not any(Dispatch(None, GPU_DEFAULTS).fused(n, 1) for n in kf.FUSION_NAMES)
+    assert all(Dispatch(None, INTERPRETER_DEFAULTS).fused(n, 1) for n in kf.FUSION_NAMES)
+    with pytest.raises(ValueError, match="unknown fused path 'argmax'"):
+        gpu.fused("argmax", 1)
 
 
 def test_a_field_the_kernel_lacks_is_refused_naming_the_entry():

@@ -7,8 +7,8 @@ leave when they finish) and :meth:`ModelRunner.decode_greedy <dsv4lab.engine.run
 1. feeds every stepping row its next token — on the device, the id the row's previous step chose (never read back
    first), or a token the host gave (:meth:`~BatchLoop.join`, :meth:`~BatchLoop.feed`);
 2. launches one step through the runner's decoder (``runner.through_decoder``: the CUDA-graph tier or the static
-   step, falling back to the static step where a capture fails; ``runner.forward`` on the eager path), chooses each
-   row's argmax on the device and queues its copy to the host with one ``isfinite`` flag folded in
+   step, each row's argmax chosen inside the step, falling back to the static step where a capture fails;
+   ``runner.forward`` on the eager path) and queues the ids' copy to the host with one ``isfinite`` flag folded in
    (:func:`dsv4lab.engine.finite.greedy_ids`: −1 for a row whose logits are not finite);
 3. returns the **previous** step's ids of the device-fed rows (read while this step runs) and, for the rows the host
    chooses for (sampling, logprobs, logit processors: ``on_host``), this step's logits, which the host reads at once.
@@ -149,8 +149,7 @@ class BatchLoop:
                 self._slots_host = torch.tensor(slots, dtype=torch.long)
                 self._advance = self._stepper(self._slots_host.to(dev))
             self._slots = slots
-        logits = self._advance(tokens, positions)
-        feed, seen = greedy_ids(logits)
+        feed, seen, logits = self._advance(tokens, positions)  # the ids chosen inside the step
         self._feed, self._positions = feed, positions
         device_rows = [i for i, row in enumerate(stepping) if not row.on_host]
         if device_rows:
@@ -196,15 +195,18 @@ class BatchLoop:
         return source[host[0]], host[1]
 
     def _stepper(self, slots: torch.Tensor):
-        """``advance(tokens, positions) → [b, vocab]`` logits for ``slots``: the decoder's stepper (the static step
-        where capturing its graph fails), or on the eager path (no decoder) ``runner.forward`` one token per row."""
+        """``advance(tokens, positions) → (feed, seen, logits [b, vocab])`` for ``slots``
+        (:func:`~dsv4lab.engine.finite.greedy_ids`' ids and the logits): the decoder's greedy stepper (the choice
+        made inside the step; the static step where capturing its graph fails), or on the eager path (no decoder)
+        ``runner.forward`` one token per row."""
         r = self.runner
         if r.decoder is not None:
-            return r.through_decoder(lambda decoder: decoder.stepper(slots), slots.shape[0])
+            return r.through_decoder(lambda decoder: decoder.stepper(slots, greedy=True), slots.shape[0])
         slots_cpu = slots.cpu()
 
-        def forward_step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return r.forward(tokens[:, None], positions, slots=slots_cpu)[:, -1]
+        def forward_step(tokens: torch.Tensor, positions: torch.Tensor):
+            logits = r.forward(tokens[:, None], positions, slots=slots_cpu)[:, -1]
+            return (*greedy_ids(logits), logits)
         return forward_step
 
 

@@ -77,7 +77,6 @@ import torch
 
 from dsv4lab.core.model.attention import Attention
 from dsv4lab.core.model.block import Block
-from dsv4lab.core.model.moe import MoE
 from dsv4lab.engine.decode_groups import group, step_groups
 
 TIERS = (1, 2, 4, 8, 16, 32)
@@ -192,6 +191,17 @@ class StaticDecodeStep:
         return self._head(self._hidden(tokens, rows))
 
     @torch.inference_mode()
+    def greedy(self, tokens: torch.Tensor, positions: torch.Tensor,
+               slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The one-token step with its greedy choice inside it: ``(ids [b], seen [b], logits [b, vocab])`` — each
+        row's argmax, the same ids with ``NON_FINITE`` (−1) where the row's logits are not finite
+        (:func:`dsv4lab.engine.finite.greedy_ids`, the backend's ``greedy`` op: in the captured graph, one kernel
+        where the dispatch turns the fused path ``greedy`` on), and the logits for callers that choose on the host."""
+        logits = self(tokens, positions, slots)
+        ids, seen = self.ops.greedy(logits)
+        return ids, seen, logits
+
+    @torch.inference_mode()
     def run(self, tokens: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
             lengths: torch.Tensor | None = None, mtp: bool = False) -> StepOutput:
         """``tokens [b, T]`` at positions ``start[i] + t`` of ``slots [b]``; ``lengths [b]`` (default ``T``) real
@@ -282,17 +292,16 @@ class StaticDecodeStep:
         h = self._attention(blk.attn, x, rows)
         X, x, post, comb = ops.hc_post_pre_norm(h, X, post, comb, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale,
                                                 blk.ffn_norm.weight, a)
-        f = self._moe(blk.ffn, x.reshape(R, -1), tokens).view(R, 1, -1)
-        if nxt is None:
-            return ops.hc_post(f, X, post, comb), None, None, None
-        return ops.hc_post_pre_norm(f, X, post, comb, nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale,
-                                    nxt.attn_norm.weight, a)
-
-    def _moe(self, ffn: MoE, x, tokens):
-        ops = self.ops
+        ffn, x = blk.ffn, x.reshape(R, -1)
         idx, weights = ffn.gate(x, tokens, ops)
-        y = ops.routed_experts(x, idx, weights, ffn.experts, self.args.swiglu_limit, all_reduce=self.moe_reduce)
-        return ops.moe_output(y, ffn.shared_outputs(x, ops))  # routed + shared, rounded to act: one launch on a GPU
+        shared = ffn.shared_outputs(x, ops)
+        if nxt is None:
+            y = ops.routed_experts(x, idx, weights, ffn.experts, a.swiglu_limit, all_reduce=self.moe_reduce)
+            return ops.hc_post(ops.moe_output(y, shared).view(R, 1, -1), X, post, comb), None, None, None
+        # routed experts, routed + shared rounded to act, the next block's mHC site: the sums in the site's prologue
+        return ops.moe_post_pre_norm(x, idx, weights, ffn.experts, a.swiglu_limit, shared, X, post, comb,
+                                     nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale, nxt.attn_norm.weight, a,
+                                     all_reduce=self.moe_reduce)
 
     # ------------------------------------------------------------------ attention
     def _attention(self, attn: Attention, x, rows: _StepRows):
@@ -372,7 +381,8 @@ class DecodeGraphs:
         self.runner = runner
         self.step = step or StaticDecodeStep(runner)
         self.tiers = tiers_for(runner.max_batch, tiers)
-        self.graphs: dict = {}  # tier → (graph, io, logits) of the one-token step; (kind, tier) → (graph, io, out)
+        self.graphs: dict = {}  # tier → (graph, io, (ids, seen, logits)) of the one-token step (its greedy form);
+        #                         (kind, tier) → (graph, io, out)
         self.capture_s: dict = {}
         self.uncaptured: dict = {}  # (kind, tier) → why its capture failed (it runs eagerly)
         self._pool = None
@@ -415,11 +425,11 @@ class DecodeGraphs:
         with torch.inference_mode():
             io = torch.zeros(3, b, dtype=torch.long, device=r.device)  # tokens, positions, slots
             io[2] = r.spare_slot
-        graph, _, logits = self._captured(b, (io,), lambda t: self.step(t[0], t[1], t[2]), warmup)
-        self.graphs[b] = (graph, io, logits)
+        graph, _, out = self._captured(b, (io,), lambda t: self.step.greedy(t[0], t[1], t[2]), warmup)
+        self.graphs[b] = (graph, io, out)
 
     def _graph_for(self, b: int) -> tuple[int, tuple]:
-        """The smallest tier ``≥ b`` and its ``(graph, io, logits)``, captured now if it is not yet."""
+        """The smallest tier ``≥ b`` and its ``(graph, io, (ids, seen, logits))``, captured now if it is not yet."""
         tier = self.tier(b)
         if tier is None:
             raise ValueError(f"no graph tier holds batch {b}; tiers: {self.tiers}")
@@ -432,7 +442,7 @@ class DecodeGraphs:
         """Decode ``b = len(tokens)`` rows with the graph of the smallest tier ``≥ b`` (captured now if it is not
         yet), the rows past ``b`` padded into the spare slot; returns a copy of the ``[b, vocab]`` logits."""
         b = tokens.shape[0]
-        tier, (graph, io, logits) = self._graph_for(b)
+        tier, (graph, io, (_, _, logits)) = self._graph_for(b)
         rows = torch.zeros(3, tier, dtype=torch.long)
         rows[2] = self.runner.spare_slot
         rows[0, :b], rows[1, :b], rows[2, :b] = tokens.cpu(), positions.cpu(), slots.cpu()
@@ -441,14 +451,15 @@ class DecodeGraphs:
         return logits[:b].clone()
 
     @torch.inference_mode()
-    def stepper(self, slots: torch.Tensor):
+    def stepper(self, slots: torch.Tensor, greedy: bool = False):
         """``advance(tokens, positions) → logits`` for the ``b = len(slots)`` rows of ``slots`` (device tensors):
         each call copies the rows into the tier's static inputs on the device and replays, with no host
         transfer — what :meth:`ModelRunner.decode_greedy` runs one step ahead of the host. The logits returned
         are the graph's own output rows (valid until the next replay of the tier: consume them in stream
-        order)."""
+        order). ``greedy``: ``advance`` returns ``(ids, seen, logits)``, the choice made inside the graph
+        (:meth:`StaticDecodeStep.greedy`: no launch between two replays)."""
         b = slots.shape[0]
-        graph, io, logits = self._graph_for(b)[1]
+        graph, io, (ids, seen, logits) = self._graph_for(b)[1]
         io[:, b:] = 0  # padding rows: token 0 at position 0 of the spare slot, as replay pads them
         io[2, b:] = self.runner.spare_slot
         io[2, :b].copy_(slots)
@@ -458,7 +469,7 @@ class DecodeGraphs:
             io[0, :b].copy_(tokens)
             io[1, :b].copy_(positions)
             graph.replay()
-            return logits[:b]
+            return (ids[:b], seen[:b], logits[:b]) if greedy else logits[:b]
         return advance
 
     @torch.inference_mode()
@@ -503,7 +514,8 @@ class Decoder:
     * ``decoder(tokens [b], positions [b], slots [b]) → [b, vocab]`` fp32 logits: one token per row for rows the
       caller validated; ``runner.positions`` is the caller's.
     * :meth:`stepper` — ``advance(tokens, positions) → logits`` for fixed slots, fed on the device (the one-step-
-      behind loops: ``ModelRunner.decode_greedy``, the server's batch loop).
+      behind loops: ``ModelRunner.decode_greedy``, the server's batch loop); ``greedy=True`` adds the ids chosen
+      inside the step (``(ids, seen, logits)``).
     * :meth:`decode` — one token per row, validated, advancing ``runner.positions`` like ``ModelRunner.forward``.
     * :meth:`run` — ``T`` tokens per sequence (:meth:`StaticDecodeStep.run`), with the MTP block on request;
       :meth:`mtp` — the MTP block's one-token step; :meth:`call` — any other static function of the step
@@ -531,11 +543,15 @@ class Decoder:
         dev = self.runner.device
         return self.step(tokens.to(dev), positions.to(dev), slots.to(dev))
 
-    def stepper(self, slots: torch.Tensor):
+    def stepper(self, slots: torch.Tensor, greedy: bool = False):
         """``advance(tokens, positions) → [b, vocab]`` logits on the device for the rows of ``slots`` (a device
-        tensor), no host transfer: the graph tier's (:meth:`DecodeGraphs.stepper`), else the eager step."""
+        tensor), no host transfer: the graph tier's (:meth:`DecodeGraphs.stepper`), else the eager step.
+        ``greedy``: ``advance`` returns ``(ids, seen, logits)`` (:meth:`StaticDecodeStep.greedy`), the choice made
+        inside the step."""
         if self._graphed(slots.shape[0]):
-            return self.graphs.stepper(slots)
+            return self.graphs.stepper(slots, greedy)
+        if greedy:
+            return lambda tokens, positions: self.step.greedy(tokens, positions, slots)
         return lambda tokens, positions: self.step(tokens, positions, slots)
 
     def decode(self, tokens: Sequence[int] | torch.Tensor, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:

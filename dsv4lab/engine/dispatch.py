@@ -49,6 +49,8 @@ op                    choice
                       cache holds ``≥ min_entries`` keys, the fused kernel below) and the fields of
                       ``indexer_split_decode.IndexerSplitGeometry``
 ``decode.mhc_site``   the fields of ``mhc.MhcSiteGeometry`` (the one-launch site, ≤ ``mhc.SITE_MAX_ROWS`` rows)
+``decode.fusion``     per fused path of the decode step (a name of ``kernel_families.FUSIONS``): ``true`` / ``false``
+                      (a name the entry leaves out: the device default, ``Defaults.fusions``)
 ``prefill.moe``       ``route``, ``tag`` (a launch variant of :func:`~dsv4lab.engine.kernel_families.moe_tags`),
                       ``decode``, ``persistent``, ``scale_per_byte``
 ``prefill.moe_rows``  ``sorter_rows``
@@ -88,7 +90,7 @@ from pathlib import Path
 
 from dsv4lab.core.errors import DSV4LabError
 from dsv4lab.core.paths import KERNELS_DIR, display_path, read_json
-from dsv4lab.engine.kernel_families import moe_tags
+from dsv4lab.engine.kernel_families import FUSION_NAMES, moe_tags
 
 log = logging.getLogger("dsv4lab.triton")
 
@@ -104,6 +106,7 @@ OPS = {
     "decode.attention_split": (False, ("kernel", "min_entries"), "attention_split_decode.SplitKvGeometry"),
     "decode.indexer": (False, ("kernel", "min_entries"), "indexer_split_decode.IndexerSplitGeometry"),
     "decode.mhc_site": (False, (), "mhc.MhcSiteGeometry"),
+    "decode.fusion": (False, FUSION_NAMES, None),
     "prefill.moe": (False, ("route", "tag", "decode", "persistent", "scale_per_byte"), None),
     "prefill.moe_rows": (False, ("sorter_rows",), None),
     "prefill.gemm": (False, ("backend",), None),
@@ -159,6 +162,9 @@ class Defaults:
         prefill_min_tokens: fewest token rows for the prefill kernels.
         prefill_max_chunk: the prefill chunk where none was measured (one chunk up to it, chunks of it beyond;
             4,096: one real-dims CSA layer prefilled fastest in 4,096-token chunks, docs/kernels_prefill.md).
+        fusions: the decode step's fused paths on where nothing was measured (names of
+            ``kernel_families.FUSIONS``): all of them under the interpreter (fewer launches, the same bits), none on
+            a GPU until a visit has timed the step with them (``docs/kernels_decode.md``, "Fused paths").
     """
 
     name: str
@@ -174,6 +180,7 @@ class Defaults:
     decode_max_rows: int = 63
     prefill_min_tokens: int = 64
     prefill_max_chunk: int = 4096
+    fusions: tuple = ()
 
 
 GPU_DEFAULTS = Defaults(
@@ -186,7 +193,7 @@ GPU_DEFAULTS = Defaults(
 INTERPRETER_DEFAULTS = Defaults(
     "interpreter", gemv_route="fma", gemv_block_n=256, gemv_block_k=256, gemv_target_programs=1, moe_route="fma",
     moe_geometry=dict(block_n_up=128, block_n_down=256, block_k=256),
-    attention_geometry=dict(block_h=16, block_r=64))
+    attention_geometry=dict(block_h=16, block_r=64), fusions=FUSION_NAMES)
 
 
 def shape_key(n: int, k: int, groups: int, weight: str, act_quant: bool) -> str:
@@ -264,6 +271,8 @@ class Tuned:
         if geometry is None and set(e["choice"]) - set(own):
             bad = ", ".join(sorted(set(e["choice"]) - set(own)))
             raise DispatchError(f"{at}: unknown choice field(s) {bad} (known: {', '.join(own)})")
+        if op == "decode.fusion" and not all(isinstance(v, bool) for v in e["choice"].values()):
+            raise DispatchError(f"{at}: each fused path is true or false, got {e['choice']}")
         table = self._ops.setdefault(op, {}).setdefault(e.get("shape"), [])
         table.append(dict(e, rows=rows, at=at))
         table.sort(key=lambda x: x["rows"])
@@ -429,6 +438,17 @@ class Dispatch:
         if entries < int(c.pop("min_entries", 0)):
             return None
         return Pick("triton", None, c, where)
+
+    def fused(self, name: str, rows: int) -> bool:
+        """Whether the decode step's fused path ``name`` (:data:`~dsv4lab.engine.kernel_families.FUSIONS`) runs at
+        ``rows`` token rows: the tuned ``decode.fusion`` entry's choice where it names it, else the device's
+        default (:attr:`Defaults.fusions`)."""
+        if name not in FUSION_NAMES:
+            raise ValueError(f"unknown fused path {name!r}; known: {', '.join(FUSION_NAMES)}")
+        e = self._tuned("decode.fusion", rows)
+        if e is not None and name in e["choice"]:
+            return bool(e["choice"][name])
+        return name in self.defaults.fusions
 
     def mhc_site(self, rows: int) -> Pick | None:
         """The one-launch mHC site's fields at ``rows`` rows when tuned (None: the kernel's for the row count)."""

@@ -6,7 +6,9 @@ emits token 0 — exit 0, HTTP 200. Every path that chooses a token checks the r
 
 * **greedy on the device** (:func:`greedy_ids`): one ``isfinite`` reduction over the logits the step already
   produced, folded into the ids the host reads one step behind (a row with a non-finite logit reads
-  :data:`NON_FINITE`, −1, which no token id is), so the check costs no transfer and no sync;
+  :data:`NON_FINITE`, −1, which no token id is), so the check costs no transfer and no sync — on the static decode
+  path it runs inside the step (the backend's ``greedy`` op: one kernel in the captured graph,
+  ``Decoder.stepper(slots, greedy=True)``);
 * **on the host** (:func:`check_rows`, what :func:`dsv4lab.engine.sampling.sample` calls): the same reduction
   over the rows being sampled.
 
@@ -25,18 +27,9 @@ from typing import Sequence
 import torch
 
 from dsv4lab.core.errors import NonFiniteError
-
-NON_FINITE = -1
-"""The id a row with a non-finite logit reads on the host (see :func:`greedy_ids`)."""
+from dsv4lab.core.model.ops import NON_FINITE, greedy_ids  # the backends' ``greedy`` op is their device form
 
 _LAYER = re.compile(r"^(layers|mtp)\.(\d+)\.")
-
-
-def greedy_ids(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [b, vocab]`` → ``(feed, report)``: each row's argmax (the token fed to the next step on the device)
-    and the same ids with :data:`NON_FINITE` where the row holds a NaN or ±Inf (what the host reads)."""
-    ids = logits.argmax(-1)
-    return ids, torch.where(torch.isfinite(logits).all(-1), ids, NON_FINITE)
 
 
 def check_rows(logits: torch.Tensor, positions: Sequence[int] | None = None) -> None:

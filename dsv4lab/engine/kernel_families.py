@@ -268,6 +268,38 @@ MHC_SITE = Family(
      _site(128, 32, 2048, 8, split_tail=True), _site(64, 32, 2048, 8, split_tail=True)))
 """The one-launch mHC site of the decode step (``mhc``, up to ``mhc.SITE_MAX_ROWS`` rows)."""
 
+
+@dataclass(frozen=True)
+class Fusion:
+    """A fused path of the decode step: one launch (or a constexpr-gated path of an existing kernel) computing what
+    several launches computed, with the same arithmetic in the same order, so its result equals the unfused path's
+    bit for bit (``tests/test_kernels_fusion.py``; on a GPU the same tests marked ``gpu``).
+
+    Attributes:
+        name: the key of the dispatch's ``decode.fusion`` choice (``Dispatch.fused``).
+        op: the :class:`~dsv4lab.core.model.ops.ReferenceOps` op whose reference composition it replaces.
+        kernel: ``module.function`` of ``dsv4lab_kernels`` that runs it.
+        replaces: the launches it replaces (kernel names, once per use).
+        saved: launches saved per use.
+    """
+
+    name: str
+    op: str
+    kernel: str
+    replaces: tuple
+    saved: int
+
+
+FUSIONS = (
+    Fusion("moe_site", "moe_post_pre_norm", "mhc.hc_post_pre_norm", ("_moe_combine_kernel", "_moe_output_kernel"), 2),
+    Fusion("greedy", "greedy", "greedy.greedy_ids", ("argmax", "isfinite", "all", "where"), 3),
+)
+"""The decode step's fused paths (the dispatch turns each on or off per device: ``Defaults.fusions`` and the tuned
+file's ``decode.fusion``): ``moe_site`` sums the routed slots and the shared experts' outputs in the prologue of the
+mHC site after a MoE (per layer but the last); ``greedy`` makes the step's greedy choice in one kernel instead of
+torch's four (once per step, inside the captured graph either way)."""
+FUSION_NAMES = tuple(f.name for f in FUSIONS)
+
 # ============================================================================================ prefill
 PREFILL_MOE = Family(
     "prefill.moe", "fp4_moe_grouped", "MoEGeometry", ("routed_experts", "moe_stage1", "moe_stage2"),
@@ -362,6 +394,7 @@ def verify_variants(families, op: str) -> list[tuple[Family, Variant]]:
 
 __all__ = ["RUNS", "Variant", "variant", "Family", "GEMV", "MOE", "MOE_SAME_SEMANTICS", "ATTENTION",
            "LONG_CONTEXTS", "ATTENTION_SPLIT", "INDEXER_SPLIT", "MHC_SITE",
+           "Fusion", "FUSIONS", "FUSION_NAMES",
            "PREFILL_MOE", "SORTER_ROWS", "moe_tags", "PREFILL_GEMM", "WEIGHT_GEMM",
            "PREFILL_ATTENTION", "INDEXER", "SELECTIONS", "FAMILIES", "DECODE_FAMILIES", "PREFILL_FAMILIES",
            "verify_variants"]

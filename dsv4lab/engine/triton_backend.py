@@ -22,7 +22,8 @@ The glue between them — row-parallel kernels for any number of rows, prefill c
   :mod:`dsv4lab_kernels.norm_rope_quant`;
 * ``compressor_step`` — :mod:`dsv4lab_kernels.compressor_decode`; ``router_topk`` — :mod:`dsv4lab_kernels.router`;
   ``indexer_select`` — :mod:`dsv4lab_kernels.indexer_decode`; ``expert_mlp`` (the shared expert) — its projections
-  on the GEMV above around :mod:`dsv4lab_kernels.swiglu`.
+  on the GEMV above around :mod:`dsv4lab_kernels.swiglu`; ``greedy`` (the step's argmax and finiteness flag) —
+  :mod:`dsv4lab_kernels.greedy`.
 
 Every other op, and every call no kernel covers (a float64 oracle dtype, tensor-parallel partial sums, a trace
 request, too many rows for the decode kernels but too few for the prefill ones), runs the reference; each such
@@ -77,11 +78,12 @@ router = kernel_module("router")
 idx_decode = kernel_module("indexer_decode")
 idx_split = kernel_module("indexer_split_decode")
 act_kernels = kernel_module("swiglu")
+greedy_kernels = kernel_module("greedy")
 
 # The fused glue ops (row-parallel kernels for any row count).
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
             "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope",
-            "moe_output")
+            "moe_output", "greedy", "moe_post_pre_norm")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
@@ -513,6 +515,13 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_output(self, routed, shared)
         return moe.moe_output(routed, shared, nm.act)
 
+    def greedy(self, logits):
+        if logits.ndim != 2 or not self.config.fused("greedy", logits.shape[0]):
+            return ReferenceOps.greedy(self, logits)  # torch's argmax and flag: the same ids, not a fallback
+        if not self._glue("greedy", logits):
+            return ReferenceOps.greedy(self, logits)
+        return greedy_kernels.greedy_ids(logits)
+
     def rms_norm(self, x, weight, eps):
         if not self._glue("rms_norm", x):
             return ReferenceOps.rms_norm(self, x, weight, eps)
@@ -545,6 +554,36 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args)
         return mhc.hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
                                     args.norm_eps, args.hc_eps, geometry=self._mhc_site(X))
+
+    def moe_post_pre_norm(self, x, idx, weights, bank, limit, shared, X, post, comb, fn, base, scale, norm_weight,
+                          args, all_reduce=None):
+        rows = x.shape[0]
+        nm = self.numerics
+        route, geo = self.moe_choice(rows)
+        why = None if self.config.fused("moe_site", rows) else "fusion off"
+        why = why or self._moe_unsupported(x, bank) or self._glue_unsupported(X)
+        if why is None:
+            if rows >= self.prefill_min_tokens:
+                why = "prefill rows"  # the unfused ops take their prefill kernels there
+            elif all_reduce is not None:
+                why = "expert-parallel partial sum"
+            elif geo.slot_split != 0:
+                why = "token-major down projection"
+            elif X.numel() // (X.shape[-1] * X.shape[-2]) > mhc.SITE_MAX_ROWS:
+                why = "rows above the one-launch mHC site"
+            elif nm.acc != torch.float32 or shared.dtype != nm.act:
+                why = f"shared {shared.dtype}, acc {nm.acc}"
+        if why is not None:  # the three ops, each on its own kernel (or its own counted fallback)
+            return ReferenceOps.moe_post_pre_norm(self, x, idx, weights, bank, limit, shared, X, post, comb, fn,
+                                                  base, scale, norm_weight, args, all_reduce)
+        self._decode("routed_experts")
+        self.calls.glue["moe_post_pre_norm"] += 1
+        ex = moe.ExpertTensors.of(bank)
+        slots = moe.routed_moe_slots(x, idx, weights, ex, limit, route=route, geometry=geo,
+                                     act_quant=nm.act_quant, act_dtype=nm.act)
+        parts = moe.MoeOutput(slots, idx, shared, ex.expert_offset, ex.n_experts)
+        return mhc.hc_post_pre_norm(None, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
+                                    args.norm_eps, args.hc_eps, geometry=self._mhc_site(X), moe=parts)
 
     def hc_post(self, out, X, post, comb):
         res = self._prefill("hc_post", self.prefill_hc_post(out, X, post, comb))

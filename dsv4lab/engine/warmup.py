@@ -160,7 +160,7 @@ def _warm_decode(runner, b: int) -> None:
     spare slot is reset."""
     cpu = torch.zeros(b, dtype=torch.long)
     slots = torch.full((b,), runner.spare_slot, dtype=torch.long)
-    runner._through_decoder(lambda d: d(cpu, cpu, slots), b)
+    runner.through_decoder(lambda d: d(cpu, cpu, slots), b)
     runner.model.reset(torch.tensor([runner.spare_slot], device=runner.device), runner.ops)
 
 

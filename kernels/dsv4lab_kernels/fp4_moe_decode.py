@@ -274,9 +274,11 @@ def moe_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None
 
 def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str = "dot",
              geometry: MoeGeometry | None = None, act_quant: bool = True, act_dtype: torch.dtype = torch.bfloat16,
-             per_slot: bool = False) -> torch.Tensor:
+             per_slot: bool = False, combine: bool = True) -> torch.Tensor:
     """Stage 2. ``h [T, k, I]`` → ``y [T, D]`` fp32 (the slot sum), or with ``per_slot`` the act-rounded slot
-    outputs ``[T, k, D]`` fp32 with NaN in slots of experts not in the bank (the reference's ``moe_stage2``)."""
+    outputs ``[T, k, D]`` fp32 with NaN in slots of experts not in the bank (the reference's ``moe_stage2``).
+    ``combine=False`` (expert-major only): the slot outputs without the combine launch, slots of experts not in the
+    bank left unwritten (a consumer that sums them itself reads only the bank's: :class:`MoeOutput`)."""
     r = _check_route(route)
     geo = geometry or MoeGeometry()
     if geo.block_k % 128:
@@ -294,6 +296,9 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
     common = dict(ROUTE=r, ASM=asm, ACT_QUANT=act_quant, ROUND_ACT=act_dtype == torch.bfloat16,
                   DOT_FP32=interpreting(), BN=bn, BK=geo.block_k, **_launch_opts(geo, route))
     strides = (ex.w2.stride(0), ex.w2.stride(1), ex.w2_scale.stride(0), ex.w2_scale.stride(1))
+    if not combine and geo.slot_split != 0:
+        raise ValueError(f"moe_down: slot outputs without the combine need the expert-major down projection "
+                         f"(slot_split=0), not slot_split={geo.slot_split}")
     if per_slot or geo.slot_split == 0:
         if per_slot:  # slots of other banks' experts stay NaN, as the reference's
             out = torch.full((T, k, D), float("nan"), dtype=torch.float32, device=h.device)
@@ -303,7 +308,7 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
             h, idx, ex.w2, ex.w2_scale, out, T, D, I, ex.expert_offset, ex.n_experts, *strides,
             TOPK=k, TQ=triton.next_power_of_2(T), TP=_token_block(T, route), KP=triton.next_power_of_2(k),
             PP=triton.next_power_of_2(T * k), **common, **pdl_args(h.device))
-        if per_slot:
+        if per_slot or not combine:
             return out
         return _combine(out, None, idx, y, ex, from_slots=True)
     split = max(1, min(geo.slot_split, k))
@@ -324,6 +329,28 @@ def _combine(out, part, idx, y, ex: ExpertTensors, from_slots: bool) -> torch.Te
         0 if part is None else part.shape[0], TOPK=idx.shape[1], FROM_SLOTS=from_slots, BLOCK=block,
         **pdl_args(y.device))
     return y
+
+
+@dataclass(frozen=True)
+class MoeOutput:
+    """The parts of a MoE's output, for a site to sum itself (``mhc.hc_post_pre_norm``'s ``moe``, :func:`routed_moe_slots`): the routed
+    slot outputs ``slots [M, k, D]`` (fp32, act-rounded; slots of experts outside ``[expert_offset,
+    expert_offset + n_local)`` are not read), the expert ids ``idx [M, k]`` and the shared experts' outputs
+    ``shared [S, M, D]`` (act) — ``moe_output(moe_combine(slots), shared)``, computed in the site's prologue."""
+
+    slots: torch.Tensor
+    idx: torch.Tensor
+    shared: torch.Tensor
+    expert_offset: int = 0
+    n_local: int = 1 << 30
+
+    def check(self, M: int, D: int, act: torch.dtype) -> None:
+        k = self.idx.shape[-1]
+        if (self.slots.shape != (M, k, D) or self.slots.dtype != torch.float32 or self.idx.shape != (M, k)
+                or self.shared.shape[1:] != (M, D) or self.shared.dtype != act):
+            raise ValueError(f"mHC site: MoE parts slots {self.slots.dtype} {list(self.slots.shape)}, idx "
+                             f"{list(self.idx.shape)}, shared {self.shared.dtype} {list(self.shared.shape)} do not "
+                             f"fit {M} rows of width {D} in {act}")
 
 
 def moe_output(routed: torch.Tensor, shared: torch.Tensor, act_dtype: torch.dtype) -> torch.Tensor:
@@ -357,7 +384,23 @@ def routed_moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     return moe_down(h, idx, ex, route, geo, act_quant, act_dtype)
 
 
+def routed_moe_slots(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ex: ExpertTensors, limit: float,
+                     route: str = "dot", geometry: MoeGeometry | None = None, act_quant: bool = True,
+                     act_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """:func:`routed_moe_decode` up to the slot outputs: ``[T, k, D]`` fp32 (act-rounded; slots of experts not in the
+    bank unwritten), the combine left to the consumer (the mHC site after the MoE: :class:`MoeOutput`) — one launch
+    fewer. The expert-major down projection only (``slot_split=0``)."""
+    geo = geometry or MoeGeometry()
+    if geo.prequant and act_quant and act_dtype == torch.bfloat16:
+        if route == "int8":
+            raise ValueError("MoeGeometry.prequant applies to the FP8-activation routes, not to 'int8'")
+        h = moe_gate_up(act_qdq(x), idx, weights, ex, limit, route, geo, False, act_dtype)
+        return moe_down(act_qdq(h), idx, ex, route, geo, False, act_dtype, combine=False)
+    h = moe_gate_up(x, idx, weights, ex, limit, route, geo, act_quant, act_dtype)
+    return moe_down(h, idx, ex, route, geo, act_quant, act_dtype, combine=False)
+
+
 __all__ = ["ROUTES", "DECODES", "SAME_SEMANTICS", "ACCUMULATION", "MoeGeometry", "FMA_SUMS", "act_qdq", "ExpertTensors",
-           "moe_gate_up", "moe_down", "moe_output", "routed_moe_decode",
+           "moe_gate_up", "moe_down", "moe_output", "MoeOutput", "routed_moe_decode", "routed_moe_slots",
            # the oracles, from fp4_moe_decode_reference
            "StageOracle", "reference_int8_route", "reference_int8_moe", "reference_stage1", "reference_stage2"]

@@ -11,6 +11,7 @@ import triton.language as tl
 from .formats import (RNE_MAGIC, e2m1_pair_times2_int, e2m1_pair_to_f32_scaled, e8m0_to_f32, quantize_fp8_block,
                       round_to_bf16)
 from .launch import pdl_prologue
+from .rowops import to_act
 
 
 # ------------------------------------------------------------------------------------------------ E2M1 decode
@@ -496,3 +497,21 @@ def _moe_output_kernel(y_ptr, s_ptr, out_ptr, N, S, ROUND_BF16: tl.constexpr, BL
     if ROUND_BF16:
         acc = round_to_bf16(acc)  # round to nearest even (the interpreter's cast would truncate)
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def moe_output_columns(slot_ptr, idx_ptr, sh_ptr, row, d, dm, D, M, n_shared, expert_offset, n_local,
+                     TOPK: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """The MoE's output on columns ``d`` of token ``row`` from its parts, as the two launches it replaces compute
+    it (:func:`_moe_combine_kernel` then :func:`_moe_output_kernel`): the act-rounded slot outputs ``[M, TOPK, D]`` (fp32) of
+    the experts this bank owns summed in fp64 in slot order (exact) and rounded to fp32, each shared expert's
+    output ``[S, M, D]`` (act) added in fp32 in expert order, rounded to act. Returns fp32 (act-valued)."""
+    acc = tl.zeros(d.shape, tl.float64)
+    for k in tl.static_range(TOPK):
+        local = tl.load(idx_ptr + row * TOPK + k) - expert_offset
+        if (local >= 0) & (local < n_local):
+            acc += tl.load(slot_ptr + (row * TOPK + k) * D + d, mask=dm, other=0.0).to(tl.float64)
+    y = acc.to(tl.float32)
+    for e in range(0, n_shared):
+        y = y + tl.load(sh_ptr + (e * M + row) * D + d, mask=dm, other=0.0).to(tl.float32)
+    return to_act(y, ROUND_BF16)

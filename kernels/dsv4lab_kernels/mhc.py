@@ -52,6 +52,8 @@ import triton.language as tl
 
 from .norm_rope_quant import f64_bits
 from .rowops import LAUNCH_EXACT, DeviceProbe, f64_to_act, interpreting, rsqrt_f32, sigmoid_f64, to_act
+from .fp4_moe_decode import MoeOutput
+from .fp4_moe_decode_kernels import moe_output_columns
 from .tickets import counters, take_ticket
 from .launch import pdl_args, pdl_prologue
 
@@ -411,11 +413,13 @@ def _mhc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, y_ptr, post_
 # ============================================================================================ one launch per site
 @triton.jit
 def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_ptr, cnt_ptr, base_ptr, scale_ptr,
-                     w_ptr, y_ptr, post_out_ptr, comb_out_ptr, D, NMIX, SPLITS, PER, ITERS, norm_eps, hc_eps_bits,
-                     sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, sy_m, APPLY_POST: tl.constexpr, HEAD: tl.constexpr,
+                     w_ptr, y_ptr, post_out_ptr, comb_out_ptr, slot_ptr, idx_ptr, sh_ptr, D, NMIX, SPLITS, PER,
+                     ITERS, norm_eps, hc_eps_bits, sx_m, sx_s, so_m, sxn_m, sxn_s, sfn, sy_m, M, n_shared,
+                     expert_offset, n_local, APPLY_POST: tl.constexpr, HEAD: tl.constexpr,
                      NORM: tl.constexpr, ROUND_BF16: tl.constexpr, HC: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DN: tl.constexpr,
-                     SPLIT_TAIL: tl.constexpr = False, PDL: tl.constexpr = False):
+                     SPLIT_TAIL: tl.constexpr = False, MOE_OUT: tl.constexpr = False, TOPK: tl.constexpr = 1,
+                     PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     split = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -435,7 +439,11 @@ def _mhc_site_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, xn_ptr, fn_ptr, part_pt
         dm = d < d_hi
         x = tl.load(x_ptr + row * sx_m + s[:, None] * sx_s + d[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
         if APPLY_POST:
-            o = tl.load(out_ptr + row * so_m + d, mask=dm, other=0.0).to(tl.float32)
+            if MOE_OUT:  # the sub-layer's output from the MoE's parts (its combine and output launches fused here)
+                o = moe_output_columns(slot_ptr, idx_ptr, sh_ptr, row, d, dm, D, M, n_shared, expert_offset, n_local,
+                                     TOPK, ROUND_BF16)
+            else:
+                o = tl.load(out_ptr + row * so_m + d, mask=dm, other=0.0).to(tl.float32)
             # Σ_j comb[j, k]·X[j, d]: exact products, summed in fp64 and rounded once (the reference's einsum)
             mixed = tl.sum(comb[:, :, None] * x.to(tl.float64)[:, None, :], axis=0).to(tl.float32)
             x = to_act(post[:, None] * o[None, :] + mixed, ROUND_BF16)
@@ -588,11 +596,15 @@ def site_counters(device: torch.device, rows: int) -> torch.Tensor:
 
 
 def _site(X, out, post, comb, fn, base, scale, norm_weight, head: bool, iters: int, norm_eps: float, hc_eps: float,
-          geo: MhcSiteGeometry):
-    """One launch of :func:`_mhc_site_kernel`: returns ``(X' or None, y [M, D], post [M, n], comb [M, n, n])``."""
+          geo: MhcSiteGeometry, moe: MoeOutput | None = None):
+    """One launch of :func:`_mhc_site_kernel`: returns ``(X' or None, y [M, D], post [M, n], comb [M, n, n])``;
+    ``moe`` instead of ``out``: the sub-layer's output summed from the MoE's parts in the kernel."""
     M, HC, D = _check(X)
     Xr = X.reshape(M, HC, D)
-    apply_post = out is not None
+    apply_post = out is not None or moe is not None
+    if moe is not None:
+        moe.check(M, D, X.dtype)
+        slots, idx, shared = moe.slots.contiguous(), moe.idx.contiguous(), moe.shared.contiguous()
     nmix = HC if head else (2 + HC) * HC
     xn = torch.empty_like(Xr) if apply_post else Xr
     y = torch.empty(M, D, dtype=X.dtype, device=X.device)
@@ -603,18 +615,21 @@ def _site(X, out, post, comb, fn, base, scale, norm_weight, head: bool, iters: i
         per = triton.cdiv(triton.cdiv(D, geo.splits), block_d) * block_d
         splits = triton.cdiv(D, per)
         part = torch.empty(M, splits, nmix + 1, dtype=torch.float64, device=X.device)
-        outr = out.reshape(M, D) if apply_post else Xr
+        outr = out.reshape(M, D) if out is not None else Xr
         norm = norm_weight is not None
         _mhc_site_kernel[(splits, M)](
             Xr, outr, post.reshape(M, HC).float().contiguous() if apply_post else Xr,
             comb.reshape(M, HC, HC).float().contiguous() if apply_post else Xr, xn, fn, part,
             site_counters(X.device, M), base.float().contiguous(), scale.float().contiguous(),
-            norm_weight if norm else base, y, post_n, comb_n, D, nmix, splits, per, iters, float(norm_eps),
-            f64_bits(hc_eps), Xr.stride(0), Xr.stride(1), outr.stride(0), xn.stride(0), xn.stride(1), fn.stride(0),
-            y.stride(0), APPLY_POST=apply_post, HEAD=head, NORM=norm, ROUND_BF16=X.dtype == torch.bfloat16, HC=HC,
+            norm_weight if norm else base, y, post_n, comb_n, slots if moe else Xr, idx if moe else Xr,
+            shared if moe else Xr, D, nmix, splits, per, iters, float(norm_eps), f64_bits(hc_eps), Xr.stride(0),
+            Xr.stride(1), outr.stride(0), xn.stride(0), xn.stride(1), fn.stride(0), y.stride(0), M,
+            shared.shape[0] if moe else 0, moe.expert_offset if moe else 0, moe.n_local if moe else 0,
+            APPLY_POST=apply_post, HEAD=head, NORM=norm, ROUND_BF16=X.dtype == torch.bfloat16, HC=HC,
             BLOCK_D=block_d, BLOCK_J=max(2, triton.next_power_of_2(nmix)),
             BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DN=min(geo.block_dn, triton.next_power_of_2(D)),
             SPLIT_TAIL=geo.split_tail and not head and splits >= 2 and not interpreting(),
+            MOE_OUT=moe is not None, TOPK=idx.shape[1] if moe else 1,
             num_warps=geo.num_warps, **LAUNCH_EXACT, **pdl_args(Xr.device))
     return (xn if apply_post else None), y, post_n, comb_n
 
@@ -694,14 +709,22 @@ def hc_pre_norm(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
                    X.shape[:-2], geo.splits)
 
 
-def hc_post_pre_norm(out: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
-                     base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, iters: int,
-                     norm_eps: float, hc_eps: float, geometry: MhcGeometry | MhcSiteGeometry | None = None):
-    """:func:`hc_post` of one sub-layer and :func:`hc_pre_norm` of the next: ``(X', x, post', comb')``."""
+def hc_post_pre_norm(out: torch.Tensor | None, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, iters: int,
+                     norm_eps: float, hc_eps: float, geometry: MhcGeometry | MhcSiteGeometry | None = None,
+                     moe: MoeOutput | None = None):
+    """:func:`hc_post` of one sub-layer and :func:`hc_pre_norm` of the next: ``(X', x, post', comb')``. ``moe``
+    (with ``out`` None; the one-launch site only): the sub-layer is a MoE whose output the site sums from its
+    parts (:class:`MoeOutput`) — the MoE's combine and output launches fused into the site, the same bits."""
     M, HC, D = _check(X)
+    if (moe is None) == (out is None):
+        raise ValueError("hc_post_pre_norm: give the sub-layer's output or the MoE's parts, not both")
+    if moe is not None and not _one_launch(M, geometry):
+        raise ValueError(f"hc_post_pre_norm: the MoE's parts are summed by the one-launch site only "
+                         f"(≤ {SITE_MAX_ROWS} rows, an MhcSiteGeometry), got {M} rows")
     if _one_launch(M, geometry):
         xn, y, post_n, comb_n = _site(X, out, post, comb, fn, base, scale, norm_weight, False, iters, norm_eps,
-                                      hc_eps, _site_geometry(M, D, geometry))
+                                      hc_eps, _site_geometry(M, D, geometry), moe)
         lead = X.shape[:-2]
         return xn.view(X.shape), y.view(*lead, D), post_n.view(*lead, HC), comb_n.view(*lead, HC, HC)
     geo = geometry or MhcGeometry.for_rows(M, D)

@@ -19,6 +19,16 @@ from dsv4lab.core.model.mhc import hc_head, hc_post, hc_pre
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.rope import apply_rope
 
+NON_FINITE = -1
+"""The id a row with a non-finite logit reports (:func:`greedy_ids`; :mod:`dsv4lab.engine.finite`)."""
+
+
+def greedy_ids(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [b, vocab]`` → ``(feed, report)``: each row's argmax (the token fed to the next step on the device)
+    and the same ids with :data:`NON_FINITE` where the row holds a NaN or ±Inf (what the host reads)."""
+    ids = logits.argmax(-1)
+    return ids, torch.where(torch.isfinite(logits).all(-1), ids, NON_FINITE)
+
 
 class ReferenceOps:
     """Plain-torch implementations (the oracle every kernel is compared with)."""
@@ -318,6 +328,17 @@ class ReferenceOps:
         X = self.hc_post(out, X, post, comb)
         return (X, *self.hc_pre_norm(X, fn, base, scale, norm_weight, args))
 
+    def moe_post_pre_norm(self, x, idx, weights, bank: ExpertBank, limit: float, shared, X, post, comb, fn, base,
+                          scale, norm_weight, args, all_reduce=None):
+        """The end of a MoE sub-layer and the mHC site after it, as one op: :meth:`routed_experts` of ``x [T, D]``
+        (its combine included), :meth:`moe_output` with the shared experts' outputs ``shared [S, T, D]``, then
+        :meth:`hc_post_pre_norm` of the next sub-layer on the streams ``X [..., n, D]`` (``T`` = their rows) →
+        ``(X', x', post', comb')``. A fast backend sums the routed slots and the shared outputs in the site's
+        prologue (one launch for the combine, the output and the site)."""
+        y = self.routed_experts(x, idx, weights, bank, limit, all_reduce=all_reduce)
+        out = self.moe_output(y, shared).view(*X.shape[:-2], X.shape[-1])
+        return self.hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args)
+
     def head_rms_rope(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                       eps: float) -> torch.Tensor:
         """Query heads ``q [..., H, d]``: :meth:`head_rms`, then :meth:`rope` at ``positions`` (shape
@@ -412,6 +433,10 @@ class ReferenceOps:
         done = ((positions + 1) % r == 0)[:, None]
         row = block.clamp(max=cache.shape[1] - 1)
         cache[slots, row] = torch.where(done, entry.to(cache.dtype), cache[slots, row])
+
+    def greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step's greedy choice, inside the step (a captured graph holds it): :func:`greedy_ids`."""
+        return greedy_ids(logits)
 
     # ---------------------------------------------------------------- state hygiene
     def reset_compressor_state(self, compressor, slots: torch.Tensor | None) -> None:
