@@ -203,10 +203,13 @@ def test_t_token_step_on_the_triton_kernels_equals_t_one_token_steps():
 
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [2, 4])
+@pytest.mark.parametrize("T", [2, 3])
 def test_gpu_graph_t_token_step_equals_the_eager_static_step(T):
     """Graph replay of the T-token step with the MTP block (batch 3 padded to tier 4, ragged lengths) against the
-    same step run eagerly on the same kernels: bit for bit; and the speculative cycle's graph likewise."""
+    same step run eagerly on the same kernels: bit for bit. T stays where the tier's mHC rows (4·T·hc_mult) and the
+    eager step's (3·T·hc_mult) are on the same side of the decode kernels' row limit (63): at T = 4 the graph's
+    64 rows go to the prefill kernels and the eager step's 48 do not — a different summation order, judged by
+    the ops' bounds, not bit for bit (the module doc of dsv4lab/engine/decode_graph.py)."""
     ids = _ids(3, 80, seed=T)
     starts, lens = torch.tensor([29, 13, 61]), torch.tensor([T, 1, T - 1])
     res = []

@@ -134,6 +134,32 @@ def test_kv_norm_rope_and_ring_write(D, nope, fp8):
     assert torch.isnan(ring[1].float()).all() and torch.isnan(ring[4].float()).all()  # untouched slots
 
 
+def test_index_tensors_given_as_strided_views_are_read_row_by_row():
+    """The kernels read per-row positions and slots as ``ptr + row``: a view with stride 0 (one sequence's slot
+    expanded over its T rows) must be made dense by the launcher, not read past its one element — on the H200 that
+    read was an illegal address in the speculative cycle's graph warm-up."""
+    D, nope = 96, 64
+    g = torch.Generator().manual_seed(7)
+    cos, sin = rope_table(TINY.replace(head_dim=D, rope_head_dim=D - nope), 1, 300)
+    cos, sin = cos.to(DEV), sin.to(DEV)
+    kv = (torch.randn(3, 1, D, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    w = _norm_w(D, g)
+    pos = torch.tensor([[7], [8], [9]], device=DEV)
+    one_slot = torch.tensor([4], device=DEV)[:, None].expand(1, 3).reshape(-1)  # [3], stride 0
+    assert one_slot.stride() == (0,)
+    rings = [torch.full((5, 32, D), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    a = nrq.kv_norm_rope(kv, w, 1e-6, cos, sin, pos, nope, True, rings[0], one_slot)
+    b = nrq.kv_norm_rope(kv, w, 1e-6, cos, sin, pos, nope, True, rings[1], one_slot.contiguous())
+    assert torch.equal(a, b) and torch.equal(rings[0].float().nan_to_num(7.0), rings[1].float().nan_to_num(7.0))
+    assert not torch.isnan(rings[0][4, 7:10].float()).any() and torch.isnan(rings[0][:4].float()).all()
+
+
+def test_a_step_of_several_tokens_of_one_sequence_has_dense_row_slots():
+    from dsv4lab.engine.decode_graph import _StepRows
+    rows = _StepRows(torch.tensor([[5, 6, 7]]), torch.tensor([2]), window=4, period=8)
+    assert rows.slots.is_contiguous() and rows.slots.tolist() == [2, 2, 2] and rows.positions.is_contiguous()
+
+
 @pytest.mark.parametrize("H,D", [(3, 64), (5, 128)])
 def test_indexer_query(H, D):
     g = torch.Generator().manual_seed(H)

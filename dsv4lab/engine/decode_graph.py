@@ -120,7 +120,10 @@ class _StepRows:
         b, T = positions.shape  # [sequences, tokens each]
         self.tokens, self.seq_slots = T, slots
         self.positions = positions.reshape(-1)
-        self.slots = slots if T == 1 else slots[:, None].expand(b, T).reshape(-1)
+        # contiguous: the kernels read per-row index tensors as ptr + row (for b = 1 the expanded view would
+        # reshape to a stride-0 view, and row t > 0 would read past the one slot; found on the H200 as an illegal
+        # address in the speculative cycle's graph warm-up)
+        self.slots = slots if T == 1 else slots[:, None].expand(b, T).contiguous().view(-1)
         p = self.positions
         u = torch.arange(window, device=p.device)
         window_pos = (p - (window - 1)).clamp(min=0)[:, None] + u[None, :]

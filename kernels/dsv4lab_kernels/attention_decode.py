@@ -222,6 +222,9 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
     assert kv_b.stride(2) == 1 and kv_b.shape[2] == D and rows_b.shape[0] == R and kv_b.dtype == kv_a.dtype
     rows_a = rows_a.contiguous()
     rows_b = rows_b.contiguous()
+    batch_a, batch_b = batch_a.contiguous(), batch_b.contiguous()  # read as ptr + row
+    if positions is not None:
+        positions = positions.contiguous()
     Ka, Kb = rows_a.shape[1], rows_b.shape[1]
     splits = max(1, min(g.splits, triton.cdiv(max(Ka + Kb, 1), g.block_r)))
     out = torch.empty_like(q)

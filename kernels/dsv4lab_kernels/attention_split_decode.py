@@ -164,6 +164,9 @@ def sparse_attention_split(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Te
                            prefix_ratio_b: int = 0) -> torch.Tensor:
     """:func:`.attention_decode.sparse_attention_decode` (same arguments but the geometry, same op) with the
     selection cut into chunks of ``geometry.chunk`` rows. Returns ``[R, H, d]`` in ``q.dtype``."""
+    batch_a = batch_a.contiguous()  # read as ptr + row (batch_b below, when given)
+    batch_b = batch_b.contiguous() if batch_b is not None else None
+    positions = positions.contiguous() if positions is not None else None
     g = geometry or SplitKvGeometry()
     if g.chunk % g.block_r or g.block_r < 16 or g.block_h < 16 or g.combine_block & (g.combine_block - 1):
         raise ValueError(f"SplitKvGeometry {g}: chunk must be a multiple of block_r, block_r and block_h ≥ 16, "

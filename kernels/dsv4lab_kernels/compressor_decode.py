@@ -158,6 +158,7 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     Several tokens per row: ``kv, score [b, T, width]`` and ``positions [b, T]`` (each row's tokens in order, its
     slot ``slots[i]``) — one program per row runs them in order, exactly ``T`` successive one-token launches (a
     row may repeat a token at the same position: the repeat rewrites what the first wrote)."""
+    slots = slots.contiguous()  # read as ptr + row
     tokens, multi = 1, kv.ndim == 3
     if multi:
         tokens = kv.shape[1]

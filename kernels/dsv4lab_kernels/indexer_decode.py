@@ -226,6 +226,7 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots:
     ``[b, min(topk, T)]`` int64 entry indices (−1 = none); with ``return_scores`` also the scores ``[b, T]`` (fp32
     holding act values; only the visible ones are written). ``block_t``: keys scored per program; ``block_sel``:
     scores the selection holds at once (default: the cache's length up to 2,048; a power of two ≥ ``block_t``)."""
+    slots, positions = slots.contiguous(), positions.contiguous()  # read as ptr + row
     B, H, DI = qi.shape
     T = keys.shape[1]
     assert keys.shape[2] == DI and w.shape == (B, H) and keys.stride(-1) == 1 and qi.stride(-1) == 1

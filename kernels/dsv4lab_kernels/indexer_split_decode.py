@@ -144,6 +144,7 @@ def indexer_select_split(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     d]``, ``w [b, H] · w_scale``, the key cache ``keys [slots, T, d]`` read at ``slots [b]``, ``positions [b]`` →
     ``[b, min(topk, T)]`` int64 entries (−1 = none); with ``return_scores`` also the scores ``[b, T]`` (fp32, only
     the visible ones written)."""
+    slots, positions = slots.contiguous(), positions.contiguous()  # read as ptr + row
     g = geometry or IndexerSplitGeometry()
     if g.split & (g.split - 1) or g.split < g.block_t or g.block_e & (g.block_e - 1) or g.block_t < 16:
         raise ValueError(f"IndexerSplitGeometry {g}: split must be a power of two ≥ block_t ≥ 16, block_e a power "

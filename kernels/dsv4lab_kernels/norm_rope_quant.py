@@ -183,7 +183,7 @@ def head_rms_rope(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positio
     H, D = q.shape[-2:]
     R = 2 * cos.shape[-1]
     qr = _rows(q, 2)
-    pos = positions.reshape(-1)
+    pos = positions.reshape(-1).contiguous()
     assert pos.numel() == qr.shape[0], f"head_rms_rope: {pos.numel()} positions for {qr.shape[0]} rows"
     out = torch.empty(qr.shape, dtype=q.dtype, device=q.device)
     block_h = min(16, triton.next_power_of_2(H))
@@ -233,12 +233,13 @@ def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     D = kv.shape[-1]
     assert nope % 64 == 0 and 2 * cos.shape[-1] == D - nope, f"kv_norm_rope: nope {nope}, rope {2 * cos.shape[-1]}"
     xr = _rows(kv, 1)
-    pos = positions.reshape(-1)
+    pos = positions.reshape(-1).contiguous()  # read as ptr + row (a stride-0 view would not be)
     assert pos.numel() == xr.shape[0]
     out = torch.empty(xr.shape, dtype=kv.dtype, device=kv.device)
     write = ring is not None
     if write:
         assert ring.stride(-1) == 1 and ring.shape[-1] == D and slots.numel() == xr.shape[0]
+        slots = slots.reshape(-1).contiguous()
     rg = ring if write else out
     if xr.shape[0]:
         _kv_norm_rope_kernel[(xr.shape[0],)](
@@ -276,7 +277,7 @@ def indexer_query(qi: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positi
     H, D = qi.shape[-2:]
     assert D & (D - 1) == 0 and D % 32 == 0, f"indexer_query: head dim {D} must be a power of two, ≥ 32"
     qr = _rows(qi, 2)
-    pos = positions.reshape(-1)
+    pos = positions.reshape(-1).contiguous()
     assert pos.numel() == qr.shape[0]
     out = torch.empty(qr.shape, dtype=qi.dtype, device=qi.device)
     block_h = min(16, triton.next_power_of_2(H))
