@@ -57,6 +57,30 @@ def tiny_path() -> Path:
     return TINY
 
 
+@pytest.fixture(scope="session")
+def layer_cut(tmp_path_factory):
+    """``layer_cut("tiny-py")``: a copy of ``data/<name>`` with only its first three main layers (SWA, CSA with the
+    indexer, HCA; the first two hash-routed, the third score-routed) and its MTP block — every tensor byte, width
+    and shape as in the original. For whole-model runs in the Triton interpreter, whose cost is per layer: the six
+    layers of the tiny models repeat these three kinds with the same shapes (written once per session, ~0.1 s)."""
+    from dsv4lab.core.checkpoint import Checkpoint, expected_tensors, write_state_dict
+    from dsv4lab.tools.bench.e2e import cut_layers
+    folder = tmp_path_factory.mktemp("layer_cuts")
+    made: dict[str, Path] = {}
+
+    def cut(name: str) -> Path:
+        if name not in made:
+            src = ROOT / "data" / name
+            ck = Checkpoint(src)
+            args = cut_layers(ck.args, 3)
+            assert [args.layer_kind(i) for i in range(3)] == ["swa", "csa", "hca"] and args.n_hash_layers == 2
+            extra = {f: src / f for f in ("tokenizer.json", "oracles.json") if (src / f).exists()}
+            made[name] = write_state_dict(folder / name, args, {s.name: ck.get(s.name) for s in expected_tensors(args)},
+                                          extra_files=extra)
+        return made[name]
+    return cut
+
+
 @pytest.fixture
 def tiny_copy(tmp_path) -> Path:
     """A private copy of data/tiny that a test may damage."""
@@ -88,6 +112,24 @@ def calibrated_max_kl(checkpoint: str) -> float:
     rows = json.loads((ROOT / "data" / "results" / "host" / "noise_floor.json").read_text())["rows"]
     floor = next(r for r in rows if r["checkpoint"] == checkpoint)["rounding_floor"]
     return KL_FLOOR_FACTOR_MAX * floor["max_kl"]
+
+
+_floors: dict = {}
+
+
+def rounding_floor(checkpoint: Path, golden: str) -> dict:
+    """``{"mean_kl", "max_kl"}`` of ``checkpoint``'s rounding-noise floor, measured as
+    ``scripts/measure_noise_floor.py`` measures the committed ones (``data/results/host/noise_floor.json``): the
+    reference against itself with fp32 instead of exact reductions, teacher-forced on the ids of
+    ``data/golden/<golden>.json``. For a checkpoint with no committed floor (a ``layer_cut``); cached per session."""
+    key = (str(checkpoint), golden)
+    if key not in _floors:
+        import dsv4lab
+        from dsv4lab.tools.verify.model import load_golden, rounding_noise_floor
+        ids = load_golden(ROOT / "data" / "golden" / f"{golden}.json")["teacher_forced"]["ids"]
+        kl = rounding_noise_floor(dsv4lab.load(checkpoint, max_batch=1), ids)
+        _floors[key] = dict(mean_kl=sum(kl) / len(kl), max_kl=max(kl))
+    return _floors[key]
 
 
 def in_poisoned(t, poison_byte: int, extra: int = 256):
