@@ -74,9 +74,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # the slow tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
-    # worker idles while the other finishes, so a 2-minute test must not be among them
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # the long tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
+    # worker idles while the other finishes, so a long test must not be among them. Long: marked slow, or a
+    # browser, notebook or multi-process run (10-35 s each on the CI machine)
+    long = ("slow", "browser", "notebooks", "distributed")
+    items.sort(key=lambda item: not any(mark in item.keywords for mark in long))
     try:
         import torch
         has_gpu = torch.cuda.is_available()

@@ -61,6 +61,7 @@ def test_verify_model_cli_passes_on_tiny(tmp_path):
     assert (tmp_path / "model.md").exists()
 
 
+@pytest.mark.slow
 def test_rerecording_reproduces_the_committed_golden(tmp_path):
     out = tmp_path / "tiny.json"
     record_golden(ROOT / "data" / "tiny", out)
