@@ -9,12 +9,12 @@ CONSTRAINTS ?= constraints.txt
 .PHONY: install constraints test test-fast reproduce lab browser-deps tiny clean-runs help
 
 help:
-	@echo "make install       create $(VENV) and install dsv4lab with all extras and its JupyterLab save hook (idempotent)"
+	@echo "make install       create $(VENV) and install dsv4lab with all extras (idempotent)"
 	@echo "make constraints   re-resolve every dependency in a fresh venv and rewrite $(CONSTRAINTS) (then run make test)"
 	@echo "make test          the whole test suite (what CI runs)"
 	@echo "make test-fast     the suite without the slow, browser, notebook and distributed tests"
 	@echo "make reproduce     every notebook headless on data/tiny-py (data/tiny without it) into runs/<UTC stamp>_<commit>/"
-	@echo "make lab           JupyterLab on notebooks/: saves stay output-free and in step with notebooks/source/"
+	@echo "make lab           JupyterLab on notebooks/: the .py text notebooks open as notebooks and save output-free"
 	@echo "make browser-deps  Debian's chromium, for the JupyterLab browser tests"
 	@echo "make tiny          regenerate data/tiny byte-for-byte"
 	@echo "make clean-runs    delete runs/ and scratch/ (where notebooks run by hand write)"
@@ -28,9 +28,6 @@ $(PY):
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[all]"
-	@# JupyterLab in this environment saves the repository's notebooks output-free (dsv4lab.faces.notebook_format)
-	@mkdir -p $(VENV)/etc/jupyter/jupyter_server_config.d
-	@cp notebooks/jupyter_config/jupyter_server_config.d/dsv4lab.json $(VENV)/etc/jupyter/jupyter_server_config.d/
 	@$(PY) -c "import dsv4lab, torch; print('dsv4lab', dsv4lab.__version__, '| torch', torch.__version__)"
 
 # Debian's chromium for the JupyterLab browser test (playwright cannot download its own browser here).
@@ -59,6 +56,7 @@ test-fast: install
 reproduce: install
 	$(PY) -m dsv4lab reproduce
 
+# notebooks/jupyter_config makes jupytext's notebook view the default for .py files (docs/notebooks.md).
 lab: install
 	JUPYTER_CONFIG_PATH=$(CURDIR)/notebooks/jupyter_config $(PY) -m jupyterlab notebooks/
 

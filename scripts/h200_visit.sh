@@ -20,15 +20,16 @@
 #                   faulted runs (must FAIL naming the stage) — scripts/h200_verify.sh models faults
 #   generate (90)   dsv4lab generate (triton, graph-captured decode) on the golden trajectory's prompt: its hash
 #                   must be the golden's
-#   decode (180)    bench kernels --suite decode --quick (writes the measured dispatch too)
+#   decode (180)    bench kernels --suite decode --quick; its choices go into the visit's tuned file
+#                   ($R/tuned_h200.json, over the committed kernels/dsv4lab_kernels/tuned/h200.json), which is copied
+#                   over the committed one: what the backend reads from here on
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=mhc,attention
-#                   narrows it to those sections; the dispatch it writes keeps the committed one's other entries)
-#   prefill (150)   bench kernels --suite prefill --quick (its mHC choices merged over the committed full run's:
-#                   scripts/merge_prefill_choices.py; e2e after it reads the merge; PREFILL_SECTIONS=glue
-#                   narrows it to the mHC/RoPE glue)
-#   prefill_full    bench kernels --suite prefill (full)
-#   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; the dispatch of a decode part and the
-#                   choices of a prefill_full part that ran before it in the same visit)
+#                   narrows it to those sections; the visit's tuned file keeps the entries it does not measure)
+#   prefill (150)   bench kernels --suite prefill --quick (only its mHC choice goes into the visit's tuned file:
+#                   --tuned-ops prefill.mhc_rows; PREFILL_SECTIONS=glue narrows it to the mHC/RoPE glue)
+#   prefill_full    bench kernels --suite prefill (full; every prefill choice into the visit's tuned file)
+#   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; DSV4LAB_TUNED points at the visit's
+#                   tuned file when a bench part before it in the same visit wrote one)
 #   e2e_nopdl (300) the same with --no-pdl (decode kernels launched without programmatic dependent launch, which is
 #                   on by default on sm_90+; E2E_NOPDL_ARGS adds options), written to e2e_1gpu_nopdl.json
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
@@ -37,6 +38,7 @@
 set -u
 cd "$(dirname "$0")/.."
 R=runs/h200
+T=$R/tuned_h200.json  # the visit's tuned file: every bench part merges its choices into it
 mkdir -p "$R"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/runs/triton-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1
@@ -49,6 +51,9 @@ fi
     | tee "$R/versions.log"
 echo "commit ${DSV4LAB_COMMIT:-unknown}" >> "$R/versions.log"
 
+tuned_base() {  # the base a bench part merges over: the visit's tuned file once a part wrote it
+    [ -f "$T" ] && echo "--tuned-base $T"
+}
 summary=()
 part() {  # name limit command...
     local name=$1 limit=$2
@@ -99,27 +104,19 @@ for spec in "$@"; do
         generate) part generate "${limit:-90}" python3 scripts/generate_golden.py --checkpoint data/tiny-py \
             --backends triton ;;  # the reference leg (256 tokens at full precision) does not fit a short part
         decode) part decode "${limit:-180}" python3 -m dsv4lab bench kernels --suite decode --quick \
-            --out "$R/decode_kernels_quick.json" --dispatch-out "$R/decode_dispatch.json" \
-            --dispatch-base data/results/h200/decode_dispatch.json
-            # the measured dispatch is what the backend reads from here on (e2e after this part uses it)
-            [ -s "$R/decode_dispatch.json" ] && cp "$R/decode_dispatch.json" data/results/h200/decode_dispatch.json ;;
+            --out "$R/decode_kernels_quick.json" --tuned-out "$T" $(tuned_base)
+            # the measured choices are what the backend reads from here on
+            [ -s "$T" ] && cp "$T" kernels/dsv4lab_kernels/tuned/h200.json ;;
         decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
-            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} \
-            --budget-s $(( ${limit:-420} - 30 )) --out "$R/decode_kernels.json" --dispatch-out "$R/decode_dispatch.json" \
-            --dispatch-base data/results/h200/decode_dispatch.json ;;  # entries a budget-cut run misses are kept
+            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} --budget-s $(( ${limit:-420} - 30 )) \
+            --out "$R/decode_kernels.json" --tuned-out "$T" $(tuned_base) ;;  # entries a budget-cut run misses are kept
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
-            ${PREFILL_SECTIONS:+--sections "$PREFILL_SECTIONS"} --budget-s $(( ${limit:-150} - 30 )) --out "$R/prefill_kernels_quick.json"
-            # its mHC choices over the committed full run's: what e2e after this part reads
-            [ -s "$R/prefill_kernels_quick.json" ] && python3 scripts/merge_prefill_choices.py \
-                "$R/prefill_kernels_quick.json" "$R/prefill_choices_merged.json" >> "$R/prefill.log" 2>&1 ;;
+            ${PREFILL_SECTIONS:+--sections "$PREFILL_SECTIONS"} --budget-s $(( ${limit:-150} - 30 )) \
+            --out "$R/prefill_kernels_quick.json" --tuned-out "$T" $(tuned_base) --tuned-ops prefill.mhc_rows ;;
         prefill_full) part prefill_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite prefill \
-            --budget-s $(( ${limit:-420} - 30 )) --out "$R/prefill_kernels.json" ;;
-        e2e) [ -f "$R/decode_dispatch.json" ] && [ -z "${DSV4LAB_DECODE_DISPATCH:-}" ] \
-                && export DSV4LAB_DECODE_DISPATCH="$PWD/$R/decode_dispatch.json"  # this visit's decode part measured it
-            [ -f "$R/prefill_kernels.json" ] && [ -z "${DSV4LAB_PREFILL_CHOICES:-}" ] \
-                && export DSV4LAB_PREFILL_CHOICES="$PWD/$R/prefill_kernels.json"  # and its prefill_full part
-            [ -f "$R/prefill_choices_merged.json" ] && [ -z "${DSV4LAB_PREFILL_CHOICES:-}" ] \
-                && export DSV4LAB_PREFILL_CHOICES="$PWD/$R/prefill_choices_merged.json"  # or its prefill part
+            --budget-s $(( ${limit:-420} - 30 )) --out "$R/prefill_kernels.json" --tuned-out "$T" $(tuned_base) ;;
+        e2e) [ -f "$T" ] && [ -z "${DSV4LAB_TUNED:-}" ] \
+                && export DSV4LAB_TUNED="$PWD/$T"  # the choices this visit's bench parts measured
             part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
         e2e_nopdl) part e2e_nopdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --no-pdl \

@@ -157,7 +157,7 @@ def gemv_kernel(route: str, bn: int, bk: int, warps: int, stages: int, M: int = 
     return k, bn * bk * unroll * (1 if w_fp8 else 2)
 
 
-# name, builder, args: the configurations the benchmark times (see dsv4lab/tools/bench/decode.py)
+# name, builder, args: the configurations the benchmark times (see dsv4lab/engine/kernel_families.py)
 CONFIGS = [
     ("moe_up dot asm n16 k256 w1 s2 b1", moe_up, ("dot", 16, 256, 1, 2)),
     ("moe_up dot asm n32 k256 w2 s3 b1", moe_up, ("dot", 32, 256, 2, 3)),

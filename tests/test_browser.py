@@ -3,10 +3,10 @@
 * ``01_layout_repair`` and ``05_roofline`` with ``INTERACTIVE=True`` (a copy with papermill's parameters injected,
   nothing executed): Chromium runs all cells from the Run menu; the saved figures and the explorers' widgets must
   render, and moving a widget (01's expert slider, 05's hardware menu) must redraw the explorer's figure.
-* The repository's own ``notebooks/05_roofline.ipynb``, served from ``notebooks/`` with the repository's Jupyter
-  settings (``notebooks/jupyter_config``): run all, save, and the committed notebook must be unchanged (the save
-  hook of :mod:`dsv4lab.faces.notebook_format` writes it output-free) and ``git status`` the same as before; the run's
-  files go to the git-ignored ``scratch/``.
+* The repository's own text notebook ``notebooks/05_roofline.py``, served from ``notebooks/`` with the
+  repository's Jupyter settings (``notebooks/jupyter_config``: ``.py`` files open as notebooks through jupytext):
+  run all, save, and the committed file must be unchanged (a text notebook holds no outputs) and ``git status`` the
+  same as before; the run's files go to the git-ignored ``scratch/``.
 
 JupyterLab runs on 127.0.0.1 with a token (Debian's ``chromium``, driven by playwright: ``make browser-deps``).
 Screenshots are kept as test artifacts (``$DSV4LAB_TEST_ARTIFACTS`` or ``<pytest tmp>/artifacts``). Each server is
@@ -116,12 +116,16 @@ def interactive_lab(tmp_path):
     from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
+    from dsv4lab.faces.commands.reproduce import read_notebook
+
     served = tmp_path / "lab"
     served.mkdir()
     for name in ("01_layout_repair", "05_roofline"):
-        nb = load_notebook_node(str(ROOT / "notebooks" / f"{name}.ipynb"))
-        nb = parameterize_notebook(nb, dict(INTERACTIVE=True, SMOKE=True, RUN_DIR=str(tmp_path / "run" / name)))
-        nbformat.write(nb, str(served / f"{name}.ipynb"))
+        target = served / f"{name}.ipynb"  # built as dsv4lab reproduce builds it, then parameterised
+        nbformat.write(read_notebook(ROOT / "notebooks" / f"{name}.py"), str(target))
+        nb = parameterize_notebook(load_notebook_node(str(target)),
+                                   dict(INTERACTIVE=True, SMOKE=True, RUN_DIR=str(tmp_path / "run" / name)))
+        nbformat.write(nb, str(target))
     with _jupyterlab(served, tmp_path) as (base, token, _):
         yield base, token
 
@@ -165,17 +169,18 @@ def test_roofline_explorer_responds_to_the_hardware_menu(interactive_lab, tmp_pa
 
 
 def test_run_all_and_save_in_jupyterlab_leaves_the_repository_clean(tmp_path, tmp_path_factory):
-    """The committed notebook, opened where it lives with the repository's Jupyter settings: run all, save."""
+    """The committed text notebook, opened where it lives with the repository's Jupyter settings (a ``.py`` opens as
+    a notebook): run all, save."""
     _require_browser()
     if shutil.which("git") is None or _git("rev-parse", "--show-toplevel") is None:
         pytest.skip("not a git checkout")
-    notebook = ROOT / "notebooks" / "05_roofline.ipynb"
+    notebook = ROOT / "notebooks" / "05_roofline.py"
     committed = notebook.read_bytes()
     status_before = _git("status", "--porcelain", "--untracked-files=all")
     mtime_before = notebook.stat().st_mtime_ns
     with _jupyterlab(ROOT / "notebooks", tmp_path, ROOT / "notebooks" / "jupyter_config") as (base, token, log):
         def drive(page, shot):
-            _open_and_run_all(page, base, token, "05_roofline.ipynb")
+            _open_and_run_all(page, base, token, "05_roofline.py")
             page.locator(".jp-Cell", has_text="plot_roofline").first.locator(".jp-RenderedImage img").first.wait_for(
                 timeout=120_000)
             # the kernel reports idle between two cells of a run-all too: wait for the figures themselves
@@ -185,7 +190,7 @@ def test_run_all_and_save_in_jupyterlab_leaves_the_repository_clean(tmp_path, tm
             except Exception:  # noqa: BLE001 — report what was drawn, not the wait's own error
                 raise AssertionError(f"the run-all drew {page.locator('.jp-RenderedImage img').count()} figures "
                                      "of at least 4 in 120 s") from None
-            _wait_until_idle(base, token, "05_roofline.ipynb")
+            _wait_until_idle(base, token, "05_roofline.py")
             page.locator(".jp-NotebookPanel").first.click()
             page.keyboard.press("Control+s")
             deadline = time.time() + 30
@@ -194,9 +199,9 @@ def test_run_all_and_save_in_jupyterlab_leaves_the_repository_clean(tmp_path, tm
             page.screenshot(path=str(shot), full_page=False)
         try:
             _in_browser(tmp_path_factory, "05_roofline_saved.png", drive)
-            assert "dsv4lab: notebooks under" in log.read_text(), "the save hook was not loaded"
+            assert "jupyterlab_jupytext" in log.read_text(), "jupytext's server extension was not loaded"
             assert notebook.stat().st_mtime_ns != mtime_before, "JupyterLab did not save the notebook"
-            assert notebook.read_bytes() == committed, "the saved notebook differs from the committed one"
+            assert notebook.read_bytes() == committed, "the saved text notebook differs from the committed one"
             assert _git("status", "--porcelain", "--untracked-files=all") == status_before
         finally:
             if notebook.read_bytes() != committed:  # never leave the checkout changed

@@ -4,10 +4,11 @@ Each case damages a private copy of ``data/tiny`` in a temporary folder, then ru
 ``dsv4lab generate`` on it through the command line's own entry point (``dsv4lab.faces.cli.main``, in process: the same
 code path as the console script, without a Python start-up per case). Both must refuse — a non-zero exit status,
 a message naming the damaged file or tensor, no traceback — and ``generate`` must never print generated ids:
-0 tracebacks, 0 silent successes. ``data/tiny`` itself is byte-identical afterwards.
+0 tracebacks, 0 silent successes. Every file under ``data/`` is byte-identical afterwards.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import struct
@@ -19,10 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv4lab.core.checkpoint import INDEX_NAME, Checkpoint, file_hashes
+from dsv4lab.core.checkpoint import INDEX_NAME, Checkpoint
 from dsv4lab.faces.cli import main
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "tiny"
+DATA = Path(__file__).resolve().parents[1] / "data"
+TINY = DATA / "tiny"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
 
@@ -103,6 +105,12 @@ CASES = [
          ("config.json", "wrong type")),
     Case("config.json zero layers", lambda ck: _json_edit(ck / "config.json", lambda c: c.update(num_hidden_layers=0)),
          ("config.json", "n_layers")),
+    Case("config.json negative norm epsilon",
+         lambda ck: _json_edit(ck / "config.json", lambda c: c.update(rms_norm_eps=-1e-6)),
+         ("config.json", "'norm_eps' = -1e-06", "(0, 0.1]")),
+    Case("config.json absurd routed scaling factor",
+         lambda ck: _json_edit(ck / "config.json", lambda c: c.update(routed_scaling_factor=1e30)),
+         ("config.json", "'route_scale' = 1e+30", "(0, 16]")),
     Case("index not JSON", lambda ck: (ck / INDEX_NAME).write_text("{"), (INDEX_NAME, "unreadable")),
     Case("index weight_map a list", lambda ck: _json_edit(ck / INDEX_NAME, lambda i: i.update(weight_map=[])),
          (INDEX_NAME, "weight_map")),
@@ -143,6 +151,8 @@ CASES = [
          ("hc_head_fn", "non-finite F32", "1 Inf")),
     Case("0xFF E8M0 scale", lambda ck: _poke(ck, "layers.4.ffn.experts.7.w1.scale", 5, b"\xff"),
          ("layers.4.ffn.experts.7.w1.scale", "0xFF")),
+    Case("E8M0 scale overflowing bf16", lambda ck: _poke(ck, "layers.0.attn.wkv.scale", 0, bytes([250])),
+         ("layers.0.attn.wkv.scale", "1 overflowing", "bf16")),
     Case("NaN FP8 weight byte", lambda ck: _poke(ck, "layers.0.attn.wq_a.weight", 77, b"\x7f"),
          ("layers.0.attn.wq_a.weight", "FP8 byte(s) are NaN")),
     Case("expert id out of range", lambda ck: _poke(ck, "layers.1.ffn.gate.tid2eid", 9, struct.pack("<q", 999)),
@@ -156,11 +166,17 @@ CASES = [
 ]
 
 
+def _tree_hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 @pytest.fixture(scope="module")
 def original_hashes():
-    before = file_hashes(TINY)
+    """Every committed file under data/ (checkpoints, goldens, results, tokenizers), byte-identical afterwards."""
+    before = _tree_hashes(DATA)
     yield before
-    assert file_hashes(TINY) == before, "data/tiny changed while its copies were damaged"
+    assert _tree_hashes(DATA) == before, "a file under data/ changed while copies of data/tiny were damaged"
 
 
 def _one_run(argv, capsys) -> tuple[int, str, str]:

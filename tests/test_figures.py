@@ -52,8 +52,8 @@ def results_without_e2e(tmp_path, monkeypatch):
 # ============================================================================================ one builder per figure
 def _kernel_rows():
     rows = measurements.kernel_checks("reference", ["rms_norm", "rope", "linear_fp8"], max_shapes=1)["rows"]
-    failing = dict(rows[-1], impl="triton:planted", ok=False, bitwise_equal=False,
-                   worst=dict(index=[0, 1], out=1.5, ref=1.0), message="1 element beyond tolerance")
+    failing = dict(rows[-1], impl="triton:planted", ok=False, bitwise_equal=False, bound_ratio=3.0,
+                   worst=dict(index=[0, 1], out=1.5, ref=1.0), message="1 element beyond its bound")
     return rows + [failing]
 
 
@@ -243,14 +243,23 @@ def test_waterfall_prints_reported_beside_reported_and_modelled_beside_modelled(
 
 def test_kernel_tier_plots_each_check_against_what_it_is_allowed():
     rows = _kernel_rows()
+    assert all(set(plots.KERNEL_CHECK_FIELDS) <= set(r) for r in rows)  # what the verifier writes, the figure reads
     ratios = {(r["op"], r["impl"]): plots.check_ratio(r) for r in rows}
-    assert all(ratio == (0.0, "tolerance") for (op, impl), ratio in ratios.items() if impl == "reference")
+    assert all(ratio == (0.0, "bound") for (op, impl), ratio in ratios.items() if impl == "reference")
     assert ratios[(rows[-1]["op"], "triton:planted")][0] > 1
-    assert plots.check_ratio(dict(rows[0], max_ratio=0.25)) == (0.25, "bound")
-    fig = plots.plot_kernel_check_errors(rows)
+    # a passing check that is not bitwise sits at its bound ratio, never in the bitwise-equal column
+    passing = dict(rows[0], impl="triton:within", bitwise_equal=False, bound_ratio=0.25)
+    assert plots.check_ratio(passing) == (0.25, "bound")
+    with pytest.raises(ValueError, match="neither bitwise_equal nor bound_ratio"):
+        plots.check_ratio({k: v for k, v in passing.items() if k != "bound_ratio"})
+    exact_zero = dict(passing, impl="cuda:exact", bound_ratio=0.0)  # no error, yet not the same bits
+    fig = plots.plot_kernel_check_errors(rows + [passing, exact_zero])
+    xs = {line.get_label(): list(line.get_xdata()) for line in fig.axes[0].get_lines()}
+    assert 0.25 in xs["measured: triton variants"] and xs["measured: cuda variants"] == [1e-4]  # not "bitwise"
     assert any("triton:planted" in t for t in _texts(fig))
     assert "0 failed" not in fig._suptitle.get_text() and "1 failed" in fig._suptitle.get_text()
-    assert "tolerance" in fig.axes[0].get_xlabel()
+    assert fig.axes[0].get_xlabel() == "worst error ÷ analytic bound"
+    assert "no analytic-bound ratio" not in fig.get_supxlabel()
 
 
 def test_standing_says_not_measured_yet_and_shows_measurements_when_committed(results_without_e2e, monkeypatch,
@@ -328,3 +337,85 @@ def test_the_decode_kernel_figure_takes_no_part_or_floor_for_a_variant(tmp_path)
     path.write_text(json.dumps(doc))
     (got,) = figure_data.decode_kernels(dict(doc, _path=str(path)))
     assert (got["label"], got["best_variant"], got["variants"]) == ("mHC site (post + pre + norm)", "n64d32f2048w8", 2)
+
+
+# ================================================================================= figures that cannot mislead
+@pytest.mark.parametrize("name", sorted(figure_data.FIELDS_READ))
+def test_every_field_a_figure_reads_is_in_the_committed_results(name):
+    doc = measurements.load_results_file(name)
+    if doc is None:  # not measured yet (e2e.json, two GPUs): the one-GPU file comes from the same writer
+        assert name == "e2e", f"data/results/h200/{name}.json is gone"
+        doc = measurements.load_results_file("e2e_1gpu")
+    assert figure_data.missing_fields(doc, figure_data.FIELDS_READ[name]) == []
+
+
+def test_a_results_file_without_a_field_the_figures_read_is_refused(results_without_e2e):
+    doc = dict(E2E_1GPU, summary={k: v for k, v in E2E_1GPU["summary"].items() if k != "ttft_s"})
+    (results_without_e2e / "h200" / "e2e_1gpu.json").write_text(json.dumps(doc))
+    with pytest.raises(measurements.RunError, match=r"lacks \['summary.ttft_s'\]"):
+        figure_data.e2e_runs()
+    rows = [dict(kernel="k", variant="v", tokens=512, time_us=1.0, tflops=2.0), dict(kernel="k", variant="v")]
+    assert figure_data.missing_fields(dict(gpu="g", commit="c", rows=rows), figure_data.FIELDS_READ["prefill_kernels"]
+                                      ) == ["rows[1].tokens", "rows[1].time_us", "rows[1].tflops"]
+
+
+def _measurement_keys(notebook: str) -> dict:
+    """The key results a notebook records about its measurements, computed as the notebook computes them."""
+    if notebook == "03_decode_ablation":
+        return dict(decode_measurements_present=measurements.load_results_file("decode_kernels") is not None)
+    if notebook == "04_prefill_ablation":
+        return dict(prefill_measurements_present=measurements.load_results_file("prefill_kernels") is not None)
+    if notebook == "05_roofline":
+        panels, _ = figure_data.roofline_panels("h200-sxm")
+        return dict(roofline_measured_points=sum(p["source"] == "measured" for p in panels[1]["points"]))
+    return dict(e2e_runs_committed=sum(r["present"] for r in figure_data.e2e_runs()))
+
+
+@pytest.mark.parametrize("notebook", ["03_decode_ablation", "04_prefill_ablation", "05_roofline", "06_paper_figures"])
+def test_a_run_without_its_measurements_is_missing_never_ok(notebook, tmp_path, monkeypatch):
+    from dsv4lab.faces import runs
+    expectations = runs.load_expectations()
+
+    def statuses():
+        doc = dict(parameters=dict(checkpoint="data/tiny"), key_results=_measurement_keys(notebook))
+        return {r["key"]: r["status"] for r in runs.compare_with_expectations({notebook: doc}, expectations, True)
+                if r["key"] in doc["key_results"]}
+    committed = statuses()
+    assert committed and set(committed.values()) == {"ok"}, committed  # the committed H200 results are there
+    (tmp_path / "h200").mkdir()  # the GPU's folder, empty: nothing measured
+    monkeypatch.setattr(measurements, "RESULTS_DIR", tmp_path)
+    assert set(statuses().values()) == {"missing"}
+
+
+def test_a_misspelt_gpu_is_an_error_naming_it_not_an_empty_figure():
+    for call in (lambda: measurements.availability("h200x"), lambda: figure_data.e2e_runs("h200x"),
+                 lambda: figure_data.decode_standing("h200x"), lambda: figure_data.milestone_rows("h200x"),
+                 lambda: figure_data.roofline_panels("h200-sxm", gpu="h200x")):
+        with pytest.raises(measurements.RunError, match=r"GPU='h200x': no measurements folder .*h200"):
+            call()
+
+
+def test_the_catalogue_draws_each_bandwidth_as_what_it_is():
+    from dsv4lab.tools.perf.hardware import catalogue, load_hardware
+    assert plots.perf.achievable_bandwidth(load_hardware("mi250-gcd")) == (1.25, "reported")  # the paper's figure
+    assert plots.perf.achievable_bandwidth(load_hardware("h200-sxm"))[1] == "measured"
+    assert plots.perf.achievable_bandwidth(load_hardware("b200")) == (None, None)
+    hws = list(catalogue().values())
+    fig = _catalogue()
+    bw = fig.axes[0]
+    legend = [t.get_text() for t in bw.get_legend().get_texts()]
+    assert "reported by the paper: achievable" in legend and "measured: achievable (copy kernel)" in legend
+    unmeasured = [h for h in hws if plots.perf.achievable_bandwidth(h)[0] is None]
+    assert [t.get_text() for t in bw.texts].count("not\nmeasured") == len(unmeasured) > 0
+    no_peak = [h for h in hws if not h.get("memory.bw_peak_gbps")]
+    assert [t.get_text() for t in bw.texts].count("not in\ncatalogue") == len(no_peak)
+    heights = [b.get_height() for c in bw.containers for b in c]
+    assert len(heights) == 2 * len(hws) - len(unmeasured) - len(no_peak) and min(heights) > 0  # none for "unknown"
+
+
+def test_one_modelled_paper_prefill_in_notebooks_04_and_06():
+    account = perf_account.paper_account()["prefill"]
+    rows = figure_data.prefill_chunk_account("h200-sxm", account["prompt_tokens"], (512, account["chunk"], None))
+    paper = next(r for r in rows if r.get("reported_rate") is not None)
+    assert paper["label"].endswith(f"chunk {account['chunk']}")
+    assert paper["modelled_input_tok_s"] == account["model_input_tok_s"]  # 04's waterfall row is 06's line

@@ -108,3 +108,82 @@ def test_on_a_gpu_machine_a_missing_gpu_index_is_refused_and_generate_streams_on
     assert main(["generate", "--checkpoint", str(TINY_PY), "--prompt", "def f(", "--max-new-tokens", "4",
                  "--device", "cuda"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == f"stopped: {FINISH_REASONS['length']}"
+
+
+# ------------------------------------------------------------------------------------------ numerics (issue 35)
+@pytest.mark.parametrize("temperature", [1e-300, 1e-30, 1e-6, 1e-5, 0.3, 1.0, 2.0])
+@pytest.mark.parametrize("top_p", [1e-300, 1e-30, 1e-7, 0.5, 1.0])
+def test_sampling_is_stable_for_every_accepted_setting(temperature, top_p):
+    import torch
+
+    from dsv4lab.engine.sampling import MIN_TEMPERATURE, sample
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 301, generator=g) * 30  # wide logits: a naive softmax at a small temperature overflows
+    logits[2, 17] = logits[2].max() + 1e-3            # a near tie with a gap of 1e-3
+    for top_k in (0, 1, 7):
+        ids = sample(logits, temperature, top_p, g, top_k=top_k)
+        assert ids.shape == (5,) and bool(((ids >= 0) & (ids < 301)).all())
+        if temperature < MIN_TEMPERATURE or top_p < 1e-6 or top_k == 1:  # only the best token can be drawn
+            assert torch.equal(ids, logits.argmax(-1))
+
+
+def test_top_p_and_top_k_keep_the_right_tokens_with_the_right_weights():
+    import math
+
+    import torch
+
+    from dsv4lab.engine.sampling import sample
+    g = torch.Generator().manual_seed(1)
+    logits = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # probabilities 0.1 0.2 0.3 0.4
+    draws = torch.stack([sample(logits, 1.0, 0.5, g) for _ in range(4000)]).flatten()
+    counts = torch.bincount(draws, minlength=4) / 4000.0  # top_p 0.5 keeps {0.4, 0.3}: 4/7 and 3/7
+    assert counts[:2].sum() == 0 and abs(float(counts[3]) - 4 / 7) < 0.03
+    draws = torch.stack([sample(logits, 1.0, 1.0, g, top_k=2) for _ in range(4000)]).flatten()
+    assert set(draws.tolist()) == {2, 3}
+    assert math.isclose(float((draws == 3).float().mean()), 4 / 7, abs_tol=0.03)
+
+
+def _poisoned_load(real_load, poison):
+    def load(*args, **kwargs):
+        m = real_load(*args, **kwargs)
+        poison(m)
+        return m
+    return load
+
+
+def test_non_finite_logits_at_the_prefill_are_one_line_naming_the_position_and_layer(monkeypatch, capsys):
+    import torch
+
+    def poison(m):  # a NaN in layer 2's MoE norm: everything from layer 2's FFN on is NaN
+        with torch.no_grad():
+            m.model.layers[2].ffn_norm.weight[3] = float("nan")
+    monkeypatch.setattr(loader, "load", _poisoned_load(loader.load, poison))
+    assert main(["generate", "--checkpoint", str(TINY_PY), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "3",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert "the model's logits at position 3 are not finite (NaN or Inf): the first non-finite output is layer 2's " \
+           "(layers.2." in err[0]
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_in_a_decode_step_are_an_error_not_a_token(path, temperature):
+    import torch
+
+    from dsv4lab.core.errors import NonFiniteError
+    m = dsv4lab.load(TINY_PY, device="cpu", max_batch=1, max_seq_len=32, decode_path=path)
+    prompt = [5, 6, 7, 8]
+    first = m.generate(prompt, 1, temperature=temperature, seed=3)[0]
+    if first in prompt:  # its NaN embedding would poison the prefill too
+        prompt = [t + 100 for t in prompt]
+        first = m.generate(prompt, 1, temperature=temperature, seed=3)[0]
+    assert first not in prompt
+    with torch.no_grad():
+        m.model.embed.weight[first] = float("nan")  # prefill finite; the step that feeds `first` is not
+    heard = []
+    with pytest.raises(NonFiniteError) as e:
+        m.generate(prompt, 4, temperature=temperature, seed=3, on_token=heard.append)
+    assert heard == [first] and e.value.position == len(prompt)
+    assert str(e.value) == (f"the model's logits at position {len(prompt)} are not finite (NaN or Inf): the first "
+                            "non-finite output is embed")

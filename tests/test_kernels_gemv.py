@@ -1,6 +1,6 @@
 """The decode projections (``kernels/dsv4lab_kernels/fp8_gemv.py``, issue 17): the own GEMV's routes against the exact reference
-within the analytic bound, its fused activation quantization bit for bit, the cuBLAS form, and the measured
-dispatch between them (:mod:`dsv4lab.engine.decode_dispatch`).
+within the analytic bound, its fused activation quantization bit for bit, the cuBLAS form, and the backend
+following the dispatch between them (:mod:`dsv4lab.engine.dispatch`; the tuned file itself: ``tests/test_dispatch.py``).
 
 Bound per output (:mod:`dsv4lab.tools.verify.bounds`): ``|out − ref| ≤ γ(c·K)·Σ_k|xq_k·w_k| + 1 ulp(out dtype)``, the
 reduction length ``K`` (per group for ``wo_a``), fp32 accumulation, ``c`` = 1 for the CUDA-core ``fma`` route and
@@ -173,67 +173,25 @@ def test_bad_arguments_are_clear_errors():
 
 
 # ------------------------------------------------------------------------------------------ the dispatch
-def _dispatch_doc(**over):
-    from dsv4lab.engine.decode_dispatch import FORMAT, shape_key
-    doc = dict(format=FORMAT, gpu="NVIDIA H200", gemv=[
-        dict(shape=shape_key(96, 256, 1, "fp8", True), batch=1, choice=dict(impl="triton", route="fma", block_n=16,
-                                                                             block_k=128, split_k=2)),
-        dict(shape=shape_key(96, 256, 1, "fp8", True), batch=8, choice=dict(impl="cublas")),
-    ], moe=[dict(batch=4, choice=dict(route="fma", block_n_up=32, block_k=256))])
-    doc.update(over)
-    return doc
-
-
-def test_dispatch_lookup_tiers_and_defaults(tmp_path, monkeypatch):
-    from dsv4lab.engine.decode_dispatch import DecodeDispatch, DispatchError
-    d = DecodeDispatch(_dispatch_doc(), "test")
-    assert d.gemv(96, 256, 1, "fp8", True, 1).route == "fma"
-    assert d.gemv(96, 256, 1, "fp8", True, 2).impl == "cublas"  # the smallest measured batch ≥ 2 is 8
-    assert d.gemv(96, 256, 1, "fp8", True, 33).impl == "cublas"  # above every tier: the largest
-    assert d.gemv(96, 256, 1, "fp8", False, 1) is None  # another shape key: the default
-    assert d.moe(1).block_n_up == 32 and d.moe(1).route == "fma"
-    p = tmp_path / "d.json"
-    p.write_text(json.dumps(_dispatch_doc()))
-    assert len(DecodeDispatch.load(p, device_name="NVIDIA H200")) == 3
-    assert len(DecodeDispatch.load(p, device_name="NVIDIA A100")) == 0  # measured elsewhere: defaults
-    monkeypatch.setenv("DSV4LAB_DECODE_DISPATCH", "off")
-    assert len(DecodeDispatch.load(p)) == 0
-    monkeypatch.delenv("DSV4LAB_DECODE_DISPATCH")
-    p.write_text(json.dumps(_dispatch_doc(gemv=[dict(shape="x", batch=1, choice=dict(impl="triton", blk=3))])))
-    with pytest.raises(DispatchError, match=r"gemv\[0\]: unknown field\(s\) blk"):
-        DecodeDispatch.load(p)
-    p.write_text("{")
-    with pytest.raises(DispatchError, match="not valid JSON"):
-        DecodeDispatch.load(p)
-    with pytest.raises(DispatchError, match="does not exist"):
-        DecodeDispatch.load(tmp_path / "missing.json")
-
-
-def test_a_dispatch_moe_choice_carries_every_moe_geometry_field():
-    """``MoeChoice`` (the dispatch file's MoE entry, readable without the kernels) is the route plus the fields of
-    ``MoeGeometry``: a geometry field added to the kernel and not to the choice could never be dispatched."""
-    from dataclasses import asdict, fields
-
-    from dsv4lab.engine.decode_dispatch import MoeChoice
-    from dsv4lab_kernels import fp4_moe_decode as moe
-    assert {f.name for f in fields(MoeChoice)} == {f.name for f in fields(moe.MoeGeometry)} | {"route"}
-    assert asdict(MoeChoice()) == {"route": "dot", **asdict(moe.MoeGeometry())}  # the same defaults
-    geo = moe.MoeGeometry(block_n_up=8, block_n_down=8, num_warps=1, num_stages=2, fma_sums="element")
-    assert MoeChoice(route="fma", **asdict(geo)).geometry(moe) == geo
+def _tuned(**ops):
+    from dsv4lab.engine.dispatch import SCHEMA, Tuned
+    return Tuned(dict(schema=SCHEMA, gpu="NVIDIA H200", sources={"t": dict(commit="abc")}, ops=ops), "test.json")
 
 
 def test_backend_follows_the_dispatch():
-    """A dispatch entry selects the route and geometry the backend launches (the result stays within bound);
+    """A tuned entry selects the route and geometry the backend launches (the result stays within bound);
     without one the documented default (the dot route, K split to ~2 programs per SM) runs."""
-    from dsv4lab.engine.decode_dispatch import DecodeDispatch
-    from dsv4lab.engine.triton_backend import DecodeConfig, TritonOps
-    cfg = DecodeConfig(dispatch=DecodeDispatch(_dispatch_doc(), "test"))
-    assert cfg.gemv_geometry(96, 256, 1)[:2] == ("triton", "fma")
-    assert cfg.gemv_geometry(96, 256, 1)[2].split_k == 2
-    impl, route, geo = DecodeConfig().gemv_geometry(96, 256, 1)
+    from dsv4lab.engine.dispatch import GPU_DEFAULTS, Dispatch, shape_key
+    from dsv4lab.engine.triton_backend import TritonOps
+    tuned = _tuned(**{"decode.gemv": [dict(shape=shape_key(96, 256, 1, "fp8", True), rows=1, source="t", choice=dict(
+        impl="triton", route="fma", block_n=16, block_k=128, split_k=2))],
+        "decode.moe": [dict(rows=4, source="t", choice=dict(route="fma", block_n_up=32, block_k=256))]})
+    ops = TritonOps(Numerics(), Dispatch(tuned, GPU_DEFAULTS))
+    impl, route, geo = ops.gemv_choice(96, 256, 1)
+    assert (impl, route, geo.split_k, geo.block_n) == ("triton", "fma", 2, 16)
+    impl, route, geo = TritonOps(Numerics(), Dispatch(None, GPU_DEFAULTS)).gemv_choice(96, 256, 1)
     assert (impl, route) == ("triton", "dot") and geo.split_k >= 1
-    assert cfg.moe_choice(3)[0] == "fma" and cfg.moe_choice(3)[1].block_n_up == 32
-    ops = TritonOps(Numerics(), cfg)
+    assert ops.moe_choice(3)[0] == "fma" and ops.moe_choice(3)[1].block_n_up == 32
     g = torch.Generator().manual_seed(5)
     lin = make_linear("fp8", 96, 256, g)
     x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
@@ -264,109 +222,6 @@ def test_accumulation_probe_separates_fp32_from_a_narrow_accumulator():
         assert res.ok, res.line()
 
 
-def test_bench_writes_the_dispatch_it_measured():
-    """The dispatch the benchmark writes picks, per shape and batch, the fastest row that passed (rows exist only
-    for variants that passed), and the backend's loader reads it back."""
-    from dsv4lab.core.config import get_preset
-    from dsv4lab.engine.decode_dispatch import DecodeDispatch
-    from dsv4lab.tools.bench.decode import build_dispatch
-    a = get_preset("flash")
-    rows = [dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=1, time_us=7.0, pct_copy_bw=20, impl="triton",
-                 choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
-                             num_stages=3)),
-            dict(kernel="fp8_gemv_wq_a+wkv", variant="cublas_scaled_mm_blockwise", batch=1, time_us=6.0, pct_copy_bw=25,
-                 impl="cublas", choice=dict(impl="cublas")),
-            dict(kernel="fp8_gemv_wq_a+wkv", variant="dot:n16", batch=8, time_us=7.5, pct_copy_bw=20, impl="triton",
-                 choice=dict(impl="triton", route="dot", block_n=16, block_k=256, split_k=8, num_warps=1,
-                             num_stages=3)),
-            dict(kernel="moe_decode", variant="dot:n32", batch=1, time_us=40.0, pct_copy_bw=45, route="dot",
-                 geometry_fields=dict(block_n_up=32, block_n_down=32, block_k=256, slot_split=0, num_warps=2,
-                                      num_stages=3, decode="auto")),
-            dict(kernel="moe_decode", variant="torch_sum_read", batch=1, time_us=20.0, pct_copy_bw=90,
-                 route="baseline")]
-    doc = dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="abc", rows=rows)
-    d = DecodeDispatch(build_dispatch(doc, a), "test")
-    assert d.gemv(1536, 4096, 1, "fp8", True, 1).impl == "cublas"  # faster and passed
-    assert d.gemv(1536, 4096, 1, "fp8", True, 4).route == "dot"  # batch 8's choice
-    assert d.moe(1).route == "dot" and d.moe(1).block_n_up == 32  # never the baseline
-
-
-def test_a_dispatch_cut_short_keeps_the_base_entries_it_did_not_measure():
-    """``--dispatch-base``: the fresh run's entries win, the others come from the base with the commit they were
-    measured at; a base from another GPU model is refused with the file's name."""
-    from dsv4lab.tools.bench.decode import merge_dispatch
-    from dsv4lab.engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
-    from dsv4lab.core.errors import UserError
-
-    def entry(shape, batch, split, **kw):
-        return dict(shape=shape, batch=batch, choice=dict(impl="triton", route="fma", block_n=32, block_k=256,
-                                                          split_k=split, num_warps=4, num_stages=3), **kw)
-
-    def moe(batch, bn, **kw):
-        return dict(batch=batch, choice=dict(route="fma", block_n_up=bn, block_n_down=bn), **kw)
-
-    a, b = shape_key(1536, 4096, 1, "fp8", True), shape_key(4096, 8192, 1, "fp8", True)
-    base = dict(format=FORMAT, gpu="NVIDIA H200", commit="old", source="quick",
-                gemv=[entry(a, 1, 3), entry(b, 1, 5), entry(b, 8, 7, commit="older")], moe=[moe(1, 16), moe(8, 16)])
-    fresh = dict(format=FORMAT, gpu="NVIDIA H200", commit="new", source="full",
-                 gemv=[entry(a, 1, 6, commit="new")], moe=[moe(1, 8, commit="new")])
-    m = merge_dispatch(base, fresh, "base.json")
-    by = {(e["shape"], e["batch"]): e for e in m["gemv"]}
-    assert by[(a, 1)]["choice"]["split_k"] == 6 and by[(a, 1)]["commit"] == "new"  # the fresh run wins
-    assert by[(b, 1)]["commit"] == "old" and by[(b, 8)]["commit"] == "older"  # carried, each with its commit
-    assert {e["batch"]: (e["choice"]["block_n_up"], e["commit"]) for e in m["moe"]} == {1: (8, "new"), 8: (16, "old")}
-    assert [f["entries"] for f in m["merged_from"]] == [2, 3] and m["commit"] == "new"
-    d = DecodeDispatch(m, "merged")
-    assert d.gemv(4096, 8192, 1, "fp8", True, 8).split_k == 7 and d.moe(1).block_n_up == 8
-    with pytest.raises(UserError, match="base.json: measured on 'NVIDIA H100'"):
-        merge_dispatch(dict(base, gpu="NVIDIA H100"), fresh, "base.json")
-    with pytest.raises(ValueError, match=r"base.json: gemv\[0\]: needs 'shape'"):  # a malformed base, named
-        merge_dispatch(dict(base, gemv=[dict(batch=1)]), fresh, "base.json")
-
-
-def test_measured_attention_and_mhc_geometries_reach_the_kernels(tmp_path):
-    """The decode suite's attention and mHC-site rows become per-batch dispatch tiers (the fastest passing geometry;
-    the mHC parts and floors never), a merge keeps the base's tiers the run did not measure, and the backend
-    launches what the tier holds: the attention at any row count, the one-launch mHC site only up to its row limit;
-    an unknown field is refused naming the file and the tier."""
-    from dsv4lab.tools.bench.decode import GEOMETRY_KERNELS, build_dispatch, merge_dispatch
-    from dsv4lab.core.config import get_preset
-    from dsv4lab.engine.decode_dispatch import FORMAT, GEOMETRY_TIERS, DecodeDispatch, DispatchError
-    from dsv4lab.engine.triton_backend import DecodeConfig, attn, mhc
-    assert set(GEOMETRY_KERNELS) == set(GEOMETRY_TIERS)
-    a = get_preset("flash")
-    fast_attn = dict(block_h=16, block_r=64, splits=16, num_warps=8, two_pass=False, combine_columns=0)
-    rows = [dict(kernel="attn_decode", variant="h16r32_s16_1p", batch=1, time_us=31.0, route="triton",
-                 geometry_fields=dict(fast_attn, block_r=32)),
-            dict(kernel="attn_decode", variant="h16r64_s16_1p", batch=1, time_us=23.0, route="triton",
-                 geometry_fields=fast_attn),
-            dict(kernel="attn_decode", variant="torch_gather", batch=1, time_us=20.0, route="baseline"),
-            dict(kernel="mhc_site", variant="n64d32f2048w8", batch=1, time_us=9.0, route="triton",
-                 geometry_fields=dict(splits=64, block_d=32, block_dn=2048, num_warps=8)),
-            dict(kernel="mhc_site", variant="default", batch=1, time_us=14.0, route="triton",
-                 geometry_fields=dict(splits=128, block_d=32, block_dn=2048, num_warps=8)),
-            dict(kernel="mhc_site", variant="head_collapse", batch=1, time_us=5.0, route="part"),
-            dict(kernel="mhc_site", variant="empty_launch", batch=1, time_us=2.0, route="floor")]
-    fresh = build_dispatch(dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", commit="new", rows=rows), a)
-    assert [e["variant"] for e in fresh["attention"]] == ["h16r64_s16_1p"]
-    assert [e["variant"] for e in fresh["mhc_site"]] == ["n64d32f2048w8"]
-    base = dict(format=FORMAT, gpu="NVIDIA H200", commit="old", gemv=[], moe=[],
-                attention=[dict(batch=1, choice=dict(fast_attn, splits=4)), dict(batch=8, choice=fast_attn)])
-    merged = merge_dispatch(base, fresh, "base.json")
-    assert {e["batch"]: e["commit"] for e in merged["attention"]} == {1: "new", 8: "old"}
-    cfg = DecodeConfig(dispatch=DecodeDispatch(merged, "merged"))
-    assert cfg.attention_for(1) == attn.AttentionGeometry(**fast_attn)
-    assert cfg.mhc_site_for(1) == mhc.MhcSiteGeometry(splits=64, block_d=32, block_dn=2048, num_warps=8)
-    assert cfg.mhc_site_for(mhc.SITE_MAX_ROWS + 1) is None  # many rows: not the one-launch site
-    assert DecodeConfig().attention_for(1) is None and DecodeConfig().mhc_site_for(1) is None  # nothing measured
-    bad = DecodeConfig(dispatch=DecodeDispatch(dict(base, attention=[dict(batch=1, choice=dict(block_q=3))]),
-                                               "bad.json"))
-    with pytest.raises(DispatchError, match="bad.json: attention at 1 rows: .*block_q"):
-        bad.attention_for(1)
-    with pytest.raises(DispatchError, match=r"x.json: mhc_site\[0\]: needs 'batch' and 'choice'"):
-        DecodeDispatch(dict(base, mhc_site=[dict(choice={})]), "x.json")
-
-
 # ------------------------------------------------------------------------------------------ GPU, real widths
 def _projections():
     from dsv4lab.core.config import get_preset
@@ -391,23 +246,24 @@ def test_gpu_every_projection_within_bound(route, M):
 
 @pytest.mark.gpu
 def test_gpu_dispatch_choices_hold_their_bound():
-    """Every cuBLAS choice in the committed dispatch file is within the bound of the own kernel it replaces
-    (the tensor-core bound γ(4K)), on fresh inputs — the file was written by a run that checked it."""
-    from dsv4lab.engine.decode_dispatch import DEFAULT_PATH
+    """Every cuBLAS choice in this GPU's tuned file is within the bound of the own kernel it replaces (the
+    tensor-core bound γ(4K)), on fresh inputs — the file was written by a run that checked it."""
+    from dsv4lab.engine.dispatch import parse_shape_key, tuned_path
     from dsv4lab.tools.bench.common import random_fp8_linear
-    if not DEFAULT_PATH.exists():
-        pytest.skip(f"no {DEFAULT_PATH.name} committed yet")
-    doc = json.loads(DEFAULT_PATH.read_text())
+    path = tuned_path(torch.cuda.get_device_name())
+    if not path.exists():
+        pytest.skip(f"no tuned file {path.name} for this GPU")
+    doc = json.loads(path.read_text())
     gen = torch.Generator(device="cuda").manual_seed(9)
-    for e in doc["gemv"]:
+    for e in doc["ops"].get("decode.gemv", []):
         if e["choice"]["impl"] != "cublas":
             continue
-        n, k, groups, weight, aq = e["n"], e["k"], e["groups"], e["weight"], e["act_quant"]
+        n, k, _, weight, aq = parse_shape_key(e["shape"])
         lin = random_fp8_linear(n, k, "cuda", gen, act_quant=aq)
         if weight == "bf16":
             lin._buffers["weight"] = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).bfloat16()
             lin._buffers["scale"] = None
-        x = (torch.randn(e["batch"], k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        x = (torch.randn(e["rows"], k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
         out_dtype = torch.float32 if weight == "bf16" else torch.bfloat16
         mm_out = torch.bfloat16 if e["choice"].get("cublas_out") == "bfloat16" else torch.float32
         out = gemv.cublas_linear(x, lin.weight, lin.scale, aq, out_dtype, mm_out_dtype=mm_out)

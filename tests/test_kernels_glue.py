@@ -604,7 +604,7 @@ def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
     """``bench kernels --suite decode --sections mhc`` (the smoke shapes, on the interpreter here): the site kernel
     checked against the reference within its stated bound, then timed beside the parts of its time (one Sinkhorn
     iteration, the head collapse, the two-launch pair, an empty launch); no other section runs and (without a
-    GPU) no dispatch file is written. A misspelt section is refused naming it."""
+    GPU) no tuned file is written. A misspelt section is refused naming it."""
     import json
     import subprocess
     import sys
@@ -620,7 +620,7 @@ def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
     assert {row["variant"] for row in doc["rows"]} == {"default", "sinkhorn_1_iteration", "head_collapse",
                                                        "mix_finish_pair", "empty_launch"}
     assert len(doc["checks"]) == 4 and all(c["ok"] for c in doc["checks"])
-    assert not (tmp_path / "decode_dispatch.json").exists()
+    assert not list(tmp_path.glob("tuned_*.json"))
     r = subprocess.run([sys.executable, "-m", "dsv4lab", "bench", "kernels", "--suite", "decode", "--smoke",
                         "--sections", "mhc,glue", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
                        timeout=600)

@@ -30,6 +30,7 @@ from dsv4lab.tools.verify.registry import make_bank, routing
 triton = pytest.importorskip("triton")
 tl = triton.language
 moe = pytest.importorskip("dsv4lab_kernels.fp4_moe_decode")
+moe_kernels = pytest.importorskip("dsv4lab_kernels.fp4_moe_decode_kernels")
 
 REF = ReferenceOps(Numerics())
 E8M0_NAN = 0xFF
@@ -175,7 +176,7 @@ def test_bytewise_e2m1_decode_sequence_is_exact():
     """Every byte at every position of the packed word, emulated instruction by instruction (the kernel's PTX is
     the emulated sequence): E2M1 × 2^-14 in fp16, the sign of the zero codes kept (the scale, 2^(s-113) in fp32,
     multiplies each group's sum after it)."""
-    ptx = [line.strip() for line in str(moe._E2M1_F16_ASM.value).splitlines() if line.strip().endswith(";")]
+    ptx = [line.strip() for line in str(moe_kernels._E2M1_F16_ASM.value).splitlines() if line.strip().endswith(";")]
     assert ptx[1:] == BYTEWISE_PTX  # after the .reg declaration
     table = [float(v) * 2.0 ** -14 for v in quant.E2M1_VALUES]
     for start in range(0, 256, 4):
@@ -190,8 +191,8 @@ def test_bytewise_e2m1_decode_sequence_is_exact():
 @triton.jit
 def _decode_probe(b_ptr, s_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
-    lo, hi = moe.decode_e2m1_bf16(tl.load(b_ptr + i), moe.e2m1_scale_operand(tl.load(s_ptr + i).to(tl.int32), False),
-                                  False)
+    lo, hi = moe_kernels.decode_e2m1_bf16(tl.load(b_ptr + i),
+                                          moe_kernels.e2m1_scale_operand(tl.load(s_ptr + i).to(tl.int32), False), False)
     tl.store(lo_ptr + i, lo)
     tl.store(hi_ptr + i, hi)
 

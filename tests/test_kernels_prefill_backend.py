@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from dsv4lab.engine.triton_prefill import (PREFILL_OPS, PrefillChoices, TritonPrefillBackend, accumulation_bound,
-                                           linear_magnitude, load_choices, prefill_chunk)
+from dsv4lab.engine.dispatch import GPU_DEFAULTS, SCHEMA, Dispatch, Tuned
+from dsv4lab.engine.triton_prefill import (PREFILL_OPS, TritonPrefillBackend, accumulation_bound, linear_magnitude,
+                                           prefill_chunk)
 from dsv4lab.tools.verify.bounds import check_within_bound
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import ReferenceOps
@@ -134,101 +135,47 @@ def test_linear_f32_expert_mlp_and_wo_a_dispatch():
         TritonPrefillBackend(NM, moe_colour="red")
 
 
-# ------------------------------------------------------------------------------------------ measured choices
-def _result_file(tmp_path, gpu: str, choices: dict, smoke: bool = False):
-    p = tmp_path / ("prefill_smoke.json" if smoke else "prefill_kernels.json")
-    p.write_text(json.dumps(dict(gpu=gpu, commit="abc1234", smoke=smoke, choices=choices)))
-    return p
-
-
-def test_choices_are_read_only_on_the_gpu_they_were_measured_on(tmp_path):
-    c = dict(chunk_by_prompt=[[2048, 0], [4604, 4096]], moe_rows_by_tokens=[[2048, 64], [4096, 128]],
-             moe_route="bf16", moe_decode="asm", moe_persistent=True, gemm_backend="cublas")
-    path = _result_file(tmp_path, "NVIDIA H200", c)
-    got = load_choices(path, gpu="NVIDIA H200")
-    assert got.moe_rows_by_tokens == ((2048, 64), (4096, 128)) and got.gemm_backend == "cublas"
-    assert got.source == "prefill_kernels.json at abc1234"
-    assert load_choices(path, gpu="NVIDIA A100-SXM4-80GB") == PrefillChoices()
-    assert load_choices(_result_file(tmp_path, "NVIDIA H200", c, smoke=True), gpu="NVIDIA H200") == PrefillChoices()
-    assert load_choices(tmp_path / "absent.json", gpu="NVIDIA H200") == PrefillChoices()
-
-
-def test_choices_from_the_file_the_environment_names(tmp_path, monkeypatch):
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    path = _result_file(fresh, "NVIDIA H200", dict(moe_route="fp8", moe_tag="w16", weight_gemm_backend="cublas",
-                                                   mhc_rows=True))
-    monkeypatch.setenv("DSV4LAB_PREFILL_CHOICES", str(path))
-    got = load_choices(gpu="NVIDIA H200")
-    assert (got.moe_route, got.moe_tag, got.weight_gemm_backend, got.mhc_rows) == ("fp8", "w16", "cublas", True)
-    monkeypatch.setenv("DSV4LAB_PREFILL_CHOICES", str(tmp_path / "absent.json"))  # absent: not read
-    assert load_choices(gpu="NVIDIA H200").source != got.source
-    unknown = _result_file(tmp_path, "NVIDIA H200", dict(moe_tag="no-such-variant"))
-    assert load_choices(unknown, gpu="NVIDIA H200").moe_tag is None  # an unknown variant: the default geometry
-
-
-def test_merged_choices_overlay_only_the_named_keys(tmp_path):
-    """``scripts/merge_prefill_choices.py``: a fresh run's mHC choices over a full run's, the rest and the rows
-    kept; the backend reads the merge and names both sources; another GPU's run and a bad --set are refused."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "scripts" / "merge_prefill_choices.py"
-    base = _result_file(tmp_path, "NVIDIA H200", dict(moe_route="fp8", mhc_rows=False, why={"mhc_rows": "old"}))
-    (tmp_path / "fresh").mkdir()
-    fresh = _result_file(tmp_path / "fresh", "NVIDIA H200", dict(moe_route="bf16", mhc_rows=True,
-                                                                 mhc_rows_geometry="m64d4w4", why={"mhc_rows": "new"}))
-    out = tmp_path / "merged.json"
-
-    def merge(*args):
-        return subprocess.run([sys.executable, str(script), *map(str, args), "--base", str(base)],
-                              capture_output=True, text=True)
-    r = merge(fresh, out)
-    assert r.returncode == 0, r.stderr
-    got = load_choices(out, gpu="NVIDIA H200")
-    assert (got.moe_route, got.mhc_rows, got.mhc_rows_geometry) == ("fp8", True, "m64d4w4")
-    doc = json.loads(out.read_text())
-    assert doc["commit"] == json.loads(base.read_text())["commit"] and doc["choices"]["why"]["mhc_rows"] == "new"
-    assert "mhc_rows, mhc_rows_geometry from" in got.source
-    forced = tmp_path / "forced.json"  # another path: load_choices caches per file
-    r = merge("-", forced, "--set", "mhc_rows=false", "--set", "mhc_rows_geometry=m16d16w8")
-    assert r.returncode == 0, r.stderr
-    got = load_choices(forced, gpu="NVIDIA H200")
-    assert (got.mhc_rows, got.mhc_rows_geometry) == (False, "m16d16w8") and "set by hand" in got.source
-    other = _result_file(tmp_path / "fresh", "NVIDIA A100-SXM4-80GB", dict(mhc_rows=True))
-    r = merge(other, tmp_path / "x.json")
-    assert r.returncode == 2 and "A100" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = merge("-", tmp_path / "x.json", "--set", "mhc_rows")
-    assert r.returncode == 2 and "expected KEY=VALUE" in r.stderr and not (tmp_path / "x.json").exists()
+# ------------------------------------------------------------------------------------------ tuned choices
+def _tuned(**ops) -> Dispatch:
+    """A dispatch whose tuned table holds ``ops`` (op → [(rows, choice)]), over the GPU defaults."""
+    doc = dict(schema=SCHEMA, gpu="NVIDIA H200", sources={"t": dict(commit="abc1234")},
+               ops={op.replace("_", ".", 1): [dict(rows=r, choice=c, source="t") for r, c in es]
+                    for op, es in ops.items()})
+    return Dispatch(Tuned(doc, "test.json"), GPU_DEFAULTS)
 
 
 def test_prefill_chunk_per_prompt_length():
-    measured = PrefillChoices(chunk_by_prompt=((2048, 0), (4604, 4096), (8192, 2048)))
+    measured = _tuned(prefill_chunk=[(2048, dict(chunk=0)), (4604, dict(chunk=4096)), (8192, dict(chunk=2048))])
     assert prefill_chunk(100, measured) == 100  # one shot
     assert prefill_chunk(2048, measured) == 2048
     assert prefill_chunk(4604, measured) == 4096
     assert prefill_chunk(20000, measured) == 2048  # past the table: its last choice
-    assert prefill_chunk(4604, PrefillChoices()) == 4096 and prefill_chunk(3000, PrefillChoices()) == 3000
+    none = Dispatch(None, GPU_DEFAULTS)
+    assert prefill_chunk(4604, none) == 4096 and prefill_chunk(3000, none) == 3000
     with pytest.raises(ValueError, match="prompt_tokens"):
         prefill_chunk(0, measured)
 
 
-def test_backend_settings_default_to_the_measured_choices():
+def test_backend_settings_default_to_the_tuned_choices():
+    tuned = _tuned(prefill_moe_rows=[(2048, dict(sorter_rows=32)), (4096, dict(sorter_rows=128))],
+                   prefill_moe=[(4096, dict(route="scaled", decode="f16"))], prefill_gemm=[(4096, dict(backend="triton"))])
+
     class Measured(TritonPrefillBackend):
-        def _choices(self):
-            return PrefillChoices(moe_rows_by_tokens=((2048, 32), (4096, 128)), moe_decode="f16",
-                                  moe_route="scaled", gemm_backend="triton")
+        def kernel_dispatch(self):
+            return tuned
     ops = Measured(NM)
     assert ops._moe_geometry(1000).rows == 32 and ops._moe_geometry(3000).rows == 128
     assert ops._moe_geometry(9000).rows == 128 and ops._moe_geometry(3000).decode == "f16"
-    assert ops._gemm_backend() == "triton"
+    assert ops._gemm_backend() == "triton" and ops._setting("moe_route", 64) == "scaled"
     ops.prefill_moe_rows = 16  # an explicit setting wins
     assert ops._moe_geometry(3000).rows == 16
-    ops.prefill_moe_tag = "w16p"  # a measured launch variant: its fields, the explicit settings over them
+    ops.prefill_moe_tag = "w16p"  # a launch variant: its fields, the explicit settings over them
     geo = ops._moe_geometry(3000)
     assert (geo.warps1, geo.persistent, geo.decode) == (16, True, "f16")
     ops.prefill_moe_persistent = False
     assert not ops._moe_geometry(3000).persistent
+    untuned = TritonPrefillBackend(NM)  # this process (no GPU): the documented defaults
+    assert untuned._moe_geometry(3000).rows == 64 and untuned._setting("moe_route") == "bf16"
 
 
 def test_benchmark_choices_and_targets_from_rows():

@@ -52,7 +52,7 @@ OPTIONAL_LIBRARIES = {
     "fastapi", "uvicorn", "sse_starlette", "httpx", "starlette",  # serving
     "matplotlib", "ipywidgets", "IPython",        # figures and widgets
     "papermill", "nbformat", "nbclient",          # running notebooks
-    "tornado",                                    # the Jupyter server (the notebooks' save hook answers it)
+    "jupytext",                                   # reading the text notebooks
     "transformers",                               # the independent oracle
     "yaml",                                       # read only with a YAML file: `roofline` and `--help` stay fast
     "tqdm",                                       # progress bars, only when asked for
@@ -64,7 +64,7 @@ HEAVY_FOR_LIGHT = {"torch", "numpy", "safetensors", "tokenizers"}
 LIGHT = (
     "dsv4lab", "dsv4lab.__main__", "dsv4lab.faces.cli", "dsv4lab.faces.commands", "dsv4lab.faces.commands.*", "dsv4lab.core.errors",
     "dsv4lab.core.paths", "dsv4lab.core.provenance", "dsv4lab.core.config", "dsv4lab.tools.options", "dsv4lab.engine", "dsv4lab.tools.perf",
-    "dsv4lab.tools.perf.*", "dsv4lab.faces.plots", "dsv4lab.faces.plots.*", "dsv4lab.faces.runs", "dsv4lab.faces.notebook_format", "dsv4lab_kernels",
+    "dsv4lab.tools.perf.*", "dsv4lab.faces.plots", "dsv4lab.faces.plots.*", "dsv4lab.faces.runs", "dsv4lab_kernels",
 )
 STDLIB = set(sys.stdlib_module_names)
 # Functions that import a kernel module by name (dsv4lab.engine.kernel_loader): called at a module's top, they
@@ -94,8 +94,10 @@ class Graph:
 def module_names(root: Path) -> dict[str, Path]:
     """Module name → file for the package, the kernels and the notebook sources under ``root``."""
     out: dict[str, Path] = {}
-    for top, name in (("dsv4lab", "dsv4lab"), ("kernels/dsv4lab_kernels", "dsv4lab_kernels"), ("notebooks/source", "notebooks")):
+    for top, name in (("dsv4lab", "dsv4lab"), ("kernels/dsv4lab_kernels", "dsv4lab_kernels"), ("notebooks", "notebooks")):
         for path in sorted((root / top).rglob("*.py")):
+            if ".ipynb_checkpoints" in path.parts:  # JupyterLab's copies of the text notebooks
+                continue
             parts = [name, *path.relative_to(root / top).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -305,7 +307,7 @@ def test_the_package_root_holds_only_the_floor_folders():
 
 def test_no_source_file_is_longer_than_the_limit():
     long = {}
-    for top in ("dsv4lab", "kernels/dsv4lab_kernels", "notebooks/source", "tests", "scripts"):
+    for top in ("dsv4lab", "kernels/dsv4lab_kernels", "notebooks", "tests", "scripts"):
         for path in (REPO / top).rglob("*.py"):
             n = len(path.read_text().splitlines())
             if n > MAX_LINES:
@@ -349,8 +351,8 @@ def test_light_modules_import_without_torch():
 
 
 def test_the_detector_flags_planted_mistakes(tmp_path):
-    for top in ("dsv4lab", "kernels/dsv4lab_kernels", "notebooks/source"):
-        shutil.copytree(REPO / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__", "*.ipynb"))
+    for top in ("dsv4lab", "kernels/dsv4lab_kernels", "notebooks"):
+        shutil.copytree(REPO / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
     clean = read_graph(tmp_path)
     assert upward_imports(clean) == [] and cycles(clean) == [] and unjustified_deferred_imports(clean) == []
     # core importing a tool; two engine modules importing each other; a deferred import of a light library

@@ -1,19 +1,19 @@
-"""The notebooks: committed without outputs and in step with their sources (also when saved from JupyterLab:
-:mod:`dsv4lab.faces.notebook_format`); each runs green in SMOKE mode through ``dsv4lab reproduce``, meets the reference
-expectations and saves only figures that pass the figure rules; parameter mistakes and failing cells are reported
-with the notebook and cell, after the manifest and partial outputs are written; a notebook run by hand writes into
-``scratch/``, not ``runs/``; cells display compact tables."""
+"""The notebooks: percent-format text notebooks (``notebooks/NAME.py``, read and written by jupytext), which hold
+no outputs, and JupyterLab saves them back unchanged after a run; each runs green in SMOKE mode through
+``dsv4lab reproduce``, meets the reference expectations and saves only figures that pass the figure rules; parameter
+mistakes and failing cells are reported with the notebook and cell, after the manifest and partial outputs are
+written; a notebook run by hand writes into ``scratch/``, not ``runs/``; cells display compact tables."""
 from __future__ import annotations
 
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dsv4lab.faces import notebook_format, runs
+from dsv4lab.faces import runs
+from dsv4lab.faces.commands.reproduce import read_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -40,100 +40,95 @@ def _only_run(out: Path) -> Path:
 
 
 # ============================================================================================ static checks
-def test_every_declared_notebook_is_committed():
-    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(runs.NOTEBOOK_ORDER)
+def test_every_declared_notebook_is_committed_as_a_text_notebook():
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.py")) == sorted(runs.NOTEBOOK_ORDER)
+    tracked = subprocess.run(["git", "ls-files", "notebooks"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode == 0:  # a checkout: no notebook is committed in a form that can hold outputs
+        assert [f for f in tracked.stdout.split() if f.endswith(".ipynb")] == []
 
 
 @pytest.mark.parametrize("name", runs.NOTEBOOK_ORDER)
-def test_committed_notebook_has_no_outputs(name):
-    nb = _read(NOTEBOOKS / f"{name}.ipynb")
-    for i, cell in enumerate(nb["cells"], 1):
-        if cell["cell_type"] == "code":
-            assert cell["outputs"] == [], f"{name} cell {i} has outputs: clear them (python scripts/build_notebooks.py)"
-            assert cell["execution_count"] is None, f"{name} cell {i} has an execution count"
-    assert "widgets" not in nb["metadata"], f"{name} carries saved widget state"
+def test_text_notebook_is_what_jupytext_writes_back(name):
+    """Reading and writing the file gives it back byte for byte, with no header: what JupyterLab saves is what is
+    committed (only cell tags are kept, by ``notebooks/jupytext.toml``)."""
+    import jupytext
+    text = (NOTEBOOKS / f"{name}.py").read_text()
+    assert text.startswith("# %%"), f"{name}: a text notebook starts with its first cell (no metadata header)"
+    assert jupytext.writes(jupytext.reads(text, fmt="py:percent"), fmt="py:percent") == text
+
+
+def test_the_jupytext_setting_keeps_only_cell_tags():
+    import tomllib
+    config = tomllib.loads((NOTEBOOKS / "jupytext.toml").read_text())
+    assert config == {"formats": "py:percent", "notebook_metadata_filter": "-all",
+                      "cell_metadata_filter": "tags,-all"}
+    lab = _read(NOTEBOOKS / "jupyter_config" / "labconfig" / "default_setting_overrides.json")
+    assert lab["@jupyterlab/docmanager-extension:plugin"]["defaultViewers"]["python"] == "Jupytext Notebook"
 
 
 @pytest.mark.parametrize("name", runs.NOTEBOOK_ORDER)
 def test_first_code_cell_is_the_annotated_parameters_cell(name):
     import papermill
-    nb = _read(NOTEBOOKS / f"{name}.ipynb")
+    nb = read_notebook(NOTEBOOKS / f"{name}.py")
     first = next(c for c in nb["cells"] if c["cell_type"] == "code")
     assert "parameters" in first["metadata"].get("tags", []), f"{name}: first code cell is not tagged 'parameters'"
-    declared = papermill.inspect_notebook(str(NOTEBOOKS / f"{name}.ipynb"))
+    declared = papermill.inspect_notebook(nb)
     for p in runs.REQUIRED_PARAMETERS:
         assert p in declared, f"{name} does not declare {p}"
         assert declared[p]["help"], f"{name}: parameter {p} has no help comment"
     assert declared["SMOKE"]["inferred_type_name"] == "bool" and declared["CHECKPOINT"]["default"] == '""'
 
 
-def test_notebooks_are_built_from_their_sources():
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_notebooks.py"), "--check"],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-
-
-@pytest.mark.parametrize("name", runs.NOTEBOOK_ORDER)
-def test_source_and_notebook_round_trip(name):
-    source = NOTEBOOKS / "source" / f"{name}.py"
-    assert notebook_format.render_source(_read(NOTEBOOKS / f"{name}.ipynb")) == source.read_text()
+def test_a_text_notebook_without_a_parameters_cell_is_refused_naming_it(tmp_path, capsys):
+    (tmp_path / "plain.py").write_text("# %%\nprint('no parameters cell')\n")
+    assert _reproduce("--notebooks-dir", str(tmp_path), "--out", str(tmp_path / "runs")) == 2
+    assert "plain: no cell tagged 'parameters'" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 # ============================================================================================ saving from JupyterLab
-def _lab_copy(tmp_path):
-    """A notebooks folder like the repository's: one notebook, its source, and what JupyterLab sends on save."""
-    nbdir = tmp_path / "notebooks"
-    (nbdir / "source").mkdir(parents=True)
-    source = nbdir / "source" / "05_roofline.py"
-    source.write_text((NOTEBOOKS / "source" / "05_roofline.py").read_text())
-    notebook = nbdir / "05_roofline.ipynb"
-    notebook.write_text(notebook_format.build(source))
-    content = json.loads(notebook.read_text())  # as JupyterLab holds it after a run: outputs, counts, editor state
-    content["metadata"]["language_info"].update(version="3.11.7", codemirror_mode={"name": "ipython", "version": 3})
-    for i, cell in enumerate(content["cells"]):
-        cell["metadata"]["scrolled"] = True
+def _saved_after_a_run(tmp_path, keep_notebook_metadata: bool) -> tuple[Path, str]:
+    """Save 05_roofline through jupytext's contents manager (what JupyterLab's server runs) as JupyterLab sends it
+    after a run: outputs, execution counts, editor metadata. Returns the saved file and the committed text."""
+    from jupytext import TextFileContentsManager
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    committed = (NOTEBOOKS / "05_roofline.py").read_text()
+    (folder / "05_roofline.py").write_text(committed)
+    (folder / "jupytext.toml").write_text((NOTEBOOKS / "jupytext.toml").read_text())
+    manager = TextFileContentsManager(root_dir=str(folder))
+    nb = manager.get("05_roofline.py", content=True, type="notebook")["content"]
+    if not keep_notebook_metadata:  # a notebook that never had its filters recorded: only the setting keeps them
+        nb["metadata"].pop("jupytext", None)
+    nb["metadata"]["language_info"] = {"name": "python", "version": "3.11.7",
+                                       "codemirror_mode": {"name": "ipython", "version": 3}}
+    nb["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    for i, cell in enumerate(nb["cells"]):
+        cell["metadata"].update(scrolled=True, execution={"iopub.status.idle": "2026-12-01T00:00:00Z"})
         if cell["cell_type"] == "code":
             cell["execution_count"] = i
             cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "ran\n"}]
-    return nbdir, source, notebook, content
+    manager.save(dict(type="notebook", format="json", content=nb), "05_roofline.py")
+    return folder / "05_roofline.py", committed
 
 
-def test_a_save_from_jupyterlab_writes_the_committed_form(tmp_path):
-    nbdir, source, notebook, content = _lab_copy(tmp_path)
-    committed = notebook.read_text()
-    assert notebook_format.prepare_save(content, notebook, nbdir) == source
-    assert json.dumps(content, sort_keys=True) == json.dumps(json.loads(committed), sort_keys=True)
+@pytest.mark.parametrize("keep_notebook_metadata", [True, False])
+def test_a_save_after_a_run_in_jupyterlab_writes_the_committed_text(tmp_path, keep_notebook_metadata):
+    saved, committed = _saved_after_a_run(tmp_path, keep_notebook_metadata)
+    assert saved.read_text() == committed
+    assert sorted(p.name for p in saved.parent.iterdir()) == ["05_roofline.py", "jupytext.toml"]  # no paired copy
 
 
-def test_a_cell_edited_in_jupyterlab_reaches_the_source(tmp_path):
-    nbdir, source, notebook, content = _lab_copy(tmp_path)
-    content["cells"][-1]["source"] = "out.summary()  # edited in JupyterLab"
-    notebook_format.prepare_save(content, notebook, nbdir)
-    import nbformat
-    notebook.write_text(nbformat.writes(nbformat.from_dict(content)) + "\n")  # what the contents manager does
-    text = notebook_format.render_source(json.loads(notebook.read_text()))
-    assert text.rstrip().endswith("out.summary()  # edited in JupyterLab")
-    assert notebook_format.build_from_text(text) == notebook.read_text()  # the two files stay in step
-
-
-def test_a_source_edited_on_its_own_is_never_overwritten(tmp_path):
-    nbdir, source, notebook, content = _lab_copy(tmp_path)
-    source.write_text(source.read_text() + "\n# %%\nprint('edited in an editor')\n")
-    with pytest.raises(notebook_format.NotebookFormatError, match="build_notebooks.py"):
-        notebook_format.prepare_save(content, notebook, nbdir)
-
-
-def test_other_notebooks_are_saved_as_they_are(tmp_path):
-    nbdir, source, notebook, content = _lab_copy(tmp_path)
-    elsewhere = tmp_path / "mine.ipynb"
-    assert notebook_format.prepare_save(content, elsewhere, nbdir) is None
-    assert any(c.get("outputs") for c in content["cells"])
-
-
-def test_the_repository_ships_the_jupyter_setting():
-    doc = _read(NOTEBOOKS / "jupyter_config" / "jupyter_server_config.d" / "dsv4lab.json")
-    assert doc["ServerApp"]["jpserver_extensions"] == {"dsv4lab.faces.notebook_format": True}
-    assert notebook_format._jupyter_server_extension_points() == [{"module": "dsv4lab.faces.notebook_format"}]
+def test_a_cell_edited_in_jupyterlab_reaches_the_text_notebook(tmp_path):
+    from jupytext import TextFileContentsManager
+    saved, committed = _saved_after_a_run(tmp_path, True)
+    manager = TextFileContentsManager(root_dir=str(saved.parent))
+    nb = manager.get(saved.name, content=True, type="notebook")["content"]
+    nb["cells"][-1]["source"] = "out.summary()  # edited in JupyterLab"
+    manager.save(dict(type="notebook", format="json", content=nb), saved.name)
+    text = saved.read_text()
+    assert text.rstrip().endswith("out.summary()  # edited in JupyterLab") and text != committed
+    assert '# %% tags=["parameters"]' in text
 
 
 # ============================================================================================ runs by hand, displays
@@ -219,20 +214,13 @@ out.key("after_the_failure", 2)
 
 @pytest.mark.notebooks
 def test_failing_cell_is_named_and_the_run_keeps_manifest_and_partial_outputs(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from build_notebooks import build
-    finally:
-        sys.path.pop(0)
     nbdir = tmp_path / "nbs"
     nbdir.mkdir()
     for name in ("a_fails", "b_passes"):
-        src = tmp_path / f"{name}.py"
         text = FAILING_SOURCE.replace("NAME", name)
         if name == "b_passes":
             text = text.replace('raise ValueError("deliberate failure for the test")', "del stage")
-        src.write_text(text)
-        (nbdir / f"{name}.ipynb").write_text(build(src))
+        (nbdir / f"{name}.py").write_text(text.lstrip())
     rc = _reproduce("--notebooks-dir", str(nbdir), "--out", str(tmp_path / "runs"))
     assert rc == 1
     err = capsys.readouterr().err

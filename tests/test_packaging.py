@@ -65,6 +65,8 @@ def test_the_package_list_is_complete():
                if "dsv4lab/_data/" + str(p.relative_to(paths.DATA_DIR)) not in shipped]
     assert missing == []
     assert "dsv4lab/faces/style/dsv4lab.mplstyle" in shipped
+    tuned = sorted((package_dir("dsv4lab_kernels") / "tuned").glob("*.json"))  # the dispatch's per-GPU choices
+    assert tuned and {f"dsv4lab_kernels/tuned/{p.name}" for p in tuned} <= shipped
 
 
 def test_transformers_imports_from_the_repository_root():
@@ -167,6 +169,8 @@ names = [m.name for pkg in (dsv4lab, dsv4lab_kernels) for m in pkgutil.walk_pack
 for name in names:
     module = importlib.import_module(name)
     assert not module.__file__.startswith(repo), module.__file__
+from dsv4lab.engine.dispatch import load_tuned, tuned_path
+assert not str(tuned_path("NVIDIA H200")).startswith(repo) and len(load_tuned("NVIDIA H200")) > 0  # shipped, read
 print(len(names))
 """
     res = _run([python, "-c", code], work)

@@ -188,3 +188,50 @@ def test_yarn_uses_deepseeks_expression(preset, ramp_form_differs):
     ramp_form = freqs / args.rope_factor * ramp + freqs * (1 - ramp)
     assert int((ramp_form != deepseek).sum()) == ramp_form_differs
     assert torch.equal(rope_frequencies(args, 0), 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2) / dim)))
+
+
+@pytest.mark.parametrize("n,W,differs", [(100, 128, True), (40, 128, True), (64, 128, False), (200, 128, False)])
+def test_a_prefill_shorter_than_the_window_keeps_the_decode_layout(n, W, differs):
+    """DeepSeek's one-shot prefill of ``n`` tokens lists ``min(n, W)`` window columns before the compressed
+    entries; the reference lists ``W`` (the decode layout, unfilled slots −1), so a prefill, a chunked prefill and
+    decode of the same positions round alike. For ``n < W`` the compressed entries then sit in other 64-index
+    blocks and their probabilities are rounded to bf16 against other running maxima: the same softmax, each side
+    within one bf16 rounding of every probability of the exact one, and bit-identical when ``min(n, W)`` is a
+    multiple of 64 (an all-masked block between the window and the entries changes nothing)."""
+    gen = torch.Generator().manual_seed(n)
+    h, d, n_comp = 4, 96, 30
+    visible = min(n, W)  # the last query of the prompt sees every window position it has
+    q = torch.randn(1, 1, h, d, generator=gen).bfloat16()
+    kv = torch.randn(1, visible + n_comp, d, generator=gen).bfloat16()
+    sink = torch.randn(h, generator=gen)
+    window, comp = torch.arange(visible), visible + torch.randperm(n_comp, generator=gen)
+    deepseek_prefill = torch.cat((window, comp))[None, None]
+    decode_layout = torch.cat((window, torch.full((W - visible,), -1), comp))[None, None]
+    ops = ReferenceOps(NM)
+    ours = ops.sparse_attention(q, kv, decode_layout, sink, d ** -0.5)
+    theirs = ops.sparse_attention(q, kv, deepseek_prefill, sink, d ** -0.5)
+    assert (not torch.equal(ours, theirs)) == differs
+    # each side's P·V differs from the exact one by at most one bf16 rounding of each probability (u_bf16·Σ w·|kv|;
+    # ×1.01 covers the fp32 sums), so the two differ by twice that, plus the output's rounding (the ulp allowance)
+    mag = 2 * 1.01 * _softmax_magnitude(q, kv, deepseek_prefill, sink, d ** -0.5)
+    res = check_within_bound(theirs, ours, mag, terms=1, acc_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                             name="DeepSeek's prefill layout vs the decode layout")
+    assert res.ok, res.line()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "flash"])
+def test_rope_table_is_within_one_ulp_of_deepseeks_polar(preset):
+    """DeepSeek builds the table as ``torch.polar(1, p·f)``; the reference takes ``cos``/``sin`` of the same fp32
+    angles. Both round the same angle: they differ by at most one fp32 ulp, in a few percent of the entries on
+    this CPU (which ones depends on the math library, so no golden depends on the choice beyond that ulp)."""
+    from dsv4lab.core.model.rope import rope_table
+    args = get_preset(preset)
+    n = 4096
+    for layer in (0, args.compress_ratios.index(4)):  # no YaRN, and YaRN
+        cos, sin = rope_table(args, layer, n)
+        angles = torch.outer(torch.arange(n, dtype=torch.float32), rope_frequencies(args, layer))
+        cis = torch.polar(torch.ones_like(angles), angles)
+        for ours, theirs in ((cos, cis.real.contiguous()), (sin, cis.imag.contiguous())):
+            ulps = (ours.view(torch.int32).long() - theirs.view(torch.int32).long()).abs()
+            assert int(ulps.max()) <= 1
+            assert float((ulps > 0).float().mean()) < 0.1

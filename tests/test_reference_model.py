@@ -83,6 +83,28 @@ def test_ragged_batch_equals_per_sequence_runs():
         assert _rel(step[i, 0][None], full[0, -1][None]) <= 1e-9
 
 
+def test_bf16_rows_are_batch_invariant_bit_for_bit():
+    """In bf16 with every simulation on (the default numerics), a row's logits do not depend on the other rows:
+    a ragged batched prefill and a batched decode step equal each sequence run alone, bit for bit (what
+    concurrent serving relies on; README, "Batch invariance")."""
+    m = load_tiny(dtype=torch.bfloat16, max_batch=3)
+    lens = [23, 9, 17]
+    seqs = [_prompt(n, 40 + i)[0] for i, n in enumerate(lens)]
+    nxt = torch.tensor([[7], [8], [9]])
+    alone = []
+    for s, t in zip(seqs, nxt):
+        m.reset()
+        alone.append((m.forward(s[None], 0, slots=[0])[0], m.forward(t[None], len(s), slots=[0])[0, 0]))
+    m.reset()
+    batch = torch.ones(3, max(lens), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        batch[i, : len(s)] = s
+    out = m.forward(batch, 0, slots=[2, 0, 1], lengths=lens)
+    step = m.forward(nxt, torch.tensor(lens), slots=[2, 0, 1])
+    for i, n in enumerate(lens):
+        assert torch.equal(out[i, :n], alone[i][0]) and torch.equal(step[i, 0], alone[i][1]), f"row {i}"
+
+
 def test_last_logits_are_the_last_rows_of_all_logits():
     """``logits="last"``: each row's logits at its last valid token, bit for bit those of the all-positions form
     (the head and ``hc_head`` are row-independent), NaN for an empty row; the MTP form picks the same greedy token."""

@@ -143,7 +143,10 @@ def test_isolated_stages_separate_stage_1_from_stage_2(faulted):
 
 # ============================================================================================ measurements
 def test_results_files_are_validated(tmp_path):
-    assert measurements.load_results_file("decode_kernels", gpu="no-such-gpu") is None
+    # a GPU with no results folder is a misspelling until its folder exists: an error naming the folders there are
+    with pytest.raises(runs.RunError, match=r"GPU='no-such-gpu': no measurements folder .* \(there are: .*h200"):
+        measurements.load_results_file("decode_kernels", gpu="no-such-gpu")
+    assert measurements.load_results_file("no_such_file", gpu="h200") is None  # a known GPU, nothing measured yet
     bad = tmp_path / "x.json"
     bad.write_text("{not json")
     with pytest.raises(runs.RunError, match="not valid JSON"):

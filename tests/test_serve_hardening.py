@@ -157,7 +157,7 @@ CORPUS = [
         "response_format"),
     Bad("reasoning_effort unknown", CHAT, {"messages": USER, "reasoning_effort": "ultra"}, 400, "reasoning_effort"),
     Bad("reasoning_effort a list", CHAT, {"messages": USER, "chat_template_kwargs": {"reasoning_effort": [1]}}, 400,
-        "reasoning_effort"),
+        "chat_template_kwargs.reasoning_effort"),
     Bad("thinking on the simple format", CHAT, {"messages": USER, "chat_template_kwargs": {"thinking": True}}, 400,
         "messages"),
     Bad("continue_final_message after a user turn", CHAT, {"messages": USER, "continue_final_message": True}, 400,

@@ -8,6 +8,7 @@ runs.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -330,9 +331,10 @@ def test_verify_endpoint_passes_a_healthy_server_and_catches_a_faulted_checkpoin
 def test_bench_serve_prints_the_metric_table_and_writes_json(served, tmp_path, capsys):
     from dsv4lab.tools.bench import serve as bench_serve
     out = tmp_path / "bench.json"
-    args = Namespace(url=served.url, checkpoint=None, backend="reference", dtype="float32", model=None, endpoint="completions", api_key=None,
-                     num_prompts=3, input_len=6, output_len=3, concurrency="1,3", request_rate=float("inf"),
-                     no_ignore_eos=False, vocab_size=None, seed=0, timeout=120.0, out=str(out))
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    args = parser.parse_args(["--url", served.url, "--num-prompts", "3", "--input-len", "6", "--output-len", "3",
+                              "--concurrency", "1,3", "--timeout", "120", "--out", str(out)])
     assert bench_serve.run(args) == 0
     printed = capsys.readouterr().out
     for needle in ("Serving Benchmark Result", "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):",

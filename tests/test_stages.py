@@ -21,6 +21,7 @@ conftest's ``layer_cut``); the tiers that read the golden layer digests run on t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -307,7 +308,7 @@ def test_the_triton_backend_names_the_accumulation_of_the_kernel_each_call_takes
     fixed route. Under the interpreter every call is fp32."""
     from dsv4lab.engine import triton_backend as tb
     from dsv4lab.engine import triton_prefill as tp
-    from dsv4lab.engine.decode_dispatch import FORMAT, DecodeDispatch, shape_key
+    from dsv4lab.engine.dispatch import GPU_DEFAULTS, SCHEMA, Dispatch, Tuned, shape_key
     from dsv4lab.core.model.numerics import Numerics
     from dsv4lab.tools.verify.kernels import variant_accumulation
     from dsv4lab.tools.verify.registry import make_bank, make_linear, routing
@@ -317,11 +318,12 @@ def test_the_triton_backend_names_the_accumulation_of_the_kernel_each_call_takes
     bank = make_bank(8, 128, 64, g)
     x1, x100 = torch.randn(1, 256).bfloat16(), torch.randn(100, 256).bfloat16()
     idx, w = routing(g, 1, 8, 2)
-    doc = dict(format=FORMAT, gpu="test", gemv=[
-        dict(shape=shape_key(96, 256, 1, "fp8", True), batch=1, choice=dict(impl="cublas")),
-        dict(shape=shape_key(128, 256, 1, "fp8", True), batch=1, choice=dict(impl="triton", route="fma"))],
-        moe=[dict(batch=1, choice=dict(route="fma"))])
-    ops = tb.TritonOps(Numerics(), tb.DecodeConfig(moe_route="dot", gemv_route="dot", dispatch=DecodeDispatch(doc)))
+    doc = dict(schema=SCHEMA, gpu="test", sources={"t": {}}, ops={"decode.gemv": [
+        dict(shape=shape_key(96, 256, 1, "fp8", True), rows=1, source="t", choice=dict(impl="cublas")),
+        dict(shape=shape_key(128, 256, 1, "fp8", True), rows=1, source="t", choice=dict(impl="triton", route="fma"))],
+        "decode.moe": [dict(rows=1, source="t", choice=dict(route="fma"))]})
+    defaults = dataclasses.replace(GPU_DEFAULTS, moe_route="dot", gemv_route="dot")
+    ops = tb.TritonOps(Numerics(), Dispatch(Tuned(doc), defaults))
     assert ops.accumulation_for("linear", x1, lin) == "fp32"  # the interpreter: numpy's fp32
     # every kernel module the calls below may load is loaded first: a module imported while `interpreting` is
     # patched binds the patch for good (`from .fp8_gemm import interpreting`) and runs the later tests compiled

@@ -62,7 +62,7 @@ CASES = [
         n_routed_experts=8, n_activated_experts=2, q_lora_rank=64, head_dim=80, rope_head_dim=16, o_groups=2,
         o_lora_rank=32, window_size=16, original_seq_len=64, rope_factor=4.0, compress_ratios=(0, 4, 16, 4, 0),
         index_n_heads=16, index_head_dim=32, index_topk=8, hc_mult=4, max_seq_len=512,
-        max_position_embeddings=256), seed=1, batch=2, prompt_len=160),
+        max_position_embeddings=512), seed=1, batch=2, prompt_len=160),
     # CSA first (hash-routed), HCA ratio 128, SWA in the middle, two hash layers, hc_mult 2 with 7 Sinkhorn
     # iterations, a low swiglu_limit, other RoPE bases and YaRN betas, dim 192 (partial 128×128 FP8 blocks).
     # 300 tokens: window 24 ×12, 75 CSA entries > top-k 12, two HCA entries.

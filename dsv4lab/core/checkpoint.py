@@ -6,6 +6,8 @@
 * :class:`Checkpoint` — opens ``model.safetensors.index.json`` + shards (or one ``model.safetensors``), parses
   the shard headers itself (so truncated or corrupt files are reported, not crashed on) and reads tensors one at
   a time, memory-mapped; :meth:`Checkpoint.validate` lists every problem with tensor, file, expected and found.
+  The shard headers are parsed by :mod:`dsv4lab.core.safetensors_format`, the stored values checked by
+  :mod:`dsv4lab.core.checkpoint_values`.
 * :func:`write_checkpoint` / :func:`make_random_checkpoint` — write the native format deterministically
   (sorted index, fixed shard split, per-tensor seeds), into a temporary folder that is renamed into place only
   when complete, so a failure leaves nothing half-written.
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 import zlib
 from dataclasses import dataclass, field
@@ -28,16 +29,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dsv4lab.core import quant
+from dsv4lab.core.checkpoint_values import scan_values
 from dsv4lab.core.config import ConfigError, ModelArgs, ceil_div
 from dsv4lab.core.errors import CheckpointError
 from dsv4lab.core.provenance import file_sha256
+from dsv4lab.core.resources import require_disk_space
+from dsv4lab.core.safetensors_format import DTYPE_SIZE, ShardHeader, TensorInfo, read_safetensors_header
 from dsv4lab.core.tokenizer import load_tokenizer
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
-DTYPE_SIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1,
-              "I16": 2, "I32": 4, "I64": 8, "BOOL": 1, "F4": 1}
 TORCH_DTYPE = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
                "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
@@ -225,118 +227,6 @@ def inventory(args: ModelArgs) -> Inventory:
 
 
 # ============================================================================================ reading
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: str
-    begin: int  # absolute byte offset of the data in the file
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
-
-
-@dataclass
-class ShardHeader:
-    """One shard's header as read without touching its data.
-
-    ``problem`` is set when the safetensors library would refuse the whole file (it is missing, truncated, its
-    header is not JSON, or the header does not tile the data exactly); then ``tensors`` is empty, because none
-    of them can be read.
-    """
-
-    tensors: dict[str, TensorInfo] = field(default_factory=dict)
-    metadata: dict[str, str] = field(default_factory=dict)
-    problem: str | None = None
-
-
-def read_safetensors_header(path: Path) -> ShardHeader:
-    """Parse and check one shard's header the way the safetensors library will when the shard is opened."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                return ShardHeader(problem=f"truncated ({size} bytes, no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                return ShardHeader(problem=f"header length {n} does not fit the file size {size} (truncated or "
-                                           "corrupt)")
-            raw = fh.read(n)
-    except OSError as err:
-        return ShardHeader(problem=f"cannot read ({err.strerror or err})")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        return ShardHeader(problem=f"header is not valid JSON ({err})")
-    if not isinstance(header, dict):
-        return ShardHeader(problem=f"header is a JSON {type(header).__name__}, expected an object")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        return ShardHeader(problem="header __metadata__ must map names to strings")
-    data_start = 8 + n
-    tensors: dict[str, TensorInfo] = {}
-    problems: list[str] = []
-    for name, entry in header.items():
-        info = _tensor_info(name, entry, path.name, data_start)
-        if isinstance(info, str):
-            problems.append(info)
-        else:
-            tensors[name] = info
-    problems += _tiling_problems(sorted(tensors.values(), key=lambda i: (i.begin, i.end)), data_start, size)
-    if problems:
-        more = f" (and {len(problems) - 1} more header problem(s))" if len(problems) > 1 else ""
-        return ShardHeader(metadata=meta, problem=problems[0] + more)
-    return ShardHeader(tensors, meta)
-
-
-def _tensor_info(name: str, entry, file: str, data_start: int) -> TensorInfo | str:
-    """The entry of one tensor, or what is wrong with it."""
-    if not isinstance(entry, dict):
-        return f"header entry of {name} is not an object"
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_SIZE:
-        return f"header gives {name} the unknown dtype {dtype!r}"
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
-        return f"header gives {name} the shape {shape!r}, expected a list of non-negative integers"
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]):
-        return f"header gives {name} the data_offsets {offsets!r}, expected [begin, end] with 0 <= begin <= end"
-    info = TensorInfo(name, dtype, tuple(shape), file, data_start + offsets[0], data_start + offsets[1])
-    numel = 1
-    for d in info.shape:
-        numel *= d
-    if numel * DTYPE_SIZE[dtype] != info.nbytes:
-        return (f"header gives {name} {info.nbytes} bytes for {dtype}{list(shape)} "
-                f"({numel * DTYPE_SIZE[dtype]} expected)")
-    return info
-
-
-def _tiling_problems(infos: list[TensorInfo], data_start: int, size: int) -> list[str]:
-    """The data must be the tensors end to end, from the header's end to the file's end, as safetensors requires."""
-    at = data_start
-    for info in infos:
-        if info.begin != at:
-            kind = "overlaps the previous tensor" if info.begin < at else "leaves a gap after the previous tensor"
-            return [f"{info.name} starts at byte {info.begin} and {kind} (which ends at {at})"]
-        at = info.end
-    if at > size:
-        beyond = [i.name for i in infos if i.end > size]
-        return [f"truncated: {size:,} bytes, the header describes {at:,} ({len(beyond)} tensor(s) end beyond the "
-                f"file, first {beyond[0]})"]
-    if at < size:
-        return [f"{size - at:,} bytes after the last tensor's data that the header does not describe"]
-    return []
-
-
 def _read_index(folder: Path, index: Path) -> tuple[dict[str, str], int]:
     """``(weight_map, total_size)`` of ``model.safetensors.index.json`` (total_size -1 when absent), every shard
     name checked to be a plain file name inside the checkpoint folder."""
@@ -522,102 +412,11 @@ class Checkpoint(TensorTable):
         return tok.problems(self.args.vocab_size, self.args.bos_token_id, self.args.eos_token_id)
 
     def scan_values(self, progress: bool = False) -> list[str]:
-        """Every tensor holding a value it must not: NaN or Inf in a floating tensor, a 0xFF (NaN) E8M0 scale, a NaN
-        FP8 byte, an expert id out of range in a hash-routing table; each with its count and first index.
-
-        The shards are read once, in chunks, straight from the file (nothing is converted); ``progress`` shows a
-        bar over the bytes. A shard whose header is broken is skipped (it is reported already).
-        """
-        in_file_order = sorted(self.tensors.values(), key=lambda i: (i.file, i.begin))
-        checks = [(info, check) for info in in_file_order if info.nbytes
-                  for check in [_value_check(info, self.args)] if check is not None]
-        bar = _byte_progress(sum(info.nbytes for info, _ in checks), progress, f"scanning {self.path.name}")
-        out, files = [], {}
-        try:
-            for info, check in checks:
-                if info.file not in files:
-                    files[info.file] = np.memmap(self.path / info.file, dtype=np.uint8, mode="r")
-                finding = _scan_tensor(info, files[info.file], check, bar)
-                if finding:
-                    out.append(finding)
-        finally:
-            if bar is not None:
-                bar.close()
-            files.clear()
-        return out
-
-
-# ------------------------------------------------------------------------------------------ value scan
-SCAN_CHUNK_BYTES = 64 << 20
-
-# A floating value is NaN or Inf when its exponent bits are all ones: (unsigned view, exponent mask, mantissa mask).
-_FLOAT_BITS = {
-    "BF16": (np.uint16, 0x7F80, 0x007F),
-    "F16": (np.uint16, 0x7C00, 0x03FF),
-    "F32": (np.uint32, 0x7F80_0000, 0x007F_FFFF),
-    "F64": (np.uint64, 0x7FF0_0000_0000_0000, 0x000F_FFFF_FFFF_FFFF),
-}
-
-
-def _value_check(info: TensorInfo, args: ModelArgs):
-    """What :func:`_scan_tensor` looks for in one tensor: a function of a chunk → (bad mask, NaN mask or None), and
-    the words that describe a hit; None for tensors with no invalid values (packed FP4, other integers)."""
-    if info.dtype in _FLOAT_BITS:
-        utype, exp, man = _FLOAT_BITS[info.dtype]
-
-        def floats(raw):
-            bits = raw.view(utype)
-            bad = (bits & utype(exp)) == utype(exp)
-            return bad, (bits & utype(man)) != 0
-        return floats, f"non-finite {info.dtype} value(s)"
-    if info.dtype == "F8_E8M0":
-        return (lambda raw: (raw == 0xFF, None)), "scale byte(s) are 0xFF (NaN)"
-    if info.dtype == "F8_E4M3":
-        return (lambda raw: ((raw & 0x7F) == 0x7F, None)), "FP8 byte(s) are NaN (0x7F/0xFF)"
-    if info.dtype == "I64" and info.name.endswith(".gate.tid2eid"):
-        n = args.n_routed_experts
-
-        def expert_ids(raw):
-            ids = raw.view("<i8")
-            return (ids < 0) | (ids >= n), None
-        return expert_ids, f"expert id(s) outside [0, {n})"
-    return None
-
-
-def _scan_tensor(info: TensorInfo, data: np.ndarray, check, bar) -> str | None:
-    """One line describing the invalid values of a tensor (None when it has none), read chunk by chunk."""
-    test, words = check
-    item = DTYPE_SIZE[info.dtype]
-    step = max(item, SCAN_CHUNK_BYTES // item * item)
-    count = nans = 0
-    first = None
-    for at in range(info.begin, info.end, step):
-        raw = data[at:min(at + step, info.end)]
-        bad, nan = test(raw)
-        hits = int(np.count_nonzero(bad))
-        if hits:
-            count += hits
-            if nan is not None:
-                nans += int(np.count_nonzero(bad & nan))
-            if first is None:
-                first = (at - info.begin) // item + int(np.flatnonzero(bad)[0])
-        if bar is not None:
-            bar.update(len(raw))
-    if not count:
-        return None
-    pos = [int(p) for p in np.unravel_index(first, info.shape)] if info.shape else []
-    split = f" ({nans} NaN, {count - nans} Inf)" if info.dtype in _FLOAT_BITS else ""
-    return f"{info.name}: {count} {words}{split} in {info.file}, first at {pos}"
-
-
-def _byte_progress(total: int, enabled: bool, desc: str):
-    if not enabled or not total:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is a dependency, but progress must never be the reason a scan fails
-        return None
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+        """Every tensor holding a value it must not (:mod:`dsv4lab.core.checkpoint_values`: NaN or Inf in a floating
+        tensor, a NaN or overflowing E8M0 scale, a NaN FP8 byte, an expert id out of range in a hash-routing
+        table), each with its count and first index. The shards are read once, in chunks, straight from the file;
+        ``progress`` shows a bar over the bytes. A shard whose header is broken is skipped (reported already)."""
+        return scan_values(self.path, self.tensors.values(), self.args, progress)
 
 
 @dataclass
@@ -634,6 +433,25 @@ class ValidationReport:
     def raise_if_failed(self) -> None:
         if self.problems:
             raise CheckpointError(self.path, self.problems)
+
+    def by_class(self, problems: list[str] | None = None) -> dict[str, list[str]]:
+        """``problems`` (default: the report's) grouped by :data:`PROBLEM_CLASSES`, in the order found."""
+        out: dict[str, list[str]] = {}
+        for pr in self.problems if problems is None else problems:
+            body = pr.split(": ", 1)[-1]
+            kind = next((k for k, words in PROBLEM_CLASSES if any(w in body or w in pr for w in words)), "other")
+            out.setdefault(kind, []).append(pr)
+        return out
+
+
+PROBLEM_CLASSES = (  # (class, words that mark it), first match wins
+    ("shard", ("truncated", "header", "bytes after the last tensor", "shard listed in the index", "cannot read",
+               "overlaps the previous tensor", "leaves a gap")),
+    ("missing", ("missing",)), ("dtype", ("dtype",)), ("shape", ("shape",)),
+    ("index", (INDEX_NAME, "present in both")), ("tokenizer", ("tokenizer.json",)),
+    ("values", ("non-finite", "scale byte", "FP8 byte", "expert id")),
+)
+"""How ``dsv4lab inspect`` groups a long list of problems: counts per class and the first few of each."""
 
 
 def _progress(items, enabled: bool, desc: str):
@@ -671,8 +489,9 @@ def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable
                      shards: list[list[TensorSpec]] | None = None) -> Path:
     """Write a native checkpoint: ``config.json``, ``model-0000i-of-0000n.safetensors`` and the index.
 
-    ``make_tensor(spec)`` supplies each tensor (checked against the spec's dtype and shape). Files are written
-    into a temporary sibling folder and renamed into place at the end; on any error nothing is left behind.
+    ``make_tensor(spec)`` supplies each tensor (checked against the spec's dtype and shape). The disk must have room
+    for every byte first; files are written into a temporary sibling folder and renamed into place at the end; on
+    any error nothing is left behind.
     ``extra_files`` maps a file name in the checkpoint to a source path to copy (e.g. ``tokenizer.json``).
     ``shards`` fixes which tensors go to which shard file (to keep another checkpoint's sharding when copying
     it); without it the table is split into ``n_shards`` runs of about equal bytes.
@@ -686,6 +505,7 @@ def write_checkpoint(out_dir: str | Path, args: ModelArgs, make_tensor: Callable
         specs = specs if specs is not None else expected_tensors(args)
         n_shards = n_shards or default_shard_count(sum(s.nbytes for s in specs))
         plan = _shard_plan(specs, n_shards)
+    require_disk_space(out.parent, sum(s.nbytes for shard in plan for s in shard), f"writing {out.name}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)

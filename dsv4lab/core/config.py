@@ -18,14 +18,36 @@ Per-layer structure (spec §4) is derived, never stored twice:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dsv4lab.core.errors import ConfigError
+from dsv4lab.core.errors import ConfigError, excerpt
 from dsv4lab.core.paths import read_json
 
 LayerKind = Literal["swa", "csa", "hca"]
+
+# The range each field with a physical meaning must be in, checked before any work (:meth:`ModelArgs.validate`):
+# integers ``(lo, hi)`` inclusive, numbers ``(lo, hi)`` with ``lo`` excluded. The upper ends sit far above every
+# published DeepSeek model (Flash: 43 layers, 256 experts, dim 4,096, 20 Sinkhorn iterations, a routed scaling
+# factor of 1.5; V3: 2.5) and keep a malformed config.json from asking for a loop of 10^8 iterations or tables of
+# 10^5 layers before anything is read; the lower ends are where the arithmetic stops meaning anything (an epsilon
+# of 0 divides by zero on a zero row, a negative one takes the square root of a negative number).
+BOUNDS: dict[str, tuple[Any, Any]] = {
+    "vocab_size": (1, 1 << 20), "dim": (1, 1 << 16), "moe_inter_dim": (1, 1 << 16), "n_layers": (1, 1024),
+    "n_mtp_layers": (0, 16), "n_hash_layers": (0, 1024), "n_heads": (1, 1024), "n_routed_experts": (1, 4096),
+    "n_shared_experts": (0, 16), "n_activated_experts": (1, 4096), "q_lora_rank": (1, 1 << 16),
+    "head_dim": (1, 4096), "rope_head_dim": (1, 4096), "o_groups": (1, 1024), "o_lora_rank": (1, 1 << 16),
+    "window_size": (1, 1 << 24), "original_seq_len": (1, 1 << 24), "beta_fast": (1, 1024), "beta_slow": (1, 1024),
+    "index_n_heads": (1, 1024), "index_head_dim": (1, 4096), "index_topk": (1, 1 << 20), "hc_mult": (1, 16),
+    "hc_sinkhorn_iters": (1, 100), "max_seq_len": (1, 1 << 24), "max_position_embeddings": (1, 1 << 24),
+    "bos_token_id": (0, 1 << 20), "eos_token_id": (0, 1 << 20),
+    "norm_eps": (0.0, 0.1), "hc_eps": (0.0, 0.1), "route_scale": (0.0, 16.0), "rope_theta": (0.0, 1e12),
+    "compress_rope_theta": (0.0, 1e12), "rope_factor": (0.0, 1e4),
+}
+MAX_COMPRESS_RATIO = 1024
+"""The largest compression ratio (Flash: 128); a compressor keeps two rings of ``2 × ratio`` rows per sequence."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,10 @@ class ModelArgs:
         scale_fmt: block-scale format; DeepSeek-V4 uses ``"ue8m0"`` (powers of two).
         weight_block_size: FP8 weight block (rows, cols).
         fp4_block_size: FP4 scale group along K.
+
+    Every field is checked when the object is made (:meth:`validate`): sizes, counts and numbers with a physical
+    meaning against :data:`BOUNDS`, positions (``max_seq_len``, ``window_size``, ``original_seq_len``) against
+    ``max_position_embeddings``, token ids against ``vocab_size``, and the shapes against each other.
     """
 
     vocab_size: int = 129280
@@ -127,21 +153,23 @@ class ModelArgs:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first inconsistent field."""
+        """Raise :class:`ConfigError` naming the first field outside its bounds (:data:`BOUNDS`) or inconsistent
+        with another, in one line: ``config field 'norm_eps' = -1e-06: must be a finite number in (0, 0.1]``."""
 
         def need(cond: bool, name: str, msg: str) -> None:
             if not cond:
-                raise ConfigError(f"config field {name!r} = {getattr(self, name)!r}: {msg}")
+                raise ConfigError(f"config field {name!r} = {excerpt(getattr(self, name))}: {msg}")
 
-        for name in ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
-                     "n_activated_experts", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups",
-                     "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
-                     "hc_mult", "hc_sinkhorn_iters", "max_seq_len"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) > 0, name,
-                 "must be a positive integer")
-        for name in ("n_mtp_layers", "n_hash_layers", "n_shared_experts"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name,
-                 "must be a non-negative integer")
+        for name, (lo, hi) in BOUNDS.items():
+            v = getattr(self, name)
+            if isinstance(lo, int):
+                need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, name,
+                     f"must be an integer in [{lo:,}, {hi:,}]")
+            else:
+                need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo < v <= hi,
+                     name, f"must be a finite number in ({lo:g}, {hi:g}]")
+        need(isinstance(self.swiglu_limit, (int, float)) and math.isfinite(self.swiglu_limit)
+             and self.swiglu_limit >= 0, "swiglu_limit", "must be a finite number >= 0 (0 disables the clamp)")
         need(self.score_func in ("sqrtsoftplus", "softmax", "sigmoid"), "score_func",
              "expected 'sqrtsoftplus', 'softmax' or 'sigmoid'")
         need(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
@@ -150,8 +178,14 @@ class ModelArgs:
         need(len(self.compress_ratios) == self.n_layers + self.n_mtp_layers, "compress_ratios",
              f"needs n_layers + n_mtp_layers = {self.n_layers + self.n_mtp_layers} entries, "
              f"got {len(self.compress_ratios)}")
-        need(all(r == 0 or r >= 2 for r in self.compress_ratios), "compress_ratios",
-             "entries must be 0 (SWA) or a ratio >= 2")
+        need(all(r == 0 or 2 <= r <= MAX_COMPRESS_RATIO for r in self.compress_ratios), "compress_ratios",
+             f"entries must be 0 (SWA) or a ratio in [2, {MAX_COMPRESS_RATIO}]")
+        for name in ("max_seq_len", "window_size", "original_seq_len"):
+            need(getattr(self, name) <= self.max_position_embeddings, name,
+                 f"cannot exceed max_position_embeddings={self.max_position_embeddings:,} (the model's positions)")
+        for name in ("bos_token_id", "eos_token_id"):
+            need(0 <= getattr(self, name) < self.vocab_size, name, f"must be a token id in [0, {self.vocab_size})")
+        need(self.beta_slow < self.beta_fast, "beta_fast", f"must exceed beta_slow={self.beta_slow} (YaRN's ramp)")
         need(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "rope_head_dim",
              f"must be even and <= head_dim={self.head_dim}")
         need(self.rope_head_dim <= self.index_head_dim, "rope_head_dim",
@@ -169,10 +203,23 @@ class ModelArgs:
         need(self.dtype in ("fp8", "bf16"), "dtype", "expected 'fp8' or 'bf16'")
         need(self.expert_dtype in ("fp4", "fp8"), "expert_dtype", "expected 'fp4' or 'fp8'")
         need(self.scale_fmt == "ue8m0", "scale_fmt", "only 'ue8m0' (power-of-two E8M0 scales) is supported")
-        need(self.route_scale > 0, "route_scale", "must be positive")
-        need(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 disables the clamp)")
-        for name in ("rope_theta", "compress_rope_theta", "rope_factor"):
-            need(getattr(self, name) > 0, name, "must be positive")
+
+    def cache_bytes(self, max_batch: int, act_bytes: int = 2, acc_bytes: int = 4) -> int:
+        """Bytes the caches of ``max_batch`` sequences (plus the spare slot the decode graphs pad into) take at
+        ``max_seq_len`` positions: per block the window ring, the compressed and indexer caches, the compressors'
+        pooling rings and the RoPE tables (``act_bytes``: the compute dtype's size; ``acc_bytes``: fp32's)."""
+        slots, s, d = max_batch + 1, self.max_seq_len, self.head_dim
+        total = 0
+        for block in range(self.n_blocks):
+            r = self.compress_ratios[block]
+            total += s * self.rope_head_dim * acc_bytes + slots * self.window_size * d * act_bytes
+            if r:
+                width = (2 if r == 4 else 1) * d
+                total += slots * (s // r) * d * act_bytes + 2 * slots * 2 * r * width * acc_bytes
+            if r == 4:
+                ic = self.index_head_dim
+                total += slots * (s // 4) * ic * act_bytes + 2 * slots * 8 * 2 * ic * acc_bytes
+        return total
 
     # ------------------------------------------------------------------ derived constants (spec §1.2)
     @property
@@ -282,6 +329,7 @@ class ModelArgs:
             hc_mult=get("hc_mult"), hc_sinkhorn_iters=get("hc_sinkhorn_iters"), hc_eps=float(get("hc_eps", 1e-6)),
             norm_eps=float(get("rms_norm_eps", 1e-6)),
             max_position_embeddings=get("max_position_embeddings", 1048576),
+            max_seq_len=_default_cache_len(get("max_position_embeddings", 1048576)),
             bos_token_id=get("bos_token_id", 0), eos_token_id=get("eos_token_id", 1),
             dtype="fp8" if qc.get("quant_method") == "fp8" else "bf16",
             expert_dtype=get("expert_dtype", "fp4"), scale_fmt=qc.get("scale_fmt", "ue8m0"),
@@ -384,6 +432,15 @@ class ModelArgs:
 
 
 _REQUIRED = object()
+
+
+def _default_cache_len(max_position_embeddings: Any) -> Any:
+    """The cache length a checkpoint gets when nothing asks for one: 4,096 positions, or the model's declared
+    positions when it has fewer (a wrong type passes through for the field check to name)."""
+    default = ModelArgs.__dataclass_fields__["max_seq_len"].default
+    if isinstance(max_position_embeddings, int) and not isinstance(max_position_embeddings, bool):
+        return max(1, min(default, max_position_embeddings))
+    return default
 
 
 def _tiny() -> ModelArgs:

@@ -71,10 +71,46 @@ class RunError(DSV4LabError, ValueError):
     """A problem with a run folder, a results file or an expectations file (names the file and field)."""
 
 
+class ResourceError(DSV4LabError):
+    """This machine lacks what a command needs (free disk space, memory); the message names the path or device,
+    what is needed and what is there."""
+
+
 class RequestError(DSV4LabError, ValueError):
     """A generation request is out of range (token count, sampling setting, prompt ids, device); the message names
     the argument and the range it must be in."""
 
 
-__all__ = ["DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError", "CheckpointError",
-           "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError", "RequestError"]
+class NonFiniteError(DSV4LabError, ArithmeticError):
+    """The model produced a non-finite value (NaN or ±Inf) where a token must be chosen; the message names the
+    position and, where it was located, the first layer whose output is non-finite. Carries ``position`` (None
+    until known) and ``row`` (the batch row it was found in)."""
+
+    def __init__(self, message: str, position: int | None = None, row: int = 0):
+        super().__init__(message)
+        self.position, self.row = position, row
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (see :func:`dsv4lab.faces.runs.signals_end_runs`) so that a
+    ``kill`` ends a command as Ctrl-C does: every ``except KeyboardInterrupt`` that records an interrupted state
+    runs, and the command line exits with 143 (128 + SIGTERM) instead of 130."""
+
+
+def excerpt(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error quoting a user's value stays one short line however large
+    the value (a 10 MB string, a list of a million ids)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def clip(text: str, limit: int = 160) -> str:
+    """The first line of ``text`` cut to ``limit`` characters (for quoting a library's error message in ours)."""
+    lines = str(text).strip().splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= limit else first[: limit - 1] + "…"
+
+
+__all__ = ["excerpt", "clip", "Terminated", "DSV4LabError", "UserError", "ConfigError", "ParallelError", "QuantError",
+           "CheckpointError", "LayoutError", "ConversionError", "HardwareError", "PerfError", "RunError",
+           "ResourceError", "RequestError", "NonFiniteError"]

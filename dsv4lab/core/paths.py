@@ -59,10 +59,58 @@ def read_json(path: str | Path, error: type[Exception] = DSV4LabError) -> Any:
     return _read(Path(path), error, json.loads, json.JSONDecodeError, "JSON")
 
 
-def read_yaml(path: str | Path, error: type[Exception] = DSV4LabError) -> Any:
-    """The parsed YAML of ``path`` (``None`` for an empty file); a missing file or invalid YAML raises ``error``."""
+def read_yaml(path: str | Path, error: type[Exception] = DSV4LabError, *, max_values: int | None = None,
+              max_bytes: int | None = None) -> Any:
+    """The parsed YAML of ``path`` (``None`` for an empty file); a missing file or invalid YAML raises ``error``.
+
+    For a file a user hands in, ``max_bytes`` bounds its size and ``max_values`` the values (scalars, lists and
+    mappings) of the document *with every alias expanded*, counted on the composed node graph before anything is
+    built: a few lines of nested aliases (a "billion laughs" file) otherwise expand into gigabytes the moment the
+    data is copied or written out."""
     import yaml  # only when a YAML file is read: `roofline` and `--help` stay fast
-    return _read(Path(path), error, yaml.safe_load, yaml.YAMLError, "YAML")
+    path = Path(path)
+    if max_bytes is not None and path.is_file() and path.stat().st_size > max_bytes:
+        raise error(f"{path}: {path.stat().st_size:,} bytes, more than the {max_bytes:,} a YAML file may have here")
+    if max_values is None:
+        return _read(path, error, yaml.safe_load, yaml.YAMLError, "YAML")
+
+    def parse(text: str) -> Any:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            return None
+        if _expanded_values(node, max_values) > max_values:
+            raise error(f"{path}: more than {max_values:,} values once its aliases (*name) are expanded; write the "
+                        "values out or use fewer aliases")
+        return yaml.safe_load(text)
+    return _read(path, error, parse, yaml.YAMLError, "YAML")
+
+
+def _expanded_values(node: Any, limit: int) -> int:
+    """How many values the YAML node graph ``node`` stands for with its aliases expanded (an alias is the same node
+    object as its anchor, so a shared node counts once per reference); stops counting past ``limit``, and a node
+    that contains itself counts as past it."""
+    sizes: dict[int, int] = {}
+    busy: set[int] = set()
+
+    def size(n) -> int:
+        key = id(n)
+        if key in sizes:
+            return sizes[key]
+        if key in busy:  # a recursive alias: infinitely many values
+            return limit + 1
+        busy.add(key)
+        total = 1
+        # a mapping's value is a list of (key, value) node pairs, a sequence's a list of nodes, a scalar's text
+        items = n.value if isinstance(n.value, list) else []
+        children = [c for item in items for c in (item if isinstance(item, tuple) else (item,))]
+        for child in children:
+            total += size(child)
+            if total > limit:
+                break
+        busy.discard(key)
+        sizes[key] = total = min(total, limit + 1)
+        return total
+    return size(node)
 
 
 def _read(path: Path, error: type[Exception], parse, invalid: type[Exception], language: str) -> Any:

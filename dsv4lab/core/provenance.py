@@ -183,8 +183,11 @@ def write_text_if_changed(path: Path, text: str) -> Path:
     if not path.exists() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp-write")
-        tmp.write_text(text)
-        tmp.replace(path)
+        try:  # a full disk or a signal mid-write leaves the old file whole and no temporary behind
+            tmp.write_text(text)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return path
 
 

@@ -46,12 +46,19 @@ class Tokenizer:
             raise CheckpointError(self.path.parent, [f"{self.path.name}: not a tokenizer the tokenizers library "
                                                      f"can read ({_first_line(err)})"]) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # ids need not be dense: a tokenizer of n tokens may still hand out an id >= n
+        self.max_id = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
         self.bos_id = self._tok.token_to_id(BOS)
         self.eos_id = self._tok.token_to_id(EOS)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def ids_outside(self, ids: Sequence[int], vocab_size: int) -> list[tuple[int, int]]:
+        """``(position, id)`` of the first few ``ids`` outside ``[0, vocab_size)`` (what an encoded text must never
+        hold before it reaches the embedding)."""
+        return [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size][:5]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -79,9 +86,9 @@ class Tokenizer:
         """What makes this tokenizer unusable with a model of ``vocab_size`` ids and these BOS/EOS ids."""
         out = []
         name = self.path.name
-        if self.vocab_size > vocab_size:
-            out.append(f"{name}: {self.vocab_size} token ids but the model embeds only {vocab_size} "
-                       f"(config.json vocab_size); ids >= {vocab_size} would have no embedding")
+        if self.vocab_size > vocab_size or self.max_id >= vocab_size:
+            out.append(f"{name}: {self.vocab_size} token ids up to {self.max_id} but the model embeds only "
+                       f"{vocab_size} (config.json vocab_size); ids >= {vocab_size} would have no embedding")
         for what, token, got, want in (("BOS", BOS, self.bos_id, bos_id), ("EOS", EOS, self.eos_id, eos_id)):
             if got is not None and got != want:
                 out.append(f"{name}: {what} {token} is id {got}, config.json says {want}")

@@ -19,6 +19,7 @@ from dsv4lab.core.config import ModelArgs
 from dsv4lab.core.layouts.repair import RepairSpec
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.transformer import Transformer
+from dsv4lab.core.resources import available_cpu_memory_bytes, require_memory
 from dsv4lab.engine.backends import Backend, make_ops
 from dsv4lab.engine.device import check_device
 from dsv4lab.engine.runner import ModelRunner
@@ -126,6 +127,23 @@ def build_model(args: ModelArgs, plan: ShardPlan | None = None) -> Transformer:
     return Transformer(args, plan.tp_size, plan.n_local_experts, plan.expert_offset)
 
 
+def check_memory(args: ModelArgs, weight_bytes: int, max_batch: int, dtype: torch.dtype, device) -> None:
+    """Refuse, in one line, a load whose weights (as stored) and caches (:meth:`ModelArgs.cache_bytes`) exceed the
+    memory ``device`` has available, before anything is allocated."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        available = torch.cuda.mem_get_info(dev)[0]
+    elif dev.type == "cpu":
+        available = available_cpu_memory_bytes()
+    else:
+        return
+    act = torch.empty((), dtype=dtype).element_size()
+    caches = args.cache_bytes(max_batch, act, max(4, act))
+    require_memory(weight_bytes + caches, available, str(dev),
+                   f"loading the weights ({weight_bytes / 2**30:.2f} GiB) and caches for {max_batch} sequence(s) of "
+                   f"{args.max_seq_len:,} positions ({caches / 2**30:.2f} GiB)")
+
+
 def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
          act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: Backend = "reference",
          max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
@@ -170,6 +188,8 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
                         "run `dsv4lab inspect %s` to scan every value", ck.path, stored / 2**30, ck.path)
     args = ck.args if max_seq_len is None else ck.args.replace(max_seq_len=max_seq_len)
     plan = plan or ShardPlan()
+    if type(plan) is ShardPlan:  # one process holds every weight and every cache: check they fit first
+        check_memory(args, stored, max_batch, dtype, device)
     repairs = RepairSpec.load(repairs) if repairs is not None else None
     model = build_model(args, plan)
     read_bytes = load_weights(model, ck, plan, device, repairs, progress)

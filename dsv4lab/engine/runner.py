@@ -18,6 +18,7 @@ import torch
 from dsv4lab.core.model.transformer import Transformer
 from dsv4lab.core.tokenizer import load_tokenizer
 from dsv4lab.engine.decode_graph import FastDecoder, check_slots
+from dsv4lab.engine.finite import NON_FINITE, check_rows, greedy_ids, locating_non_finite, non_finite
 from dsv4lab.engine.sampling import check_generation, sample, trajectory_hash
 from dsv4lab.engine.speculative import check_speculative, generate_speculative
 
@@ -301,6 +302,8 @@ class ModelRunner:
         and no later position reads what that write replaced); ``tests/test_decode_greedy.py`` checks that
         continuing after such a stop equals continuing without it, bit for bit. On the eager path (``decode_path
         == "eager"``) it steps through :meth:`forward` instead, with a host read per step.
+        A row whose logits are not finite raises :class:`~dsv4lab.core.errors.NonFiniteError` naming its position
+        (checked on the device with the ids, :func:`dsv4lab.engine.finite.greedy_ids`), never a token.
         """
         cpu = torch.device("cpu")
         tok = torch.as_tensor(tokens, dtype=torch.long, device=cpu)
@@ -320,7 +323,10 @@ class ModelRunner:
         out: list[list[int]] = [[] for _ in range(b)]
         stopped = [False] * b
 
-        def take(ids: list[int]) -> bool:  # one step's choices → True once every row has stopped
+        def take(i: int, ids: list[int]) -> bool:  # step i's choices → True once every row has stopped
+            if NON_FINITE in ids:  # a row's logits were not finite: an error, never a token
+                r = ids.index(NON_FINITE)
+                raise non_finite(r, int(start[r]) + i)
             for r, t in enumerate(ids):
                 if not stopped[r]:
                     out[r].append(t)
@@ -332,8 +338,9 @@ class ModelRunner:
         if self.decoder is None:  # the eager path: step by step through forward
             nxt = tok
             for i in range(steps):
-                nxt = self.forward(nxt[:, None], start + i, slots=slots_t)[:, -1].argmax(-1).cpu()
-                if take(nxt.tolist()):
+                nxt, seen = greedy_ids(self.forward(nxt[:, None], start + i, slots=slots_t)[:, -1])
+                nxt = nxt.cpu()
+                if take(i, seen.tolist()):
                     break
             return out
         dev = self.device
@@ -352,17 +359,17 @@ class ModelRunner:
         fed = 0
         try:
             for i in range(steps):
-                nxt = advance(nxt, pos).argmax(-1)
+                nxt, seen = greedy_ids(advance(nxt, pos))  # seen: the ids, −1 where a row is not finite
                 pos = pos + 1
                 fed += 1
-                host[i % 2].copy_(nxt, non_blocking=True)
+                host[i % 2].copy_(seen, non_blocking=True)
                 if ready is not None:
                     ready[i % 2].record()
-                if i > 0 and take(read(i - 1)):
+                if i > 0 and take(i - 1, read(i - 1)):
                     fed -= 1  # step i fed a stopped row's token: the step run past the stop
                     break
             else:
-                take(read(steps - 1))
+                take(steps - 1, read(steps - 1))
         finally:
             self.positions[slots_t] += fed
         return out
@@ -380,6 +387,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
+    @locating_non_finite  # non-finite logits raise NonFiniteError naming the position and the first such layer
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = True, slot: int = 0,
                  prefill_chunk: int | None = None, speculative: str | None = None, draft_tokens: int = 1,
@@ -412,6 +420,7 @@ class ModelRunner:
         out: list[int] = []
         if temperature <= 0:  # greedy: the device feeds itself, the host reads one step behind
             limit = min(max_new_tokens, self.args.max_seq_len - len(ids))  # tokens it may choose
+            check_rows(logits[:, -1])
             out.append(int(logits[0, -1].argmax()))
             if on_token is not None:
                 on_token(out[0])

@@ -10,6 +10,7 @@ import torch
 
 from dsv4lab.core.errors import RequestError
 from dsv4lab.engine import MAX_TEMPERATURE, SEED_RANGE
+from dsv4lab.engine.finite import check_rows
 
 FINISH_REASONS = {
     "eos": "end of sequence (the model wrote EOS)",
@@ -65,16 +66,50 @@ def trajectory_hash(ids: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(list(ids), dtype="<i4").tobytes()).hexdigest()[:16]
 
 
+MIN_TEMPERATURE = 1e-5
+"""Below this temperature (and above 0) sampling is greedy. The logits are divided by the temperature in float64,
+so no finite logit overflows for any accepted value; the threshold is what a user can tell apart: at 1e-5 a
+logit gap of 1e-3 already weighs the runner-up by e^-100, so nothing but an exact tie could be drawn otherwise."""
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
-    """``logits [b, V]`` → token ids ``[b]``: greedy at temperature 0 (ties → lowest id), else nucleus sampling."""
-    if temperature <= 0:
+           generator: torch.Generator | None = None, top_k: int = 0, check: bool = True) -> torch.Tensor:
+    """``logits [b, V]`` → token ids ``[b]``: greedy (ties → lowest id) at a temperature below
+    :data:`MIN_TEMPERATURE`, else a draw from the tokens kept by ``top_k`` (0 or −1: all) and then ``top_p`` (the
+    fewest most likely tokens whose probability reaches it; the most likely token is always kept), computed in log
+    space in float64 so that no accepted setting yields NaN. Non-finite logits raise
+    :class:`~dsv4lab.core.errors.NonFiniteError` (never a token); ``check=False`` is for a caller that checked the
+    model's logits before processing them (a −inf ban is intended there)."""
+    if check:
+        check_rows(logits)
+    if temperature < MIN_TEMPERATURE:
         return logits.argmax(-1)
-    probs = (logits.float() / temperature).softmax(-1)
+    logp = torch.log_softmax(logits.double() / temperature, -1)
+    if 0 < top_k < logp.shape[-1]:
+        kth = logp.topk(top_k, dim=-1).values[..., -1:]
+        logp = torch.log_softmax(logp.masked_fill(logp < kth, -math.inf), -1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    probs = probs / probs.sum(-1, keepdim=True)
+        sorted_lp, order = logp.sort(-1, descending=True)
+        # log of the probability mass before each token (−inf before the first): kept while it is below top_p
+        before = torch.logcumsumexp(sorted_lp, -1).roll(1, -1)
+        before[..., 0] = -math.inf
+        drop = torch.zeros_like(sorted_lp, dtype=torch.bool).scatter(-1, order, before >= math.log(top_p))
+        logp = torch.log_softmax(logp.masked_fill(drop, -math.inf), -1)
+    probs = logp.exp()
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def bias_logits(logits: torch.Tensor, logit_bias: dict[int, float] | None = None,
+                banned: Sequence[int] = ()) -> torch.Tensor:
+    """``logits [..., V]`` with ``logit_bias`` added (token id → bias, OpenAI's ``logit_bias``) and the ``banned``
+    ids set to −inf (vLLM's ``min_tokens``: stop tokens are banned until that many tokens are generated). Returns
+    the same tensor when there is nothing to apply, else a float copy."""
+    if not logit_bias and not banned:
+        return logits
+    out = logits.float().clone()
+    if logit_bias:
+        ids = torch.tensor(list(logit_bias), dtype=torch.long, device=out.device)
+        out[..., ids] += torch.tensor(list(logit_bias.values()), dtype=out.dtype, device=out.device)
+    if banned:
+        out[..., torch.tensor(list(banned), dtype=torch.long, device=out.device)] = -math.inf
+    return out

@@ -5,8 +5,8 @@ token rows), then the decode kernels (few rows), then the reference. Decode kern
 ``dsv4lab_kernels``):
 
 * ``linear`` (FP8 and BF16 weights), ``linear_f32`` (BF16/fp32 weights), ``grouped_wo_a`` (FP8 weight read
-  directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`, or cuBLAS where the measured dispatch
-  (:mod:`dsv4lab.engine.decode_dispatch`) says it is faster within its error bound; ``linear_group`` and
+  directly, no BF16 copy) — :mod:`dsv4lab_kernels.fp8_gemv`, or cuBLAS where the GPU's tuned file says it is
+  faster within its error bound; ``linear_group`` and
   ``linear_f32_group`` (projections of one input whose weights the decode step stacked,
   :mod:`dsv4lab.engine.decode_groups`) in one launch;
 * ``routed_experts``, ``moe_stage1``, ``moe_stage2`` — packed FP4 experts, :mod:`dsv4lab_kernels.fp4_moe_decode`;
@@ -28,10 +28,14 @@ Every other op, and every call no kernel covers (a float64 oracle dtype, tensor-
 request, too many rows for the decode kernels but too few for the prefill ones), runs the reference; each such
 fallback is counted, logged once per (op, reason), and listed by :meth:`TritonOps.report`.
 
+Which route and launch geometry a kernel takes is not decided here: every op asks the dispatch
+(:class:`~dsv4lab.engine.dispatch.Dispatch`, ``TritonOps.config`` — the GPU's tuned table over the device's
+documented defaults), and :meth:`TritonOps.variants` offers the verification variants the kernel families declare
+(:mod:`~dsv4lab.engine.kernel_families`).
+
 :meth:`TritonOps.accumulation_for` names the accumulation model of the kernel a call takes — from the kernels' own
-tables (``fp8_gemv.ACCUMULATION`` per GEMV route and for cuBLAS, ``fp4_moe_decode.ACCUMULATION`` per MoE route, the
-prefill kinds of :mod:`~dsv4lab.engine.triton_prefill`) — so verification judges each call, including a route the
-measured dispatch switched, by its own bound.
+families' tables (:mod:`~dsv4lab.engine.kernel_families`: per GEMV route and for cuBLAS, per MoE route, the prefill
+families) — so verification judges each call, including a route the tuned file switched, by its own bound.
 
 On a machine without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` is set here, before
 any kernel module is imported, unless the caller chose otherwise).
@@ -49,10 +53,11 @@ import torch
 from dsv4lab.core.model.linear import ExpertBank, Linear
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import ReferenceOps
-from dsv4lab.engine.decode_dispatch import DecodeDispatch, DispatchError
 from dsv4lab.engine.decode_groups import ProjectionGroup, group_of
+from dsv4lab.engine.dispatch import Dispatch
+from dsv4lab.engine.kernel_families import ATTENTION, DECODE_FAMILIES, GEMV, MOE, verify_variants
 from dsv4lab.engine.kernel_loader import kernel_module
-from dsv4lab.engine.triton_prefill import TritonPrefillOps
+from dsv4lab.engine.triton_prefill import TritonPrefillOps, device_dispatch, interpreting
 
 log = logging.getLogger("dsv4lab.triton")
 
@@ -101,12 +106,6 @@ def loosest(*models: str) -> str:
     return max(models, key=ACCUMULATION_MODELS.index)
 
 
-def interpreting() -> bool:
-    """Whether the kernels run under Triton's CPU interpreter — the engine's twin of ``dsv4lab_kernels.formats.
-    interpreting`` (this module must import where Triton is absent, so it does not import the kernels' one)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _cublas_scale_of(grp) -> torch.Tensor:
     """:func:`_cublas_scale` of a stacked group's scales."""
     key = grp.scale.data_ptr()
@@ -128,98 +127,6 @@ def _cublas_scale(lin: Linear) -> torch.Tensor:
     return hit[1]
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Which route and launch geometry each decode kernel uses.
-
-    On a GPU the measured dispatch (``dispatch``, :mod:`dsv4lab.engine.decode_dispatch`) picks per projection
-    shape and batch between the own GEMV and cuBLAS, and the routed MoE's route and geometry per batch; what it
-    does not cover uses the fields below. The interpreter gets large blocks so that it runs few programs.
-
-    Attributes:
-        moe_route: ``"dot"`` (tensor cores), ``"fma"``, ``"int8"`` (the paper's route) or ``"dot_scaled"``.
-        moe_geometry: :class:`~dsv4lab_kernels.fp4_moe_decode.MoeGeometry`.
-        gemv_route: ``"dot"`` or ``"fma"`` for the FP8/BF16 projections.
-        gemv_block_n, gemv_block_k: output rows and K elements per program step of a projection.
-        gemv_target_programs: split K until a projection's grid has about this many programs.
-        attention_geometry: :class:`~dsv4lab_kernels.attention_decode.AttentionGeometry`.
-        max_rows: token rows up to which the decode kernels run.
-        dispatch: measured per-shape choices (empty: the defaults above).
-    """
-
-    moe_route: str = "dot"
-    moe_geometry: "moe.MoeGeometry | None" = None
-    gemv_route: str = "dot"
-    gemv_block_n: int = 32
-    gemv_block_k: int = 512
-    gemv_target_programs: int = 264
-    attention_geometry: "attn.AttentionGeometry | None" = None
-    max_rows: int = 63
-    dispatch: DecodeDispatch = field(default_factory=DecodeDispatch)
-
-    @classmethod
-    def for_device(cls) -> "DecodeConfig":
-        if interpreting():  # the CUDA-core routes: their fp32 sums are closest to the reference's exact ones
-            return cls(moe_route="fma", gemv_route="fma",
-                       moe_geometry=moe.MoeGeometry(block_n_up=128, block_n_down=256, block_k=256),
-                       gemv_block_n=256, gemv_block_k=256, gemv_target_programs=1,
-                       attention_geometry=attn.AttentionGeometry(block_h=16, block_r=64))
-        # one-pass split attention: the exact two-pass single-slice form is latency-bound at decode sizes; where no
-        # dispatch was measured the routed MoE takes what the H200 measured fastest at every batch tier (af2b4dc:
-        # 8-row one-warp FMA programs, 72.6 µs at batch 1 against 122.8 for the dot route's default geometry)
-        return cls(moe_route="fma", moe_geometry=moe.MoeGeometry(block_n_up=8, block_n_down=8, num_warps=1,
-                                                                 num_stages=2),
-                   attention_geometry=attn.AttentionGeometry(block_h=16, block_r=32, splits=16, two_pass=False),
-                   dispatch=DecodeDispatch.load(device_name=torch.cuda.get_device_name()))
-
-    def gemv_geometry(self, n: int, k: int, rows: int = 1, groups: int = 1, weight: str = "fp8",
-                      act_quant: bool = True):
-        """``(impl, route, geometry)`` for an ``[n, k]`` projection at ``rows`` rows: the measured dispatch's
-        choice, else the own kernel with K split until the grid has about ``gemv_target_programs`` programs
-        (deterministic: the partials are summed in a fixed order)."""
-        c = self.dispatch.gemv(n * groups, k, groups, weight, act_quant, rows)
-        if c is not None:
-            impl = c.impl if c.impl != "cublas" or c.cublas_out == "float32" else f"cublas:{c.cublas_out}"
-            return impl, c.route, gemv.GemvGeometry(block_n=c.block_n, block_k=c.block_k, split_k=c.split_k,
-                                                    num_warps=c.num_warps, num_stages=c.num_stages,
-                                                    unroll=c.unroll, prequant=c.prequant)
-        return "triton", self.gemv_route, self.default_gemv_geometry(n, k)
-
-    def default_gemv_geometry(self, n: int, k: int):
-        """The own GEMV's geometry where nothing was measured: the fields above, K split until the grid has about
-        ``gemv_target_programs`` programs."""
-        bn = min(self.gemv_block_n, 1 << max(n - 1, 1).bit_length())
-        bk = min(self.gemv_block_k, 128 * -(-k // 128))
-        row_blocks = -(-n // bn)
-        split = max(1, min(-(-self.gemv_target_programs // row_blocks), -(-k // bk)))
-        return gemv.GemvGeometry(block_n=bn, block_k=bk, split_k=split)
-
-    def moe_choice(self, rows: int):
-        """``(route, geometry)`` of the routed MoE at ``rows`` rows (measured, else the fields above)."""
-        c = self.dispatch.moe(rows)
-        if c is not None:
-            return c.route, c.geometry(moe)
-        return self.moe_route, self.moe_geometry
-
-    def attention_for(self, rows: int):
-        """The sparse attention's geometry at ``rows`` query rows: measured, else :attr:`attention_geometry`."""
-        return self._measured(attn.AttentionGeometry, "attention", rows) or self.attention_geometry
-
-    def mhc_site_for(self, rows: int):
-        """The one-launch mHC site's geometry at ``rows`` rows when measured (else None: the kernel's default for
-        the row count); None above ``mhc.SITE_MAX_ROWS`` rows, where the site is not one launch."""
-        return self._measured(mhc.MhcSiteGeometry, "mhc_site", rows) if rows <= mhc.SITE_MAX_ROWS else None
-
-    def _measured(self, cls, name: str, rows: int):
-        fields_ = self.dispatch.geometry(name, rows)
-        if fields_ is None:
-            return None
-        try:
-            return cls(**fields_)
-        except TypeError as err:
-            raise DispatchError(f"{self.dispatch.source}: {name} at {rows} rows: {err}") from None
-
-
 @dataclass
 class _Calls:
     decode: Counter = field(default_factory=Counter)
@@ -233,13 +140,42 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
 
     name = "triton"
 
-    def __init__(self, numerics: Numerics, config: DecodeConfig | None = None):
+    def __init__(self, numerics: Numerics, config: Dispatch | None = None):
         super().__init__(numerics)
-        self.config = config or DecodeConfig.for_device()
+        self.config = config or device_dispatch()
         self.calls = _Calls()
         self._logged: set[tuple[str, str]] = set()
         for op in REFERENCE_ONLY_OPS:  # count the inherited ops too, so the report lists every op that ran
             setattr(self, op, self._counted_reference(op, getattr(super(), op)))
+
+    # ------------------------------------------------------------------ kernel choice: the dispatch's
+    def kernel_dispatch(self) -> Dispatch:
+        """The dispatch of the decode and the prefill kernels alike: :attr:`config`."""
+        return self.config
+
+    def gemv_choice(self, n: int, k: int, rows: int = 1, groups: int = 1, weight: str = "fp8",
+                    act_quant: bool = True):
+        """``(impl, route, GemvGeometry)`` of a decode projection (:meth:`~dsv4lab.engine.dispatch.Dispatch.gemv`)."""
+        p = self.config.gemv(n, k, rows, groups, weight, act_quant)
+        return p.impl, p.route, p.build(gemv.GemvGeometry)
+
+    def moe_choice(self, rows: int | None = None):
+        """``(route, MoeGeometry)`` of the routed MoE at ``rows`` rows (None: the default, as the stages take)."""
+        p = self.config.moe(rows)
+        return p.route, p.build(moe.MoeGeometry)
+
+    def attention_choice(self, rows: int | None = None):
+        """The decode attention's ``AttentionGeometry`` at ``rows`` query rows (``rows`` None: the default; None:
+        the kernel's)."""
+        p = self.config.attention(rows)
+        return None if p is None else p.build(attn.AttentionGeometry)
+
+    def _mhc_site(self, X: torch.Tensor):
+        """The one-launch site's geometry for the rows of ``X [..., n, D]`` when tuned (None: the kernel's choice;
+        always None above ``mhc.SITE_MAX_ROWS`` rows, where the site is not one launch)."""
+        rows = X.numel() // max(1, X.shape[-1] * X.shape[-2])
+        p = self.config.mhc_site(rows) if rows <= mhc.SITE_MAX_ROWS else None
+        return None if p is None else p.build(mhc.MhcSiteGeometry)
 
     # ------------------------------------------------------------------ bookkeeping
     def _counted_reference(self, op, fn):
@@ -310,7 +246,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         self._decode("linear")
         nm = self.numerics
         aq = nm.act_quant and lin.act_quant
-        impl, r, geo = self.config.gemv_geometry(lin.out_features, lin.in_features, rows,
+        impl, r, geo = self.gemv_choice(lin.out_features, lin.in_features, rows,
                                                  weight="fp8" if lin.fmt == "fp8" else "bf16", act_quant=aq)
         if route is None and geometry is None and impl.startswith("cublas"):
             mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
@@ -333,7 +269,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             self._fallback("linear_f32", why)
             return ReferenceOps.linear_f32(self, x, lin)
         self._decode("linear_f32")
-        impl, r, geo = self.config.gemv_geometry(lin.out_features, lin.in_features, rows, weight="bf16",
+        impl, r, geo = self.gemv_choice(lin.out_features, lin.in_features, rows, weight="bf16",
                                                  act_quant=False)
         if route is None and impl.startswith("cublas") and lin.weight.dtype == torch.bfloat16:
             return gemv.cublas_linear(x, lin.weight, None, False, self.numerics.acc)
@@ -356,7 +292,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         rows = x.numel() // max(x.shape[-1], 1)
         fp8 = lin.fmt == "fp8"
         N = sum(grp.sizes)
-        impl, r, geo = self.config.gemv_geometry(N, lin.in_features, rows, weight="fp8" if fp8 else "bf16",
+        impl, r, geo = self.gemv_choice(N, lin.in_features, rows, weight="fp8" if fp8 else "bf16",
                                                  act_quant=act_quant)
         if impl.startswith("cublas") and rows == 1 and (not fp8 or act_quant):  # one row: [1, N] is the segments
             mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
@@ -365,7 +301,8 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             starts = [sum(grp.sizes[:i]) for i in range(len(grp.sizes) + 1)]
             return tuple(y[..., lo:hi] for lo, hi in zip(starts[:-1], starts[1:]))
         if impl.startswith("cublas"):  # several rows: the own kernel writes each member's block
-            impl, r, geo = "triton", self.config.gemv_route, self.config.default_gemv_geometry(N, lin.in_features)
+            own = self.config.own_gemv(N, lin.in_features)
+            impl, r, geo = own.impl, own.route, own.build(gemv.GemvGeometry)
         return gemv.fp8_gemv(x, grp.weight, grp.scale, act_quant=act_quant, out_dtype=out_dtype, route=r,
                              geometry=geo, segments=grp.sizes)
 
@@ -396,7 +333,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.grouped_wo_a(self, o, lin, groups)
         self._decode("grouped_wo_a")
         # own kernel only: cuBLAS has no grouped block-scaled GEMM with a bf16 activation
-        _, r, geo = self.config.gemv_geometry(lin.out_features // groups, lin.in_features, rows, groups,
+        _, r, geo = self.gemv_choice(lin.out_features // groups, lin.in_features, rows, groups,
                                               act_quant=False)
         y = gemv.fp8_gemv(o.flatten(-2), lin.weight, lin.scale, act_quant=False, out_dtype=self.numerics.act,
                           groups=groups, route=route or r, geometry=geo)
@@ -426,7 +363,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.routed_experts(self, x, idx, weights, bank, limit, trace=trace, all_reduce=all_reduce)
         self._decode("routed_experts")
         nm = self.numerics
-        r, geo = self.config.moe_choice(x.shape[0])
+        r, geo = self.moe_choice(x.shape[0])
         return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit, route=route or r,
                                      geometry=geometry or geo, act_quant=nm.act_quant, act_dtype=nm.act).to(nm.acc)
 
@@ -441,8 +378,9 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_stage1(self, x, idx, bank)
         self._decode("moe_stage1")
         nm = self.numerics
-        g, u = moe.moe_gate_up(x, idx, None, moe.ExpertTensors.of(bank), 0.0, route=route or self.config.moe_route,
-                               geometry=self.config.moe_geometry, act_quant=nm.act_quant, act_dtype=nm.act,
+        r, geo = self.moe_choice()
+        g, u = moe.moe_gate_up(x, idx, None, moe.ExpertTensors.of(bank), 0.0, route=route or r, geometry=geo,
+                               act_quant=nm.act_quant, act_dtype=nm.act,
                                write_gu=True)
         return g.to(nm.acc), u.to(nm.acc)
 
@@ -457,8 +395,9 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_stage2(self, h, idx, bank)
         self._decode("moe_stage2")
         nm = self.numerics
-        return moe.moe_down(h.to(nm.act), idx, moe.ExpertTensors.of(bank), route=route or self.config.moe_route,
-                            geometry=self.config.moe_geometry, act_quant=nm.act_quant, act_dtype=nm.act,
+        r, geo = self.moe_choice()
+        return moe.moe_down(h.to(nm.act), idx, moe.ExpertTensors.of(bank), route=route or r, geometry=geo,
+                            act_quant=nm.act_quant, act_dtype=nm.act,
                             per_slot=True).to(nm.acc)
 
     # ------------------------------------------------------------------ attention, indexer, compressor
@@ -475,7 +414,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         self._decode("sparse_attention")
         batch = torch.arange(b, device=q.device).repeat_interleave(s)
         o = attn.sparse_attention_decode(q.reshape(b * s, h, d), kv, idx.reshape(b * s, -1), batch, sink, scale,
-                                         geometry=geometry or self.config.attention_for(b * s))
+                                         geometry=geometry or self.attention_choice(b * s))
         return o.view(b, s, h, d)
 
     def attention_from_caches(self, q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos=None, sin=None,
@@ -492,7 +431,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         self._decode("sparse_attention")
         return attn.sparse_attention_decode(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
                                             batch_b=slots if cmp_kv is not None else None,
-                                            geometry=self.config.attention_for(q.shape[0]), cos=cos, sin=sin,
+                                            geometry=self.attention_choice(q.shape[0]), cos=cos, sin=sin,
                                             positions=positions, prefix_ratio_b=cmp_ratio if cmp_kv is not None else 0)
 
     def indexer_scores(self, qi, w, keys, all_reduce=None):
@@ -596,10 +535,6 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.hc_head(self, X, fn, base, scale, args)
         return mhc.hc_head(X, fn, base, scale, args.norm_eps, args.hc_eps, geometry=self._mhc_site(X))
 
-    def _mhc_site(self, X: torch.Tensor):
-        """The measured one-launch site geometry for the rows of ``X [..., n, D]`` (None: the kernel's choice)."""
-        return self.config.mhc_site_for(X.numel() // max(1, X.shape[-1] * X.shape[-2]))
-
     def head_rms_rope(self, q, cos, sin, positions, eps):
         if not self._glue("head_rms_rope", q):
             return ReferenceOps.head_rms_rope(self, q, cos, sin, positions, eps)
@@ -658,9 +593,9 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
     def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:
         """The accumulation model (a name of ``dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF``) of the kernel that
         ``self.<op>(*args, **kwargs)`` — or its variant ``variant`` (:meth:`variants`) — takes: the prefill kernels'
-        (:meth:`prefill_accumulation_for`), the GEMV route or cuBLAS the measured dispatch picks
-        (``fp8_gemv.ACCUMULATION``), the MoE route (``fp4_moe_decode.ACCUMULATION``), the decode kernels' tensor-core
-        model for attention and the indexer's dots, fp32 for the glue kernels (CUDA cores, fp32 or wider) and for
+        (:meth:`prefill_accumulation_for`), the GEMV route or cuBLAS the dispatch picks, the MoE route, the decode
+        kernels' tensor-core model for attention and the indexer's dots — each as its kernel family states it
+        (:mod:`~dsv4lab.engine.kernel_families`) —, fp32 for the glue kernels (CUDA cores, fp32 or wider) and for
         the reference fallbacks; the loosest of its projections for the shared expert. Under the interpreter every
         kernel sums in numpy's IEEE fp32: ``fp32``."""
         if interpreting():
@@ -677,17 +612,17 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         if op in ("routed_experts", "moe_stage1", "moe_stage2"):
             x = args[0]
             if route is None:
-                route = self.config.moe_choice(x.shape[0])[0] if op == "routed_experts" else self.config.moe_route
-            return accumulation_model(moe.ACCUMULATION[route][1])
+                route = self.moe_choice(x.shape[0] if op == "routed_experts" else None)[0]
+            return MOE.accumulation_of(route)
         if op in ("sparse_attention", "attention_from_caches", "indexer_select_decode"):
-            return accumulation_model(moe.ACCUMULATION["dot"][1])  # bf16 dots on tensor cores, as the MoE's
+            return ATTENTION.accumulation_of(None)
         if op == "expert_mlp":
             x, w1, w2, w3 = args[:4]
             return loosest(*(self._gemv_accumulation("linear", (x, w), None, None) for w in (w1, w3, w2)))
         return "fp32"
 
     def _gemv_accumulation(self, op: str, args: tuple, route: str | None, geometry) -> str:
-        """The model of a decode projection: its route's, or cuBLAS's where the measured dispatch picks it."""
+        """The model of a decode projection: its route's, or cuBLAS's where the dispatch picks it."""
         x, lin = args[0], args[1]
         groups = args[2] if op == "grouped_wo_a" else 1
         rows = x.numel() // max(x.shape[-1] * groups, 1)
@@ -695,45 +630,28 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return "fp32"  # the reference
         fp8 = lin.fmt == "fp8" and op != "linear_f32"
         aq = op == "linear" and self.numerics.act_quant and lin.act_quant
-        impl, r, _ = self.config.gemv_geometry(lin.out_features // groups, lin.in_features, rows, groups,
-                                               weight="fp8" if fp8 else "bf16", act_quant=aq)
+        impl, r, _ = self.gemv_choice(lin.out_features // groups, lin.in_features, rows, groups,
+                                      weight="fp8" if fp8 else "bf16", act_quant=aq)
         cublas = route is None and geometry is None and impl.startswith("cublas") and op != "grouped_wo_a" \
             and (op == "linear" or lin.weight.dtype == torch.bfloat16)
-        return accumulation_model(gemv.ACCUMULATION["cublas" if cublas else route or r][1])
+        return GEMV.accumulation_of("cublas" if cublas else route or r)
 
     # ------------------------------------------------------------------ variants for `verify kernels`
     def variants(self, method: str) -> dict:
-        """Every decode route / geometry of ``method`` worth checking, plus the prefill variants (each has the
-        reference method's signature and always runs its kernel)."""
-        g = self.config
+        """Every decode verification variant of ``method`` the kernel families declare
+        (:func:`~dsv4lab.engine.kernel_families.verify_variants`: a route, launch fields over the device default —
+        the GEMV's over the kernel's, its default being per shape), plus the prefill ones; each has the reference
+        method's signature. The MoE's INT8 route is another quantization, not another evaluation of the
+        reference's: element by element it is judged against its own exact oracle
+        (``fp4_moe_decode.reference_int8_moe``, in the tests and the benchmark) and at model level by a KL bound
+        (docs/kernels_decode.md), so it is not a verification variant."""
+        base = {GEMV.name: gemv.GemvGeometry(), MOE.name: self.moe_choice()[1],
+                ATTENTION.name: self.attention_choice()}
         out = {}
-        # The INT8 route is another quantization, not another evaluation of the reference's: element by element it
-        # is judged against its own exact oracle (kernels/fp4_moe_decode.reference_int8_moe, in the tests and the
-        # benchmark) and at model level by a KL bound (docs/kernels_decode.md), so it is not listed here.
-        same_semantics = list(moe.SAME_SEMANTICS)
-        if method == "routed_experts":
-            out = {r: partial(self.routed_experts, route=r) for r in same_semantics}
-            split = replace(g.moe_geometry, slot_split=2, block_k=128)
-            out["fma_slot_split2"] = partial(self.routed_experts, route="fma", geometry=split)
-            out["dot_token_major"] = partial(self.routed_experts, route="dot",
-                                             geometry=replace(g.moe_geometry, slot_split=1))
-        elif method in ("moe_stage1", "moe_stage2"):
-            out = {r: partial(getattr(self, method), route=r) for r in same_semantics}
-        elif method == "linear":
-            out = {r: partial(self.linear, route=r) for r in gemv.ROUTES}
-            out["fma_split3"] = partial(self.linear, route="fma",
-                                        geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=3))
-            out["dot_split3"] = partial(self.linear, route="dot",
-                                        geometry=gemv.GemvGeometry(block_n=32, block_k=128, split_k=3))
-        elif method == "linear_f32":
-            out = {r: partial(self.linear_f32, route=r) for r in gemv.ROUTES}
-        elif method == "grouped_wo_a":
-            out = {r: partial(self.grouped_wo_a, route=r) for r in gemv.ROUTES}
-        elif method == "sparse_attention":
-            out = {f"splits{n}": partial(self.sparse_attention,
-                                         geometry=replace(g.attention_geometry, splits=n, block_r=16, two_pass=True))
-                   for n in (1, 3)}
-            out["online_splits3"] = partial(self.sparse_attention, geometry=replace(
-                g.attention_geometry, splits=3, block_r=16, two_pass=False))
+        for family, v in verify_variants(DECODE_FAMILIES, method):
+            kwargs = {"route": v.route} if v.route is not None else {}
+            if v.fields:
+                kwargs["geometry"] = replace(base[family.name], **v.fields)
+            out[v.name] = partial(getattr(self, method), **kwargs)
         out.update(self.prefill_variants(method))
         return out

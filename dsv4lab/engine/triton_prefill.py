@@ -26,10 +26,11 @@ least ``prefill_min_tokens`` rows (64; the decode kernels take up to 63) — exc
 top-k and the compressor's pooling, which the per-op path has no decode kernel for: they run at any row count.
 A tensor-parallel partial sum (``all_reduce``) of a projection is computed in fp32 and rounded after the reduction, as the reference does.
 
-The settings (class attributes ``prefill_*``) default to what ``dsv4lab bench kernels --suite prefill`` measured
-best on the H200 when its result file carries ``choices`` (:func:`load_choices`); :func:`prefill_chunk` is the
-chunk size chosen per prompt length the same way. :func:`accumulation_bound` states each kernel family's error
-bound (reduction length and accumulation model) for the tests and the benchmark's checks;
+The settings (class attributes ``prefill_*``) left at ``None`` are the dispatch's (:mod:`dsv4lab.engine.dispatch`:
+the GPU's tuned file, which ``dsv4lab bench kernels --suite prefill`` writes, over the documented defaults), and so
+is the chunk size per prompt length (:func:`prefill_chunk`); the variants ``verify
+kernels`` checks are the prefill families' (:mod:`dsv4lab.engine.kernel_families`). :func:`accumulation_bound` states
+each kernel family's error bound (reduction length and accumulation model) for the tests and the benchmark's checks;
 :meth:`TritonPrefillOps.prefill_accumulation_for` names the model of the kernel a call takes (verification judges
 each call by it).
 
@@ -40,19 +41,18 @@ kernels (:meth:`TritonPrefillBackend.report`).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from dsv4lab.core import quant
 from dsv4lab.core.model.ops import ReferenceOps
-from dsv4lab.core.paths import RESULTS_DIR
+from dsv4lab.engine.dispatch import GPU_DEFAULTS, PREFILL_DEFAULTS, Dispatch
+from dsv4lab.engine.kernel_families import PREFILL_FAMILIES, PREFILL_MOE, moe_tags, verify_variants
 from dsv4lab.engine.kernel_loader import kernel_module as _kernels  # on first use: triton is imported with the kernels
 
 log = logging.getLogger("dsv4lab.triton")
@@ -60,15 +60,30 @@ log = logging.getLogger("dsv4lab.triton")
 PREFILL_OPS = ("linear", "linear_f32", "grouped_wo_a", "expert_mlp", "routed_experts", "moe_stage1", "moe_stage2",
                "sparse_attention", "indexer_select", "indexer_scores", "indexer_topk", "compressor_pool",
                "hc_pre_norm", "hc_post_pre_norm", "hc_post")
-CHOICES_FILE = RESULTS_DIR / "h200" / "prefill_kernels.json"
-CHOICES_ENV = "DSV4LAB_PREFILL_CHOICES"  # another result file to read the choices from (a fresh measurement)
-DEFAULT_MAX_CHUNK = 4096  # measured: one real-dims CSA layer prefills fastest in 4,096-token chunks (docs)
-# Grouped-MoE launch variants by name: the benchmark times each (``bf16+<tag>`` rows) and the fastest becomes the
-# measured choice ``moe_tag``, which the backend applies to its MoEGeometry
-MOE_GEOMETRY_TAGS = {"": {}, "f16": dict(decode="f16"), "persistent": dict(persistent=True),
-                     "sbyte": dict(scale_per_byte=True), "w4": dict(warps1=4, warps2=4),
-                     "k64": dict(block_k1=64, block_k2=64), "w16": dict(warps1=16),
-                     "w16p": dict(warps1=16, persistent=True)}
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter (read without importing triton)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=8)
+def _device_dispatch(device_name: str | None, interpret: bool, tuned_env: str | None) -> Dispatch:
+    return Dispatch.for_device(device_name, interpret)
+
+
+def device_dispatch() -> Dispatch:
+    """This process's :class:`~dsv4lab.engine.dispatch.Dispatch`: the GPU's tuned file over its defaults (the
+    interpreter's defaults under Triton's interpreter); read once per GPU, interpreter mode and ``DSV4LAB_TUNED``."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return _device_dispatch(name, interpreting(), os.environ.get("DSV4LAB_TUNED"))
+
+
+def prefill_chunk(prompt_tokens: int, dispatch: Dispatch | None = None) -> int:
+    """The prefill chunk for a prompt of ``prompt_tokens`` tokens on this device (or by ``dispatch``): the tuned
+    one, else one chunk up to 4,096 tokens and chunks of 4,096 beyond
+    (:meth:`~dsv4lab.engine.dispatch.Dispatch.chunk`)."""
+    return (dispatch or device_dispatch()).chunk(prompt_tokens)
 
 
 def _can_launch(t: torch.Tensor) -> bool:
@@ -87,7 +102,8 @@ PROMOTION_K = 128       # the FP8 kernels promote the tensor-core partial to fp3
 # The accumulation kind of each prefill kernel family (of accumulation_bound), and its model's name in
 # dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF (which the backends report to verification).
 KIND_MODEL = {"fp32": "fp32", "tc_bf16": "fp32_tc", "tc_fp8": "fp8_mma"}
-MOE_ROUTE_KIND = {"bf16": "tc_bf16", "fp8": "tc_fp8", "scaled": "tc_bf16"}  # scaled: bf16 MMA emulation on sm_90
+MOE_ROUTE_KIND = {route: next(k for k, m in KIND_MODEL.items() if m == model)
+                  for route, model in PREFILL_MOE.accumulation.items()}  # the grouped MoE's routes (the family's)
 
 
 def accumulation_bound(terms: int, kind: str) -> dict:
@@ -111,121 +127,20 @@ def accumulation_bound(terms: int, kind: str) -> dict:
     return dict(terms=terms, c=c, acc_dtype=torch.float32)
 
 
-# ============================================================================================ measured choices
-@dataclass(frozen=True)
-class PrefillChoices:
-    """Settings chosen by measurement: ``dsv4lab bench kernels --suite prefill`` writes them as ``choices`` into
-    its result file, and :func:`load_choices` reads them back on the GPU they were measured on.
-
-    Attributes:
-        chunk_by_prompt: ``((prompt tokens up to, chunk), …)`` ascending; a chunk of 0 means one-shot.
-        moe_rows_by_tokens: ``((tokens up to, sorter rows), …)`` ascending.
-        moe_route, moe_decode, moe_persistent, moe_scale_per_byte, gemm_backend: the grouped MoE route, decode,
-            scheduling and scale loads, and the FP8 GEMM backend that measured fastest (None: the class default).
-        moe_tag: the fastest MoE launch variant (a key of :data:`MOE_GEOMETRY_TAGS`).
-        weight_gemm_backend: ``"cublas"`` or ``"triton"`` for the bf16-activation GEMMs, the faster in total.
-        mhc_rows: whether the mHC rows kernel beat the decode step's mix at the headline token count.
-        mhc_rows_geometry: the rows kernel's fastest launch geometry (a key of ``mhc.ROWS_GEOMETRIES``).
-        source: where these came from (a file and its commit, or "defaults").
-    """
-
-    chunk_by_prompt: tuple[tuple[int, int], ...] = ()
-    moe_rows_by_tokens: tuple[tuple[int, int], ...] = ()
-    moe_route: str | None = None
-    moe_decode: str | None = None
-    moe_persistent: bool | None = None
-    moe_scale_per_byte: bool | None = None
-    moe_tag: str | None = None
-    gemm_backend: str | None = None
-    weight_gemm_backend: str | None = None
-    mhc_rows: bool | None = None
-    mhc_rows_geometry: str | None = None
-    source: str = "defaults"
-
-    @staticmethod
-    def _lookup(table, n: int, default):
-        for upto, value in table:
-            if n <= upto:
-                return value
-        return table[-1][1] if table else default
-
-
-_CHOICES: dict[str, PrefillChoices] = {}
-
-
-def load_choices(path: Path | None = None, gpu: str | None = None) -> PrefillChoices:
-    """The ``choices`` of a prefill benchmark result if it was measured on ``gpu`` (default: this process's GPU; a
-    CPU matches nothing), else the defaults. The file: ``path``, else ``$DSV4LAB_PREFILL_CHOICES`` when that file
-    exists (a run that measures and then uses its choices in one GPU visit points it at its fresh result), else
-    the committed H200 file. Cached per (path, gpu)."""
-    env = os.environ.get(CHOICES_ENV)
-    path = Path(path or (env if env and Path(env).is_file() else CHOICES_FILE))
-    if gpu is None:
-        gpu = _gpu_name()
-    key = f"{path}|{gpu}"
-    if key not in _CHOICES:
-        _CHOICES[key] = _read_choices(path, gpu)
-    return _CHOICES[key]
-
-
-@functools.lru_cache(maxsize=1)
-def _gpu_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-
-
-def _read_choices(path: Path, gpu: str) -> PrefillChoices:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return PrefillChoices()
-    c = doc.get("choices")
-    if not c or not gpu or doc.get("gpu") != gpu or doc.get("smoke"):
-        return PrefillChoices()
-    return PrefillChoices(chunk_by_prompt=tuple(tuple(p) for p in c.get("chunk_by_prompt", ())),
-                          moe_rows_by_tokens=tuple(tuple(p) for p in c.get("moe_rows_by_tokens", ())),
-                          moe_route=c.get("moe_route"), moe_decode=c.get("moe_decode"),
-                          moe_persistent=c.get("moe_persistent"), moe_scale_per_byte=c.get("moe_scale_per_byte"),
-                          moe_tag=c.get("moe_tag") if c.get("moe_tag") in MOE_GEOMETRY_TAGS else None,
-                          gemm_backend=c.get("gemm_backend"), weight_gemm_backend=c.get("weight_gemm_backend"),
-                          mhc_rows=c.get("mhc_rows"), mhc_rows_geometry=c.get("mhc_rows_geometry"),
-                          source=f"{path.name} at {doc.get('commit')}" + _merged_note(doc))
-
-
-def _merged_note(doc: dict) -> str:
-    """Where a merged choices file's overlaid keys came from (``scripts/merge_prefill_choices.py``)."""
-    m = doc.get("merged_from") or {}
-    parts = ([f"{', '.join(m['keys'])} from {m['fresh']}"] if m.get("keys") else []) + (
-        [f"set by hand: {m['set']}"] if m.get("set") else [])
-    return f" ({'; '.join(parts)})" if parts else ""
-
-
-def prefill_chunk(prompt_tokens: int, choices: PrefillChoices | None = None) -> int:
-    """The prefill chunk size for a prompt of ``prompt_tokens`` tokens: the measured best for that length
-    (``choices.chunk_by_prompt``; 0 there means one chunk), else one chunk up to :data:`DEFAULT_MAX_CHUNK`
-    tokens and chunks of that size beyond. Returns a chunk length in tokens (≥ 1)."""
-    if prompt_tokens < 1:
-        raise ValueError(f"prefill_chunk: prompt_tokens must be ≥ 1, got {prompt_tokens}")
-    choices = choices if choices is not None else load_choices()
-    chunk = PrefillChoices._lookup(choices.chunk_by_prompt, prompt_tokens, None)
-    if chunk is None:
-        chunk = min(prompt_tokens, DEFAULT_MAX_CHUNK)
-    return prompt_tokens if chunk == 0 else min(chunk, prompt_tokens)
-
-
 # ============================================================================================ the mixin
 class TritonPrefillOps:
     """Mixin with the prefill kernels (see the module docstring). Needs ``self.numerics``.
 
-    Attributes (class defaults; set on an instance to change them; ``None`` = the measured choice, see
-    :func:`load_choices`, or the built-in default):
+    Attributes (class defaults; set on an instance to change them; ``None`` = the dispatch's: the GPU's tuned
+    file, else the default of :data:`~dsv4lab.engine.dispatch.PREFILL_DEFAULTS`):
         prefill_min_tokens: fewest token rows for which a prefill kernel is used.
         prefill_moe_route: ``"bf16"`` (default), ``"fp8"`` (falls back to ``bf16`` for a bank whose scales the
             exact E4M3 upcast cannot hold) or ``"scaled"``.
         prefill_moe_rows: sorter rows (the grouped GEMM's block height); None: by token count.
         prefill_moe_decode / prefill_moe_persistent / prefill_moe_scale_per_byte: the bf16 route's weight decode,
             scheduling and scale loads (see ``fp4_moe_grouped.MoEGeometry``).
-        prefill_moe_tag: a launch variant of :data:`MOE_GEOMETRY_TAGS` (e.g. ``"w16"``: 16 warps for gate/up); the
-            three settings above override its fields.
+        prefill_moe_tag: a launch variant of :func:`~dsv4lab.engine.kernel_families.moe_tags` (e.g. ``"w16"``: 16
+            warps for gate/up); the three settings above override its fields.
         prefill_gemm_backend: FP8 GEMM on ``"triton"``, ``"cublas"`` (``torch._scaled_mm`` with the same block
             scales, where it takes them) or ``"auto"`` (cuBLAS where available).
         prefill_weight_gemm_backend: the bf16-activation GEMMs (``linear_f32``, grouped ``wo_a``, bf16 ``linear``)
@@ -242,7 +157,7 @@ class TritonPrefillOps:
             launch geometry names (see the kernel modules).
     """
 
-    prefill_min_tokens: int = 64
+    prefill_min_tokens: int = GPU_DEFAULTS.prefill_min_tokens
     prefill_moe_route: str | None = None
     prefill_moe_rows: int | None = None
     prefill_moe_decode: str | None = None
@@ -253,10 +168,10 @@ class TritonPrefillOps:
     prefill_mhc_rows: bool | None = None
     prefill_mhc_rows_geometry: str | None = None
     prefill_weight_gemm_backend: str | None = None
-    prefill_gemm_config: str = "m128n128"
-    prefill_weight_gemm_config: str = "n128m64"
-    prefill_attention_config: str = "h64n32x"
-    prefill_indexer_config: str = "q2t64x8"
+    prefill_gemm_config: str = PREFILL_DEFAULTS["gemm_config"]
+    prefill_weight_gemm_config: str = PREFILL_DEFAULTS["weight_gemm_config"]
+    prefill_attention_config: str = PREFILL_DEFAULTS["attention_config"]
+    prefill_indexer_config: str = PREFILL_DEFAULTS["indexer_config"]
 
     # ------------------------------------------------------------------ applicability and settings
     def _prefill_numerics_ok(self) -> bool:
@@ -272,29 +187,32 @@ class TritonPrefillOps:
         or a short prompt would otherwise run them on the reference."""
         return self._prefill_numerics_ok() and _can_launch(t)
 
-    def _choices(self) -> PrefillChoices:
-        return load_choices()
+    def kernel_dispatch(self) -> Dispatch:
+        """Where the settings left at None come from (this process's; ``TritonOps`` answers with its config)."""
+        return device_dispatch()
 
-    def _setting(self, name: str, default):
+    def _setting(self, name: str, tokens: int | None = None, default=None):
+        """The setting ``prefill_<name>``: the instance's, else the dispatch's at ``tokens`` rows, else
+        ``default`` (for the fields a launch variant decides)."""
         own = getattr(self, f"prefill_{name}")
         if own is not None:
             return own
-        measured = getattr(self._choices(), name, None)
-        return default if measured is None else measured
+        chosen = self.kernel_dispatch().prefill(name, tokens)
+        return default if chosen is None else chosen
 
     def _moe_geometry(self, tokens: int, rows: int | None = None):
         fm = _kernels("fp4_moe_grouped")
         if rows is None:
-            rows = self.prefill_moe_rows or PrefillChoices._lookup(self._choices().moe_rows_by_tokens, tokens, 64)
-        tagged = MOE_GEOMETRY_TAGS.get(self._setting("moe_tag", "") or "", {})
+            rows = self._setting("moe_rows", tokens)
+        tagged = moe_tags().get(self._setting("moe_tag", tokens) or "", {})
         return fm.MoEGeometry(rows=rows, **tagged).replace(
-            decode=self._setting("moe_decode", tagged.get("decode", "auto")),
-            persistent=bool(self._setting("moe_persistent", tagged.get("persistent", False))),
-            scale_per_byte=bool(self._setting("moe_scale_per_byte", tagged.get("scale_per_byte", False))))
+            decode=self._setting("moe_decode", tokens, tagged.get("decode", "auto")),
+            persistent=bool(self._setting("moe_persistent", tokens, tagged.get("persistent", False))),
+            scale_per_byte=bool(self._setting("moe_scale_per_byte", tokens, tagged.get("scale_per_byte", False))))
 
-    def _moe_route(self, bank, route: str | None = None) -> str:
+    def _moe_route(self, bank, route: str | None = None, tokens: int | None = None) -> str:
         fm = _kernels("fp4_moe_grouped")
-        route = route or self._setting("moe_route", "bf16")
+        route = route or self._setting("moe_route", tokens)
         if route == "fp8" and not fm.fp8_route_exact(bank):
             return "bf16"
         return route
@@ -303,8 +221,8 @@ class TritonPrefillOps:
         return (bank.fmt == "fp4" and self.numerics.act_quant and self._prefill_applies(x, tokens)
                 and bank.dim % 32 == 0 and bank.inter % 32 == 0)
 
-    def _gemm_backend(self) -> str:
-        backend = self._setting("gemm_backend", "auto")
+    def _gemm_backend(self, tokens: int | None = None) -> str:
+        backend = self._setting("gemm_backend", tokens)
         return "cublas" if backend == "auto" else backend
 
     @staticmethod
@@ -326,7 +244,7 @@ class TritonPrefillOps:
         # a row-split projection (all_reduce) is summed in fp32 and rounded after the reduction, as the reference
         out_dtype = torch.float32 if all_reduce is not None else torch.bfloat16
         if lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant:
-            backend = self._gemm_backend()
+            backend = self._gemm_backend(rows)
             y = fg.fp8_linear(x, lin.weight, lin.scale, config=self.prefill_gemm_config, backend=backend,
                               out_dtype=out_dtype, w_scale_f32=self._scale_f32(lin) if backend == "cublas" and
                               x.is_cuda else None)
@@ -354,7 +272,7 @@ class TritonPrefillOps:
     def _weight_gemm_backend(self, x: torch.Tensor) -> str:
         """``"cublas"`` or ``"triton"`` for a bf16-activation GEMM: the setting (``auto``: cuBLAS where its probe
         passed), never cuBLAS where it is not available."""
-        backend = self._setting("weight_gemm_backend", "auto")
+        backend = self._setting("weight_gemm_backend", x.shape[0])
         if backend in ("auto", "cublas"):
             return "cublas" if x.is_cuda and _kernels("fp8_gemm").cublas_bf16_available(x.device) else "triton"
         return backend
@@ -374,7 +292,7 @@ class TritonPrefillOps:
                 or any(w.fmt != "fp8" or not w.act_quant for w in (w1, w2, w3))
                 or not self._prefill_applies(x, rows)):
             return None
-        backend = self._gemm_backend()
+        backend = self._gemm_backend(rows)
         y = _kernels("fp8_gemm").fp8_swiglu_mlp(
             x.reshape(-1, x.shape[-1]), w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, limit,
             config=self.prefill_gemm_config, backend=backend,
@@ -387,30 +305,31 @@ class TritonPrefillOps:
         numerics), a GPU or the interpreter, not switched off by measurement, and the kernel works here."""
         rows = X.numel() // max(1, X.shape[-1] * X.shape[-2])
         return (rows >= self.prefill_min_tokens and self.numerics.dtype in (torch.bfloat16, torch.float32)
-                and _can_launch(X) and bool(self._setting("mhc_rows", False))
+                and _can_launch(X) and bool(self._setting("mhc_rows", rows))
                 and _kernels("mhc").rows_kernel_works(X.device))
 
-    def _mhc_rows_geometry(self):
-        """The measured launch geometry (``choices.mhc_rows_geometry``), else the kernel's default."""
-        return _kernels("mhc").ROWS_GEOMETRIES.get(self._setting("mhc_rows_geometry", "") or "")
+    def _mhc_rows_geometry(self, X: torch.Tensor):
+        """The tuned launch geometry (``prefill.mhc_rows``), else the kernel's default."""
+        rows = X.numel() // max(1, X.shape[-1] * X.shape[-2])
+        return _kernels("mhc").ROWS_GEOMETRIES.get(self._setting("mhc_rows_geometry", rows) or "")
 
     def prefill_hc_pre_norm(self, X, fn, base, scale, norm_weight, args):
         if not self._mhc_rows_apply(X):
             return None
         return _kernels("mhc").hc_pre_norm_rows(X, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
-                                                args.norm_eps, args.hc_eps, self._mhc_rows_geometry())
+                                                args.norm_eps, args.hc_eps, self._mhc_rows_geometry(X))
 
     def prefill_hc_post_pre_norm(self, out, X, post, comb, fn, base, scale, norm_weight, args):
         if not self._mhc_rows_apply(X):
             return None
         return _kernels("mhc").hc_post_pre_norm_rows(out, X, post, comb, fn, base, scale, norm_weight,
                                                      args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps,
-                                                     self._mhc_rows_geometry())
+                                                     self._mhc_rows_geometry(X))
 
     def prefill_hc_post(self, out, X, post, comb):
         if not self._mhc_rows_apply(X):
             return None
-        return _kernels("mhc").hc_post_rows(out, X, post, comb, self._mhc_rows_geometry())
+        return _kernels("mhc").hc_post_rows(out, X, post, comb, self._mhc_rows_geometry(X))
 
     # ------------------------------------------------------------------ experts
     def prefill_routed_experts(self, x, idx, weights, bank, limit, trace=None, all_reduce=None, route=None,
@@ -418,7 +337,7 @@ class TritonPrefillOps:
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
         fm = _kernels("fp4_moe_grouped")
-        route, geo = self._moe_route(bank, route), self._moe_geometry(idx.shape[0], rows)
+        route, geo = self._moe_route(bank, route, idx.shape[0]), self._moe_geometry(idx.shape[0], rows)
         if trace is None:
             return fm.routed_experts(x.contiguous(), idx, weights.float(), bank, limit, route=route, geo=geo,
                                      all_reduce=all_reduce)
@@ -435,13 +354,13 @@ class TritonPrefillOps:
     def prefill_moe_stage1(self, x, idx, bank, route=None, rows=None):
         if not self._moe_applies(x, idx.shape[0], bank):
             return None
-        return _kernels("fp4_moe_grouped").moe_stage1(x, idx, bank, route=self._moe_route(bank, route),
+        return _kernels("fp4_moe_grouped").moe_stage1(x, idx, bank, route=self._moe_route(bank, route, idx.shape[0]),
                                                      geo=self._moe_geometry(idx.shape[0], rows))
 
     def prefill_moe_stage2(self, h, idx, bank, route=None, rows=None):
         if not self._moe_applies(h, idx.shape[0], bank):
             return None
-        return _kernels("fp4_moe_grouped").moe_stage2(h, idx, bank, route=self._moe_route(bank, route),
+        return _kernels("fp4_moe_grouped").moe_stage2(h, idx, bank, route=self._moe_route(bank, route, idx.shape[0]),
                                                      geo=self._moe_geometry(idx.shape[0], rows))
 
     # ------------------------------------------------------------------ attention side
@@ -518,7 +437,7 @@ class TritonPrefillOps:
             x, idx, bank = args[0], args[1], args[3] if op == "routed_experts" else args[2]
             if not self._moe_applies(x, idx.shape[0], bank):
                 return None
-            return MOE_ROUTE_KIND[self._moe_route(bank, kwargs.get("route"))]
+            return MOE_ROUTE_KIND[self._moe_route(bank, kwargs.get("route"), idx.shape[0])]
         if op == "sparse_attention":
             q, kv = args[:2]
             ok = q.dtype == kv.dtype == torch.bfloat16 and self._prefill_applies(q, q.shape[0] * q.shape[1])
@@ -546,81 +465,66 @@ class TritonPrefillOps:
 
     def prefill_variant_accumulation(self, method: str, variant: str, *args) -> str:
         """The accumulation model of the prefill variant ``variant`` of ``method`` (:meth:`prefill_variants`: each
-        always runs its kernel) on ``args``."""
+        always runs its kernel) on ``args``: its family's model for its route — the ``prefill_gemm`` variant's route
+        is the weight's (the FP8 GEMM for an FP8 weight with activation quantization, else the weight GEMM)."""
         if _kernels("fp8_gemm").interpreting():
             return "fp32"
-        route = next((r for r in MOE_ROUTE_KIND if variant.startswith(f"prefill_{r}")), None)
-        if method in ("routed_experts", "moe_stage1", "moe_stage2") and route is not None:
-            return KIND_MODEL[MOE_ROUTE_KIND[route]]
-        if method == "linear":
+        family, v = next(((f, v) for f, v in verify_variants(PREFILL_FAMILIES, method) if v.name == variant),
+                         (None, None))
+        if v is None:
+            raise ValueError(f"{method} has no prefill variant {variant!r}")
+        route = v.route
+        if method == "linear" and route is None:
             lin = args[1]
-            fp8 = lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant
-            return KIND_MODEL["tc_fp8" if fp8 else "tc_bf16"]
-        if method == "expert_mlp":
-            return KIND_MODEL["tc_fp8"]
-        if method in ("indexer_topk", "compressor_pool"):
-            return KIND_MODEL["fp32"]
-        return KIND_MODEL["tc_bf16"]  # the weight GEMMs, attention, indexer scores: bf16 tensor cores
+            route = "fp8" if lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant else "bf16"
+        return family.accumulation_of(route)
 
     # ------------------------------------------------------------------ variants (checked by `verify kernels`)
     def prefill_variants(self, method: str) -> dict[str, Callable]:
-        """Every prefill route/geometry of ``method`` as a callable with the reference signature (no thresholds:
-        a variant always runs its kernel)."""
-        out: dict[str, Callable] = {}
+        """Every prefill verification variant of ``method`` (:mod:`~dsv4lab.engine.kernel_families`) as a callable
+        with the reference signature (no thresholds: a variant always runs its kernel)."""
+        return {v.name: self._variant_kernel(method, v) for _, v in verify_variants(PREFILL_FAMILIES, method)}
+
+    def _variant_kernel(self, method: str, v) -> Callable:
+        """How a verification variant calls its kernel: the kernel's launcher with the variant's route and fields,
+        adapted to the reference signature."""
+        f = v.fields
         if method == "routed_experts":
             fm = _kernels("fp4_moe_grouped")
-            for route, rows, persistent in (("bf16", 16, False), ("bf16", 64, True), ("fp8", 32, False),
-                                            ("scaled", 16, False)):
-                tag = f"prefill_{route}_rows{rows}" + ("_persistent" if persistent else "")
-                out[tag] = (lambda x, idx, w, bank, limit, trace=None, all_reduce=None, route=route, rows=rows,
-                            persistent=persistent:
-                            fm.routed_experts(x.contiguous(), idx, w.float(), bank, limit, route=route,
-                                              geo=fm.MoEGeometry(rows=rows, persistent=persistent),
-                                              all_reduce=all_reduce))
-        elif method in ("moe_stage1", "moe_stage2"):
+            geo = fm.MoEGeometry(**f)
+            return (lambda x, idx, w, bank, limit, trace=None, all_reduce=None: fm.routed_experts(
+                x.contiguous(), idx, w.float(), bank, limit, route=v.route, geo=geo, all_reduce=all_reduce))
+        if method in ("moe_stage1", "moe_stage2"):
             fm = _kernels("fp4_moe_grouped")
-            fn = getattr(fm, method)
-            for route in fm.ROUTES:
-                out[f"prefill_{route}"] = (lambda a, idx, bank, route=route, fn=fn:
-                                           fn(a, idx, bank, route=route, geo=fm.MoEGeometry(rows=16)))
-        elif method == "linear":
-            fg = _kernels("fp8_gemm")
-
+            fn, geo = getattr(fm, method), fm.MoEGeometry(**f)
+            return lambda a, idx, bank: fn(a, idx, bank, route=v.route, geo=geo)
+        fg, ap = _kernels("fp8_gemm"), _kernels("attention_prefill")
+        if method == "linear":
             def prefill_gemm(x, lin, all_reduce=None):
                 if all_reduce is not None or x.dtype != torch.bfloat16 or lin.fmt not in ("fp8", "bf16"):
                     return ReferenceOps.linear(self, x, lin, all_reduce)  # the variant is the GEMMs alone
                 if lin.fmt == "fp8" and lin.act_quant and self.numerics.act_quant:
-                    return fg.fp8_linear(x, lin.weight, lin.scale, config="small")
+                    return fg.fp8_linear(x, lin.weight, lin.scale, config=f["config"])
                 y = fg.weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, lin.scale if lin.fmt == "fp8" else None,
-                                   torch.bfloat16, config="small")
+                                   torch.bfloat16, config=f["config"])
                 return y.view(*x.shape[:-1], -1)
-            out["prefill_gemm"] = prefill_gemm
-        elif method == "linear_f32":
-            fg = _kernels("fp8_gemm")
-            out["prefill_weight_gemm"] = (lambda x, lin: fg.weight_gemm(
-                x.reshape(-1, x.shape[-1]), lin.weight, None, torch.float32, config="small").view(
-                    *x.shape[:-1], -1))
-        elif method == "grouped_wo_a":
-            fg = _kernels("fp8_gemm")
-            out["prefill_weight_gemm"] = (lambda o, lin, groups: fg.weight_gemm(
-                o.reshape(-1, groups, o.shape[-1]), lin.weight, lin.scale, torch.bfloat16, groups,
-                config="small").view(*o.shape[:-1], -1))
-        elif method == "expert_mlp":
-            fg = _kernels("fp8_gemm")
-            out["prefill_swiglu_mlp"] = (lambda x, w1, w2, w3, limit, weight=None, shared=False: fg.fp8_swiglu_mlp(
-                x, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, limit, config="small"))
-        elif method == "sparse_attention":
-            ap = _kernels("attention_prefill")
-            for cfg in ("h16n16", "h16n16x", "h64n32d2"):
-                out[f"prefill_{cfg}"] = (lambda q, kv, idx, sink, scale, cfg=cfg:
-                                         ap.sparse_attention(q, kv, idx, sink, scale, config=cfg))
-        elif method == "indexer_select":
-            ap = _kernels("attention_prefill")
-            out["prefill"] = (lambda qi, w, keys, positions, ratio, topk, all_reduce=None: ap.indexer_select(
-                qi, w, keys, positions, ratio, topk, config="q2t64x8"))
-        elif method in ("indexer_scores", "indexer_topk", "compressor_pool"):
-            out["prefill"] = getattr(_kernels("attention_prefill"), method)
-        return out
+            return prefill_gemm
+        if method == "linear_f32":
+            return lambda x, lin: fg.weight_gemm(x.reshape(-1, x.shape[-1]), lin.weight, None, torch.float32,
+                                                 config=f["config"]).view(*x.shape[:-1], -1)
+        if method == "grouped_wo_a":
+            return lambda o, lin, groups: fg.weight_gemm(o.reshape(-1, groups, o.shape[-1]), lin.weight, lin.scale,
+                                                         torch.bfloat16, groups, config=f["config"]).view(
+                                                             *o.shape[:-1], -1)
+        if method == "expert_mlp":
+            return lambda x, w1, w2, w3, limit, weight=None, shared=False: fg.fp8_swiglu_mlp(
+                x, w1.weight, w1.scale, w3.weight, w3.scale, w2.weight, w2.scale, limit, config=f["config"])
+        if method == "sparse_attention":
+            return lambda q, kv, idx, sink, scale: ap.sparse_attention(q, kv, idx, sink, scale, config=f["config"])
+        if method == "indexer_select":
+            return lambda qi, w, keys, positions, ratio, topk, all_reduce=None: ap.indexer_select(
+                qi, w, keys, positions, ratio, topk, config=f["config"])
+        return getattr(ap, method)  # indexer_scores, indexer_topk, compressor_pool: the kernel has the signature
 
 
 # ============================================================================================ standalone backend

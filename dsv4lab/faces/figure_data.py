@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from dsv4lab.core.config import ModelArgs, get_preset
+from dsv4lab.core.errors import RunError
 from dsv4lab.faces.measurements import load_results_file, provenance, results_path
 from dsv4lab.core.paths import REPO_ROOT, display_path
 from dsv4lab.tools.perf import account as perf_account
@@ -31,6 +32,44 @@ E2E_FILES = (  # (file under data/results/<gpu>/, what it is, the command that w
     ("e2e", "two GPUs, TP2, the whole model", "dsv4lab bench e2e --nproc 2 --tp 2 --out data/results/h200/e2e.json"),
 )
 PAPER_CONTEXT = 140  # mean position of the paper's 256-token decode run after a short prompt (perf.account)
+
+_E2E_FIELDS = ("gpu", "commit", "tp", "copy_bw_gbps", "summary.decode_tok_s", "summary.mbu", "summary.ttft_s",
+               "summary.prefill_input_tok_s", "ttft.prompt_tokens")
+FIELDS_READ: dict[str, tuple[str, ...]] = {
+    # decode_kernels: 03's kernel figure and ablation table, 05's measured roofline points
+    "decode_kernels": ("gpu", "commit", "copy_bw_gbps", "rows[].kernel", "rows[].variant", "rows[].batch",
+                       "rows[].time_us", "rows[].bytes", "rows[].gbps", "rows[].pct_copy_bw"),
+    # prefill_kernels: 04's throughput figure (tokens against tflops) and sorter table, 05's GEMM points
+    "prefill_kernels": ("gpu", "commit", "rows[].kernel", "rows[].variant", "rows[].tokens", "rows[].time_us",
+                        "rows[].tflops"),
+    # e2e_1gpu, e2e: 05's whole-step point, 06's decode and prefill standing, 05's waterfall (e2e_runs)
+    "e2e_1gpu": _E2E_FIELDS, "e2e": _E2E_FIELDS,
+}
+"""The fields of each committed results file (``data/results/<gpu>/<name>.json``) the figures read: ``a.b`` a
+nested field, ``rows[].x`` a field of every row. ``tests/test_figures.py`` checks every committed file has them, so
+a figure never draws a default in place of a field a benchmark stopped writing."""
+
+
+def missing_fields(doc: Mapping[str, Any], fields: Sequence[str]) -> list[str]:
+    """The ``fields`` (as in :data:`FIELDS_READ`) ``doc`` lacks: ``rows[7].tflops`` names the first row without it."""
+    lacking = []
+    for spec in fields:
+        if "[]." in spec:
+            head, tail = spec.split("[].", 1)
+            items = doc.get(head)
+            if not isinstance(items, list):
+                lacking.append(head)
+                continue
+            bad = next((i for i, r in enumerate(items) if not isinstance(r, Mapping) or tail not in r), None)
+            if bad is not None:
+                lacking.append(f"{head}[{bad}].{tail}")
+            continue
+        node: Any = doc
+        for part in spec.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is None:
+            lacking.append(spec)
+    return list(dict.fromkeys(lacking))
 
 
 # ============================================================================================ end to end
@@ -62,6 +101,9 @@ def e2e_runs(gpu: str = "h200", files: Sequence[tuple[str, str, str]] = E2E_FILE
         if doc is None:
             out.append(entry)
             continue
+        lacking = missing_fields(doc, FIELDS_READ.get(name, _E2E_FIELDS))
+        if lacking:
+            raise RunError(f"{display_path(path)}: lacks {lacking}, which the end-to-end figures read")
         summary = doc.get("summary") or {}
         gpus = int(doc.get("ranks") or doc.get("nproc") or 1)
         layers = int(doc.get("layers") or full)
@@ -248,6 +290,33 @@ def prefill_peaks(doc: Mapping[str, Any] | None, hardware: str | Hardware = "h20
     return {d: (hw.matrix_tflops(d), "datasheet") for d in ("bf16", "fp8") if hw.matrix_tflops(d)}
 
 
+def prefill_chunk_account(hardware: str | Hardware, prompt_tokens: int, chunks: Sequence[int | None]
+                          ) -> list[dict[str, Any]]:
+    """Notebook 04's chunk account: the cost model's prefill of a ``prompt_tokens`` prompt on MI250 GCDs in the
+    paper's setting (:data:`~dsv4lab.tools.perf.account.PAPER_PREFILL_SETTING`, the same as the paper's prefill
+    account that notebook 06 plots, so one modelled paper prefill has one value) at each chunk size, with the
+    paper's reported rate beside its chunk (2,048), then ``hardware`` in one pass. Rows for
+    :func:`dsv4lab.faces.plots.plot_step_waterfall` (``label, tokens, components_us, reported_rate,
+    reported_step_us``) and ``modelled_input_tok_s``."""
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    mi250, flash = load_hardware("mi250-gcd"), get_preset("flash")
+    final = {m["id"]: m for m in perf_account.load_paper("prefill_milestones")["milestones"]}["sorter_64"]
+    setting = perf_account.PAPER_PREFILL_SETTING
+    rows = []
+    for chunk in chunks:
+        rep = roofline_report(flash, mi250, phase="prefill", context=prompt_tokens, chunk=chunk, **setting)
+        paper = chunk == perf_account.PAPER_PREFILL_CHUNK
+        rows.append(dict(label=f"4×MI250 GCD TP{setting['tp']}, chunk {chunk or 'none'}", tokens=prompt_tokens,
+                         components_us=rep["predicted"]["components_us"],
+                         modelled_input_tok_s=rep["predicted"]["tok_s"],
+                         reported_rate=final["input_tok_s"] if paper else None,
+                         reported_step_us=final["ttft_s"] * 1e6 if paper else None))
+    rep = roofline_report(flash, hw, tp=1, phase="prefill", context=prompt_tokens)
+    rows.append(dict(label=f"1×{hw.name}, one pass", tokens=prompt_tokens,
+                     components_us=rep["predicted"]["components_us"], modelled_input_tok_s=rep["predicted"]["tok_s"]))
+    return rows
+
+
 # ============================================================================================ 05: roofline
 def step_points(report: Mapping[str, Any], group: str) -> list[dict[str, Any]]:
     """The ops of a modelled step as roofline points (at the rate the step-time model gives each)."""
@@ -419,6 +488,7 @@ def bytes_by_component(args: ModelArgs, *, tp: int = 1, ep: int = 1, context: in
     return {k: v / step.tokens for k, v in out.items() if v > 0}
 
 
-__all__ = ["E2E_FILES", "KERNEL_NAMES", "flash_cut", "e2e_runs", "e2e_bounds", "decode_standing", "prefill_standing",
-           "kernel_name", "decode_kernels", "decode_variant_table", "prefill_model_rows", "prefill_peaks",
-           "step_points", "paper_points", "measured_points", "roofline_panels", "milestone_rows", "bytes_by_component"]
+__all__ = ["E2E_FILES", "FIELDS_READ", "missing_fields", "KERNEL_NAMES", "flash_cut", "e2e_runs", "e2e_bounds",
+           "decode_standing", "prefill_standing", "kernel_name", "decode_kernels", "decode_variant_table",
+           "prefill_model_rows", "prefill_peaks", "prefill_chunk_account", "step_points", "paper_points",
+           "measured_points", "roofline_panels", "milestone_rows", "bytes_by_component"]

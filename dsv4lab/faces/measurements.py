@@ -36,8 +36,19 @@ BENCH_MODULES = {"kernels": "dsv4lab.tools.bench.kernels", "e2e": "dsv4lab.tools
                  "collectives": "dsv4lab.tools.bench.collectives", "engine": "dsv4lab.tools.bench.engine"}
 
 
+def results_dir(gpu: str = "h200") -> Path:
+    """``data/results/<gpu>/``; a GPU with no such folder (a misspelt ``GPU`` parameter) is an error naming the
+    folders there are, so a notebook never reports a run without measurements as if it had plotted them."""
+    folder = RESULTS_DIR / gpu
+    if not folder.is_dir():
+        known = sorted(p.name for p in RESULTS_DIR.iterdir() if p.is_dir()) if RESULTS_DIR.is_dir() else []
+        raise RunError(f"GPU={gpu!r}: no measurements folder {display_path(folder)} (there are: "
+                       f"{', '.join(known) or 'none'}); a GPU measured for the first time needs its folder there")
+    return folder
+
+
 def results_path(name: str, gpu: str = "h200") -> Path:
-    return RESULTS_DIR / gpu / f"{name}.json"
+    return results_dir(gpu) / f"{name}.json"
 
 
 def load_results_file(name: str, gpu: str = "h200", path: str | Path | None = None) -> dict[str, Any] | None:
@@ -184,5 +195,5 @@ def fresh_benchmark(kind: str, extra_args: Sequence[str], out: str | Path, timeo
     return dict(status="measured", path=str(out), message=tail)
 
 
-__all__ = ["RESULTS_DIR", "RESULT_FILES", "results_path", "load_results_file", "provenance", "availability",
-           "gpu_available", "e2e_headline", "kernel_checks", "check_rows_summary", "fresh_benchmark"]
+__all__ = ["RESULTS_DIR", "RESULT_FILES", "results_dir", "results_path", "load_results_file", "provenance",
+           "availability", "gpu_available", "e2e_headline", "kernel_checks", "check_rows_summary", "fresh_benchmark"]

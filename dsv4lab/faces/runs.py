@@ -28,15 +28,19 @@ Nothing here imports torch, matplotlib or papermill at import time.
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import json
+import os
 import shutil
+import signal
 import tempfile
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from dsv4lab.core.errors import RunError
+from dsv4lab.core.errors import RunError, Terminated
 from dsv4lab.core.paths import DATA_DIR, EXPECTATIONS_FILE, IN_CHECKOUT, NOTEBOOKS_DIR, REPO_ROOT, display_path, read_yaml
 from dsv4lab.faces.plots import figure_problems, save_figure
 from dsv4lab.core.provenance import (dumps, environment, file_sha256, git_state, jsonable, md_table, rows_to_csv,
@@ -337,11 +341,48 @@ def notebook_output_files(run_dir: str | Path, notebook: str) -> dict[str, str]:
 
 
 def write_manifest(run_dir: str | Path, manifest: Mapping[str, Any]) -> Path:
-    """Write ``manifest.json`` (replacing the previous one of this run: it is rewritten after each notebook so
-    an interrupted run still documents what it did)."""
+    """Write ``manifest.json`` whole or not at all (a temporary file renamed over the previous one: it is rewritten
+    after each notebook so an interrupted run still documents what it did)."""
     path = Path(run_dir) / "manifest.json"
     write_text_if_changed(path, dumps(dict(manifest)))
     return path
+
+
+def settle_notebook(partial: Path, final: Path) -> Path | None:
+    """Move an executed notebook that papermill wrote to ``partial`` (it rewrites the file after every cell) into
+    ``final`` if it is a whole notebook; remove it otherwise (a write cut short by a signal or a full disk). The
+    run folder then holds each executed notebook whole or not at all. Returns ``final`` or None."""
+    if not partial.exists():
+        return None
+    try:
+        doc = json.loads(partial.read_text())
+        whole = isinstance(doc, dict) and isinstance(doc.get("cells"), list) and "nbformat" in doc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        whole = False
+    if not whole:
+        partial.unlink(missing_ok=True)
+        return None
+    os.replace(partial, final)
+    return final
+
+
+@contextlib.contextmanager
+def signals_end_runs():
+    """For the block, SIGTERM raises :class:`~dsv4lab.core.errors.Terminated` (a ``KeyboardInterrupt``) where the
+    program is, as Ctrl-C (SIGINT) raises ``KeyboardInterrupt``: either ends a run through the code that writes its
+    manifest as "interrupted". The previous handler is restored afterwards (signals reach the main thread only; in
+    any other thread this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ============================================================================================ expectations
@@ -390,7 +431,9 @@ def compare_with_expectations(results: Mapping[str, Mapping[str, Any]], expectat
                               smoke: bool) -> list[dict[str, Any]]:
     """One row per expectation of the notebooks that produced results: ``notebook, key, expected, got,
     tolerance, status`` (``ok`` / ``FAIL`` / ``missing`` / ``skipped`` when the expectation does not apply to
-    this mode or checkpoint)."""
+    this mode or checkpoint). A key the notebook did not record, or recorded as null, is ``missing``; so is a key
+    of an expectation marked ``measurement: true`` (it counts or flags measurements) recorded as false or 0: a run
+    without its measurements is never ``ok``."""
     rows = []
     for nb, keys in expectations.items():
         if nb not in results:
@@ -410,8 +453,8 @@ def compare_with_expectations(results: Mapping[str, Mapping[str, Any]], expectat
                 row["status"] = "skipped"
                 row["tolerance"] = f"applies to {', '.join(modes or [])}{' ' if modes and only else ''}" \
                                    f"{', '.join(only or [])}".strip()
-            elif key not in got_keys:
-                row["status"] = "missing"
+            elif got_keys.get(key) is None or (exp.get("measurement") and got_keys[key] in (False, 0)):
+                row["status"] = "missing"  # never "ok" for a run that lacks what the key reports
             else:
                 ok, tol = check_expectation(got_keys[key], exp)
                 row.update(status="ok" if ok else "FAIL", tolerance=tol)
@@ -491,14 +534,13 @@ def write_report(run_dir: str | Path, manifest: Mapping[str, Any],
         for f in pngs:
             pdf = f[:-4] + ".pdf"
             lines += ["", f"![{Path(f).stem}]({f}) ([PDF]({pdf}))"]
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
-    return path
+    return write_text_if_changed(run_dir / "report.md", "\n".join(lines).rstrip() + "\n")
 
 
 __all__ = ["NOTEBOOKS_DIR", "DATA_DIR", "REPO_ROOT", "NOTEBOOK_ORDER", "REQUIRED_PARAMETERS", "DEFAULT_CHECKPOINTS",
            "SCRATCH_DIR", "RunError", "NotebookOutputs", "Table", "summary", "scratch_dir",
            "notebook_outputs", "create_run_dir", "default_checkpoint", "resolve_checkpoint", "display_path",
            "git_state", "utc_stamp", "environment", "file_sha256", "notebook_output_files", "write_manifest",
+           "settle_notebook", "signals_end_runs",
            "load_expectations", "check_expectation", "compare_with_expectations", "write_report", "load_results",
            "md_table", "rows_to_csv", "jsonable", "dumps", "source_date_epoch"]

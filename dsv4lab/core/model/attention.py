@@ -139,6 +139,12 @@ class Attention(nn.Module):
         # The window of the query at position p lists positions max(0, p-W+1)..p oldest first, then −1 for the
         # slots a young sequence has not filled (DeepSeek's get_window_topk_idxs): the order decides which
         # 64-index block of the online softmax each row falls in. Row of position q in [hist; kv]: q - (start-W).
+        # Always W columns, as DeepSeek's decode lists them. Its one-shot prefill of n < W tokens lists min(n, W),
+        # so there the compressed entries start in another 64-index block and their probabilities round to bf16
+        # against other running maxima (the same softmax, one bf16 rounding of P apart; identical when min(n, W)
+        # is a multiple of 64). Kept on purpose: a prefill, a chunked prefill and decode of the same positions
+        # then round alike, which the exact cached-vs-recompute tier relies on
+        # (tests/test_reference_fidelity.py::test_a_prefill_shorter_than_the_window_keeps_the_decode_layout).
         u = torch.arange(W, device=x.device)
         win_pos = (positions - (W - 1)).clamp(min=0)[:, :, None] + u[None, None, :]  # [b, n, W]
         win_rows = win_pos - (start[:, None, None] - W)

@@ -8,7 +8,8 @@ The JSON also carries the decode path the engine took (``decode``: ``graph`` —
 step, the default on a GPU with the Triton backend, with the seconds each batch tier's capture took — ``static`` or
 ``eager``). Under ``torchrun`` with ``--tp``/``--ep`` only rank 0 prints. ``--speculative mtp`` decodes greedily with
 the MTP block drafting ``--draft-tokens`` tokens per forward (the same ids and hash; the JSON adds the acceptance
-counters).
+counters). On the CPU, torch runs ``--threads`` threads (default 1 unless ``OMP_NUM_THREADS`` is set; the JSON's
+``threads``).
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import time
 
 from dsv4lab.engine import MAX_TEMPERATURE, SEED_RANGE
 from dsv4lab.core.errors import UserError
-from dsv4lab.tools.options import (add_backend, add_device, add_dtype, float_range, int_range, resolve_device,
-                       torch_dtype)
+from dsv4lab.tools.options import (add_backend, add_device, add_dtype, add_threads, float_range, int_range,
+                                   resolve_device, set_cpu_threads, torch_dtype)
 
 NAME = "generate"
 HELP = "generate tokens from a checkpoint, printing the text as it goes (--json: output_ids and the trajectory hash)"
@@ -41,6 +42,7 @@ def add_arguments(p):
     add_backend(p)
     add_dtype(p)
     add_device(p)
+    add_threads(p)
     p.add_argument("--prefill-chunk", type=int_range(1), default=None,
                    help="prefill the prompt in chunks of this many tokens")
     p.add_argument("--decode-path", default="auto", choices=("auto", "graph", "static", "eager"),
@@ -96,6 +98,7 @@ def run(args) -> int:
 
     dtype = torch_dtype(args.dtype)
     device = resolve_device(args.device)
+    threads = set_cpu_threads(args.threads, device)
     if args.speculative is not None:
         try:
             check_speculative(args.speculative, args.temperature)
@@ -115,6 +118,10 @@ def run(args) -> int:
         if m.tokenizer is None:
             raise UserError(f"{args.checkpoint} has no tokenizer.json: use --prompt-ids")
         ids = m.tokenizer.encode(args.prompt, add_bos=not args.no_bos)
+        outside = m.tokenizer.ids_outside(ids, m.args.vocab_size)
+        if outside:
+            raise UserError(f"--prompt: the tokenizer gives ids outside the vocabulary [0, {m.args.vocab_size}) "
+                            f"(position, id: {outside})")
     else:
         ids = parse_ids(args.prompt_ids)
         bad = [i for i in ids if not 0 <= i < m.args.vocab_size]
@@ -146,7 +153,7 @@ def run(args) -> int:
     reason = finish_reason(out, len(ids), args.max_new_tokens, cache, m.args.eos_token_id)
     text = m.tokenizer.decode(out) if m.tokenizer is not None else None
     res = dict(prompt_ids=ids, output_ids=out, hash=trajectory_hash(out), text=text, finish_reason=reason,
-               backend=m.backend, dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info())
+               backend=m.backend, dtype=args.dtype, seconds=round(dt, 4), decode=m.decode_info(), threads=threads)
     if args.speculative is not None:
         res["speculative"] = dict(method=args.speculative, draft_tokens=args.draft_tokens,
                                   **m.last_speculative_stats.to_dict())

@@ -4,6 +4,9 @@ Deterministic: the bytes depend only on the config and ``--seed`` (each tensor i
 (seed, tensor name)), so rerunning gives identical files. ``data/tiny`` is regenerated with::
 
     dsv4lab make-checkpoint --preset tiny --seed 0 --out data/tiny --overwrite
+
+The disk must have room for every byte before anything is written (a refusal names the folder, what is needed and
+what is free).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dsv4lab.core.config import resolve_args
 from dsv4lab.core.errors import UserError
 from dsv4lab.tools.options import add_preset, int_range
 from dsv4lab.core.paths import DEFAULT_TOKENIZER, require
+from dsv4lab.core.resources import require_disk_space
 
 NAME = "make-checkpoint"
 HELP = "write a seeded random checkpoint (native names, dtypes, shapes, shards, index)"
@@ -41,6 +45,7 @@ def run(args) -> int:
     if tok is not None and not Path(tok).exists():
         raise UserError(f"--tokenizer {tok}: no such file")
     inv = inventory(margs)
+    require_disk_space(Path(args.out).absolute().parent, inv.total_bytes, f"writing {Path(args.out).name}")
     print(f"writing {inv.tensors:,} tensors, {inv.total_bytes:,} bytes to {args.out} (seed {args.seed})",
           file=sys.stderr)
     out = make_random_checkpoint(margs, args.seed, args.out, n_shards=args.shards, tokenizer=tok,

@@ -4,6 +4,10 @@
     dsv4lab reproduce --smoke                       # tiny CPU run (what the tests run)
     dsv4lab reproduce --only 01,05 --params my.yaml --out runs/
 
+The notebooks are the percent-format scripts ``notebooks/NAME.py`` (jupytext's text notebooks, see
+``docs/notebooks.md``); each is read into a notebook here, in memory, and the executed copy is written as
+``.ipynb`` into the run folder. A folder given with ``--notebooks-dir`` may also hold ``.ipynb`` files.
+
 Each run gets its own folder ``<out>/<UTC timestamp>_<git short hash>/`` (never reused) holding the executed
 notebooks, results, figures, logs, ``manifest.json`` and ``report.md`` (see :mod:`dsv4lab.faces.runs`).
 
@@ -15,10 +19,14 @@ parameters, any other key is passed to every selected notebook that declares it:
       LAYER: 2
 
 Parameter names and types are checked against each notebook's parameters cell before anything runs (papermill
-itself would only warn); a mistake stops the run with a message naming the notebook and its parameters cell.
+itself would only warn); a mistake stops the run with a message naming the notebook and its parameters cell. The
+file may have at most 1 MiB and 10,000 values with its YAML aliases expanded (a few lines of nested aliases would
+otherwise expand into a manifest of hundreds of MB); errors quote values cut to a short excerpt.
 A notebook whose cell fails is reported with the cell (its number and id, the line that raised) and the error; the
 remaining notebooks still run, and the manifest, report and partial outputs are written before the command
-exits with status 1.
+exits with status 1. Ctrl-C (SIGINT) and ``kill`` (SIGTERM) both end the run with a manifest whose status is
+``interrupted`` (exit 130 and 143). Manifests, reports and executed notebooks are written whole or not at all (a
+temporary file renamed into place), and the command checks there is room for a run on the disk before it starts.
 
 Kernels run with ``OMP_NUM_THREADS=1`` unless it is set (the tiny model's ops are too small to gain from
 threads, and on a shared machine extra threads only contend), ``SOURCE_DATE_EPOCH`` (the HEAD commit time
@@ -26,6 +34,7 @@ unless set) and, without a GPU, ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -34,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from dsv4lab.faces import runs
-from dsv4lab.core.errors import RunError, UserError
+from dsv4lab.core.errors import RunError, Terminated, UserError, clip, excerpt
+from dsv4lab.core.resources import require_disk_space
 from dsv4lab.tools.options import float_range
 from dsv4lab.core.paths import NOTEBOOKS_DIR, display_path, read_yaml
 from dsv4lab.core.provenance import source_date_epoch
@@ -53,6 +63,11 @@ TYPE_CHECKS = {
     "dict": (lambda v: isinstance(v, dict), "a mapping"),
 }
 SET_BY_REPRODUCE = ("RUN_DIR",)
+PARAMS_MAX_BYTES = 1 << 20      # a parameters file is a few lines
+PARAMS_MAX_VALUES = 10_000      # values in it once its YAML aliases are expanded
+SHOWN_PROBLEMS = 20            # parameter problems the error lists (the manifest keeps them all)
+RUN_BYTES = 256 << 20
+"""Disk a run folder may take: executed notebooks, results, figures (PNG + PDF) and logs of every notebook."""
 # The kernel's own log lines (ipykernel warns that loopback TCP is unencrypted, and logs the interrupt it gets at
 # shutdown) would interleave with the progress bars; what a cell prints still goes to logs/<name>.log.
 KERNEL_ARGUMENTS = ("--IPKernelApp.log_level=CRITICAL",)
@@ -73,20 +88,48 @@ def add_arguments(p):
 
 
 # ============================================================================================ notebooks
+# Cells read from a text notebook carry no ids; these stable ones name a failing cell the same way in every run.
+CELL_ID = "cell-{:02d}"
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
 def discover(folder: Path) -> list[Path]:
-    """The notebooks of ``folder``: the declared order first (all of it for the repository's folder), then
-    any others by name."""
+    """The notebooks of ``folder`` (``*.py`` text notebooks and ``*.ipynb``; a text notebook wins over an
+    ``.ipynb`` of the same name, which is its paired copy): the declared order first (all of it for the
+    repository's folder), then any others by name."""
     found = {p.stem: p for p in folder.glob("*.ipynb")}
+    found.update({p.stem: p for p in folder.glob("*.py")})
     if folder.resolve() == NOTEBOOKS_DIR.resolve():
         missing = [n for n in NOTEBOOK_ORDER if n not in found]
         if missing:
-            raise UserError(f"{folder}: missing notebook(s) {missing} "
-                            "(rebuild them: python scripts/build_notebooks.py)")
+            raise UserError(f"{folder}: missing notebook(s) {missing} (notebooks/NAME.py)")
     ordered = [found[n] for n in NOTEBOOK_ORDER if n in found]
     ordered += [found[n] for n in sorted(found) if n not in NOTEBOOK_ORDER]
     if not ordered:
-        raise UserError(f"{folder}: no notebooks (*.ipynb)")
+        raise UserError(f"{folder}: no notebooks (*.py text notebooks or *.ipynb)")
     return ordered
+
+
+def read_notebook(path: Path):
+    """The notebook at ``path`` as an ``nbformat`` node: a percent-format ``.py`` through jupytext (cells numbered
+    ``cell-01`` ..., the Python 3 kernel), an ``.ipynb`` as it is. A file that is not a notebook is an error naming
+    it, in one line."""
+    import nbformat
+    path = Path(path)
+    try:
+        if path.suffix == ".ipynb":
+            return nbformat.read(str(path), as_version=4)
+        import jupytext
+        nb = jupytext.read(path, fmt="py:percent")
+    except Exception as err:  # nbformat and jupytext raise NotJSONError, ValidationError, KeyError... for a bad file
+        raise UserError(f"{path}: not a notebook nbformat can read ({type(err).__name__}: {clip(err, 120)})"
+                        ) from None
+    for i, cell in enumerate(nb.cells, 1):
+        cell["id"] = CELL_ID.format(i)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata.setdefault("language_info", {"name": "python"})
+    nb.nbformat, nb.nbformat_minor = 4, 5
+    return nb
 
 
 def select(notebooks: list[Path], only: list[str] | None) -> list[Path]:
@@ -96,7 +139,7 @@ def select(notebooks: list[Path], only: list[str] | None) -> list[Path]:
     wanted = [w.strip() for item in only for w in item.split(",") if w.strip()]
     chosen: list[Path] = []
     for w in wanted:
-        w = w[:-6] if w.endswith(".ipynb") else w
+        w = w.removesuffix(".ipynb").removesuffix(".py")
         hits = [p for p in notebooks if p.stem == w or p.stem.split("_", 1)[0] == w]
         if not hits:
             raise UserError(f"--only {w!r}: no such notebook; available: {', '.join(p.stem for p in notebooks)}")
@@ -106,8 +149,7 @@ def select(notebooks: list[Path], only: list[str] | None) -> list[Path]:
 
 def parameters_cell(path: Path) -> tuple[int | None, str | None]:
     """Index and id of the cell tagged ``parameters``."""
-    import nbformat
-    nb = nbformat.read(str(path), as_version=4)
+    nb = read_notebook(path)
     for i, cell in enumerate(nb.cells):
         if "parameters" in cell.get("metadata", {}).get("tags", []):
             return i, cell.get("id")
@@ -120,7 +162,10 @@ def declared_parameters(path: Path) -> dict[str, dict]:
     idx, _ = parameters_cell(path)
     if idx is None:
         raise UserError(f"{path.stem}: no cell tagged 'parameters' (the first code cell must carry that tag)")
-    return papermill.inspect_notebook(str(path))
+    try:
+        return papermill.inspect_notebook(read_notebook(path))
+    except ValueError as err:  # e.g. an .ipynb that names no kernel in its metadata
+        raise UserError(f"{path}: papermill cannot read its parameters ({clip(err)})") from None
 
 
 def _where(path: Path) -> str:
@@ -135,7 +180,7 @@ def load_params_file(path: str | None, notebook_names: list[str]) -> tuple[dict,
     p = Path(path)
     if not p.exists():
         raise UserError(f"--params {path}: no such file")
-    doc = read_yaml(p, UserError) or {}
+    doc = read_yaml(p, UserError, max_values=PARAMS_MAX_VALUES, max_bytes=PARAMS_MAX_BYTES) or {}
     if not isinstance(doc, dict):
         raise UserError(f"--params {path}: expected a mapping of NAME: value (and notebook: {{NAME: value}})")
     glob, per = {}, {}
@@ -146,7 +191,7 @@ def load_params_file(path: str | None, notebook_names: list[str]) -> tuple[dict,
                 raise UserError(f"--params {path}: {key} must map parameter names to values")
             per[key.removesuffix(".ipynb")] = v
         elif isinstance(v, dict) and key[:2].isdigit():
-            raise UserError(f"--params {path}: {key!r} looks like a notebook but none is named so; "
+            raise UserError(f"--params {path}: {excerpt(key)} looks like a notebook but none is named so; "
                             f"notebooks: {', '.join(notebook_names)}")
         else:
             glob[key] = v
@@ -166,7 +211,7 @@ def check_parameters(notebooks: list[Path], declared: dict[str, dict], glob: dic
         if k in SET_BY_REPRODUCE:
             problems.append(f"--params: {k} is set by dsv4lab reproduce (use --out for the run folder)")
         elif not any(k in declared[n] for n in selected):
-            problems.append(f"--params: no selected notebook declares a parameter {k!r}; "
+            problems.append(f"--params: no selected notebook declares a parameter {excerpt(k)}; "
                             f"declared: {', '.join(sorted({p for n in selected for p in declared[n]}))}")
     for nb, params in per.items():
         if nb not in selected:
@@ -175,7 +220,7 @@ def check_parameters(notebooks: list[Path], declared: dict[str, dict], glob: dic
             if k in SET_BY_REPRODUCE:
                 problems.append(f"--params: {nb}.{k} is set by dsv4lab reproduce (use --out for the run folder)")
             elif k not in declared[nb]:
-                problems.append(f"{_where(by_name[nb])}: unknown parameter {k!r}; it declares "
+                problems.append(f"{_where(by_name[nb])}: unknown parameter {excerpt(k)}; it declares "
                                 f"{', '.join(declared[nb])}")
     out: dict[str, dict] = {}
     for name in selected:
@@ -188,7 +233,7 @@ def check_parameters(notebooks: list[Path], declared: dict[str, dict], glob: dic
             check = TYPE_CHECKS.get(typ)
             if check and not check[0](v):
                 problems.append(f"{_where(by_name[name])}: parameter {k} is declared {typ} (default "
-                                f"{declared[name][k].get('default')}), got {v!r}: expected {check[1]}")
+                                f"{declared[name][k].get('default')}), got {excerpt(v)}: expected {check[1]}")
         out[name] = params
     return out, problems
 
@@ -219,8 +264,7 @@ def describe_failure(err: BaseException, executed: Path, source: Path) -> dict[s
             pass
     number = None
     if cell_id is not None:
-        import nbformat
-        src = nbformat.read(str(source), as_version=4)
+        src = read_notebook(source)
         number = next((i + 1 for i, c in enumerate(src.cells) if c.get("id") == cell_id), None)
     info.update(cell=number, cell_id=cell_id, line=line_no, source_line=src_line)
     where = (f"cell {number} (id {cell_id}" + (f", In [{info.get('exec_count')}]" if info.get("exec_count") else "")
@@ -289,8 +333,27 @@ def run(args) -> int:
 
     glob, per = load_params_file(args.params, [p.stem for p in notebooks])
     params, problems = check_parameters(notebooks, declared, glob, per, [p.stem for p in chosen], args.smoke)
-    run_dir = runs.create_run_dir(args.out)
-    started = time.time()
+    require_disk_space(args.out, RUN_BYTES, "a run folder")
+    with runs.signals_end_runs():  # SIGTERM ends the run like Ctrl-C: through the handler that says so
+        run_dir = runs.create_run_dir(args.out)
+        manifest = _new_manifest(args, folder, chosen, params, run_dir)
+        try:
+            return _run(args, chosen, params, problems, run_dir, manifest)
+        except KeyboardInterrupt as stop:
+            # the kernel's pending tasks die with the run; asyncio would log each ("Task exception was never
+            # retrieved ... Kernel died") with a traceback after the one line that says the run was interrupted
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+            for n in manifest["notebooks"]:
+                if n["status"] in ("pending", "running"):
+                    n["status"] = "not_run" if n["status"] == "pending" else "interrupted"
+            manifest.update(status="interrupted", finished_utc=runs.utc_stamp(),
+                            interrupted_by="SIGTERM" if isinstance(stop, Terminated) else "SIGINT")
+            runs.write_manifest(run_dir, manifest)
+            runs.write_report(run_dir, manifest)
+            raise
+
+
+def _new_manifest(args, folder: Path, chosen: list[Path], params: dict[str, dict], run_dir: Path) -> dict[str, Any]:
     manifest: dict[str, Any] = dict(
         format=runs.MANIFEST_FORMAT, command=["dsv4lab", "reproduce", *sys.argv[2:]] if sys.argv[1:2] == ["reproduce"]
         else ["dsv4lab", "reproduce", *_argv(args)],
@@ -303,13 +366,21 @@ def run(args) -> int:
         manifest["notebooks"].append(dict(name=p.stem, source=runs.display_path(p), source_sha256=runs.file_sha256(p),
                                           parameters=dict(params.get(p.stem, {}), RUN_DIR=runs.display_path(run_dir)),
                                           status="pending", duration_s=None, outputs={}))
+    return manifest
+
+
+def _run(args, chosen: list[Path], params: dict[str, dict], problems: list[str], run_dir: Path,
+         manifest: dict[str, Any]) -> int:
+    started = time.time()
     if problems:
         manifest.update(status="invalid_parameters", problems=problems, finished_utc=runs.utc_stamp())
         for n in manifest["notebooks"]:
             n["status"] = "not_run"
         runs.write_manifest(run_dir, manifest)
         runs.write_report(run_dir, manifest)
-        raise UserError("invalid parameters, nothing was run:\n  " + "\n  ".join(problems)
+        shown = problems[:SHOWN_PROBLEMS] + ([f"... and {len(problems) - SHOWN_PROBLEMS} more (all in the manifest)"]
+                                             if len(problems) > SHOWN_PROBLEMS else [])
+        raise UserError("invalid parameters, nothing was run:\n  " + "\n  ".join(shown)
                         + f"\n(manifest written to {run_dir / 'manifest.json'})")
 
     records: dict[str, dict] = {}
@@ -322,13 +393,7 @@ def run(args) -> int:
     if len(records) > 1:
         manifest["checkpoints"] = list(records.values())
     runs.write_manifest(run_dir, manifest)
-    try:
-        failures = _execute_all(chosen, params, run_dir, manifest, args)
-    except KeyboardInterrupt:
-        manifest.update(status="interrupted", finished_utc=runs.utc_stamp())
-        runs.write_manifest(run_dir, manifest)
-        runs.write_report(run_dir, manifest)
-        raise
+    failures = _execute_all(chosen, params, run_dir, manifest, args)
     manifest.update(status="failed" if failures else "ok", finished_utc=runs.utc_stamp(),
                     duration_s=round(time.time() - started, 1))
     runs.write_manifest(run_dir, manifest)
@@ -355,6 +420,7 @@ def _argv(args) -> list[str]:
 
 
 def _execute_all(chosen: list[Path], params: dict[str, dict], run_dir: Path, manifest: dict, args) -> list[str]:
+    import nbformat
     import papermill
     from tqdm.auto import tqdm
 
@@ -366,23 +432,34 @@ def _execute_all(chosen: list[Path], params: dict[str, dict], run_dir: Path, man
     try:
         for path, entry in zip(bar, manifest["notebooks"]):
             bar.set_postfix_str(path.stem)
-            executed = run_dir / "notebooks" / path.name
+            executed = run_dir / "notebooks" / f"{path.stem}.ipynb"
+            partial = executed.with_name(f".{path.stem}.partial.ipynb")  # papermill rewrites it after every cell
             log = run_dir / "logs" / f"{path.stem}.log"
             entry.update(status="running", executed=runs.display_path(executed), log=runs.display_path(log))
             runs.write_manifest(run_dir, manifest)
             parameters = dict(params[path.stem], RUN_DIR=str(run_dir.resolve()))
             t0 = time.time()
             try:
+                # The notebook is built into the run folder first and executed there in place (papermill records
+                # its input's path in the executed copy, and an in-memory input would be recorded as a whole copy),
+                # as a hidden partial file that becomes notebooks/NAME.ipynb only when it is whole.
+                executed.parent.mkdir(parents=True, exist_ok=True)
+                nbformat.write(read_notebook(path), str(partial))
                 with open(log, "w") as log_file:
-                    papermill.execute_notebook(
-                        str(path), str(executed), parameters=parameters, cwd=str(path.parent),
-                        progress_bar=dict(desc=f"  {path.stem}", leave=False, file=sys.stderr),
-                        stdout_file=log_file, stderr_file=log_file, kernel_name="python3",
-                        extra_arguments=list(KERNEL_ARGUMENTS),
-                        **({"execution_timeout": args.cell_timeout} if args.cell_timeout else {}))
+                    try:
+                        papermill.execute_notebook(
+                            str(partial), str(partial), parameters=parameters, cwd=str(path.parent),
+                            progress_bar=dict(desc=f"  {path.stem}", leave=False, file=sys.stderr),
+                            stdout_file=log_file, stderr_file=log_file, kernel_name="python3",
+                            extra_arguments=list(KERNEL_ARGUMENTS),
+                            **({"execution_timeout": args.cell_timeout} if args.cell_timeout else {}))
+                    finally:  # the executed notebook whole, or none
+                        if runs.settle_notebook(partial, executed) is None:
+                            entry["executed"] = None
                 entry["status"] = "ok"
-            except KeyboardInterrupt:
-                entry.update(status="interrupted", error=dict(message=f"{path.stem}: interrupted"))
+            except KeyboardInterrupt as stop:
+                how = "terminated (SIGTERM)" if isinstance(stop, Terminated) else "interrupted"
+                entry.update(status="interrupted", error=dict(message=f"{path.stem}: {how}"))
                 failures.append(entry["error"]["message"])
                 raise
             except Exception as err:  # any failure of one notebook is recorded; the others still run

@@ -16,8 +16,9 @@ matplotlib is imported inside the functions (``import dsv4lab.faces.plots`` stay
 from __future__ import annotations
 
 from dsv4lab.faces.plots.checkpoint import plot_checkpoint_inventory, plot_quant_ablation
-from dsv4lab.faces.plots.correctness import (check_ratio, plot_channel_similarity, plot_divergence_vs_position, plot_kernel_check_errors,
-                          plot_layer_divergence, plot_stage_cosines)
+from dsv4lab.faces.plots.correctness import (KERNEL_CHECK_FIELDS, check_ratio, plot_channel_similarity,
+                                             plot_divergence_vs_position, plot_kernel_check_errors,
+                                             plot_layer_divergence, plot_stage_cosines)
 from dsv4lab.faces.plots.lint import figure_problems
 from dsv4lab.faces.plots.perf import (plot_bytes_composition, plot_decode_kernels, plot_hardware_catalogue, plot_milestones,
                    plot_prefill_throughput, plot_roofline, plot_step_waterfall)
@@ -29,5 +30,5 @@ FIGURES = ("plot_checkpoint_inventory", "plot_quant_ablation", "plot_channel_sim
            "plot_prefill_throughput", "plot_milestones")
 """Every figure function (``tests/test_figures.py`` renders each and lints it)."""
 
-__all__ = list(FIGURES) + ["FIGURES", "STYLE", "check_ratio", "figure_problems", "headline", "save_figure",
-                           "use_style"]
+__all__ = list(FIGURES) + ["FIGURES", "STYLE", "KERNEL_CHECK_FIELDS", "check_ratio", "figure_problems", "headline",
+           "save_figure", "use_style"]

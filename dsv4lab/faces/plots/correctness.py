@@ -85,20 +85,31 @@ def plot_stage_cosines(runs: Mapping[str, Sequence[Mapping[str, Any]]], *, highl
 
 
 # ============================================================================================ kernel tier (02)
+KERNEL_CHECK_FIELDS = ("op", "impl", "ok", "bitwise_equal", "bound_ratio")
+"""The fields of a kernel-check row (:func:`dsv4lab.tools.verify.kernels.run_kernel_checks`) the kernel-tier figure
+reads; ``tests/test_figures.py`` checks the verifier still writes every one."""
+
+
 def check_ratio(row: Mapping[str, Any]) -> tuple[float, str]:
     """A kernel check's error as a multiple of what it is allowed (≤ 1 passes) and what it is measured against.
 
-    A row with ``max_ratio`` carries the analytic bound's ratio (``dsv4lab.tools.verify.bounds``: worst
-    ``|out − ref| / bound`` over the elements) and is used as is. Otherwise the row is a tolerance comparison
-    (:mod:`dsv4lab.tools.verify.compare`): the worst element's error over its limit ``atol + rtol·|ref|``, or the
-    cosine shortfall over the allowed one when that is larger. A check that crashed is ``inf``."""
-    if row.get("max_ratio") is not None:
-        return float(row["max_ratio"]), "bound"
+    A bitwise-equal check is 0. Otherwise the row's ``bound_ratio`` — the analytic bound's worst
+    ``|out − ref| / bound`` over the elements (:mod:`dsv4lab.tools.verify.op_bounds`), what the verifier writes — is
+    used as is (``max_ratio``, its older name, too). Rows of an older tolerance comparison (``tol``,
+    :mod:`dsv4lab.tools.verify.compare`) give the worst element's error over ``atol + rtol·|ref|``, or the cosine
+    shortfall over the allowed one when that is larger. A check that crashed or has no bound is ``inf``. A passing
+    row that says none of this cannot be placed, and is refused rather than drawn as bitwise equal."""
+    if row.get("bitwise_equal"):
+        return 0.0, "bound"
+    for key in ("bound_ratio", "max_ratio"):
+        if row.get(key) is not None:
+            return float(row[key]), "bound"
     tol = row.get("tol") or {}
     if not tol:
-        return (0.0 if row.get("ok") else math.inf), "tolerance"
-    if row.get("bitwise_equal"):
-        return 0.0, "tolerance"
+        if not row.get("ok"):
+            return math.inf, "bound"
+        raise ValueError(f"kernel check {row.get('op')}[{row.get('impl')}] passed but carries neither bitwise_equal "
+                         f"nor bound_ratio (fields: {', '.join(sorted(row))}): the figure cannot place it")
     worst = row.get("worst") or {}
     ratio = 0.0
     if worst:
@@ -125,6 +136,7 @@ def plot_kernel_check_errors(rows: Sequence[Mapping[str, Any]], *, floor: float 
     (:func:`check_ratio`), against the line at 1 — left of it passes, right of it fails. Bitwise-equal checks sit
     in their own column; implementations are grouped by family (colour), failures are named."""
     worst: dict[tuple[str, str], tuple[float, bool]] = {}
+    bitwise: dict[tuple[str, str], bool] = {}  # every check of the pair bitwise equal: the left column
     basis = "bound"
     for r in rows:
         ratio, how = check_ratio(r)
@@ -132,6 +144,7 @@ def plot_kernel_check_errors(rows: Sequence[Mapping[str, Any]], *, floor: float 
         key = (str(r["op"]), str(r["impl"]))
         prev = worst.get(key, (0.0, True))
         worst[key] = (max(prev[0], ratio), prev[1] and bool(r.get("ok")))
+        bitwise[key] = bitwise.get(key, True) and bool(r.get("bitwise_equal"))
     ops = list(dict.fromkeys(k[0] for k in worst))
     families = list(dict.fromkeys(_family(k[1]) for k in worst))
     family_color = {f: (OTHER if f.startswith("reference") else PALETTE[(i - 1) % len(PALETTE)])
@@ -146,8 +159,8 @@ def plot_kernel_check_errors(rows: Sequence[Mapping[str, Any]], *, floor: float 
         ax.axvspan(x_exact / 2, x_exact * 2, color="#EEF3EA", zorder=0)
         ax.axvline(1.0, color="#B22222", linewidth=1.1, label="allowed (ratio 1: left passes, right fails)")
         for fam in families:
-            pts = [(min(max(ratio, floor), x_max / 1.5) if ratio > 0 else x_exact, ys[op] + offsets[fam], ok, impl)
-                   for (op, impl), (ratio, ok) in worst.items() if _family(impl) == fam]
+            pts = [(x_exact if bitwise[op, impl] else min(max(ratio, floor), x_max / 1.5), ys[op] + offsets[fam], ok,
+                    impl) for (op, impl), (ratio, ok) in worst.items() if _family(impl) == fam]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=source_label(MEASURED, fam),
                     **marker_style(MEASURED, family_color[fam], 4.5), alpha=0.9)
             for x, y, ok, impl in pts:
@@ -176,8 +189,9 @@ def plot_kernel_check_errors(rows: Sequence[Mapping[str, Any]], *, floor: float 
         n_bad = sum(not ok for _, ok in worst.values())
         fig.suptitle(title or f"Kernel tier: every op's worst check against what it is allowed "
                               f"({len(worst)} op × implementation pairs, {n_bad} failed)", fontsize=10)
-        note = None if basis == "bound" else ("tolerances are output-relative (dsv4lab.tools.verify.compare); this "
-                                              "commit's checks carry no analytic-bound ratio yet")
+        note = ("each check's worst element against its op's analytic error bound (dsv4lab.tools.verify.op_bounds)"
+                if basis == "bound" else "some checks are older tolerance comparisons (atol + rtol·|ref|, "
+                "dsv4lab.tools.verify.compare), not analytic bounds")
         w = dict(where or {})
         if note:
             w["note"] = "; ".join(x for x in (w.get("note"), note) if x)
@@ -261,5 +275,5 @@ def plot_layer_divergence(rows: Sequence[Mapping[str, Any]], *, floor: float = 1
     return fig
 
 
-__all__ = ["STAGE_LABELS", "plot_channel_similarity", "plot_stage_cosines", "check_ratio", "plot_kernel_check_errors",
-           "plot_divergence_vs_position", "plot_layer_divergence"]
+__all__ = ["STAGE_LABELS", "KERNEL_CHECK_FIELDS", "plot_channel_similarity", "plot_stage_cosines", "check_ratio",
+           "plot_kernel_check_errors", "plot_divergence_vs_position", "plot_layer_divergence"]

@@ -145,7 +145,8 @@ def missing(ax, text: str, *, y: float = 0.5) -> None:
 
 
 def save_figure(fig, path: str | Path, formats: Iterable[str] = ("png",)) -> list[Path]:
-    """Save ``fig`` as ``path.<fmt>`` for each format with creation metadata stripped (byte-stable reruns)."""
+    """Save ``fig`` as ``path.<fmt>`` for each format with creation metadata stripped (byte-stable reruns), each
+    file whole or not at all (written beside its place, then renamed onto it)."""
     out = []
     base = Path(path)
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -154,7 +155,12 @@ def save_figure(fig, path: str | Path, formats: Iterable[str] = ("png",)) -> lis
     with use_style():
         for fmt in formats:
             target = base.with_suffix(f".{fmt}")
-            fig.savefig(target, format=fmt, metadata=meta.get(fmt))
+            partial = target.with_name(f".{target.name}.partial")
+            try:
+                fig.savefig(partial, format=fmt, metadata=meta.get(fmt))
+                partial.replace(target)
+            finally:
+                partial.unlink(missing_ok=True)
             out.append(target)
     return out
 

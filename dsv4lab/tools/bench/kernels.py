@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dsv4lab.tools.bench import decode, prefill
+from dsv4lab.tools.bench.tuned import add_tuned_arguments
 
 HELP = "kernel benchmarks on the GPU: --suite decode (batch 1…64) or prefill (512…8192 tokens); writes JSON"
 SUITES = {"decode": decode, "prefill": prefill}
@@ -18,7 +19,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sections", default=None,
                    help="comma-separated subset of the suite's sections (default: all; --quick: the quick ones) — "
                         f"decode: {','.join(decode.SECTIONS)} (quick: {','.join(decode.QUICK_SECTIONS)}); prefill: "
-                        f"{','.join(prefill.SECTIONS)}; a decode run with --dispatch-base keeps what it does not run")
+                        f"{','.join(prefill.SECTIONS)}; the tuned file keeps what a run does not measure")
+    add_tuned_arguments(p.add_argument_group("the tuned file (dsv4lab.engine.dispatch), written from a GPU"))
     for name, suite in SUITES.items():  # a suite's own options; suites import triton only when they run
         if hasattr(suite, "add_suite_arguments"):
             suite.add_suite_arguments(p.add_argument_group(f"--suite {name}"))

@@ -1,9 +1,11 @@
 """``dsv4lab bench serve`` — measure any OpenAI-compatible endpoint with vLLM's ``bench serve`` definitions.
 
-Per request (streamed, timed on the client with ``time.perf_counter``):
+Requests go through the official ``openai`` client (``AsyncOpenAI``), streamed, timed on the client with
+``time.perf_counter``:
 
-* **TTFT** = arrival of the first streamed chunk that carries generated text − request start;
-* **ITL** = the gaps between successive chunks that carry text (one per chunk, not per token);
+* **TTFT** = arrival of the first streamed chunk that carries output (text, or token ids from a server without a
+  tokenizer) − request start;
+* **ITL** = the gaps between successive chunks that carry output (one per chunk, not per token);
 * **E2EL** = arrival of the last chunk − request start;
 * **TPOT** = (E2EL − TTFT) / (output tokens − 1), for requests with more than one output token.
 
@@ -16,21 +18,33 @@ in-flight requests; ``--request-rate`` spaces arrivals as a Poisson process (def
 are random token ids sent as ids to ``/v1/completions`` (exact input lengths) or, for ``--endpoint chat``,
 random words. The JSON result keeps every per-request array (``ttfts``, ``itls``, ``e2els``, ``tpots``,
 ``output_lens``) so notebooks can plot distributions.
+
+**In-process servers.** ``--checkpoint DIR`` or ``--generate PRESET --layers N --model-seed S`` (the model
+``bench e2e`` measures, generated in memory) loads the model once and serves it on loopback once per
+``--speculative`` mode (``off,mtp``: plain decoding, then MTP self-speculation), each run recording its mode
+(``runs[].speculative``). On a GPU the result goes to ``data/results/<gpu>/serve_<model>.json`` (``h200`` on an
+H200; an existing file is kept unless ``--force``); elsewhere to ``runs/bench_serve/<time>.json``.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
+import openai
+import torch
+
+from dsv4lab.core.config import PRESETS
 from dsv4lab.core.errors import UserError
-from dsv4lab.tools.options import add_backend, add_dtype, float_range, int_range
+from dsv4lab.core.paths import RESULTS_DIR
 from dsv4lab.core.provenance import identity, result_path, write_json
-from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app
+from dsv4lab.tools.options import add_backend, add_device, add_dtype, float_range, int_range
+from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model
 
 HELP = "HTTP benchmark of an OpenAI-compatible server (vLLM bench serve metrics: TTFT, TPOT, ITL, E2E)"
 PERCENTILES = (50, 90, 99)
@@ -40,7 +54,16 @@ def add_arguments(p):
     p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--checkpoint", default=None,
                    help="instead of --url: start `dsv4lab serve` for this checkpoint in-process on loopback")
-    add_backend(p, help="with --checkpoint: engine backend")
+    p.add_argument("--generate", default=None, choices=sorted(PRESETS), metavar="PRESET",
+                   help="instead of --url: serve a model of this preset generated in memory (as `serve --generate`)")
+    p.add_argument("--layers", type=int_range(0), default=0, help="with --generate: main layers kept (0 = all)")
+    p.add_argument("--model-seed", type=int_range(0), default=0, help="with --generate: seed of the weights")
+    p.add_argument("--speculative", default="off",
+                   help="in-process server: comma-separated decoding modes to measure, off and/or mtp (default off)")
+    p.add_argument("--draft-tokens", type=int_range(1), default=1, help="with --speculative mtp: drafts per step")
+    p.add_argument("--max-model-len", type=int_range(2), default=None, help="in-process server: cache length")
+    add_backend(p, help="in-process server: engine backend")
+    add_device(p)
     add_dtype(p)
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -57,7 +80,9 @@ def add_arguments(p):
                    help="id range for random prompts (default: the server's or 4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float_range(0, lo_open=True), default=600.0, help="seconds per request")
-    p.add_argument("--out", default=None, help="JSON result path (default runs/bench_serve/<time>.json)")
+    p.add_argument("--out", default=None, help="JSON result path (default: data/results/<gpu>/serve_<model>.json "
+                                                "for an in-process server on a GPU, else runs/bench_serve/<time>.json)")
+    p.add_argument("--force", action="store_true", help="replace an existing result under data/results/")
 
 
 @dataclass
@@ -72,61 +97,47 @@ class RequestResult:
     error: str = ""
 
 
-def _headers(api_key: str | None) -> dict:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-async def _one_request(client, url: str, model: str, endpoint: str, prompt, prompt_len: int, output_len: int,
-                       ignore_eos: bool, api_key: str | None) -> RequestResult:
+async def _one_request(client, model: str, endpoint: str, prompt, prompt_len: int, output_len: int,
+                       ignore_eos: bool) -> RequestResult:
+    """One streamed request through the ``openai`` client; a chunk counts as output when it carries text or, from
+    a server without a tokenizer, token ids (``return_token_ids``)."""
     result = RequestResult(prompt_len=prompt_len)
-    body = {"model": model, "max_tokens": output_len, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
-    if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-        path = "/v1/chat/completions"
-    else:
-        body["prompt"] = prompt
-        path = "/v1/completions"
-    start = time.perf_counter()
-    last = start
+    extra = {"ignore_eos": ignore_eos, "return_token_ids": True}
+    common = dict(model=model, max_tokens=output_len, temperature=0.0, stream=True,
+                  stream_options={"include_usage": True}, extra_body=extra)
+    start = last = time.perf_counter()
     chunks = 0
     usage_tokens = None
     try:
-        async with client.stream("POST", url + path, json=body, headers=_headers(api_key)) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = f"stream error: {chunk['error'].get('message')}"
-                    return result
-                if chunk.get("usage") and not chunk.get("choices"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                    continue
-                for choice in chunk.get("choices", []):
-                    text = choice.get("text") if endpoint == "completions" else \
-                        (choice.get("delta", {}).get("content") or choice.get("delta", {}).get("reasoning_content"))
-                    if text:
-                        now = time.perf_counter()
-                        if chunks == 0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        chunks += 1
+        if endpoint == "chat":
+            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+        else:
+            stream = await client.completions.create(prompt=prompt, **common)
+        async for chunk in stream:
+            if chunk.usage is not None and not chunk.choices:
+                usage_tokens = chunk.usage.completion_tokens
+                continue
+            for choice in chunk.choices:
+                if endpoint == "chat":
+                    delta = choice.delta
+                    carries = bool(delta.content or getattr(delta, "reasoning_content", None))
+                else:
+                    carries = bool(choice.text)
+                if carries or getattr(choice, "token_ids", None):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
         result.latency = last - start
         result.output_len = usage_tokens if usage_tokens is not None else chunks
         result.success = chunks > 0
         if not result.success:
-            result.error = "no generated text in the stream"
+            result.error = "no generated output in the stream"
     except Exception as err:  # a failed request is a data point, not a crash
-        result.error = f"{type(err).__name__}: {err}"
+        result.error = f"{type(err).__name__}: {str(err)[:300]}"
     return result
 
 
@@ -137,6 +148,7 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict:
     xs = sorted(v * scale for v in values)
     return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
             "std": statistics.pstdev(xs), **{f"p{q}": _percentile(xs, q) for q in PERCENTILES}}
+
 
 
 def _percentile(sorted_xs: list[float], q: float) -> float:
@@ -161,6 +173,7 @@ def summarize(results: list[RequestResult], duration: float, concurrency: int) -
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": total_out / duration if duration else 0.0,
+        "tok_s": total_out / duration if duration else 0.0,  # output tokens per second, the name e2e rows use
         "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
         "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpots), "itl_ms": _stats(itls),
         "e2el_ms": _stats([r.latency for r in ok]),
@@ -176,14 +189,14 @@ async def run_level(url: str, model: str, endpoint: str, prompts: list, prompt_l
                     concurrency: int, request_rate: float, ignore_eos: bool, api_key: str | None, timeout: float,
                     seed: int) -> dict:
     """One benchmark run: every prompt once, at most ``concurrency`` in flight."""
-    import httpx
     limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1))
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0, timeout=timeout,
+                                  http_client=httpx.AsyncClient(timeout=timeout, limits=limits)) as client:
         async def limited(prompt, n):
             async with gate:
-                return await _one_request(client, url, model, endpoint, prompt, n, output_len, ignore_eos, api_key)
+                return await _one_request(client, model, endpoint, prompt, n, output_len, ignore_eos)
 
         start = time.perf_counter()
         tasks = []
@@ -234,67 +247,110 @@ def format_table(run: dict, model: str) -> str:
 
 
 def _discover(url: str, api_key: str | None) -> dict:
-    import httpx
-    r = httpx.get(url + "/v1/models", headers=_headers(api_key), timeout=30)
-    r.raise_for_status()
-    models = r.json().get("data") or []
-    if not models:
+    models = openai.OpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0, timeout=30).models.list()
+    if not models.data:
         raise RuntimeError(f"{url}/v1/models lists no model")
-    return models[0]
+    return models.data[0].model_dump()
+
+
+def _modes(text: str) -> list[str | None]:
+    """``--speculative off,mtp`` → ``[None, "mtp"]``."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or any(m not in ("off", "mtp") for m in modes):
+        raise UserError(f"--speculative {text!r}: expected a comma-separated list of off and mtp")
+    return [None if m == "off" else m for m in modes]
+
+
+def default_out(model: str, in_process: bool, device: torch.device) -> Path:
+    """Where a run is written unless ``--out`` says: ``data/results/<gpu>/serve_<model>.json`` for an in-process
+    server on a GPU (``h200`` on an H200, else the GPU's name in lower case, spaces as ``_``), else ``runs/``."""
+    if in_process and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        gpu = "h200" if "H200" in name else name.lower().replace("nvidia ", "").replace(" ", "_")
+        return RESULTS_DIR / gpu / f"serve_{model}.json"
+    return result_path(None, "bench_serve")
 
 
 def run(args) -> int:
-    if (args.url is None) == (args.checkpoint is None):
-        raise UserError("give exactly one of --url (a running server) or --checkpoint (start one here)")
+    in_process = args.checkpoint is not None or args.generate is not None
+    if (args.url is None) == (not in_process) or (args.checkpoint is not None and args.generate is not None):
+        raise UserError("give exactly one of --url (a running server), --checkpoint or --generate (start one here)")
     try:
         levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--concurrency {args.concurrency!r}: expected comma-separated integers") from None
     if not levels or min(levels) < 1:
         raise UserError(f"--concurrency {args.concurrency!r}: levels must be >= 1")
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-
-    server = None
-    url = args.url.rstrip("/") if args.url else None
-    if args.checkpoint:
-        app, scheduler = build_app(ServerOptions(checkpoint=args.checkpoint, max_concurrency=max(levels),
-                                                 api_key=args.api_key, backend=args.backend, dtype=args.dtype))
-        server = BackgroundServer(app, scheduler=scheduler).start()
-        url = server.url
-    try:
+    modes = _modes(args.speculative)
+    if args.url is not None and modes != [None]:
+        raise UserError("--speculative picks the decoding of an in-process server; a --url server decodes as it "
+                        "was started")
+    ignore_eos = not args.no_ignore_eos
+    opts = ServerOptions(checkpoint=args.checkpoint, generate=args.generate, layers=args.layers,
+                         seed=args.model_seed, max_concurrency=max(levels), api_key=args.api_key,
+                         backend=args.backend, device=args.device, dtype=args.dtype,
+                         max_model_len=args.max_model_len, draft_tokens=args.draft_tokens)
+    model = None
+    if in_process:
+        print(f"loading {args.checkpoint or opts.model_name} ...", file=sys.stderr)
         try:
-            info = _discover(url, args.api_key)
-        except Exception as err:
-            raise UserError(f"cannot list models at {url}/v1/models: {err}") from None
-        model = args.model or info["id"]
-        vocab = args.vocab_size or 4096
-        prompts, lens = make_prompts(args.endpoint, args.num_prompts, args.input_len, vocab, args.seed)
-        ignore_eos = not args.no_ignore_eos
-        # One request first, as vLLM does: it checks the setup and keeps start-up costs out of the numbers.
-        warm = asyncio.run(run_level(url, model, args.endpoint, prompts[:1], lens[:1], min(args.output_len, 4), 1,
-                                     float("inf"), ignore_eos, args.api_key, args.timeout, args.seed))
-        if warm["failed"]:
-            raise UserError(f"the warm-up request failed: {warm['errors'][0]}")
-        runs = []
-        for level in levels:
-            print(f"concurrency {level}: {args.num_prompts} requests ...", file=sys.stderr)
-            result = asyncio.run(run_level(url, model, args.endpoint, prompts, lens, args.output_len, level,
-                                           args.request_rate, ignore_eos, args.api_key, args.timeout, args.seed))
-            runs.append(result)
-            print(format_table(result, model))
-    finally:
-        if server is not None:
-            server.stop()
+            model = load_model(opts)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    runs, name, url = [], None, args.url.rstrip("/") if args.url else None
+    for mode in modes:
+        server = None
+        if model is not None:
+            opts.speculative = mode
+            try:
+                app, scheduler = build_app(opts, model=model)
+            except ValueError as err:  # no MTP block, --draft-tokens above what the model supports
+                raise UserError(str(err).replace("draft_tokens", "--draft-tokens")) from None
+            server = BackgroundServer(app, scheduler=scheduler).start()
+            url = server.url
+        try:
+            try:
+                info = _discover(url, args.api_key)
+            except Exception as err:
+                raise UserError(f"cannot list models at {url}/v1/models: {err}") from None
+            name = args.model or info["id"]
+            vocab = args.vocab_size or (model.args.vocab_size if model is not None else 4096)
+            prompts, lens = make_prompts(args.endpoint, args.num_prompts, args.input_len, vocab, args.seed)
+            # One request first, as vLLM does: it checks the setup and keeps start-up costs out of the numbers.
+            warm = asyncio.run(run_level(url, name, args.endpoint, prompts[:1], lens[:1], min(args.output_len, 4), 1,
+                                         float("inf"), ignore_eos, args.api_key, args.timeout, args.seed))
+            if warm["failed"]:
+                raise UserError(f"the warm-up request failed: {warm['errors'][0]}")
+            for level in levels:
+                print(f"{'speculative ' + mode if mode else 'plain'} decoding, concurrency {level}: "
+                      f"{args.num_prompts} requests ...", file=sys.stderr)
+                result = asyncio.run(run_level(url, name, args.endpoint, prompts, lens, args.output_len, level,
+                                               args.request_rate, ignore_eos, args.api_key, args.timeout, args.seed))
+                result["speculative"] = mode or "off"
+                if mode:
+                    result["draft_tokens"] = args.draft_tokens
+                    counters = scheduler.stats()
+                    result["accepted_tokens"], result["drafted_tokens"] = (counters.get("accepted_tokens", 0),
+                                                                           counters.get("drafted_tokens", 0))
+                runs.append(result)
+                print(format_table(result, name))
+        finally:
+            if server is not None:
+                server.stop()
 
-    doc = {"benchmark": "serve", "definitions": "vLLM bench serve (TTFT, TPOT, ITL, E2EL; ms)",
-           "meta": {**identity(), "url": url if args.url else f"in-process: {args.checkpoint}", "model": model,
-                    "endpoint": args.endpoint, "num_prompts": args.num_prompts, "input_len": args.input_len,
-                    "output_len": args.output_len, "request_rate": args.request_rate, "ignore_eos": ignore_eos,
-                    "seed": args.seed},
+    device = getattr(model, "device", torch.device("cpu"))
+    source = args.url or (f"in-process: {args.checkpoint}" if args.checkpoint else f"in-process: generated "
+                          f"{args.generate}, {args.layers or 'all'} layers, seed {args.model_seed}")
+    doc = {"benchmark": "serve", "definitions": "vLLM bench serve (TTFT, TPOT, ITL, E2EL; ms), openai client",
+           "meta": {**identity(str(device)), "url": source, "model": name, "endpoint": args.endpoint,
+                    "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                    "request_rate": args.request_rate, "ignore_eos": ignore_eos, "seed": args.seed,
+                    "backend": args.backend if in_process else None,
+                    "decode_path": model.decode_path if model is not None else None},
            "runs": runs}
-    out = write_json(result_path(args.out, "bench_serve"), doc)
+    out = Path(args.out) if args.out else default_out(name, in_process, device)
+    if out.exists() and out.resolve().is_relative_to(RESULTS_DIR.resolve()) and not args.force:
+        raise UserError(f"{out} exists (a committed result): pass --force to replace it, or --out elsewhere")
+    write_json(out, doc)
     print(f"wrote {out}")
     return 0 if all(r["failed"] == 0 for r in runs) else 1
-

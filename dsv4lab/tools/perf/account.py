@@ -227,16 +227,21 @@ def paper_account(*, context: int = 140, args: ModelArgs | None = None,
     )
 
 
+PAPER_PREFILL_SETTING = dict(tp=4, sharding="sglang", allreduce="peer_read")
+"""How the paper ran prefill on MI250 GCDs: TP4 in SGLang's weight layout with the peer-read all-reduce. Every
+modelled number of the paper's prefill (the account here, notebook 04's chunk account) uses this one setting."""
+PAPER_PREFILL_CHUNK = 2048
+
+
 def paper_prefill_account(args: ModelArgs, hw: Hardware) -> dict[str, Any]:
     """The paper's 4,604-token prefill against the model: FLOP rate achieved overall and in the MoE kernels."""
     headline = load_paper("headline")["prefill"]
     tokens, ttft = int(headline["prompt_tokens"]), float(headline["ttft_s"])
     micro = load_paper("microbenchmarks")["entries"]["routed_moe_prefill_m2048"]
     gate_up_ms, down_ms = float(micro["gate_up_ms"][1]), float(micro["down_ms"][1])
-    chunk = 2048
-    report = roofline_report(args, hw, tp=4, phase="prefill", context=tokens, chunk=chunk, sharding="sglang",
-                             allreduce="peer_read")
-    tp = 4
+    chunk = PAPER_PREFILL_CHUNK
+    report = roofline_report(args, hw, phase="prefill", context=tokens, chunk=chunk, **PAPER_PREFILL_SETTING)
+    tp = PAPER_PREFILL_SETTING["tp"]
     flops_token = report["flops_per_token"]
     achieved = tokens * flops_token / ttft
     int8_peak = hw.matrix_tflops("int8") * 1e12

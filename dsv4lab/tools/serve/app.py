@@ -11,7 +11,9 @@ Extensions understood beyond OpenAI's fields (vLLM's names): ``ignore_eos``, ``s
 ``skip_special_tokens``, ``return_token_ids`` (each choice gets ``token_ids`` and ``prompt_token_ids``),
 ``return_tokens_as_token_ids`` (logprob tokens written ``token_id:N``), ``echo`` with ``logprobs`` (the
 prompt's logprobs, teacher-forced), ``chat_template_kwargs={"thinking": true}`` and ``reasoning_effort``
-(DeepSeek-V4 thinking mode), ``continue_final_message``.
+(DeepSeek-V4 thinking mode), ``continue_final_message``, ``top_k``, ``min_tokens``, ``logit_bias`` (OpenAI's),
+``include_stop_str_in_output``. Generation settings vLLM has and this server lacks are refused
+(:data:`~dsv4lab.tools.serve.protocol.UNSUPPORTED`); JSON types are strict; ``docs/serving.md`` lists every field.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsv4lab.core.errors import RequestError
 from dsv4lab.tools.serve import limits
 from dsv4lab.tools.serve.detokenizer import IncrementalDetokenizer, special_token_ids
 from dsv4lab.tools.serve.encoding import (THINK_CLOSE, THINK_OPEN, ChatEncodingError, ChatOptions, StreamingChatParser,
@@ -42,6 +45,10 @@ from dsv4lab.tools.serve.protocol import (APIError, ChatCompletionRequest, Compl
 from dsv4lab.tools.serve.scheduler import SamplingParams, Scheduler, SchedulerFull, TokenEvent
 
 log = logging.getLogger("dsv4lab.tools.serve")
+
+TEMPLATE_KWARGS = {"thinking": bool, "enable_thinking": bool, "thinking_mode": ("thinking", "chat"),
+                   "reasoning_effort": (None, "low", "medium", "high", "max", "xhigh")}
+"""The ``chat_template_kwargs`` the chat formats read, and their types (a tuple: the values allowed)."""
 
 
 @dataclass
@@ -85,6 +92,8 @@ class _Generation:
             self.request_id = scheduler.submit(prompt_ids, params, deliver)
         except SchedulerFull as err:
             raise APIError(429, f"The server is at its concurrency limit: {err}. Retry later.") from None
+        except RequestError as err:
+            raise APIError(400, f"{err}.", "prompt") from None
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         while not self.done:
@@ -102,8 +111,10 @@ class _Generation:
 class _Output:
     """One choice's output as it grows: token ids, text (stop strings applied), logprobs, finish reason."""
 
-    def __init__(self, tokenizer, skip_ids: set[int], stop_strings: list[str], eos_id: int | None):
+    def __init__(self, tokenizer, skip_ids: set[int], stop_strings: list[str], eos_id: int | None,
+                 include_stop: bool = False):
         self.eos_id = eos_id
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
         self.detok = IncrementalDetokenizer(tokenizer, skip_ids) if tokenizer is not None else None
         self.stop_strings = stop_strings
         self.token_ids: list[int] = []
@@ -141,7 +152,7 @@ class _Output:
             for s in self.stop_strings:
                 k = self.raw.find(s, max(0, self.sent - len(s) + 1))
                 if k >= 0:
-                    self.raw = self.raw[:k]
+                    self.raw = self.raw[:k + (len(s) if self.include_stop else 0)]
                     self.finish_reason, self.stop_reason = "stop", s
                     break
         keep = 0 if self.finish_reason else held_back_suffix(self.raw[self.sent:], self.stop_strings)
@@ -241,6 +252,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
         if req.model is not None and req.model != config.served_model_name:
             raise APIError(404, f"The model `{req.model}` does not exist.", "model")
         limits.check_fields(req, bounds)
+        req.refuse_unsupported()
         return req
 
     def refuse_unfittable_text(text: str, bos: int = 0) -> None:
@@ -249,20 +261,33 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
         if fewest >= config.max_model_len:
             raise context_error(fewest, config.max_model_len, at_least=True)
 
+    def in_vocabulary(ids: list[int], param: str) -> list[int]:
+        """A tokenized prompt's ids, refused (400) when the tokenizer yields an id the model has no row for."""
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"The tokenizer turned the {param} into token id {bad}, outside this model's "
+                                f"vocabulary (vocab size {vocab_size}): the tokenizer does not match the model.", param)
+        return ids
+
     def sampling_params(req, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None) -> SamplingParams:
         max_tokens = check_context(prompt_len, max_tokens, config.max_model_len)
+        if req.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens must be at most max_tokens ({max_tokens}), got {req.min_tokens}.",
+                           "min_tokens")
         stop_ids = set(req.stop_token_ids or [])
         if not req.ignore_eos and eos_id is not None:
             stop_ids.add(eos_id)
         return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                              stop_token_ids=frozenset(stop_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                              stop_token_ids=frozenset(stop_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              top_k=max(0, req.top_k or 0), min_tokens=req.min_tokens,
+                              logit_bias=req.logit_bias_ids(vocab_size))
 
     def new_output(req, skip_ids: set[int]) -> _Output:
         if req.stop_strings() and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this checkpoint has none (use stop_token_ids)", "stop")
-        return _Output(tokenizer, skip_ids, req.stop_strings(), eos_id)
+        return _Output(tokenizer, skip_ids, req.stop_strings(), eos_id, req.include_stop_str_in_output)
 
     def usage(prompt_len: int, out: _Output) -> dict:
         return {"prompt_tokens": prompt_len, "completion_tokens": len(out.token_ids),
@@ -343,10 +368,10 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
             prompt = prompt[0]
         if isinstance(prompt, str):
             if tokenizer is None:
-                raise APIError(400, "This checkpoint ships no tokenizer.json: send the prompt as token ids.",
-                               "prompt")
+                raise APIError(400, "This model has no tokenizer (no tokenizer.json, or a generated model): send the "
+                                    "prompt as token ids.", "prompt")
             refuse_unfittable_text(prompt, int(req.add_special_tokens))
-            ids = tokenizer.encode(prompt, add_bos=req.add_special_tokens)
+            ids = in_vocabulary(tokenizer.encode(prompt, add_bos=req.add_special_tokens), "prompt")
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -430,7 +455,7 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
                     break
                 if first and req.echo:
                     text = echo_text + text
-                if not (text or out.finished):
+                if not (text or out.finished or tokenizer is None):
                     continue  # a token that completes no text yet (half a character, a skipped special)
                 c = choice(text, completion_logprobs(out, req, prompt_ids, sent, req.echo and first),
                            out.finish_reason)
@@ -448,9 +473,25 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
 
     # -- chat completions
 
+    def template_kwargs(kwargs: dict) -> dict:
+        """``chat_template_kwargs`` with JSON types checked: the booleans are ``true``/``false`` (never ``"yes"``
+        or ``1``), ``thinking_mode`` is ``"thinking"`` or ``"chat"``; a key the chat formats do not read is a 400."""
+        for key, value in kwargs.items():
+            if key not in TEMPLATE_KWARGS:
+                raise APIError(400, f"chat_template_kwargs.{key} is not understood (known: "
+                                    f"{', '.join(TEMPLATE_KWARGS)}).", f"chat_template_kwargs.{key}")
+            kind = TEMPLATE_KWARGS[key]
+            if kind is bool and not isinstance(value, bool):
+                raise APIError(400, f"chat_template_kwargs.{key} must be true or false, got {json.dumps(value)}.",
+                               f"chat_template_kwargs.{key}")
+            if isinstance(kind, tuple) and value not in kind:
+                raise APIError(400, f"chat_template_kwargs.{key} must be one of {', '.join(map(repr, kind))}, got "
+                                    f"{json.dumps(value)}.", f"chat_template_kwargs.{key}")
+        return kwargs
+
     def chat_options(req: ChatCompletionRequest) -> ChatOptions:
-        kwargs = req.chat_template_kwargs or {}
-        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", False))) or \
+        kwargs = template_kwargs(req.chat_template_kwargs or {})
+        thinking = kwargs.get("thinking", kwargs.get("enable_thinking", False)) or \
             kwargs.get("thinking_mode") == "thinking"
         effort = req.reasoning_effort or kwargs.get("reasoning_effort")
         if not isinstance(effort, (str, type(None))):
@@ -490,14 +531,14 @@ def create_app(scheduler: Scheduler, tokenizer, config: ServeConfig):
         except ChatEncodingError as err:
             raise APIError(400, str(err), "messages") from None
         refuse_unfittable_text(prompt_text)
-        return tokenizer.encode(prompt_text)
+        return in_vocabulary(tokenizer.encode(prompt_text), "messages")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await read_body(request, ChatCompletionRequest)
         if config.chat_format is None or tokenizer is None:
-            raise APIError(400, "This checkpoint ships no tokenizer.json, so chat is unavailable: send token "
-                                "ids to /v1/completions.", "messages")
+            raise APIError(400, "This model has no tokenizer (no tokenizer.json, or a generated model), so chat is "
+                                "unavailable: send token ids to /v1/completions.", "messages")
         options = chat_options(req)
         prompt_ids = await asyncio.to_thread(chat_prompt, req, options)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

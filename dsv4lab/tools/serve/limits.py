@@ -9,9 +9,12 @@ gate                   status  what is refused
 body (:func:`body`)    415     a ``Content-Type`` other than ``application/json`` (a cross-site page can send
                                ``text/plain`` without a CORS preflight; it cannot send JSON)
 body (:func:`body`)    413     more than :attr:`Limits.max_body_bytes` bytes
+body (:func:`body`)    408     a body that has not arrived :attr:`Limits.body_timeout_s` seconds after the headers
+                               (the headers themselves: :class:`dsv4lab.tools.serve.server.TimedH11Protocol`)
 JSON (:func:`parse`)   400     not UTF-8 JSON; a string with a lone surrogate (not Unicode); NaN, Infinity or a
                                number too large for a float; nesting deeper than :attr:`Limits.max_json_depth`
-fields (:data:`RULES`) 400     a number outside its range (:func:`check_fields`), too many stop strings
+fields (:data:`RULES`) 400     a number outside its range (:func:`check_fields`), too many stop strings or
+                               ``logit_bias`` entries, a bias outside [-100, 100]
 prompt                 400     a prompt that cannot fit ``max_model_len``: token ids counted before they are
                                validated, text bounded by :func:`min_tokens` before it is tokenized
 =====================  ======  ==============================================================================
@@ -22,6 +25,7 @@ enough tokens and is refused at once.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from dataclasses import dataclass
@@ -37,12 +41,17 @@ JSON_TYPES = ("application/json",)
 
 @dataclass(frozen=True)
 class Limits:
-    """The server's bounds on one request. ``max_body_bytes`` is ``dsv4lab serve --max-body-mb``; ``vocab_size``
-    is the model's (token ids must be below it)."""
+    """The server's bounds on one request. ``max_body_bytes`` is ``dsv4lab serve --max-body-mb``,
+    ``header_timeout_s`` and ``body_timeout_s`` are ``--header-timeout`` and ``--body-timeout`` (seconds a client
+    may take to send its request line and headers, and then its body); ``vocab_size`` is the model's (token ids
+    must be below it)."""
     max_body_bytes: int = 16 << 20
     max_json_depth: int = 64
     max_logprobs: int = 20
     max_stop_strings: int = 16
+    max_logit_bias: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
     vocab_size: int | None = None
 
 
@@ -72,6 +81,8 @@ RULES = (
     Rule("presence_penalty", 0, 0, why="penalties are not supported by this server: leave it at 0"),
     Rule("frequency_penalty", 0, 0, why="penalties are not supported by this server: leave it at 0"),
     Rule("stop_token_ids", 0, "vocab_size", hi_open=True, each=True, why="a token id of this model"),
+    Rule("top_k", -1, None, why="-1 or 0: every token"),
+    Rule("min_tokens", 0, None),
 )
 """The numeric fields of completions and chat completions and their ranges (a field a request lacks is skipped)."""
 
@@ -88,13 +99,17 @@ async def body(request, limits: Limits) -> bytes:
         raise _too_large(f"{int(declared):,}", limits)
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise _too_large(f"more than {limits.max_body_bytes:,}", limits)
-            chunks.append(chunk)
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise _too_large(f"more than {limits.max_body_bytes:,}", limits)
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(499, "The client disconnected while sending the request.") from None
+    except TimeoutError:
+        raise APIError(408, f"The request body did not arrive within {limits.body_timeout_s:g} s ({size:,} bytes "
+                            "received; dsv4lab serve --body-timeout).") from None
     return b"".join(chunks)
 
 
@@ -180,6 +195,14 @@ def check_fields(req, limits: Limits, rules=RULES) -> None:
     stops = getattr(req, "stop", None)
     if isinstance(stops, list) and len(stops) > limits.max_stop_strings:
         raise APIError(400, f"stop may hold at most {limits.max_stop_strings} strings, got {len(stops)}.", "stop")
+    bias = getattr(req, "logit_bias", None) or {}
+    if len(bias) > limits.max_logit_bias:
+        raise APIError(400, f"logit_bias may hold at most {limits.max_logit_bias} entries, got {len(bias)}.",
+                       "logit_bias")
+    for key, value in bias.items():
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias[{key!r}] must be in [-100, 100] (OpenAI's range), got {value}.",
+                           "logit_bias")
 
 
 def _bound(bound, limits: Limits):

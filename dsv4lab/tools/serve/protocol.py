@@ -12,14 +12,15 @@ prompt >= max model length              400     BadRequestError              ``i
 prompt + max_tokens > max model length  400     BadRequestError              ``max_tokens``
 missing or wrong API key                401     AuthenticationError
 unknown model                           404     NotFoundError                ``model``
+body not sent within --body-timeout     408     RequestTimeoutError
 body larger than the server's limit     413     RequestEntityTooLargeError
 Content-Type not application/json       415     UnsupportedMediaTypeError
 server full, queuing disabled           429     RateLimitError
 internal error (no traceback)           500     InternalServerError
 ======================================  ======  ===========================  ==================
 
-The ``type`` names are the exception classes the official ``openai`` client raises for each status (413 and 415
-have none there: the client raises its ``APIStatusError``). Every bound a request is checked against is in
+The ``type`` names are the exception classes the official ``openai`` client raises for each status (408, 413 and
+415 have none there: the client raises its ``APIStatusError``). Every bound a request is checked against is in
 :mod:`dsv4lab.tools.serve.limits`.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 413: "RequestEntityTooLargeError", 415: "UnsupportedMediaTypeError",
+               404: "NotFoundError", 408: "RequestTimeoutError", 413: "RequestEntityTooLargeError",
+               415: "UnsupportedMediaTypeError",
                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -74,14 +76,29 @@ def validation_error(err) -> APIError:
     return APIError(400, "; ".join(dict.fromkeys(problems)) or "invalid request", param=first)
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """Strict JSON types everywhere (pydantic's strict mode): no ``true`` for an integer, no ``"yes"`` or ``1`` for a
+    boolean, no ``"5"`` for a number, no ``1.0`` for an integer; an integer is a valid float. Fields this server
+    does not know are kept and ignored, as vLLM does — except the sampling settings of :data:`UNSUPPORTED`."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+UNSUPPORTED = {"repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False, "length_penalty": 1.0,
+               "bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None, "guided_json": None,
+               "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+               "prompt_logprobs": None, "spaces_between_special_tokens": True}
+"""vLLM's request fields that change what is generated but that this server does not implement, with the value
+that means "off": a request that sets one to anything else is refused (400) rather than silently served without
+it."""
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Strict):
     """Fields completions and chat completions share (OpenAI's plus vLLM's extensions)."""
-    model_config = ConfigDict(extra="allow")
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -101,11 +118,36 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    top_k: Optional[int] = None
+    min_tokens: int = 0
+    logit_bias: Optional[dict[str, float]] = None
+    include_stop_str_in_output: bool = False
 
     def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        """The stop strings, empty ones left out (vLLM ignores them: an empty string would stop at once)."""
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return list(dict.fromkeys(s for s in stops if s))
+
+    def refuse_unsupported(self) -> None:
+        """A 400 for a field of :data:`UNSUPPORTED` set to anything but its "off" value."""
+        extra = self.model_extra or {}
+        for name, off in UNSUPPORTED.items():
+            if name in extra and extra[name] != off:
+                raise APIError(400, f"{name} is not supported by this server (leave it out, or send {off!r}).", name)
+
+    def logit_bias_ids(self, vocab_size: int) -> dict[int, float] | None:
+        """``logit_bias`` with its keys as token ids (OpenAI's: decimal strings), checked against the vocabulary
+        (400 naming the key otherwise); values were bounded by :mod:`~dsv4lab.tools.serve.limits`."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            token = int(key) if key.isascii() and key.isdigit() and len(key) <= 12 else -1
+            if not 0 <= token < vocab_size:
+                raise APIError(400, f"logit_bias: key {key!r} is not a token id of this model (a decimal string in "
+                                    f"[0, {vocab_size})).", "logit_bias")
+            out[token] = bias
+        return out
 
 
 class CompletionRequest(_Common):
@@ -118,9 +160,8 @@ class CompletionRequest(_Common):
     add_special_tokens: bool = True  # vLLM: a text prompt starts with BOS (as ``dsv4lab generate --prompt``)
 
 
-class _Open(BaseModel):
+class _Open(_Strict):
     """A part of a request that may carry fields this server does not read (kept, passed on, ignored)."""
-    model_config = ConfigDict(extra="allow")
 
 
 class ContentPart(_Open):

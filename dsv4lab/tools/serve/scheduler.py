@@ -6,13 +6,26 @@ One iteration of the engine thread:
 
 1. drop aborted sequences (a client went away) and free their slots;
 2. admit waiting sequences into free slots and prefill them together (right-padded, ``lengths`` per row),
-   as many as fit in ``prefill_token_budget`` padded tokens; sample each one's first token;
-3. one batched decode step for every running sequence (per-row positions), sample, deliver, retire the
-   finished ones.
+   as many as fit in ``prefill_token_budget`` padded tokens; choose each one's first token on the host and let it
+   join the decode loop;
+3. one step of the engine's decode loop (:class:`~dsv4lab.engine.batch_loop.BatchLoop`) for every running
+   sequence: greedy sequences are fed their previous choice on the device and their ids read **one step late**
+   (the host delivers step ``i − 1``'s tokens while step ``i`` runs; a sequence whose token read is a stop has
+   already run one step past it, and its slot is reset when it leaves); sequences whose tokens the host must
+   choose (sampling, logprobs, ``logit_bias``, ``min_tokens``) have their logits read at once and their token fed
+   back before the next step.
 
 With ``speculative="mtp"`` step 3 is one speculative cycle (:class:`~dsv4lab.engine.speculative.
-SpeculativeDecoder`): each greedy sequence gets its MTP block's drafts verified in the same forward and may emit
-several tokens per step — the same tokens, one event each; sampled sequences take one token per step.
+SpeculativeDecoder`, synchronous: its acceptance is read on the host): each greedy sequence gets its MTP block's
+drafts verified in the same forward and may emit several tokens per step — the same tokens, one event each;
+sampled sequences take one token per step.
+
+**Fault isolation.** A request's failure is that request's alone: choosing a token (sampling, logit processors,
+the check that the logits are finite) is done per sequence and a failure ends that sequence only, with its
+reason; a prefill that fails for a group is retried one sequence at a time so that only the sequence that fails
+alone is ended. Non-finite logits end their sequence with an error naming the position and the first non-finite
+layer (:mod:`dsv4lab.engine.finite`), never a token. Only a failure of the decode step itself (a bug, not a
+request) ends every sequence in that step.
 
 Tokens go back to the asyncio side through each request's ``asyncio.Queue`` (``call_soon_threadsafe``),
 so the HTTP layer never touches the model. Greedy decoding is ``argmax`` of the same logits ``m.generate``
@@ -31,7 +44,10 @@ from typing import Any
 
 import torch
 
-from dsv4lab.engine.sampling import sample
+from dsv4lab.core.errors import NonFiniteError, RequestError
+from dsv4lab.engine.batch_loop import BatchLoop
+from dsv4lab.engine.finite import NON_FINITE, check_rows, located, non_finite
+from dsv4lab.engine.sampling import MIN_TEMPERATURE, bias_logits, sample
 from dsv4lab.engine.speculative import SpeculativeDecoder, check_speculative
 
 log = logging.getLogger("dsv4lab.tools.serve")
@@ -51,6 +67,19 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None          # None: no logprobs; k >= 0: the chosen token's plus the top k
     prompt_logprobs: int | None = None   # the same for every prompt token after the first (``echo``)
+    top_k: int = 0                       # 0 (or -1): every token; k: sample among the k most likely
+    min_tokens: int = 0                  # the stop tokens are banned until this many tokens are generated
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before choosing
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy (temperature below :data:`~dsv4lab.engine.sampling.MIN_TEMPERATURE`)."""
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def on_host(self) -> bool:
+        """The host must see this request's logits at every step (sampling, logprobs, logit processors)."""
+        return not self.greedy or self.logprobs is not None or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass
@@ -92,7 +121,8 @@ class Scheduler:
     """Serves one loaded model to many concurrent requests.
 
     Args:
-        model: the object :func:`dsv4lab.load` returns (``forward``, ``reset``, ``max_batch``, ``args``).
+        model: the object :func:`dsv4lab.load` returns (``forward``, ``reset``, ``max_batch``, ``args``,
+            ``decoder``, ``positions``).
         max_running: sequences decoded together (cache slots used); at most ``model.max_batch``.
         max_waiting: requests that may queue for a slot; 0 disables queuing (a full server answers 429).
         prefill_token_budget: padded prompt tokens prefilled in one forward (prompts beyond it wait for the
@@ -114,9 +144,11 @@ class Scheduler:
         self.prefill_token_budget = prefill_token_budget
         self.batch_prefill = batch_prefill
         self.max_seq_len = int(model.args.max_seq_len)
+        self.vocab_size = int(model.args.vocab_size)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []
+        self._by_slot: dict[int, Sequence] = {}
         self._aborted: set[str] = set()
         self._free_slots = list(range(self.max_running - 1, -1, -1))
         self._ids = itertools.count()
@@ -127,6 +159,7 @@ class Scheduler:
         if speculative is not None:
             check_speculative(speculative)
             self.speculative = SpeculativeDecoder(model, draft_tokens)
+        self.batch = BatchLoop(model)
 
     # ---- asyncio side ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,16 +179,23 @@ class Scheduler:
         """Queue a sequence; ``deliver(TokenEvent)`` is called from the engine thread. Returns its id.
 
         Raises:
+            RequestError: a prompt id outside the vocabulary, an empty prompt or one that fills the cache.
             SchedulerFull: every slot is busy and the queue is full (or disabled).
         """
+        bad = next((t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if not 1 <= len(prompt_ids) < self.max_seq_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the cache holds {self.max_seq_len} "
+                               "positions (at least 1 prompt token, and room for one more)")
         request_id = request_id or f"seq-{next(self._ids)}"
         with self._cond:
             if self._stop:
                 raise SchedulerFull("the server is shutting down")
-            occupied = len(self._running) + len(self._waiting)
-            if occupied >= self.max_running + self.max_waiting:
-                raise SchedulerFull(f"all {self.max_running} sequence slots are busy and "
-                                    f"{len(self._waiting)} requests are queued (limit {self.max_waiting})")
+            running, waiting = len(self._running), len(self._waiting)
+            if running + waiting >= self.max_running + self.max_waiting:
+                raise SchedulerFull(f"{running} of {self.max_running} sequence slots are decoding and {waiting} "
+                                    f"requests wait for one (a queue of at most {self.max_waiting})")
             self._waiting.append(Sequence(request_id, prompt_ids, params, deliver))
             self.counters["submitted"] += 1
             self._cond.notify_all()
@@ -178,7 +218,7 @@ class Scheduler:
         torch.set_grad_enabled(False)
         while True:
             with self._cond:
-                while not (self._stop or self._waiting or self._running or self._aborted):
+                while not (self._stop or self._waiting or self._running or self._aborted or self.batch.busy):
                     self._cond.wait()
                 if self._stop:
                     stopping = list(self._running) + list(self._waiting)
@@ -198,24 +238,27 @@ class Scheduler:
                 if seq.request_id in aborted:
                     self._retire(seq, None)
                     self.counters["aborted"] += 1
-            try:
-                if admitted:
-                    self._prefill(admitted)
-                if self._running:
+            if admitted:
+                self._prefill(admitted)
+            if self._running or self.batch.busy:
+                try:
                     self._decode()
-            except Exception as err:  # a broken step must not take the server down: fail its sequences
-                log.exception("engine step failed")
-                for seq in list(self._running) + [s for s in admitted if not s.finished]:
-                    self._fail(seq, err)
+                except Exception as err:  # the step itself broke (not one request): fail the sequences in it
+                    log.exception("decode step failed")
+                    for seq in list(self._running):
+                        self._fail(seq, err)
+                    self.batch = BatchLoop(self.model)
         for seq in stopping:
             self._fail(seq, RuntimeError("the server is shutting down"))
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot is None:
             return
+        self.batch.leave(seq.slot)
         self.model.reset(slots=torch.tensor([seq.slot], dtype=torch.long))
         with self._cond:
             self._free_slots.append(seq.slot)
+            self._by_slot.pop(seq.slot, None)
             if seq in self._running:
                 self._running.remove(seq)
         seq.slot = None
@@ -227,18 +270,27 @@ class Scheduler:
             seq.deliver(event)
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
+        """End ``seq`` with an error event. A :class:`NonFiniteError` is located first (its slot re-run with a
+        trace) and its message sent; any other error is logged and the client sees only its kind."""
         if seq.finished:
             return
         self.counters["failed"] += 1
-        # The client sees a generic message; the traceback is in the server log.
-        self._retire(seq, TokenEvent(None, finish_reason="error",
-                                     error=f"internal error in the engine ({type(err).__name__})"))
+        if isinstance(err, NonFiniteError) and seq.slot is not None:
+            self.batch.leave(seq.slot)
+            err = located(self.model, seq.slot, seq.prompt_ids + seq.output_ids, err)
+            message = str(err)
+        elif isinstance(err, RequestError):
+            message = str(err)
+        else:
+            message = f"internal error in the engine ({type(err).__name__})"
+        log.error("request %s failed: %s", seq.request_id, err)
+        self._retire(seq, TokenEvent(None, finish_reason="error", error=message))
 
     @staticmethod
     def _new_generator(seq: Sequence) -> None:
         """Sampled sequences get their own CPU generator (``sample`` draws on the CPU), seeded like
         ``m.generate(seed=...)`` so a seeded request reproduces it."""
-        if seq.params.temperature > 0:
+        if not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else secrets.randbits(63)
             seq.generator = torch.Generator().manual_seed(seed)
 
@@ -258,59 +310,100 @@ class Scheduler:
         return groups
 
     def _prefill(self, admitted: list[Sequence]) -> None:
-        device = _model_device(self.model)
         self.model.reset(slots=torch.tensor([s.slot for s in admitted], dtype=torch.long))
         for group in self._prefill_groups(admitted):
-            lengths = [len(s.prompt_ids) for s in group]
-            width = max(lengths)
-            pad = self.model.args.eos_token_id if hasattr(self.model.args, "eos_token_id") else 0
-            tokens = torch.full((len(group), width), pad, dtype=torch.long)
-            for row, seq in enumerate(group):
-                tokens[row, :lengths[row]] = torch.tensor(seq.prompt_ids, dtype=torch.long)
-            ragged = len(set(lengths)) > 1
-            slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=device)
-            lengths_t = torch.tensor(lengths, dtype=torch.long, device=device) if ragged else None
-            # the head on each row's last token only, unless a request wants its prompt's log-probabilities
-            last_only = all(seq.params.prompt_logprobs is None for seq in group)
-            if self.speculative is not None:
-                logits, _ = self.speculative.prefill(tokens.to(device), slots.tolist(), lengths=lengths_t)
-                last_only = False
-            else:
-                logits = self.model.forward(tokens.to(device), 0, slots=slots, lengths=lengths_t,
-                                            logits="last" if last_only else "all")
-            self.counters["prefill_forwards"] += 1
-            self.counters["prefill_tokens"] += sum(lengths)
-            last = logits[:, 0] if last_only else torch.stack([logits[row, lengths[row] - 1]
-                                                               for row in range(len(group))])
-            prompt_logprobs = [self._prompt_logprobs(seq, logits[row, :lengths[row]])
-                               if seq.params.prompt_logprobs is not None else None
-                               for row, seq in enumerate(group)]
-            for seq in group:
-                self._new_generator(seq)
-            with self._cond:
-                self._running.extend(group)
-            self._emit(group, last, prompt_logprobs)
+            try:
+                self._prefill_group(group)
+            except Exception as err:
+                if len(group) == 1:
+                    log.exception("prefill failed")
+                    self._fail(group[0], err)
+                    continue
+                # a group's failure may be one sequence's: retry each alone, so only that one fails
+                log.warning("a batched prefill failed (%s: %s); prefilling its %d sequences one by one",
+                            type(err).__name__, err, len(group))
+                for seq in group:
+                    if seq.finished or seq in self._running:
+                        continue
+                    self.model.reset(slots=torch.tensor([seq.slot], dtype=torch.long))
+                    try:
+                        self._prefill_group([seq])
+                    except Exception as one:
+                        log.exception("prefill of %s failed", seq.request_id)
+                        self._fail(seq, one)
 
-    def _decode(self) -> None:
+    def _prefill_group(self, group: list[Sequence]) -> None:
         device = _model_device(self.model)
-        batch = [s for s in self._running if not s.finished]
-        if not batch:
-            return
+        lengths = [len(s.prompt_ids) for s in group]
+        width = max(lengths)
+        pad = getattr(self.model.args, "eos_token_id", 0) or 0
+        tokens = torch.full((len(group), width), pad, dtype=torch.long)
+        for row, seq in enumerate(group):
+            tokens[row, :lengths[row]] = torch.tensor(seq.prompt_ids, dtype=torch.long)
+        ragged = len(set(lengths)) > 1
+        slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=device)
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device) if ragged else None
+        # the head on each row's last token only, unless a request wants its prompt's log-probabilities
+        last_only = all(seq.params.prompt_logprobs is None for seq in group)
         if self.speculative is not None:
-            self._decode_speculative(batch)
+            logits, _ = self.speculative.prefill(tokens.to(device), slots.tolist(), lengths=lengths_t)
+            last_only = False
+        else:
+            logits = self.model.forward(tokens.to(device), 0, slots=slots, lengths=lengths_t,
+                                        logits="last" if last_only else "all")
+        self.counters["prefill_forwards"] += 1
+        self.counters["prefill_tokens"] += sum(lengths)
+        last = (logits[:, 0] if last_only else
+                torch.stack([logits[row, lengths[row] - 1] for row in range(len(group))])).float().cpu()
+        for row, seq in enumerate(group):
+            self._new_generator(seq)
+            with self._cond:
+                self._running.append(seq)
+                self._by_slot[seq.slot] = seq
+            try:
+                prompt_logprobs = (self._prompt_logprobs(seq, logits[row, :lengths[row]])
+                                   if seq.params.prompt_logprobs is not None else None)
+                token = self._choose(seq, last[row])
+            except Exception as err:
+                self._fail(seq, err)
+                continue
+            if not self._emit_token(seq, token, last[row], prompt_logprobs) and self.speculative is None:
+                self.batch.join(seq.slot, token, seq.length - 1, self._steps_left(seq), seq.params.on_host)
+
+    def _steps_left(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may still generate: its budget and its room in the cache."""
+        return min(seq.params.max_tokens - len(seq.output_ids), self.max_seq_len - seq.length)
+
+    # ---- decoding -------------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        if self.speculative is not None:
+            batch = [s for s in self._running if not s.finished]
+            if batch:
+                self._decode_speculative(batch)
             return
-        tokens = torch.tensor([[s.output_ids[-1]] for s in batch], dtype=torch.long, device=device)
-        positions = torch.tensor([s.length - 1 for s in batch], dtype=torch.long, device=device)
-        slots = torch.tensor([s.slot for s in batch], dtype=torch.long, device=device)
-        logits = self.model.forward(tokens, positions, slots=slots)
+        step = self.batch.step()
         self.counters["decode_steps"] += 1
-        self._emit(batch, logits[:, -1], [None] * len(batch))
+        for slot, token in step.ids:  # device-fed sequences, one step late
+            seq = self._by_slot[slot]
+            if token == NON_FINITE:
+                self._fail(seq, non_finite(0, seq.length - 1))
+            else:
+                self._emit_token(seq, token, None, None)
+        for slot, logits in step.logits:  # the host chooses, now
+            seq = self._by_slot[slot]
+            try:
+                token = self._choose(seq, logits)
+            except Exception as err:
+                self._fail(seq, err)
+                continue
+            if not self._emit_token(seq, token, logits, None):
+                self.batch.feed(slot, token)
 
     def _decode_speculative(self, batch: list[Sequence]) -> None:
         """One speculative cycle: greedy sequences verify up to ``draft_tokens`` drafts (never more than their
-        budget needs), sampled ones run a plain step and sample from its logits."""
-        greedy = [s.params.temperature <= 0 for s in batch]
-        counts = [min(self.speculative.draft_tokens, s.params.max_tokens - len(s.output_ids) - 1) if g else 0
+        budget needs), the others run a plain step and choose from its logits on the host."""
+        greedy = [s.params.greedy and not s.params.logit_bias and s.params.min_tokens == 0 for s in batch]
+        counts = [min(self.speculative.draft_tokens, self._steps_left(s) - 1) if g else 0
                   for s, g in zip(batch, greedy)]
         results = self.speculative.step([s.slot for s in batch], tokens=[s.output_ids[-1] for s in batch],
                                         draft_counts=counts)
@@ -318,26 +411,37 @@ class Scheduler:
         self.counters["drafted_tokens"] += sum(r.drafted for r in results)
         self.counters["accepted_tokens"] += sum(r.accepted for r in results)
         for seq, g, res in zip(batch, greedy, results):
-            tokens = res.tokens if g else self._sample([seq], res.logits[:1])
+            try:
+                logits = res.logits.float()
+                check_rows(logits)
+                tokens = res.tokens if g else [self._choose(seq, logits[0].cpu())]
+            except Exception as err:
+                self._fail(seq, err)
+                continue
             for j, token in enumerate(tokens):
-                if self._emit_token(seq, int(token), res.logits[j], None):
+                if self._emit_token(seq, int(token), logits[j], None):
                     break
 
-    def _emit(self, batch: list[Sequence], logits, prompt_logprobs: list) -> None:
-        """Sample one token per row of ``logits`` [b, vocab], deliver it, retire finished sequences."""
-        chosen = self._sample(batch, logits)
-        for row, seq in enumerate(batch):
-            self._emit_token(seq, int(chosen[row]), logits[row], prompt_logprobs[row])
+    def _choose(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """``seq``'s next token from its logits row ``[vocab]``: its logit processors, then greedy or a draw
+        (raises :class:`NonFiniteError` for non-finite logits)."""
+        p = seq.params
+        check_rows(logits[None])  # the model's logits: before the processors, whose −inf bans are intended
+        banned = sorted(p.stop_token_ids) if len(seq.output_ids) < p.min_tokens else ()
+        row = bias_logits(logits[None], p.logit_bias, banned)
+        if p.greedy:
+            return int(row[0].argmax())
+        return int(sample(row, p.temperature, p.top_p, seq.generator, top_k=p.top_k, check=False)[0])
 
     def _emit_token(self, seq: Sequence, token: int, logits_row, prompt_logprobs) -> bool:
         """Deliver one chosen token of ``seq``; retire it when it is finished (returns True then)."""
         seq.output_ids.append(token)
         self.counters["generated_tokens"] += 1
         logprob = top = None
-        if seq.params.logprobs is not None:
+        if seq.params.logprobs is not None and logits_row is not None:
             logprob, top = _logprobs_of(logits_row, token, seq.params.logprobs)
         finish = None
-        if token in seq.params.stop_token_ids:
+        if token in seq.params.stop_token_ids:  # (banned by _choose while fewer than min_tokens are out)
             finish = "stop"
         elif len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.max_seq_len:
             finish = "length"
@@ -348,16 +452,6 @@ class Scheduler:
         else:
             seq.deliver(event)
         return finish is not None
-
-    @staticmethod
-    def _sample(batch: list[Sequence], logits) -> list[int]:
-        logits = logits.float()
-        chosen = logits.argmax(dim=-1)
-        for row, seq in enumerate(batch):
-            if seq.params.temperature > 0:
-                chosen[row] = sample(logits[row:row + 1], seq.params.temperature, seq.params.top_p,
-                                     seq.generator)[0]
-        return chosen.tolist()
 
     @staticmethod
     def _prompt_logprobs(seq: Sequence, logits) -> list:

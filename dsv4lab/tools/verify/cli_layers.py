@@ -20,7 +20,7 @@ from dsv4lab.tools.options import add_backend, add_device, resolve_device
 from dsv4lab.tools.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
 from dsv4lab.tools.verify.faults import MODEL_FAULTS, faulty_backend
 from dsv4lab.tools.verify.layers import first_divergence, trace_model
-from dsv4lab.tools.verify.model import find_golden, load_golden
+from dsv4lab.tools.verify.model import find_golden, load_golden, require_recorded_from
 from dsv4lab.tools.verify.report import md_table, write_report
 from dsv4lab.tools.verify.stages import DECODE_PATHS, verify_stages
 
@@ -51,6 +51,9 @@ def run(args) -> int:
     if args.backend_fault is not None and args.backend_fault not in BACKEND_FAULTS:
         raise UserError(f"--backend-fault {args.backend_fault}: unknown; known: {', '.join(BACKEND_FAULTS)}")
     device = resolve_device(args.device)
+    gpath = Path(args.golden) if args.golden else find_golden(args.checkpoint)
+    if not args.golden and not args.against_reference:  # the golden found must be this checkpoint's own
+        require_recorded_from(load_golden(gpath), gpath, args.checkpoint)
     if args.inject_fault and args.backend != "reference":
         raise UserError("--inject-fault: model faults are injected into the reference backend only")
     backend = faulty_backend(args.inject_fault) if args.inject_fault else args.backend
@@ -59,7 +62,6 @@ def run(args) -> int:
         inject_backend_fault(runner, args.backend_fault)
     ref = load(args.checkpoint, device=device, backend="reference", max_batch=1, repairs=args.repairs)
     exact = runner.backend.startswith("reference")
-    gpath = Path(args.golden) if args.golden else find_golden(args.checkpoint)
     if args.against_reference or not gpath.exists():
         ids = load_golden(gpath)["layers"]["input_ids"] if gpath.exists() else list(range(2, 98))
         rt = trace_model(ref, ids)

@@ -18,7 +18,8 @@ from dsv4lab.core.errors import UserError
 from dsv4lab.tools.options import add_backend, add_device, resolve_device
 from dsv4lab.tools.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
 from dsv4lab.tools.verify.faults import MODEL_FAULTS, faulty_backend
-from dsv4lab.tools.verify.model import KL_TIERS, TIERS, find_golden, load_golden, verify_model
+from dsv4lab.tools.verify.model import (KL_TIERS, TIERS, find_golden, load_golden, require_recorded_from,
+                                        verify_model)
 from dsv4lab.tools.verify.report import md_table, write_report
 from dsv4lab.tools.verify.speculative import render_speculative, verify_speculative
 
@@ -29,7 +30,9 @@ HELP = ("fixed-id oracles, 256-token hash, teacher-forced KL around every bounda
 def add_arguments(p):
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--golden", default=None, help="golden JSON (default: data/golden/<checkpoint folder name>.json, "
-                   "else the golden recorded from a checkpoint with this config)")
+                   "else the golden recorded from a checkpoint with this config; a golden found so must have been "
+                   "recorded from this checkpoint's content, while --golden compares any checkpoint with it, e.g. a "
+                   "suspect copy with a trusted golden)")
     add_backend(p)
     add_device(p)
     p.add_argument("--kl-bound", type=float, default=None,
@@ -145,6 +148,8 @@ def run(args) -> int:
     tiers = _tiers(args.tiers)
     gpath = Path(args.golden) if args.golden else find_golden(args.checkpoint)
     golden = load_golden(gpath)
+    if not args.golden:  # the golden found for a checkpoint must be its own; --golden compares deliberately
+        require_recorded_from(golden, gpath, args.checkpoint)
     device = resolve_device(args.device)
     if args.inject_fault and args.backend != "reference":
         raise UserError("--inject-fault: model faults are injected into the reference backend only")

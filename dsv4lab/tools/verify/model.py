@@ -29,6 +29,7 @@ from dsv4lab.engine.sampling import trajectory_hash
 from dsv4lab.core.errors import DSV4LabError, UserError
 from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.core.paths import GOLDEN_DIR, display_path, read_json
+from dsv4lab.core.provenance import write_text_if_changed
 from dsv4lab.tools.verify.layers import first_divergence, trace_model
 from dsv4lab.tools.verify.stages import DECODE_PATHS, verify_stages
 
@@ -51,6 +52,35 @@ def checkpoint_identity(path: str | Path) -> dict:
             h.update(p.read_bytes())
         out["weights"] = h.hexdigest()
     return out
+
+
+IDENTITY_KEYS = ("weights", "model.safetensors.index.json", "config.json")
+"""The content hashes a golden binds to, the most telling first (the weights are hashed below 1 GB only)."""
+
+
+def identity_mismatch(recorded: dict, checkpoint: str | Path) -> tuple[str, str, str | None] | None:
+    """The first content hash of :data:`IDENTITY_KEYS` that ``recorded`` (a golden's ``checkpoint`` entry) holds
+    and ``checkpoint`` does not match: ``(key, recorded hash, this checkpoint's hash or None)``; None when every
+    recorded hash matches."""
+    ident = checkpoint_identity(checkpoint)
+    for key in IDENTITY_KEYS:
+        if key in recorded and ident.get(key) != recorded[key]:
+            return key, recorded[key], ident.get(key)
+    return None
+
+
+def require_recorded_from(golden: dict, golden_path: str | Path, checkpoint: str | Path) -> None:
+    """Refuse, in one line naming both hashes, a golden that was recorded from other content than ``checkpoint``:
+    the golden found for a checkpoint must be its own (``--golden FILE`` compares another one deliberately)."""
+    mismatch = identity_mismatch(golden.get("checkpoint") or {}, checkpoint)
+    if mismatch is None:
+        return
+    key, theirs, ours = mismatch
+    what = "weights" if key == "weights" else key
+    raise UserError(f"{display_path(golden_path)} was recorded from a checkpoint whose {what} sha256 is "
+                    f"{theirs[:16]}…, but {checkpoint} has {(ours or 'none')[:16]}…: not this checkpoint's golden "
+                    f"(record its own with `dsv4lab verify record --checkpoint {checkpoint} --out FILE`, or compare "
+                    f"against this one deliberately with --golden {display_path(golden_path)})")
 
 
 def golden_path_for(checkpoint: str | Path) -> Path:
@@ -301,9 +331,8 @@ def record_golden(checkpoint: str | Path, out: str | Path | None = None, dump_la
     if dump_layers is not None:
         write_linear_dumps(runner, layer_ids, dump_layers)
         golden["layer_dumps"] = Path(dump_layers).name
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(golden, indent=1, sort_keys=False) + "\n")
+    if out is not None:  # written whole or not at all: a temporary file renamed over the old one
+        write_text_if_changed(Path(out), json.dumps(golden, indent=1, sort_keys=False) + "\n")
     return golden
 
 
@@ -336,9 +365,15 @@ def write_linear_dumps(runner, ids: list[int], path: str | Path) -> Path:
             hq = quant.act_qdq_fp8(hq) if nm.act_quant else hq.to(nm.acc)
             arrays[f"{name}.w2.input"] = hq.float().contiguous()
             arrays[f"{name}.w2.output"] = o[tok, slot].float().contiguous()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(arrays, str(path), metadata={"format": "pt", "what": "dsv4lab golden linear dumps"})
-    return Path(path)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")  # renamed into place when whole
+    try:
+        save_file(arrays, str(partial), metadata={"format": "pt", "what": "dsv4lab golden linear dumps"})
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
 
 
 # ------------------------------------------------------------------------------------------ verify
