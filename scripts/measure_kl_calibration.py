@@ -47,8 +47,7 @@ def logits(runner, ids, chunk=None, batch_with=None):
     if batch_with is not None:  # the sequence as row 1 of a batch of two
         other = torch.tensor([batch_with[:len(ids)]])
         return runner.forward(torch.cat((other, t)), 0, slots=[0, 1])[1]
-    chunk = chunk or len(ids)
-    out = torch.cat([runner.forward(t[:, s:s + chunk], s, slots=[0])[0] for s in range(0, len(ids), chunk)])
+    out = runner.prefill(t, chunk, slots=[0], logits="all")[0]
     runner.reset()
     return out
 

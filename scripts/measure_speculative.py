@@ -19,7 +19,7 @@ A full-width DeepSeek-V4-Flash cut to ``--layers`` main layers (plus the MTP blo
 random weights (:class:`~dsv4lab.core.random_checkpoint.RandomCheckpoint`) and loaded with the Triton backend. At batch
 1 after a 32-token prompt it times, eagerly through ``runner.forward``: the plain 1-token step, the ``(k+1)``-token
 verify step with the MTP block (``mtp=True``) for k = 1, 2, 3, and the 1-token MTP-only step (a chained draft or the
-re-run after a rejection); and the 1-token step replayed from a CUDA graph (``GraphDecoder``). Weights are random,
+re-run after a rejection); and the 1-token step replayed from a CUDA graph (``Decoder``). Weights are random,
 so it reports step costs and the **break-even acceptance rate** α* of each k — where the modelled speed-up
 ``E(α)·C_1 / C_cycle(α)`` is 1, with ``E = (1 − α^{k+1})/(1 − α)`` tokens per cycle (each draft accepted with
 probability α) and ``C_cycle = C_verify(k) + (k − 1)·C_mtp + (1 − α^k)·C_mtp`` — not a speed-up. ``--smoke`` runs the
@@ -201,12 +201,12 @@ def measure_step_costs(layers: int, reps: int, smoke: bool) -> dict:
     row("MTP-only 1-token step (eager)", 1, times)
     graph_ms = None
     if device.type == "cuda":
-        from dsv4lab.engine.decode_graph import GraphDecoder
-        dec = GraphDecoder(m, tiers=(1,))
+        from dsv4lab.engine.decode_graph import Decoder
+        dec = Decoder(m, graphs=True, tiers=(1,)).capture()
         fresh()
         for _ in range(2):
-            dec([7], [0])
-        times = _timed(lambda: dec([7], [0]), device, reps)
+            dec.decode([7], [0])
+        times = _timed(lambda: dec.decode([7], [0]), device, reps)
         row("main 1-token step (CUDA graph replay)", 1, times)
         graph_ms = rows[-1]["ms_median"]
     c1 = rows[0]["ms_median"]

@@ -123,3 +123,35 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(capsys):
     assert parts.failed == {"breakdown": "RuntimeError: it->second->use_count > 0 INTERNAL ASSERT FAILED"}
     assert recovered == [True] and "ttft" in parts.timing and "breakdown" not in parts.timing
     assert "breakdown: FAILED" in capsys.readouterr().err
+
+
+def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_acceptance(tmp_path, capsys):
+    """One rank (the multi-token parts are measured there): decode rows carry bytes per step; verify rows per k with
+    the time and bytes ratios; speculative rows per (α, k) whose output equals plain greedy's, with drafts accepted
+    (injected); rows without injection (random weights) and data/tiny-py's natural acceptance; the targets list
+    them; the summary prints them."""
+    out = tmp_path / "e2e.json"
+    assert cli.main(["bench", "e2e", "--smoke", "--batches", "1", "--contexts", "", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert not doc["failed"] and doc["decode"][0]["bytes_per_step"] > doc["decode"][0]["weight_bytes_per_step"] > 0
+    assert [r["draft_tokens"] for r in doc["verify"]] == [1, 2]
+    for r in doc["verify"]:
+        assert r["verify_over_step"] > 0 and r["cycle_over_step"] > 0 and 1 < r["bytes_ratio"] < r["cycle_bytes_ratio"]
+    rows = doc["speculative"]
+    assert {(r["alpha"], r["draft_tokens"]) for r in rows} == {(0.5, 1), (0.7, 1), (0.5, 2), (0.7, 2)}
+    assert all(r["equal_to_greedy"] and r["tok_s"] > 0 and r["speedup"] > 0 and r["ideal_speedup_modelled"] > 0
+               for r in rows)
+    assert sum(r["acceptance_rate"] for r in rows) > 0  # injected: some drafts held
+    natural = doc["speculative_natural"]
+    assert [r["draft_tokens"] for r in natural] == [1, 2, 1, 2] and all(r["equal_to_greedy"] for r in natural)
+    trained = [r for r in natural if "tiny-py" in r["checkpoint"]]  # its MTP block drafts for real
+    assert len(trained) == 2 and all(r["acceptance_rate"] > 0.3 for r in trained)
+    assert {"verify_k1_over_step", "speculative_alpha0.8_speedup", "batch32_mbu"} <= set(doc["targets"])
+    printed = capsys.readouterr().out
+    assert "verify k=1" in printed and "speculative α=0.5 k=2" in printed and "without injection" in printed
+
+
+def test_bench_e2e_refuses_draft_counts_the_model_cannot_verify(capsys):
+    assert cli.main(["bench", "e2e", "--smoke", "--batches", "1", "--draft-tokens", "1,9", "--contexts", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-tokens 9" in err and "at most 7" in err and "Traceback" not in err

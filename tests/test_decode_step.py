@@ -21,7 +21,7 @@ import torch
 
 import dsv4lab
 from conftest import TINY, calibrated_max_kl
-from dsv4lab.engine.decode_graph import FastDecoder, GraphDecoder, StaticDecodeStep, tiers_for
+from dsv4lab.engine.decode_graph import Decoder, StaticDecodeStep, tiers_for
 from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.tools.verify.model import kl_per_position
 
@@ -123,10 +123,10 @@ def test_decode_path_choices_and_errors():
         with pytest.raises(ValueError, match="needs the model on a GPU"):
             m.decode_path = "graph"
     assert m.spare_slot == 2 and m.model.layers[0].attn.win_kv.shape[0] == 3  # one spare slot beside the two
-    assert tiers_for(2) == (1, 2) and tiers_for(3) == (1, 2, 4) and tiers_for(20) == (1, 2, 4, 8)
-    step = GraphDecoder(m, graphs=False)
+    assert tiers_for(2) == (1, 2) and tiers_for(3) == (1, 2, 4) and tiers_for(20) == (1, 2, 4, 8, 16, 32)
+    step = Decoder(m, graphs=False)
     with pytest.raises(ValueError, match="distinct"):
-        step([1, 2], [0, 0])
+        step.decode([1, 2], [0, 0])
 
 
 @pytest.mark.slow

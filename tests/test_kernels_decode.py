@@ -324,7 +324,7 @@ def _static_step_stage_by_stage(tiny_path, device):
     each row within the per-position KL bound of ``verify model``'s calibrated rule for ``data/tiny`` (rounding
     differences propagated through 6 layers are the stage replay's subject, not a tolerance's)."""
     import dsv4lab
-    from dsv4lab.engine.decode_graph import GraphDecoder
+    from dsv4lab.engine.decode_graph import Decoder
     from dsv4lab.tools.verify.stages import OpRecorder, replay
 
     ref = dsv4lab.load(tiny_path, backend="reference", max_batch=2, max_seq_len=64, device=device,
@@ -349,7 +349,7 @@ def _static_step_stage_by_stage(tiny_path, device):
     ops = {c.op for c in rec.calls}
     assert {"attention_from_caches", "compressor_step", "kv_norm_rope", "indexer_select_decode", "router_topk",
             "hc_post_pre_norm", "routed_experts"} <= ops
-    got = GraphDecoder(tri, graphs=False)(tok, [0, 1])  # the replay wrote nothing: the caches are the prefill's
+    got = Decoder(tri, graphs=False).decode(tok, [0, 1])  # the replay wrote nothing: the caches are the prefill's
     if device == "cpu":  # the interpreter sums in fp32 like the reference: agreement to ~1e-7 relative
         rel = float((got.cpu() - want.cpu()).norm() / want.cpu().norm())
         assert rel < 1e-2, f"the Triton static step's logits are {rel:.2e} (relative) from the reference decode"

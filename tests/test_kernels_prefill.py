@@ -328,8 +328,7 @@ def test_gpu_tiny_model_chunked_prefill_through_prefill_kernels():
     report = verify_stages(m, ref, ids[0, :97].tolist(), decode_steps=1)
     assert report.ok, "\n".join(s.line() for s in report.stages if not s.ok)
     for chunk in (300, 128, 64):
-        m.reset()
-        out = torch.cat([m.forward(ids[:, p:p + chunk], p)[0] for p in range(0, 300, chunk)], 0)
+        out = m.prefill(ids, chunk, logits="all")[0]
         if chunk == 300:
             one = out
             continue

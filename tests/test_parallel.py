@@ -135,14 +135,14 @@ def _generate_ranks(rank, world, checkpoint, layouts, bench_out):
 def _static_step_vs_forward(runner, tokens):
     """Two teacher-forced decode steps through the static (graph-capturable) step and through runner.forward,
     on this rank's split: their logits (relative error) and greedy tokens."""
-    from dsv4lab.engine.decode_graph import GraphDecoder
+    from dsv4lab.engine.decode_graph import Decoder
     logits = {}
     for path in ("forward", "static"):
         runner.reset()
         runner.forward([PROMPT], 0)
-        step = GraphDecoder(runner, graphs=False)
+        step = Decoder(runner, graphs=False)
         logits[path] = torch.stack([runner.forward([[t]], len(PROMPT) + i)[0, 0] if path == "forward"
-                                    else step([t], [0])[0] for i, t in enumerate(tokens)])
+                                    else step.decode([t], [0])[0] for i, t in enumerate(tokens)])
     runner.reset()
     want, got = logits["forward"], logits["static"]
     return dict(static_rel=float((got - want).norm() / want.norm()),

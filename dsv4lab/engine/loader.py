@@ -31,6 +31,8 @@ _EXPERT_RE = re.compile(r"^(?P<prefix>(layers|mtp)\.\d+\.ffn\.experts\.)(?P<whic
 CACHE_DEQUANT_LIMIT = 2 << 30  # memoise dequantized weights for models whose native bytes are below this
 VALUE_SCAN_LIMIT = 1 << 30  # load scans every stored value of checkpoints below this (``inspect`` scans any size)
 PROGRESS_BYTES = 256 << 20  # load shows a progress bar for checkpoints above this, when stderr is a terminal
+DEFAULT_STEP_TOKENS = 8  # tokens one static decode step may carry per sequence: 7 MTP drafts + 1 (the most a ratio-4
+# compressor's 8-row state allows a speculative cycle, see dsv4lab.engine.speculative.max_draft_tokens)
 
 log = logging.getLogger("dsv4lab.load")
 
@@ -147,7 +149,8 @@ def check_memory(args: ModelArgs, weight_bytes: int, max_batch: int, dtype: torc
 def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
          act_quant: bool = True, kv_fp8_sim: bool = True, indexer_fp4_sim: bool = True, backend: Backend = "reference",
          max_batch: int = 4, max_seq_len: int | None = None, repairs=None, plan: ShardPlan | None = None,
-         validate: bool = True, progress: bool | None = None, decode_path: str = "auto"):
+         validate: bool = True, progress: bool | None = None, decode_path: str = "auto",
+         max_step_tokens: int = DEFAULT_STEP_TOKENS):
     """Load a native checkpoint and return a ready :class:`~dsv4lab.engine.runner.ModelRunner`.
 
     Args:
@@ -174,8 +177,13 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
         decode_path: how decode steps run — ``"auto"`` (CUDA-graph replay of the static step on a GPU with the
             Triton backend, the eager per-op forward otherwise), ``"graph"``, ``"static"`` or ``"eager"`` (see
             :data:`dsv4lab.engine.runner.DECODE_PATHS`).
+        max_step_tokens: the most tokens one static decode step may carry per sequence (a speculative verify step
+            carries ``draft_tokens + 1``); the window rings are sized for it (``window_size + max_step_tokens − 1``
+            rows, see :mod:`dsv4lab.engine.decode_graph`).
     """
     check_device(device)
+    if not isinstance(max_step_tokens, int) or max_step_tokens < 1:
+        raise ValueError(f"max_step_tokens must be an integer ≥ 1, got {max_step_tokens!r}")
     ck = open_checkpoint(checkpoint)
     stored = sum(i.nbytes for i in ck.tensors.values())
     if progress is None:
@@ -199,7 +207,7 @@ def load(checkpoint: str | Path, device: str | torch.device = "cpu", dtype: torc
     for m in model.modules():
         if hasattr(m, "cache_dequant"):
             m.cache_dequant = native < CACHE_DEQUANT_LIMIT
-    model.allocate(max_batch, numerics.act, numerics.acc, device)
+    model.allocate(max_batch, numerics.act, numerics.acc, device, step_tokens=max_step_tokens)
     runner = ModelRunner(model, ops, checkpoint=ck.path, plan=plan, read_bytes=read_bytes, decode_path=decode_path)
     runner.reset()
     return runner

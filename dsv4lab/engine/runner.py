@@ -1,10 +1,12 @@
-"""The model object users hold: ``forward`` over cache slots, ``reset``, ``generate``.
+"""The model object users hold: ``prefill``, ``forward`` over cache slots, ``reset``, ``generate``.
 
 Decoding (one token per row, no trace) goes through the engine's decode path (:attr:`ModelRunner.decode_path`):
 on a GPU with the Triton backend, the captured static step (:mod:`dsv4lab.engine.decode_graph`, graph replay per
 batch tier, batches padded to the tier); elsewhere the eager per-op forward (the reference's structure, and the
 path a trace needs). ``forward`` (the server's scheduler, the notebooks) and ``decode_greedy`` (greedy
-``generate``, the benchmarks: the same step, each step's ids read on the host one step behind the GPU) take it.
+``generate``, the benchmarks: the same step, each step's ids read on the host one step behind the GPU) take it;
+speculative decoding's cycles run on the same step with ``k+1`` tokens per sequence (:attr:`ModelRunner.decoder`,
+:mod:`dsv4lab.engine.speculative_step`). Prompts go through :meth:`ModelRunner.prefill`, the one prefill loop.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 
 from dsv4lab.core.model.transformer import Transformer
 from dsv4lab.core.tokenizer import load_tokenizer
-from dsv4lab.engine.decode_graph import FastDecoder, check_slots
+from dsv4lab.engine.decode_graph import Decoder, check_slots
 from dsv4lab.engine.finite import NON_FINITE, check_rows, greedy_ids, locating_non_finite, non_finite
 from dsv4lab.engine.sampling import check_generation, sample, trajectory_hash
 from dsv4lab.engine.speculative import check_speculative, generate_speculative
@@ -71,7 +73,7 @@ class ModelRunner:
         self.mtp_positions = torch.zeros(self.max_batch, dtype=torch.long)
         self.last_speculative_stats = None  # SpeculativeStats of the last generate(speculative=...)
         self._all_reduce = plan.all_reduce() if plan is not None else None
-        self._decoders: dict[str, FastDecoder] = {}  # per path, kept when the path is switched and back
+        self._decoders: dict[str, Decoder] = {}  # per path, kept when the path is switched and back
         self.decode_note = ""
         self.decode_path = decode_path
 
@@ -99,17 +101,17 @@ class ModelRunner:
         self._decode_path = path
 
     @property
-    def decoder(self) -> FastDecoder | None:
+    def decoder(self) -> Decoder | None:
         """The static-step decoder of the current path (built on first use; None on the eager path). Assignable,
         e.g. to alternate decoders captured under different all-reduce strategies."""
         if self._decode_path == "eager":
             return None
         if self._decode_path not in self._decoders:
-            self._decoders[self._decode_path] = FastDecoder(self, graphs=self._decode_path == "graph")
+            self._decoders[self._decode_path] = Decoder(self, graphs=self._decode_path == "graph")
         return self._decoders[self._decode_path]
 
     @decoder.setter
-    def decoder(self, decoder: FastDecoder) -> None:
+    def decoder(self, decoder: Decoder) -> None:
         self._decoders[self._decode_path] = decoder
 
     def drop_decoders(self) -> None:
@@ -123,7 +125,11 @@ class ModelRunner:
         dec = self._decoders.get(self._decode_path)
         graphs = dec.graphs if dec is not None else None
         if graphs is not None:
-            info.update(tiers=list(graphs.tiers), captured={b: round(s, 3) for b, s in graphs.capture_s.items()})
+            # one-token step graphs by tier; other kinds as "kind b<tier>" (e.g. "tokens T3 mtp b4")
+            info.update(tiers=list(graphs.tiers), captured={k if isinstance(k, int) else f"{k[0]} b{k[1]}": round(s, 3)
+                                                            for k, s in graphs.capture_s.items()})
+            if graphs.uncaptured:
+                info["uncaptured"] = {f"{k} b{t}": why for (k, t), why in graphs.uncaptured.items()}
         if self.decode_note:
             info["note"] = self.decode_note
         return info
@@ -132,7 +138,7 @@ class ModelRunner:
         """One step of the static decode path for rows already validated: ``[b, vocab]`` fp32 logits."""
         return self._through_decoder(lambda d: d(tokens, positions, slots), tokens.shape[0])
 
-    def _through_decoder(self, use: Callable[[FastDecoder], object], b: int):
+    def _through_decoder(self, use: Callable[[Decoder], object], b: int):
         """``use(self.decoder)``; where capturing the graph of ``b`` rows fails, the static step without graphs."""
         decoder = self.decoder
         try:
@@ -248,6 +254,81 @@ class ModelRunner:
             mtp_logits = mtp_logits.masked_fill(mtp_pad[..., None], float("nan"))
         self.mtp_positions[slots_t.cpu()] += lengths_t.cpu()
         return (out.float(), mtp_logits.float()) + ((X, Xm) if return_hidden else ())
+
+    @torch.inference_mode()
+    def prefill(self, ids, chunk: int | None = None, slots=None, lengths=None, logits: str = "last",
+                mtp: bool = False, next_tokens=None):
+        """Start sequences: reset ``slots`` and run their prompts from position 0, ``chunk`` tokens per forward
+        (default: the longest prompt in one forward) — the one prefill loop of the engine (generation,
+        speculation, the server, the benchmarks and the verifier call it).
+
+        ``ids``: one prompt ``[n]`` or right-padded prompts ``[b, n]`` with ``lengths [b]`` valid tokens each
+        (default ``n``; every length ≥ 1); ``slots``: ``[b]`` cache slots (default ``0..b-1``). A chunk runs only
+        the rows whose prompt reaches into it. Returns fp32 logits: ``logits="last"`` — ``[b, vocab]`` at each
+        row's last prompt token (the head runs on that row only); ``"all"`` — ``[b, n, vocab]``, NaN past a row's
+        length.
+
+        ``mtp=True`` runs the MTP block along (:meth:`forward` with ``mtp``; each chunk's last position is fed the
+        next chunk's first token) and returns ``(logits, mtp_logits, mtp_streams)``: the MTP logits in the form
+        ``logits`` asks for and the MTP block's output streams ``[b, hc, D]`` at each row's last token (a chained
+        draft's input). Its last position is fed ``next_tokens[row]``, or where that is None or −1 the main
+        model's greedy choice there.
+        """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        tokens = torch.as_tensor(ids, dtype=torch.long)
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        if tokens.ndim != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"ids must be [n] or [batch, n] with n ≥ 1, got shape {list(tokens.shape)}")
+        b, n = tokens.shape
+        cpu = torch.device("cpu")
+        slots_t = torch.arange(b) if slots is None else _as_rows(slots, b, "slots", cpu)
+        lens = torch.full((b,), n, dtype=torch.long) if lengths is None else _as_rows(lengths, b, "lengths", cpu)
+        if int(lens.min()) < 1 or int(lens.max()) > n:
+            raise ValueError(f"lengths must be within [1, {n}], got {lens.tolist()}")
+        chunk = n if chunk is None else int(chunk)
+        if chunk < 1:
+            raise ValueError(f"chunk must be ≥ 1, got {chunk}")
+        given = None if next_tokens is None else _as_rows(next_tokens, b, "next_tokens", cpu)
+        self.reset(slots_t)
+        dev, last = self.device, lens - 1
+        out = mtp_out = streams = None
+        for s in range(0, int(lens.max()), chunk):
+            rows = (lens > s).nonzero().flatten()  # the rows whose prompt reaches into this chunk
+            piece_len = (lens[rows] - s).clamp(max=chunk)
+            width = int(piece_len.max())
+            piece = tokens[rows, s:s + width]
+            ragged = bool((piece_len < width).any())
+            kw = dict(slots=slots_t[rows], lengths=piece_len if ragged else None, logits=logits)
+            if not mtp:
+                got = (self.forward(piece.to(dev), s, **kw),)
+            else:  # each row's last position here is fed the token after it: the next chunk's, or the given one
+                ends = lens[rows] <= s + chunk
+                follow = tokens[rows, (s + chunk) if s + chunk < n else n - 1]
+                tail = given[rows] if given is not None else torch.full_like(follow, -1)
+                got = self.forward(piece.to(dev), s, mtp=True, next_tokens=torch.where(ends, tail, follow),
+                                   return_hidden=True, **kw)
+            if out is None:  # allocated from the first chunk's outputs (their dtype, vocab and stream shapes)
+                shape = (b,) if logits == "last" else (b, n)
+                out = torch.full(shape + got[0].shape[2:], float("nan"), device=dev)
+                if mtp:
+                    mtp_out = torch.full(shape + got[1].shape[2:], float("nan"), device=dev)
+                    streams = torch.full((b,) + got[3].shape[2:], float("nan"), dtype=got[3].dtype, device=dev)
+            r, ends_here = rows.to(dev), (last[rows] < s + chunk)
+            if logits == "last":
+                out[r[ends_here.to(dev)]] = got[0][ends_here.to(dev), 0]
+            else:
+                out[r, s:s + width] = got[0]
+            if mtp:
+                at = (last[rows] - s).clamp(0, width - 1).to(dev)  # each row's last position in this chunk
+                pick = torch.arange(len(rows), device=dev)
+                if logits == "last":
+                    mtp_out[r[ends_here.to(dev)]] = got[1][pick, at][ends_here.to(dev)]
+                else:
+                    mtp_out[r, s:s + width] = got[1]
+                streams[r[ends_here.to(dev)]] = got[3][pick, at][ends_here.to(dev)]
+        return out if not mtp else (out, mtp_out, streams)
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: torch.Tensor, next_tokens, start_pos, slots=None, lengths=None):
@@ -412,16 +493,12 @@ class ModelRunner:
                     on_token(t)
             return out[0]
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.reset([slot])
-        chunk = prefill_chunk or len(ids)
-        for s in range(0, len(ids), chunk):
-            piece = torch.tensor([ids[s:s + chunk]])
-            logits = self.forward(piece, start_pos=s, slots=[slot], logits="last")
+        logits = self.prefill(ids, prefill_chunk, slots=[slot])  # [1, vocab]: the prompt's last token
         out: list[int] = []
         if temperature <= 0:  # greedy: the device feeds itself, the host reads one step behind
             limit = min(max_new_tokens, self.args.max_seq_len - len(ids))  # tokens it may choose
-            check_rows(logits[:, -1])
-            out.append(int(logits[0, -1].argmax()))
+            check_rows(logits)
+            out.append(int(logits[0].argmax()))
             if on_token is not None:
                 on_token(out[0])
             if limit > 1 and not (stop_at_eos and out[0] == self.args.eos_token_id):
@@ -430,7 +507,7 @@ class ModelRunner:
                                           on_tokens=None if on_token is None else lambda t: on_token(t[0]))[0]
             return out
         for _ in range(max_new_tokens):
-            nxt = int(sample(logits[:, -1], temperature, top_p, gen)[0])
+            nxt = int(sample(logits, temperature, top_p, gen)[0])
             out.append(nxt)
             if on_token is not None:
                 on_token(nxt)
@@ -438,7 +515,7 @@ class ModelRunner:
                 break
             if len(ids) + len(out) >= self.args.max_seq_len:
                 break
-            logits = self.forward(torch.tensor([[nxt]]), start_pos=len(ids) + len(out) - 1, slots=[slot])
+            logits = self.forward(torch.tensor([[nxt]]), start_pos=len(ids) + len(out) - 1, slots=[slot])[:, -1]
         return out
 
     def generate_with_stats(self, prompt_ids, max_new_tokens, **kw) -> dict:

@@ -21,14 +21,12 @@ token are those plain greedy decoding computes for it: the ids and the trajector
 forward differently from a one-token step (a prefill kernel against a decode kernel) keeps the method correct
 but may break exact equality where the top-2 margin is within that rounding.
 
-**The graph-captured GPU step** (branch decode-step) needs: a static ``(k+1)``-token verify step — the static
-decode step generalised to ``k+1`` tokens per row (window rows written first, up to ``⌈(k+1)/r⌉`` compressed
-entries per row) with the MTP block's step appended, returning both logits and the two stream tensors; the draft
-chain as a captured one-token MTP step; and :class:`CacheSnapshot` as static gathers/scatters of ``k+1`` ring
-rows per cache and a masked NaN fill of at most ``⌈(k+1)/r⌉+1`` entries — all shapes fixed by ``k`` and the batch
-tier. Only the acceptance (a comparison of ``k`` ids per row) needs the host, once per cycle. This module drives
-the eager step through ``runner.forward`` / ``runner.forward_mtp``; a graph step with the same inputs and outputs
-drops in for those two calls.
+**Two paths.** On the eager decode path (``runner.decode_path == "eager"``, and for teacher forcing) a cycle runs
+through ``runner.forward(..., mtp=True)`` / ``runner.forward_mtp`` with :class:`CacheSnapshot`. On the static path
+(``"static"``, ``"graph"``: ``runner.decoder``) the whole cycle — chain, rollback, ``(k+1)``-token verify step with
+the MTP block, acceptance, rollback, the MTP step at the last accepted position — is one static device function
+(:mod:`dsv4lab.engine.speculative_step`), captured as one CUDA graph per (batch tier, ``K``) on a GPU; the host
+reads each cycle's accepted counts and tokens once. Both emit the ids plain greedy decoding emits.
 """
 from __future__ import annotations
 
@@ -36,6 +34,9 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
+
+from dsv4lab.engine.decode_graph import step_tokens
+from dsv4lab.engine.speculative_step import run_cycle
 
 METHODS = ("mtp",)
 
@@ -51,8 +52,10 @@ def check_speculative(method: str | None, temperature: float = 0.0) -> None:
 
 def max_draft_tokens(model) -> int:
     """The most drafts one cycle may verify: its ``k+1`` positions must fall on distinct rows of every ring cache
-    (the window, the compressor states: ``2·ratio`` rows), so that a snapshot of those rows can restore them."""
-    return min(period for blk in model.blocks() for _, period in blk.attn.ring_caches()) - 1
+    (the window, the compressor states: ``2·ratio`` rows), so that a snapshot of those rows can restore them, and
+    fit one static step (the window rings were sized for ``step_tokens`` tokens: ``load(..., max_step_tokens)``)."""
+    rings = min(period for blk in model.blocks() for _, period in blk.attn.ring_caches())
+    return min(rings, step_tokens(model)) - 1
 
 
 class CacheSnapshot:
@@ -158,34 +161,31 @@ class SpeculativeDecoder:
         limit = max_draft_tokens(runner.model)
         if not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
             raise ValueError(f"draft_tokens must be an integer in [1, {limit}] for this model (a cycle's positions "
-                             f"must fit its smallest ring cache), got {draft_tokens!r}")
+                             f"must fit its smallest ring cache and one decode step), got {draft_tokens!r}")
         self.runner, self.draft_tokens = runner, draft_tokens
         self.slots: dict[int, _SlotState] = {}
+        self._cycles: dict = {}  # the static path's SpeculativeCycle per draft count
         self.stats = SpeculativeStats()
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, tokens, slots: Sequence[int], start_pos=0, lengths=None,
-                next_tokens=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``tokens [b, n]`` (prompts, or a chunk of them) with the MTP block and remember, per slot, the next
-        token (``next_tokens[row]``, or the greedy choice where that is None or −1) and the MTP block's first
-        draft. A chunk that does not end its prompt passes the next chunk's first token. Returns the main and MTP
-        logits ``[b, n, vocab]``."""
+    def prefill(self, tokens, slots: Sequence[int], lengths=None, next_tokens=None, chunk: int | None = None,
+                logits: str = "all") -> tuple[torch.Tensor, torch.Tensor]:
+        """Start sequences: :meth:`ModelRunner.prefill` of ``tokens [b, n]`` (right-padded prompts, ``lengths``)
+        with the MTP block, ``chunk`` tokens per forward; remember, per slot, the next token (``next_tokens[row]``,
+        or the greedy choice where that is None or −1) and the MTP block's first draft. Returns the main and MTP
+        logits (``logits="all"``: ``[b, n, vocab]``; ``"last"``: ``[b, vocab]``)."""
         r = self.runner
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=r.device)
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
         b, n = tokens.shape
-        starts = torch.as_tensor(start_pos, dtype=torch.long).expand(b).tolist()
         lens = [n] * b if lengths is None else torch.as_tensor(lengths).tolist()
-        logits, mtp_logits, _, Xm = r.forward(tokens, start_pos, slots=list(slots), lengths=lengths, mtp=True,
-                                              next_tokens=next_tokens, return_hidden=True)
+        main, mtp_logits, streams = r.prefill(tokens, chunk, slots=list(slots), lengths=lengths, logits=logits,
+                                              mtp=True, next_tokens=next_tokens)
         given = None if next_tokens is None else torch.as_tensor(next_tokens).tolist()
         for i, slot in enumerate(slots):
-            last = lens[i] - 1
-            if last < 0:
-                continue
-            token = int(logits[i, last].argmax()) if given is None or given[i] < 0 else int(given[i])
-            self.slots[int(slot)] = _SlotState(starts[i] + lens[i], token, int(mtp_logits[i, last].argmax()),
-                                               Xm[i, last])
-        return logits, mtp_logits
+            at = (i,) if logits == "last" else (i, lens[i] - 1)
+            token = int(main[at].argmax()) if given is None or given[i] < 0 else int(given[i])
+            self.slots[int(slot)] = _SlotState(lens[i], token, int(mtp_logits[at].argmax()), streams[i])
+        return main, mtp_logits
 
     # ------------------------------------------------------------------ one cycle
     @torch.inference_mode()
@@ -196,9 +196,10 @@ class SpeculativeDecoder:
         previous cycle emitted last); ``draft_counts``: drafts per slot (default ``draft_tokens``; fewer near the
         end of a budget; capped so the cycle stays within ``max_seq_len``).
 
-        Teacher forcing (the rollback checks of ``dsv4lab.tools.verify.speculative``): ``drafts`` replaces each slot's
-        drafted ids (the chain still runs, so its cache writes are still undone) and ``teacher`` gives the true
-        tokens ``t_0..t_k`` of positions ``P+1..P+k+1`` in place of the greedy targets."""
+        Teacher forcing (the rollback checks of ``dsv4lab.tools.verify.speculative``, the benchmark's injected
+        acceptance): ``drafts`` replaces each slot's drafted ids, −1 keeping the chain's (the chain still runs, so
+        its cache writes are still undone) and ``teacher`` gives the true tokens ``t_0..t_k`` of positions
+        ``P+1..P+k+1`` in place of the greedy targets (the eager path only)."""
         r = self.runner
         dev, max_len = r.device, r.args.max_seq_len
         slots = [int(s) for s in slots]
@@ -211,14 +212,20 @@ class SpeculativeDecoder:
         x = [q.token for q in seqs] if tokens is None else [int(t) for t in tokens]
         want = [self.draft_tokens] * len(seqs) if draft_counts is None else [int(k) for k in draft_counts]
         ks = [max(0, min(k, self.draft_tokens, max_len - 1 - q.position)) for k, q in zip(want, seqs)]
+        if teacher is None and r.decoder is not None:  # the static step (graph-replayed on a GPU)
+            return self._step_static(slots, seqs, x, ks, drafts)
         K = max(ks)
         slots_t = torch.tensor(slots, device=dev)
         P = torch.tensor([q.position for q in seqs], device=dev)
         snap = CacheSnapshot(r.model, slots_t, P, K + 1)
         chained = self._draft(seqs, slots, ks)
-        drafts = chained if drafts is None else [[int(t) for t in d][:k] for d, k in zip(drafts, ks)]
-        if any(len(d) != k for d, k in zip(drafts, ks)):
-            raise ValueError(f"drafts: expected {ks} ids per slot")
+        if drafts is not None:
+            drafts = [[int(t) for t in d][:k] for d, k in zip(drafts, ks)]
+            if any(len(d) != k for d, k in zip(drafts, ks)):
+                raise ValueError(f"drafts: expected {ks} ids per slot")
+            drafts = [[c if t < 0 else t for t, c in zip(d, cd)] for d, cd in zip(drafts, chained)]
+        else:
+            drafts = chained
         # the chain wrote the MTP caches ahead of P; the verify must read them as they were
         snap.restore(None, P)
         r.mtp_positions[slots_t.cpu()] = P.cpu()
@@ -271,6 +278,42 @@ class SpeculativeDecoder:
         st.emitted += sum(m + 1 for m in accepted)
         return results
 
+    def _step_static(self, slots: list[int], seqs: list[_SlotState], x: list[int], ks: list[int],
+                     drafts: Sequence[Sequence[int]] | None) -> list[StepResult]:
+        """:meth:`step` through the runner's static decoder: one :class:`~dsv4lab.engine.speculative_step.
+        SpeculativeCycle` (a graph replay on a GPU), then one read of the accepted counts and tokens."""
+        r = self.runner
+        K = max(1, max(ks))
+        forced = torch.full((len(seqs), K), -1, dtype=torch.long)
+        for i, d in enumerate(drafts or []):
+            d = [int(t) for t in d][:ks[i]]
+            if len(d) != ks[i]:
+                raise ValueError(f"drafts: expected {ks} ids per slot")
+            forced[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        P = torch.tensor([q.position for q in seqs])
+        out = run_cycle(r.decoder, self._cycles, torch.tensor(x), torch.tensor([q.draft for q in seqs]),
+                        torch.stack([q.streams for q in seqs]), P, torch.tensor(ks), torch.tensor(slots), forced)
+        host = torch.cat((out.accepted[:, None], out.next_mtp_logits.argmax(-1)[:, None], out.targets), 1).tolist()
+        accepted, next_draft, targets = [h[0] for h in host], [h[1] for h in host], [h[2:] for h in host]
+        keep = P + torch.tensor(accepted) + 1
+        r.positions[slots] = keep
+        r.mtp_positions[slots] = keep
+        results = []
+        for i, m in enumerate(accepted):
+            emitted = targets[i][:m + 1]
+            # copies: the graph's output buffers are rewritten by its next replay
+            self.slots[slots[i]] = _SlotState(int(keep[i]), emitted[-1], next_draft[i], out.next_streams[i].clone())
+            results.append(StepResult(emitted, out.logits[i, :m + 1].clone(),
+                                      torch.cat((out.mtp_logits[i, :m], out.next_mtp_logits[i][None])), ks[i], m))
+        st = self.stats
+        st.cycles += len(seqs)
+        st.verify_forwards += 1
+        st.mtp_forwards += K  # the chain's K − 1 steps and the step at the last accepted position
+        st.drafted += sum(ks)
+        st.accepted += sum(accepted)
+        st.emitted += sum(m + 1 for m in accepted)
+        return results
+
     def _draft(self, seqs: list[_SlotState], slots: list[int], ks: list[int]) -> list[list[int]]:
         """``d_1`` from the previous cycle, then ``d_2..d_k`` by chaining the MTP block on its own streams (it runs
         at ``P+j−1`` with the embedding of ``d_j``, writing its caches ahead; the caller restores them)."""
@@ -307,19 +350,12 @@ def generate_speculative(runner, prompts: Sequence[Sequence[int]], max_new_token
         raise ValueError("every prompt needs at least one token")
     slots = list(range(len(prompts))) if slots is None else [int(s) for s in slots]
     dec = SpeculativeDecoder(runner, draft_tokens)
-    runner.reset(slots)
     outs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens <= 0:
         return outs, dec.stats
-    chunk = prefill_chunk or max(map(len, prompts))
-    for s in range(0, max(map(len, prompts)), chunk):
-        rows = [i for i, p in enumerate(prompts) if len(p) > s]
-        pieces = [prompts[i][s:s + chunk] for i in rows]
-        width = max(map(len, pieces))
-        tokens = [piece + [piece[-1]] * (width - len(piece)) for piece in pieces]
-        nxt = [prompts[i][s + chunk] if len(prompts[i]) > s + chunk else -1 for i in rows]
-        dec.prefill(tokens, [slots[i] for i in rows], start_pos=s, lengths=[len(p) for p in pieces],
-                    next_tokens=nxt)
+    width = max(map(len, prompts))
+    dec.prefill([p + [p[-1]] * (width - len(p)) for p in prompts], slots, lengths=[len(p) for p in prompts],
+                chunk=prefill_chunk, logits="last")
     active = []
     for i, p in enumerate(prompts):
         outs[i].append(dec.slots[slots[i]].token)

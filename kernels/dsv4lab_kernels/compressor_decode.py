@@ -1,6 +1,7 @@
 """The KV compressor's decode step in one launch (reference: ``ReferenceOps.compressor_step``).
 
-One program per token row: the token's projections (``kv``, ``score + ape[p mod r]``) go into row ``p mod 2r`` of
+One program per token row (a decode step of several tokens per sequence: one program per sequence, its tokens in
+order — see the launcher): the token's projections (``kv``, ``score + ape[p mod r]``) go into row ``p mod 2r`` of
 its slot's ring; when the token completes its block (``(p+1) mod r == 0`` — a branch inside the kernel, so a
 captured graph always runs the same launch) the program pools the block's slots per channel (softmax over the
 slots of the scores, in fp64; overlap mode for ratio 4: half A of the previous block, half B of this one), and
@@ -33,17 +34,15 @@ from .launch import pdl_args, pdl_prologue
 
 
 @triton.jit
-def _compressor_step_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr,
-                            cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
-                            s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
-                            OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr,
-                            ROUND_BF16: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr,
-                            PDL: tl.constexpr = False):
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def _compressor_token(row, slot, kv_ptr, sc_ptr, ape_ptr, pos_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr,
+                      cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
+                      s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
+                      OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr,
+                      ROUND_BF16: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                      BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr):
+    """The token of input row ``row`` into the compressor state of ``slot``: its ring row, and the entry of the
+    block it completes (if it does)."""
     pos = tl.load(pos_ptr + row)
-    slot = tl.load(slot_ptr + row)
     ring_b = kvr_ptr + slot * s_ring_b
     sring_b = scr_ptr + slot * s_ring_b
     here = pos % (2 * R)
@@ -118,6 +117,35 @@ def _compressor_step_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr,
         tl.store(out_row + cf, y.to(cache_ptr.dtype.element_ty), mask=cfm)
 
 
+@triton.jit
+def _compressor_step_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr,
+                            cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
+                            s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
+                            OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr,
+                            ROUND_BF16: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr,
+                            n_tokens=1, MULTI: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One program per token row; with ``MULTI`` one program per sequence: its ``n_tokens`` tokens (input rows
+    ``n_tokens·pid …``) in order, a barrier after each (token ``t`` reads the ring rows earlier tokens wrote, and
+    token ``t+1`` may overwrite a row token ``t`` pooled) — ``n_tokens`` successive one-token steps in one launch,
+    one compiled kernel for every token count."""
+    pdl_prologue(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + seq)
+    if MULTI:
+        for t in range(n_tokens):
+            _compressor_token(seq * n_tokens + t, slot, kv_ptr, sc_ptr, ape_ptr, pos_ptr, kvr_ptr, scr_ptr,
+                              cache_ptr, w_ptr, cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
+                              s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos, OVERLAP, INDEXER, QUANT,
+                              ROUND_BF16, BLOCK_W, BLOCK_S, BLOCK_C, BLOCK_CF, LOG2C)
+            tl.debug_barrier()
+    else:
+        _compressor_token(seq, slot, kv_ptr, sc_ptr, ape_ptr, pos_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr, cos_ptr,
+                          sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits, s_in, s_ring_b, s_ring_r,
+                          s_cache_b, s_cache_r, s_cos, OVERLAP, INDEXER, QUANT, ROUND_BF16, BLOCK_W, BLOCK_S,
+                          BLOCK_C, BLOCK_CF, LOG2C)
+
+
 def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor, cache: torch.Tensor,
                     norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ratio: int, overlap: bool,
@@ -125,7 +153,16 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     """One token per row into a compressor: ``kv, score [b, width]`` (fp32 projections, ``ape [ratio, width]``
     not yet added), ``positions, slots [b]``; the rings ``[slots, 2·ratio, width]`` (fp32) and the entry cache
     ``[slots, C, channels]`` are updated in place. ``quantize``: the indexer's FP4 (``indexer``) or the main cache's
-    FP8 simulation."""
+    FP8 simulation.
+
+    Several tokens per row: ``kv, score [b, T, width]`` and ``positions [b, T]`` (each row's tokens in order, its
+    slot ``slots[i]``) — one program per row runs them in order, exactly ``T`` successive one-token launches (a
+    row may repeat a token at the same position: the repeat rewrites what the first wrote)."""
+    tokens, multi = 1, kv.ndim == 3
+    if multi:
+        tokens = kv.shape[1]
+        assert positions.shape == kv.shape[:2] and slots.shape == kv.shape[:1], "positions [b, T], slots [b]"
+        kv, score, positions = kv.flatten(0, 1), score.flatten(0, 1), positions.flatten().contiguous()
     b, width = kv.shape
     channels = cache.shape[-1]
     assert width == (2 if overlap else 1) * channels and score.shape == kv.shape and ape.shape == (ratio, width)
@@ -142,13 +179,14 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     block_cf = channels if indexer else max(64, triton.next_power_of_2(channels))  # the Hadamard spans all
     block_s = triton.next_power_of_2((2 if overlap else 1) * ratio)
     block_c = max(16, min(block_cf, 4096 // block_s))
-    _compressor_step_kernel[(b,)](
+    _compressor_step_kernel[(b // tokens,)](
         kv, score, ape.contiguous(), positions, slots, kv_ring, score_ring, cache, norm_weight, cos, sin, ratio,
         channels, width, cache.shape[1], 2 * cos.shape[-1], channels - 2 * cos.shape[-1], float(eps),
         f64_bits(channels ** -0.5), kv.stride(0), kv_ring.stride(0), kv_ring.stride(1), cache.stride(0),
         cache.stride(1), cos.stride(0), OVERLAP=overlap, INDEXER=indexer, QUANT=quantize,
         ROUND_BF16=cache.dtype == torch.bfloat16, BLOCK_W=min(1024, triton.next_power_of_2(width)),
-        BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_CF=block_cf, LOG2C=block_cf.bit_length() - 1, num_warps=4,
+        BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_CF=block_cf, LOG2C=block_cf.bit_length() - 1, n_tokens=tokens,
+        MULTI=multi, num_warps=4,
         **LAUNCH_EXACT, **pdl_args(kv.device))
 
 

@@ -60,7 +60,10 @@ class GemvGeometry:
     """Launch geometry: output rows per program, K elements per tile (a multiple of 128), K splits, warps, stages;
     ``unroll`` tiles loaded per loop step (``fma``: more bytes in flight for the same accumulator), ``prequant``
     (``dot`` with activation quantization): the rows quantized once per launch by a small kernel instead of by
-    every program (what a batch costs otherwise: each program quantizes all its rows)."""
+    every program (what a batch costs otherwise: each program quantizes all its rows); ``rows_per_program``
+    (``dot``): token rows one program multiplies with each weight tile it reads — a step of up to that many rows
+    (a batch, or a speculative verify step's ``b·(k+1)`` rows) reads every weight byte once, more rows split into
+    programs that each read it again (16: one tensor-core operand; up to 64)."""
 
     block_n: int = 32
     block_k: int = 256
@@ -69,6 +72,12 @@ class GemvGeometry:
     num_stages: int = 3
     unroll: int = 1
     prequant: bool = False
+    rows_per_program: int = 16
+
+
+MULTI_ROW_VARIANTS = {"dot_rows64": ("dot", GemvGeometry(rows_per_program=64))}
+"""Variants for steps of many token rows (name → (route, geometry)), for the dispatch's table: the ``dot`` route
+with one program per weight tile for up to 64 rows (each weight byte read once by a step of ≤ 64 rows)."""
 
 
 # ------------------------------------------------------------------------------------------------ device helpers
@@ -261,12 +270,15 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, MP, BLOCK_M: tl.constexpr, PDL:
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def token_blocks(M: int, route: str) -> tuple[int, int]:
-    """``(TQ, TP)``: token rows a program quantizes and the rows of its tensor-core operand (≥ 16). The fma
-    route takes one row per program (more rows multiply its per-weight work: the dot route's job)."""
+def token_blocks(M: int, route: str, rows_per_program: int = 16) -> tuple[int, int]:
+    """``(TQ, TP)``: token rows a program quantizes and the rows of its tensor-core operand (≥ 16), at most
+    ``rows_per_program`` (a power of two, 16 to 64). The fma route takes one row per program (more rows multiply
+    its per-weight work: the dot route's job)."""
     if route == "fma":
         return 1, 1
-    tq = min(triton.next_power_of_2(max(M, 1)), 16)
+    if rows_per_program not in (16, 32, 64):
+        raise ValueError(f"GemvGeometry.rows_per_program={rows_per_program}: expected 16, 32 or 64")
+    tq = min(triton.next_power_of_2(max(M, 1)), rows_per_program)
     return tq, max(tq, 16)
 
 
@@ -330,7 +342,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
         if bounds:
             raise ValueError(f"fp8_gemv: the dot route needs segment sizes that are multiples of 16, got {sizes}")
         block_n = 16
-    tq, tp = token_blocks(M, route)
+    tq, tp = token_blocks(M, route, g.rows_per_program)
     out = torch.empty(M * N, dtype=out_dtype, device=x.device)
     split = max(1, min(g.split_k, triton.cdiv(Kg, g.block_k)))
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, tq))

@@ -2,8 +2,10 @@
 sliding window for every layer plus compressed entries (HCA: all completed blocks; CSA: the indexer's top-k),
 an attention sink, the inverse rotation of the output and the grouped output projection.
 
-Caches (per cache slot, i.e. per sequence): the window ring ``[W, d]`` (token ``p`` in slot ``p mod W``), the
-compressed entries ``[max_seq_len/r, d]``, and for CSA the indexer keys ``[max_seq_len/4, index_head_dim]``.
+Caches (per cache slot, i.e. per sequence): the window ring ``[W + S − 1, d]`` (token ``p`` in row ``p mod
+(W + S − 1)``; ``S`` = the most tokens one decode step carries per sequence, 1 unless the engine asks for more — the
+``S − 1`` spare rows let a step write all its tokens before any of them attends, see
+:mod:`dsv4lab.engine.decode_graph`), the compressed entries ``[max_seq_len/r, d]``, and for CSA the indexer keys ``[max_seq_len/4, index_head_dim]``.
 Unwritten cache rows hold NaN, so a read of a row that should not be visible poisons the output instead of
 passing silently.
 
@@ -56,11 +58,17 @@ class Attention(nn.Module):
         self.cos = self.sin = None
 
     # ------------------------------------------------------------------ state
-    def allocate(self, max_batch: int, max_seq_len: int, act: torch.dtype, acc: torch.dtype, device) -> None:
+    def allocate(self, max_batch: int, max_seq_len: int, act: torch.dtype, acc: torch.dtype, device,
+                 step_tokens: int = 1) -> None:
+        """Caches for ``max_batch`` slots; the window ring holds ``window_size + step_tokens − 1`` rows, so that a
+        decode step of up to ``step_tokens`` tokens per sequence can write them all before attending."""
         a = self.args
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be ≥ 1, got {step_tokens}")
         self.cos, self.sin = rope_table(a, self.layer, max_seq_len, acc, device)
         nan = float("nan")
-        self.win_kv = torch.full((max_batch, a.window_size, a.head_dim), nan, dtype=act, device=device)
+        self.win_kv = torch.full((max_batch, a.window_size + step_tokens - 1, a.head_dim), nan, dtype=act,
+                                 device=device)
         if self.ratio:
             self.ckv = torch.full((max_batch, max_seq_len // self.ratio, a.head_dim), nan, dtype=act, device=device)
             self.compressor.allocate_state(max_batch, acc, device)
@@ -83,7 +91,7 @@ class Attention(nn.Module):
     def ring_caches(self) -> list[tuple[torch.Tensor, int]]:
         """Per-slot caches that hold position ``p`` in row ``p mod period``, as ``(tensor, period)``: the window
         ring and each compressor's kv and score state. Writing ``p`` overwrites ``p − period``."""
-        out = [(self.win_kv, self.args.window_size)]
+        out = [(self.win_kv, self.win_kv.shape[1])]
         for comp in (self.compressor, self.indexer.compressor if self.indexer is not None else None):
             if comp is not None:
                 out += [(comp.kv_ring, 2 * comp.ratio), (comp.score_ring, 2 * comp.ratio)]
@@ -104,6 +112,7 @@ class Attention(nn.Module):
         if trace is not None:
             trace("input", x)
         d, W, H = a.head_dim, a.window_size, self.n_local_heads
+        period = self.win_kv.shape[1]  # the window ring's rows (≥ W)
         # (length, first position, cache slot) per row, read back once per layer for the host-side loops and sizes
         rows = list(zip(*torch.stack((lengths, start, slots)).long().tolist()))
         positions = start[:, None] + torch.arange(n, device=x.device)[None, :]
@@ -134,7 +143,7 @@ class Attention(nn.Module):
 
         # KV rows visible to this call: window history (positions p0-W..p0-1), this call's kv, compressed entries
         hist_pos = start[:, None] - W + torch.arange(W, device=x.device)[None, :]  # [b, W]
-        hist = self.win_kv[slots[:, None], hist_pos % W]
+        hist = self.win_kv[slots[:, None], hist_pos % period]
         parts = [hist, kv.to(hist.dtype)]
         # The window of the query at position p lists positions max(0, p-W+1)..p oldest first, then −1 for the
         # slots a young sequence has not filled (DeepSeek's get_window_topk_idxs): the order decides which
@@ -172,12 +181,13 @@ class Attention(nn.Module):
         o = ops.grouped_wo_a(o.reshape(b, n, self.n_local_groups, -1), self.wo_a, self.n_local_groups)
         y = ops.linear(o.flatten(2), self.wo_b, all_reduce=all_reduce)  # wo_b is split by columns under TP
 
-        # window ring: the last min(L, W) tokens of each row
+        # window ring: the last min(L, period) tokens of each row (the ring then holds the last `period` positions
+        # whatever the chunking, so its bytes do not depend on how a sequence was fed)
         for i, (L, p0, slot) in enumerate(rows):
-            keep = min(L, W)
+            keep = min(L, period)
             if keep:
                 p = torch.arange(p0 + L - keep, p0 + L, device=x.device)
-                self.win_kv[slot, p % W] = kv[i, L - keep:L].to(self.win_kv.dtype)
+                self.win_kv[slot, p % period] = kv[i, L - keep:L].to(self.win_kv.dtype)
         if trace is not None:
             trace("attn_out", y)
         return y

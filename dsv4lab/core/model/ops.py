@@ -380,7 +380,16 @@ class ReferenceOps:
         completes. ``kv, score [b, width]`` are its fp32 projections (``ape`` not yet added); the token at
         ``positions[i]`` goes into the ring of ``slots[i]``; the candidate block ``p // r`` is pooled
         (:meth:`compressor_pool`), finished (norm, RoPE, quantization simulation) and written to
-        ``cache[slots[i], p // r]`` where ``(p + 1) % r == 0``."""
+        ``cache[slots[i], p // r]`` where ``(p + 1) % r == 0``.
+
+        Several tokens per row (a static decode step of ``T`` tokens per sequence): ``kv, score [b, T, width]`` at
+        ``positions [b, T]``, each row's tokens in order — ``T`` successive one-token steps, token ``t`` of every
+        row in the ``t``-th (a row may repeat its last token at its last position: the repeat rewrites the same
+        values)."""
+        if kv.ndim == 3:
+            for t in range(kv.shape[1]):
+                self.compressor_step(comp, kv[:, t], score[:, t], positions[:, t], slots, cache, cos, sin)
+            return
         r, c = comp.ratio, comp.channels
         score = score + comp.ape.to(score.dtype)[positions % r]
         ring_row = positions % (2 * r)

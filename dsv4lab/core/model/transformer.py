@@ -45,18 +45,23 @@ class Transformer(nn.Module):
         self.register_buffer("hc_head_scale", torch.empty(1, dtype=torch.float32, device="meta"))
         self.max_batch = 0
         self.spare_slot: int | None = None
+        self.step_tokens = 1
 
     # ------------------------------------------------------------------ caches
     def blocks(self):
         return list(self.layers) + list(self.mtp)
 
-    def allocate(self, max_batch: int, act: torch.dtype, acc: torch.dtype, device, spare_slot: bool = True) -> None:
+    def allocate(self, max_batch: int, act: torch.dtype, acc: torch.dtype, device, spare_slot: bool = True,
+                 step_tokens: int = 1) -> None:
         """Caches for ``max_batch`` sequences, plus (``spare_slot``) one more slot, ``spare_slot = max_batch``, that
-        no sequence owns: the decode graphs pad a batch up to its tier there (:mod:`dsv4lab.engine.decode_graph`)."""
+        no sequence owns: the decode graphs pad a batch up to its tier there (:mod:`dsv4lab.engine.decode_graph`).
+        ``step_tokens``: the most tokens one static decode step may carry per sequence (the window rings get
+        ``step_tokens − 1`` more rows)."""
         self.max_batch = max_batch
         self.spare_slot = max_batch if spare_slot else None
+        self.step_tokens = step_tokens
         for blk in self.blocks():
-            blk.attn.allocate(max_batch + int(spare_slot), self.args.max_seq_len, act, acc, device)
+            blk.attn.allocate(max_batch + int(spare_slot), self.args.max_seq_len, act, acc, device, step_tokens)
 
     def reset(self, slots: torch.Tensor | None, ops) -> None:
         for blk in self.blocks():

@@ -9,11 +9,12 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   seed on the same device type: a correctness gate on the measured configuration).
 * **graph check** (GPU): teacher-forced steps through the graphs (batch 1, and batch 3 padded to tier 4) equal the
   same steps through the eager static step, bit for bit.
-* **decode**: for each batch size, ``--decode-tokens`` greedy steps after a 16-token prompt, timed per round
-  (device synchronised, ranks barriered); ``--rounds`` rounds after one dropped warm-up round (which captures the
-  tier's graph), median reported. **MBU** = tok/s × the weight bytes one decode step reads per GPU per token (the
-  cost model, :mod:`dsv4lab.tools.perf.costmodel`) ÷ the copy bandwidth measured in the same run (``mbu_all_bytes``: every
-  byte the step moves at the round's mean context, KV reads included).
+* **decode**: for each batch size (default 1, 2, 4, 8, 16, 32), ``--decode-tokens`` greedy steps after a 16-token
+  prompt, timed per round (device synchronised, ranks barriered); ``--rounds`` rounds after one dropped warm-up
+  round (which captures the tier's graph), median reported. **MBU** = tok/s × the weight bytes one decode step
+  reads per GPU per token (the cost model, :mod:`dsv4lab.tools.perf.costmodel`) ÷ the copy bandwidth measured in
+  the same run (``mbu_all_bytes``: every byte the step moves at the round's mean context, KV reads included);
+  ``bytes_per_step`` / ``weight_bytes_per_step``: what one step of the batch reads per GPU (modelled).
 * **contexts**: batch-1 decode after a prompt of each ``--contexts`` length (prefilled in ``--context-chunk``
   chunks, its time reported), ``--context-tokens`` steps — how decode cost grows with context — and, at each, the
   first step through the graph against the eager static step (bitwise, from a snapshot of the slot's caches) and
@@ -23,12 +24,16 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   then, at the fastest chunk, one more prefill with every backend op timed (summed over the layers, the glue
   between them apart) beside the cost model's prediction of that prefill (``prefill_breakdown``).
 * **ABBA** (more than one rank): batch-1 decode rounds alternating two all-reduce strategies A B B A.
+* **verify** and **speculative** (one rank): the speculative verify step of ``k+1`` tokens (``--draft-tokens``)
+  against the one-token step and against its bytes ratio; speculative decoding's tok/s with injected acceptance
+  (``--alphas``) against plain greedy's, every output checked equal to it — :mod:`dsv4lab.tools.bench.e2e_multitoken`
+  (``--smoke`` adds the natural acceptance of ``data/tiny-py``'s trained MTP block).
 * **breakdown** (CUDA): one graph replay of the batch-1 step under the profiler — GPU time by kernel family and
   the number of kernel launches per step and per layer — beside the roofline model's prediction on the H200
   catalogue entry.
 
-The parts run in the order decode rows, breakdown, TTFT (and its per-op breakdown), ABBA, contexts — what a tight
-budget should keep first. Every part's wall time is recorded (``timing_s``); parts that would start after
+The parts run in the order decode rows, breakdown, verify, speculative, TTFT (and its per-op breakdown), ABBA,
+contexts — what a tight budget should keep first. Every part's wall time is recorded (``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``). ``--smoke`` runs the same code on the tiny preset on a CPU
 (gloo between ranks) in seconds.
 """
@@ -49,7 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dsv4lab.core.config import get_preset
-from dsv4lab.engine.decode_graph import FastDecoder
+from dsv4lab.engine.decode_graph import Decoder
 from dsv4lab.engine.kernel_loader import PDL_ENV, kernel_module
 from dsv4lab.engine.loader import load
 from dsv4lab.core.errors import UserError
@@ -64,9 +69,13 @@ from dsv4lab.core.provenance import short_commit
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.common import OP_NAMES, OpTimer, kernel_profile, median_copy_us, top_kernels, write_json
+from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_rows, verify_rows
+from dsv4lab.tools.bench.e2e_report import format_summary, targets
+from dsv4lab.core.paths import DATA_DIR
+from dsv4lab.engine.speculative import max_draft_tokens
 
-HELP = ("end-to-end: decode tok/s and MBU at batch 1/2/4/8 and after long prompts, TTFT, oracle hash, graph checks, "
-        "ABBA, kernel breakdown")
+HELP = ("end-to-end: decode tok/s and MBU at batch 1…32 and after long prompts, the speculative verify step and "
+        "throughput, TTFT, oracle hash, graph checks, ABBA, kernel breakdown")
 
 
 
@@ -80,7 +89,11 @@ def add_arguments(p):
     p.add_argument("--ep", type=int, default=1)
     add_backend(p, "triton")
     p.add_argument("--collective", default="auto", help="all-reduce strategy: library, peer_read or auto")
-    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--draft-tokens", default="1,2,3",
+                   help="draft counts k of the verify and speculative rows (comma-separated; '' to skip them)")
+    p.add_argument("--alphas", default="0.5,0.7,0.8,0.9",
+                   help="injected acceptance probabilities of the speculative rows (comma-separated)")
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="measured rounds (one more is run first and dropped)")
     p.add_argument("--contexts", default="512,4096,16384,65536",
@@ -111,10 +124,13 @@ def options(args) -> dict:
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
              prompt_tokens=args.prompt_tokens, chunks=positive_ints(args.chunks, "--chunks"),
              abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
+             draft_tokens=positive_ints(args.draft_tokens, "--draft-tokens") if args.draft_tokens.strip() else [],
+             alphas=_alphas(args.alphas),
              commit=args.commit, pdl=not getattr(args, "no_pdl", False) and os.environ.get(PDL_ENV) != "0")
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
+                 alphas=o["alphas"][:2], draft_tokens=o["draft_tokens"][:2],
                  contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32)
         if not torch.cuda.is_available():
             o["backend"] = "reference"  # the Triton backend on a CPU is the interpreter: minutes per token
@@ -129,6 +145,16 @@ def options(args) -> dict:
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
     return o
+
+
+def _alphas(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or not all(0.0 <= x <= 1.0 for x in out):
+        raise UserError(f"--alphas {text!r}: expected comma-separated probabilities in [0, 1], e.g. 0.5,0.8")
+    return out
 
 
 def _pdl_active(device) -> bool:
@@ -254,6 +280,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         runner = load(ck, device=device, backend=o["backend"], max_batch=max(o["batches"]),
                               max_seq_len=max_len, validate=False)
     ck.close()
+    if o["draft_tokens"]:
+        check_draft_tokens(runner, o["draft_tokens"])
     clock = _Clock(device, world)
     load_s = time.perf_counter() - t_start
     log(rank, f"model generated and loaded in {load_s:.1f} s ({args.n_layers} layers, max_seq_len {max_len}, "
@@ -279,6 +307,13 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     # context prompts (a 65,536-token prefill at full width takes about a minute)
     if device.type == "cuda":
         doc["breakdown"] = parts.run("breakdown", lambda: breakdown(runner, o, device))
+    if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
+        doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
+        doc["speculative"], doc["speculative_natural"] = parts.run(
+            "speculative", lambda: speculative_rows(runner, clock, o, decode_round)) or ([], [])
+        if o["smoke"]:
+            doc["speculative_natural"] += parts.run("speculative_tiny_py",
+                                                    lambda: natural_acceptance(DATA_DIR / "tiny-py", o)) or []
     doc["prefill"] = parts.run("ttft", lambda: prefill_rows(runner, clock, o)) or []
     if doc["prefill"]:
         best = min(doc["prefill"], key=lambda r: r["ttft_s"])
@@ -305,6 +340,16 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     doc["timing_s"], doc["skipped"], doc["failed"] = parts.timing, parts.skipped, parts.failed
     doc["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     return doc if rank == 0 else None
+
+
+def check_draft_tokens(runner, ks: list[int]) -> None:
+    """``--draft-tokens`` against what the model supports: a one-line error naming the limit."""
+    if not len(runner.model.mtp):
+        raise UserError("--draft-tokens: this model has no MTP block (n_mtp_layers = 0); pass --draft-tokens ''")
+    limit = max_draft_tokens(runner.model)
+    if max(ks) > limit:
+        raise UserError(f"--draft-tokens {max(ks)}: this model verifies at most {limit} drafts per cycle (its "
+                        f"smallest ring cache and the step size the caches were sized for)")
 
 
 def _kinds(args) -> str:
@@ -350,8 +395,7 @@ def oracle(runner) -> dict:
 def _teacher_forced(runner, steps, batch: int, prompt, tokens) -> list:
     """Prefill ``prompt`` into slots ``0..batch-1`` and run ``steps`` (a callable per step) on ``tokens``."""
     slots = list(range(batch))
-    runner.reset()
-    runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots)
+    runner.prefill([prompt] * batch, slots=slots)
     out = []
     for i, t in enumerate(tokens):
         out.append(steps(torch.full((batch,), t), torch.full((batch,), len(prompt) + i), torch.tensor(slots)))
@@ -365,8 +409,8 @@ def graph_check(runner) -> dict:
 
     prompt = _prompt(runner.args, 16, seed=3)
     tokens = _prompt(runner.args, 4, seed=9)
-    graph = FastDecoder(runner, graphs=True)
-    eager = FastDecoder(runner, graphs=False)
+    graph = Decoder(runner, graphs=True)
+    eager = Decoder(runner, graphs=False)
     out = {}
     for b in (1, 3):
         if b > runner.max_batch:
@@ -381,19 +425,17 @@ def graph_check(runner) -> dict:
 def decode_round(runner, batch: int, n: int, prompt: list[int]) -> tuple[float, list[int]]:
     """Prefill ``batch`` copies of ``prompt``, then ``n`` greedy steps through ``runner.decode_greedy`` (the engine's
     decode path, what ``generate`` runs: each step's ids read on the host while the next step runs); returns
-    (decode seconds, row 0's ids: the prefill's choice and the first ``n − 1`` steps')."""
+    (decode seconds, row 0's ids: the prefill's choice and the ``n`` steps')."""
     slots = list(range(batch))
     runner.reset()
-    logits = runner.forward(torch.tensor([prompt] * batch, device=runner.device), 0, slots=slots,
-                            logits="last")[:, -1]
-    first = logits.argmax(-1).cpu()
+    first = runner.prefill([prompt] * batch, slots=slots).argmax(-1).cpu()
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     t0 = time.perf_counter()
     rows = runner.decode_greedy(first, n, slots=slots)  # every step's ids come back to the host, as a server's
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return time.perf_counter() - t0, [int(first[0])] + rows[0][:n - 1]
+    return time.perf_counter() - t0, [int(first[0])] + rows[0]
 
 
 def _mbu(runner, o: dict, batch: int, context: int, tok_s: float, copy_gbps: float | None) -> dict:
@@ -405,7 +447,8 @@ def _mbu(runner, o: dict, batch: int, context: int, tok_s: float, copy_gbps: flo
     bw = copy_gbps * 1e9 if copy_gbps else None
     return dict(mbu=round(tok_s * weights / bw, 4) if bw else None,
                 mbu_all_bytes=round(tok_s * total / bw, 4) if bw else None,
-                weight_bytes_per_token_per_gpu=round(weights), bytes_per_token_per_gpu=round(total))
+                weight_bytes_per_token_per_gpu=round(weights), bytes_per_token_per_gpu=round(total),
+                weight_bytes_per_step=round(step.weight_bytes_rank), bytes_per_step=round(step.bytes_rank))
 
 
 def decode_row(runner, clock, batch: int, o: dict, copy_gbps: float | None) -> dict:
@@ -446,8 +489,7 @@ def context_row(runner, clock, n: int, o: dict, copy_gbps: float | None) -> dict
     runner.reset()
 
     def prefill():
-        for p in range(0, n, chunk):
-            last.append(runner.forward(ids[:, p:p + chunk], p, logits="last")[:, -1])
+        last.append(runner.prefill(ids, chunk))
     last: list = []
     prefill_s = clock.time(prefill)
     row = dict(context=n, prefill_s=round(prefill_s, 3), prefill_chunk=chunk, path=runner.decode_path)
@@ -460,7 +502,7 @@ def context_row(runner, clock, n: int, o: dict, copy_gbps: float | None) -> dict
             t[0].copy_(saved)
         runner.positions[0] = n
         if way == "static":
-            ways[way] = FastDecoder(runner, graphs=False)(tok, torch.tensor([n]), torch.tensor([0]))
+            ways[way] = Decoder(runner, graphs=False)(tok, torch.tensor([n]), torch.tensor([0]))
         elif way in ("forward", "reference"):  # the per-op forward on the backend's ops, then on the reference's
             path, runner.decode_path = runner.decode_path, "eager"
             ops = runner.ops
@@ -505,9 +547,7 @@ def prefill_rows(runner, clock, o: dict) -> list[dict]:
 
         def once():
             runner.reset()
-            for p in range(0, n, chunk):
-                logits = runner.forward(ids[:, p:p + chunk], p, logits="last")  # the head on the last token only
-            first.append(int(logits[0, -1].argmax()))
+            first.append(int(runner.prefill(ids, chunk)[0].argmax()))  # the head on the last token only
         times = [clock.time(once) for _ in range(o["rounds"] + 1)][1:]
         rows.append(dict(chunk=chunk, prompt_tokens=n, ttft_s=round(statistics.median(times), 4),
                          rounds_s=[round(t, 4) for t in times], first_token=first[-1]))
@@ -529,8 +569,7 @@ def prefill_breakdown(runner, o: dict, chunk: int) -> dict:
         if cuda:
             torch.cuda.synchronize(runner.device)
         t0 = time.perf_counter()
-        for p in range(0, n, chunk):
-            runner.forward(ids[:, p:p + chunk], p, logits="last")
+        runner.prefill(ids, chunk)
         if cuda:
             torch.cuda.synchronize(runner.device)
         wall_us = (time.perf_counter() - t0) * 1e6
@@ -644,8 +683,7 @@ def breakdown(runner, o: dict, device) -> dict:
     model's prediction of the same step (µs by op kind) on the H200 catalogue entry."""
 
     prompt = _prompt(runner.args, 16, seed=2)
-    runner.reset()
-    nxt = runner.forward(torch.tensor([prompt], device=device), 0, logits="last")[:, -1].argmax(-1)
+    nxt = runner.prefill(prompt).argmax(-1)
     runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
     graphs = runner.decoder.graphs if runner.decoder is not None else None
     if graphs is not None and 1 in graphs.graphs:
@@ -666,7 +704,7 @@ def breakdown(runner, o: dict, device) -> dict:
         before = os.environ.get(PDL_ENV)
         os.environ[PDL_ENV] = "0"
         try:
-            plain = FastDecoder(runner, graphs=True)
+            plain = Decoder(runner, graphs=True)
             plain(nxt.cpu(), torch.tensor([len(prompt)]), torch.tensor([0]))
             step = plain.graphs.graphs[1][0].replay
             step()
@@ -705,67 +743,3 @@ def clock_us(step, device, reps: int) -> float:
     end.record()
     torch.cuda.synchronize(device)
     return round(start.elapsed_time(end) * 1e3 / reps, 1)
-
-
-def targets(doc: dict) -> dict:
-    """The issue's targets, as measured (None where this run cannot say)."""
-    rows = {r["batch"]: r for r in doc["decode"]}
-    mbu = rows[1]["mbu"] if 1 in rows else None
-    scale = round(rows[8]["tok_s"] / rows[1]["tok_s"], 2) if 1 in rows and 8 in rows else None
-    ttft = doc["ttft"]["ttft_s"] if doc.get("ttft", {}).get("prompt_tokens") == 4604 else None
-    bd = doc.get("breakdown") or {}
-    launches = bd.get("launches_per_layer")
-    us = bd.get("measured_gpu_us") or {}
-    # the small torch kernels (element-wise and reductions) the decode issue counted at 61% of the eager step
-    torch_share = round(us.get("torch_elementwise", 0.0) / bd["measured_total_us"], 4) if us else None
-    return dict(batch1_mbu=dict(value=mbu, target=0.40, met=None if mbu is None else mbu >= 0.40),
-                batch8_over_batch1=dict(value=scale, target=5.0, met=None if scale is None else scale >= 5.0),
-                launches_per_layer=dict(value=launches, target=15, met=None if launches is None else launches <= 15),
-                torch_kernel_share=dict(value=torch_share, target=0.20,
-                                        met=None if torch_share is None else torch_share <= 0.20),
-                ttft_4604=dict(value=ttft, target=0.30, met=None if ttft is None else ttft <= 0.30))
-
-
-def format_summary(doc: dict) -> str:
-    lines = [f"{doc['model']} ({doc['layers']} layers {doc['layer_kinds']}) seed {doc['seed']} on {doc['ranks']} × "
-             f"{doc['gpu']} (tp {doc['tp']}, ep {doc['ep']}, {doc['backend']}, decode path {doc['decode_path']}), "
-             f"oracle hash {doc.get('oracle_hash')}",
-             f"{'batch':>6} {'tok/s':>10} {'MBU':>7}  path"]
-    for r in doc["decode"]:
-        mbu = "-" if r["mbu"] is None else f"{100 * r['mbu']:.1f}%"
-        lines.append(f"{r['batch']:>6} {r['tok_s']:>10.2f} {mbu:>7}  {r['path']}")
-    for r in doc.get("contexts", []):
-        mbu = "-" if r["mbu"] is None else f"{100 * r['mbu']:.1f}%"
-        lines.append(f"b=1 after {r['context']:>6} tokens: {r['tok_s']:>8.2f} tok/s, MBU {mbu}, prefill "
-                     f"{r['prefill_s']:.2f} s; graph = eager step: {r['graph_equals_static']}, vs per-op forward "
-                     f"rel {r['forward_rel']:.2e}, vs reference {r.get('reference_rel', float('nan')):.2e} (per-op "
-                     f"forward vs reference {r.get('forward_vs_reference_rel', float('nan')):.2e})")
-    if doc.get("ttft"):
-        t = doc["ttft"]
-        lines.append(f"TTFT {t['ttft_s']:.3f} s for {t['prompt_tokens']} tokens (chunk {t['chunk']}; "
-                     + ", ".join(f"{r['chunk']}: {r['ttft_s']:.3f} s" for r in doc["prefill"]) + ")")
-    if doc.get("prefill_breakdown"):
-        pb = doc["prefill_breakdown"]
-        top = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in list(pb["measured_op_us"].items())[:6])
-        lines.append(f"prefill of {pb['prompt_tokens']} tokens in chunks of {pb['chunk']}: "
-                     f"{pb['measured_total_us'] / 1e3:.1f} ms measured (ops, ms: {top}; between the ops "
-                     f"{pb['untimed_us'] / 1e3:.1f}), {pb['predicted_total_us'] / 1e3:.1f} ms modelled")
-    if doc.get("graph_check"):
-        lines.append(f"graph check: {doc['graph_check']}")
-    if doc.get("breakdown"):
-        bd = doc["breakdown"]
-        lines.append(f"breakdown ({bd['source']}): {bd['measured_total_us']} µs, {bd['launches_per_step']} launches "
-                     f"({bd['launches_per_layer']} per layer); " + ", ".join(f"{k} {v}" for k, v in
-                                                                            bd["measured_gpu_us"].items()))
-        if bd.get("replay_us") is not None:
-            lines.append(f"step replay {bd['replay_us']} µs (PDL {'on' if bd.get('pdl') else 'off'}), without PDL "
-                         f"{bd.get('replay_without_pdl_us')} µs; kernels profiled without PDL: "
-                         f"{bd.get('profiled_without_pdl')}")
-    if doc.get("abba"):
-        a = doc["abba"]
-        lines.append(f"ABBA ({a['order']}): " + ", ".join(f"{s} {v} tok/s" for s, v in a["tok_s"].items())
-                     + f"; speedup {a['speedup']}")
-    lines.append("parts (s): " + ", ".join(f"{k} {v}" for k, v in doc.get("timing_s", {}).items())
-                 + (f"; skipped: {', '.join(doc['skipped'])}" if doc.get("skipped") else "")
-                 + (f"; failed: {', '.join(doc['failed'])}" if doc.get("failed") else ""))
-    return "\n".join(lines)

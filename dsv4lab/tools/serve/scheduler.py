@@ -349,11 +349,11 @@ class Scheduler:
             logits, _ = self.speculative.prefill(tokens.to(device), slots.tolist(), lengths=lengths_t)
             last_only = False
         else:
-            logits = self.model.forward(tokens.to(device), 0, slots=slots, lengths=lengths_t,
+            logits = self.model.prefill(tokens, slots=slots, lengths=lengths_t,
                                         logits="last" if last_only else "all")
         self.counters["prefill_forwards"] += 1
         self.counters["prefill_tokens"] += sum(lengths)
-        last = (logits[:, 0] if last_only else
+        last = (logits if last_only else
                 torch.stack([logits[row, lengths[row] - 1] for row in range(len(group))])).float().cpu()
         for row, seq in enumerate(group):
             self._new_generator(seq)

@@ -179,8 +179,7 @@ def default_oracles(args, tokenizer, checkpoint: Path) -> list[dict]:
 @torch.inference_mode()
 def greedy_with_margins(runner, prompt_ids: list[int], n: int, stop_at_eos: bool = True) -> tuple[list[int], list[float]]:
     """Greedy ids and the top-1 − top-2 logit margin at each step (small margins = fragile oracles)."""
-    runner.reset([0])
-    logits = runner.forward(torch.tensor([prompt_ids]), 0, slots=[0])[0, -1]
+    logits = runner.prefill(prompt_ids, slots=[0])[0]
     out, margins = [], []
     for i in range(n):
         top = torch.topk(logits, 2)
@@ -224,10 +223,9 @@ def chunked_vs_recompute(runner, ids: list[int], chunk: int) -> dict:
     t = torch.tensor([ids])
     runner.reset([0])
     full = runner.forward(t, 0, slots=[0])[0]
+    chunked = runner.prefill(t, chunk, slots=[0], logits="all")[0]
     runner.reset([0])
-    parts = [runner.forward(t[:, s:s + chunk], s, slots=[0])[0] for s in range(0, len(ids), chunk)]
-    runner.reset([0])
-    return dict(kl=kl_per_position(full, torch.cat(parts)), chunk=chunk)
+    return dict(kl=kl_per_position(full, chunked), chunk=chunk)
 
 
 def fp32_reduction_ops(numerics) -> ReferenceOps:

@@ -279,8 +279,7 @@ def record_reference(runner, input_ids: list[int], decode_steps: int = len(DECOD
     rec = OpRecorder(runner.ops, runner.model)
     saved = runner.decode_path
     try:
-        runner.reset([0])
-        runner.forward(torch.tensor([ids[:n_prefill]]), 0, slots=[0])
+        runner.prefill(ids[:n_prefill], slots=[0], logits="all")
         for i, p in enumerate(range(n_prefill, len(ids))):
             rec.forward_index += 1
             rec.path = runner.decode_path = decode_paths[i % len(decode_paths)]
