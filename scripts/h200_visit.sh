@@ -33,6 +33,10 @@
 #   e2e_nopdl (300) the same with --no-pdl (decode kernels launched without programmatic dependent launch, which is
 #                   on by default on sm_90+; E2E_NOPDL_ARGS adds options), written to e2e_1gpu_nopdl.json
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
+#   serve (300)     bench serve with the openai client against an in-process server of the generated 30-layer cut
+#                   (triton, concurrency 1/8/32, speculation off and mtp; SERVE_ARGS adds options), after installing
+#                   the FastAPI stack from the carried .whl/ (scripts/fetch_serve_wheels.sh; carry=[".whl"]);
+#                   written to runs/h200/serve_flash.json
 #   diag_sort (60)  scripts/diag_moe_sort.py: the MoE sorter's event, host-issue and GPU-kernel time at prefill sizes
 #   diag_gemm (90)  scripts/diag_gemm_determinism.py: the prefill GEMM configurations called 20 times each
 set -u
@@ -121,6 +125,13 @@ for spec in "$@"; do
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
         e2e_nopdl) part e2e_nopdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --no-pdl \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_NOPDL_ARGS:-} --out "$R/e2e_1gpu_nopdl.json" ;;
+        serve) if compgen -G ".whl/*.whl" > /dev/null; then  # no internet there: the wheels came with the call
+                python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve-site .whl/*.whl \
+                    >> "$R/install.log" 2>&1 && export PYTHONPATH=/tmp/serve-site${PYTHONPATH:+:$PYTHONPATH}
+            fi
+            part serve "${limit:-300}" python3 -m dsv4lab bench serve --generate flash --layers 30 --model-seed 0 \
+                --backend triton --speculative off,mtp --concurrency 1,8,32 --num-prompts 32 --input-len 128 \
+                --output-len 64 --max-model-len 4096 ${SERVE_ARGS:-} --out "$R/serve_flash.json" ;;
         diag_sort) part diag_sort "${limit:-60}" python3 scripts/diag_moe_sort.py --out "$R/moe_sort_diag.json" ;;
         diag_gemm) part diag_gemm "${limit:-90}" python3 scripts/diag_gemm_determinism.py \
             --out "$R/gemm_determinism.json" ;;

@@ -226,6 +226,7 @@ def test_torchrun_generate_prints_the_single_process_json(single_process):
     assert len(lines) == 1, tp.stdout  # rank 0 only
     got = json.loads(lines[0])
     got.pop("seconds")
+    assert got.pop("threads") == 1  # OMP_NUM_THREADS=1 above: each rank runs one CPU thread
     ids = single_process["output_ids"]
     m = dsv4lab.load(TINY, max_batch=1)
     text = m.tokenizer.decode(ids)
