@@ -44,6 +44,8 @@ def _list_the_interpreters_builtins_once() -> None:
         names = listed.get(id(pkg))
         if names is None:
             return original(pkg, builder, scope)
+        if names and not tl.core.is_builtin(getattr(pkg, names[0])) and not tl.core.is_builtin(getattr(pkg, names[-1])):
+            return  # patched already (a nested call inside a launch): a module is patched and restored all at once
         for name in names:
             member = getattr(pkg, name)
             if tl.core.is_builtin(member):
