@@ -78,8 +78,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     # the long tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
     # worker idles while the other finishes, so a long test must not be among them. Long: marked slow, or a
-    # browser, notebook or multi-process run (10-35 s each on the CI machine). `make test` hands tests out one by one
-    # (--dist loadgroup, at most three waiting per worker), so the long ones alternate between the workers.
+    # browser, notebook or multi-process run (10-35 s each on the CI machine). `make test` hands tests out two at a
+    # time (--maxschedchunk 2), so the long ones alternate between the workers.
     long = ("slow", "browser", "notebooks", "distributed")
     items.sort(key=lambda item: not any(mark in item.keywords for mark in long))
     try:

@@ -165,7 +165,6 @@ def two_ranks(bench_json):
     return run_parallel(_generate_ranks, 2, str(TINY), LAYOUTS, str(bench_json))
 
 
-@pytest.mark.xdist_group("two_ranks")  # the two-rank run (module fixture) once, on one worker
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", range(len(LAYOUTS)), ids=[f"tp{t}-ep{e}" for t, e in LAYOUTS])
 def test_parallel_generation_equals_one_process(case, single_process, two_ranks):
@@ -175,7 +174,6 @@ def test_parallel_generation_equals_one_process(case, single_process, two_ranks)
         assert got["hash"] == single_process["hash"]
 
 
-@pytest.mark.xdist_group("two_ranks")  # the two-rank run (module fixture) once, on one worker
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", range(len(LAYOUTS)), ids=[f"tp{t}-ep{e}" for t, e in LAYOUTS])
 def test_static_decode_step_issues_the_cross_rank_sums(case, two_ranks):
@@ -186,7 +184,6 @@ def test_static_decode_step_issues_the_cross_rank_sums(case, two_ranks):
         assert got["static_rel"] < 1e-5 and got["static_same_argmax"], (rank, got["tp"], got["ep"], got["static_rel"])
 
 
-@pytest.mark.xdist_group("two_ranks")  # the two-rank run (module fixture) once, on one worker
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", range(len(LAYOUTS)), ids=[f"tp{t}-ep{e}" for t, e in LAYOUTS])
 def test_loaded_bytes_sum_to_the_checkpoint(case, two_ranks):
@@ -203,7 +200,6 @@ def test_loaded_bytes_sum_to_the_checkpoint(case, two_ranks):
         assert [rep["experts"] for rep in reps] == [[0, 8], [8, 16]]
 
 
-@pytest.mark.xdist_group("two_ranks")  # the two-rank run (module fixture) once, on one worker
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", range(len(LAYOUTS)), ids=[f"tp{t}-ep{e}" for t, e in LAYOUTS])
 def test_collectives_per_token_match_the_plan(case, two_ranks):
@@ -333,7 +329,6 @@ def test_peer_read_matches_nccl_bit_for_bit_on_gpus():
     assert run_parallel(_gpu_peer_read_vs_nccl, 2) == [[], []]
 
 
-@pytest.mark.xdist_group("two_ranks")  # the two-rank run (module fixture) once, on one worker
 @pytest.mark.distributed
 def test_bench_collectives_on_cpu(two_ranks, bench_json):
     """The benchmark's worker ran in the ranks above (CPU: library all-reduce only, eager)."""
