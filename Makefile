@@ -47,8 +47,11 @@ constraints:
 	rm -rf .venv-constraints
 	@echo "wrote $(CONSTRAINTS): run 'make test' on it before committing"
 
+# Two tests at a time per worker (--maxschedchunk 2): the long tests, sorted first (tests/conftest.py), then go out one
+# by one to whichever worker is free; xdist's default first hands each worker a quarter of its share in one block,
+# which put every long test on the same worker.
 test: install
-	$(PY) -m pytest -q -n auto --dist load --durations=25
+	$(PY) -m pytest -q -n auto --dist load --maxschedchunk 2 --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not browser and not notebooks and not distributed"

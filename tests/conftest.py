@@ -18,6 +18,45 @@ def _has_gpu() -> bool:
 if not _has_gpu():  # on a CPU the Triton kernels run in the interpreter; on a GPU they are compiled
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _list_the_interpreters_builtins_once() -> None:
+    """Triton's interpreter (3.9) swaps ``triton.language``'s builtins for interpreted ones at every launch and at
+    every call of a nested ``@triton.jit`` function, each time listing the modules' members with
+    ``inspect.getmembers`` (a quarter of the interpreter's time in this suite). The builtins of those modules never
+    change: list them once, before any launch, and patch exactly the ones the original would (those not yet patched).
+    Checked equal: the Triton stage replay of a model gives the same report, value for value. Another Triton, or a
+    module not listed here, keeps the original function."""
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_builtin", None)
+    if (original is None or not hasattr(interpreter, "_patch_attr")
+            or list(inspect.signature(original).parameters) != ["pkg", "builder", "scope"]):
+        return
+    listed = {id(pkg): [name for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
+              for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base)}
+
+    def patch_builtin(pkg, builder, scope):
+        names = listed.get(id(pkg))
+        if names is None:
+            return original(pkg, builder, scope)
+        if names and not tl.core.is_builtin(getattr(pkg, names[0])) and not tl.core.is_builtin(getattr(pkg, names[-1])):
+            return  # patched already (a nested call inside a launch): a module is patched and restored all at once
+        for name in names:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = patch_builtin
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _list_the_interpreters_builtins_once()
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny"
 
@@ -25,16 +64,24 @@ TINY = ROOT / "data" / "tiny"
 def pytest_configure(config):
     # Under pytest-xdist (make test runs one worker per core) each worker gets its share of the cores: torch's
     # default of one thread per core in every worker would oversubscribe the machine several times over.
+    # The subprocesses a test starts (CLI runs, notebook kernels, torchrun ranks) get the same share through
+    # OMP_NUM_THREADS: with torch's default they spin one OpenMP thread per core against the other worker, and a
+    # 12-token `generate` took 17 s instead of 5 s on a loaded 2-core machine.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):
-    # the slow tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
-    # worker idles while the other finishes, so a 2-minute test must not be among them
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # the long tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
+    # worker idles while the other finishes, so a long test must not be among them. Long: marked slow, or a
+    # browser, notebook or multi-process run (10-35 s each on the CI machine). `make test` hands tests out two at a
+    # time (--maxschedchunk 2), so the long ones alternate between the workers.
+    long = ("slow", "browser", "notebooks", "distributed")
+    items.sort(key=lambda item: not any(mark in item.keywords for mark in long))
     try:
         import torch
         has_gpu = torch.cuda.is_available()
@@ -50,6 +97,30 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     return TINY
+
+
+@pytest.fixture(scope="session")
+def layer_cut(tmp_path_factory):
+    """``layer_cut("tiny-py")``: a copy of ``data/<name>`` with only its first three main layers (SWA, CSA with the
+    indexer, HCA; the first two hash-routed, the third score-routed) and its MTP block — every tensor byte, width
+    and shape as in the original. For whole-model runs in the Triton interpreter, whose cost is per layer: the six
+    layers of the tiny models repeat these three kinds with the same shapes (written once per session, ~0.1 s)."""
+    from dsv4lab.core.checkpoint import Checkpoint, expected_tensors, write_state_dict
+    from dsv4lab.tools.bench.e2e import cut_layers
+    folder = tmp_path_factory.mktemp("layer_cuts")
+    made: dict[str, Path] = {}
+
+    def cut(name: str) -> Path:
+        if name not in made:
+            src = ROOT / "data" / name
+            ck = Checkpoint(src)
+            args = cut_layers(ck.args, 3)
+            assert [args.layer_kind(i) for i in range(3)] == ["swa", "csa", "hca"] and args.n_hash_layers == 2
+            extra = {f: src / f for f in ("tokenizer.json", "oracles.json") if (src / f).exists()}
+            made[name] = write_state_dict(folder / name, args, {s.name: ck.get(s.name) for s in expected_tensors(args)},
+                                          extra_files=extra)
+        return made[name]
+    return cut
 
 
 @pytest.fixture
@@ -83,6 +154,24 @@ def calibrated_max_kl(checkpoint: str) -> float:
     rows = json.loads((ROOT / "data" / "results" / "host" / "noise_floor.json").read_text())["rows"]
     floor = next(r for r in rows if r["checkpoint"] == checkpoint)["rounding_floor"]
     return KL_FLOOR_FACTOR_MAX * floor["max_kl"]
+
+
+_floors: dict = {}
+
+
+def rounding_floor(checkpoint: Path, golden: str) -> dict:
+    """``{"mean_kl", "max_kl"}`` of ``checkpoint``'s rounding-noise floor, measured as
+    ``scripts/measure_noise_floor.py`` measures the committed ones (``data/results/host/noise_floor.json``): the
+    reference against itself with fp32 instead of exact reductions, teacher-forced on the ids of
+    ``data/golden/<golden>.json``. For a checkpoint with no committed floor (a ``layer_cut``); cached per session."""
+    key = (str(checkpoint), golden)
+    if key not in _floors:
+        import dsv4lab
+        from dsv4lab.tools.verify.model import load_golden, rounding_noise_floor
+        ids = load_golden(ROOT / "data" / "golden" / f"{golden}.json")["teacher_forced"]["ids"]
+        kl = rounding_noise_floor(dsv4lab.load(checkpoint, max_batch=1), ids)
+        _floors[key] = dict(mean_kl=sum(kl) / len(kl), max_kl=max(kl))
+    return _floors[key]
 
 
 def in_poisoned(t, poison_byte: int, extra: int = 256):

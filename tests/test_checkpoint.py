@@ -1,4 +1,6 @@
 """Native checkpoint I/O: inventory, validation of damaged copies, deterministic regeneration (issue 2)."""
+import contextlib
+import io
 import json
 import struct
 import subprocess
@@ -10,12 +12,21 @@ from safetensors.torch import load_file, save_file
 
 from dsv4lab.core.checkpoint import Checkpoint, CheckpointError, file_hashes, inventory, make_random_checkpoint
 from dsv4lab.core.config import get_preset
+from dsv4lab.faces import cli
 
 CLI = [sys.executable, "-m", "dsv4lab"]
 
 
-def run_cli(*args):
-    return subprocess.run(CLI + list(args), capture_output=True, text=True)
+def run_cli(*args, own_process: bool = False) -> subprocess.CompletedProcess:
+    """``dsv4lab ARGS``: its exit status, stdout and stderr. In this process (``cli.main``; an exception that escapes
+    it fails the test, as a traceback would) unless ``own_process`` (test_not_a_checkpoint_and_bad_config: the
+    command's refusals from its own process)."""
+    if own_process:
+        return subprocess.run(CLI + list(args), capture_output=True, text=True)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(list(args))
+    return subprocess.CompletedProcess(list(args), rc, out.getvalue(), err.getvalue())
 
 
 def test_flash_inventory_matches_the_real_index():
@@ -102,15 +113,15 @@ def test_nan_expert_scale_is_refused(tiny_copy):
 
 
 def test_not_a_checkpoint_and_bad_config(tmp_path, tiny_copy):
-    r = run_cli("inspect", str(tmp_path / "missing"))
+    r = run_cli("inspect", str(tmp_path / "missing"), own_process=True)
     assert r.returncode != 0 and "no such file" in r.stderr
     (tmp_path / "empty").mkdir()
-    r = run_cli("inspect", str(tmp_path / "empty"))
+    r = run_cli("inspect", str(tmp_path / "empty"), own_process=True)
     assert r.returncode != 0 and "config.json" in r.stderr and "Traceback" not in r.stderr
     cfg = json.loads((tiny_copy / "config.json").read_text())
     del cfg["head_dim"]
     (tiny_copy / "config.json").write_text(json.dumps(cfg))
-    r = run_cli("inspect", str(tiny_copy))
+    r = run_cli("inspect", str(tiny_copy), own_process=True)
     assert r.returncode != 0 and "head_dim" in r.stderr
 
 

@@ -132,18 +132,21 @@ def test_decode_path_choices_and_errors():
 
 
 @pytest.mark.slow
-def test_fused_static_step_on_the_triton_kernels(capsys):
+def test_fused_static_step_on_the_triton_kernels(capsys, layer_cut):
     """The static step on the Triton backend (interpreter) after ragged prompts ending on the ratio-16 boundary
     (partial last HCA block) and inside a CSA block: every op runs a kernel (none falls back to the reference),
     the logits match the reference decode to fp32 summation order with the same greedy tokens; the
-    kernel launches of the step are counted (printed: what a GPU graph of the tiny model holds, split-K sums aside —
+    kernel launches of the step are counted (printed: what a GPU graph of the model holds, split-K sums aside —
     counted on a second call at the same position, as a graph is captured after an eager step: the first call
-    also fills the backend's one-time caches, the grouped projections' weights and the expert banks' views)."""
+    also fills the backend's one-time caches, the grouped projections' weights and the expert banks' views).
+    On the first three layers of the tiny model (SWA, CSA, HCA, same widths; ``layer_cut``): the interpreter's
+    cost is per layer."""
     from dsv4lab.tools.bench.e2e import count_launches
     ids = _ids(70, rows=2, seed=11)
     lens = [64, 47]
-    ref = dsv4lab.load(TINY, max_batch=2, max_seq_len=72)
-    tri = dsv4lab.load(TINY, max_batch=2, max_seq_len=72, backend="triton", decode_path="static")
+    cut = layer_cut("tiny")
+    ref = dsv4lab.load(cut, max_batch=2, max_seq_len=72)
+    tri = dsv4lab.load(cut, max_batch=2, max_seq_len=72, backend="triton", decode_path="static")
     kernels, tri.ops = tri.ops, ReferenceOps(tri.ops.numerics)  # prefill on the reference (state is the model's)
     for m in (ref, tri):
         m.forward(ids[:, :64], 0, slots=[0, 1], lengths=lens)
@@ -168,9 +171,10 @@ def test_fused_static_step_on_the_triton_kernels(capsys):
     assert torch.equal(got, unfused), f"max |Δ| {(got - unfused).abs().max():.3g}"
     assert unfused_counts["triton"] - counts["triton"] == 2 * (layers - 1), (unfused_counts, counts)
     with capsys.disabled():
-        print(f"\n[decode step, tiny, b=2] first call: {first['triton']} Triton launches + {first['torch']} torch ops; "
-              f"second: {counts['triton']} Triton launches + {counts['torch']} torch ops "
-              f"= {(counts['triton'] + counts['torch']) / layers:.1f} per layer (6 layers + embedding and head); "
+        print(f"\n[decode step, tiny's first 3 layers, b=2] first call: {first['triton']} Triton launches + "
+              f"{first['torch']} torch ops; second: {counts['triton']} Triton launches + {counts['torch']} torch ops "
+              f"= {(counts['triton'] + counts['torch']) / layers:.1f} per layer ({layers} layers: SWA, CSA, HCA, "
+              f"+ embedding and head); "
               f"Triton: {dict(counts['triton_kernels'].most_common())}; torch: {dict(counts['torch_ops'])}")
     assert counts["triton"] > 0
 

@@ -28,22 +28,18 @@ PREFILL_KERNEL_OPS = set(PREFILL_OPS) | {"rope", "rms_norm", "head_rms_rope", "k
                                          "router_topk", "hc_head"}
 
 
-def _floor(checkpoint: str) -> dict:
-    from conftest import ROOT
-    rows = json.loads((ROOT / "data" / "results" / "host" / "noise_floor.json").read_text())["rows"]
-    return next(r for r in rows if r["checkpoint"] == checkpoint)["rounding_floor"]
-
-
 @pytest.mark.slow
-def test_prefill_chunk_of_tiny_py_runs_none_of_the_prefill_ops_on_the_reference():
+def test_prefill_chunk_of_tiny_py_runs_none_of_the_prefill_ops_on_the_reference(layer_cut):
     """A 48-row chunk (prefill threshold scaled down to 32 rows for the tiny model's 256-wide layers) through
     ``TritonOps``: the fallback report lists none of the prefill ops, and the logits differ from the reference's
-    no more than the reference differs from itself with fp32 instead of exact reductions (the committed rounding
-    floor of ``data/tiny-py``, ``scripts/measure_noise_floor.py``)."""
+    no more than the reference differs from itself with fp32 instead of exact reductions (the rounding floor,
+    ``scripts/measure_noise_floor.py``'s). On the first three layers of ``data/tiny-py`` (SWA, CSA, HCA;
+    ``layer_cut``) and that cut's own floor: the interpreter's cost is per layer."""
     import dsv4lab
-    from conftest import ROOT
+    from conftest import rounding_floor
     from dsv4lab.tools.verify.model import fixed_sequence, kl_per_position
-    m = dsv4lab.load(ROOT / "data" / "tiny-py", backend="triton", max_batch=1)
+    cut = layer_cut("tiny-py")
+    m = dsv4lab.load(cut, backend="triton", max_batch=1)
     ops = m.ops
     ops.prefill_min_tokens = 32
     ops.prefill_attention_config = "h16n64x"  # fewer programs for the interpreter; same kernel
@@ -57,25 +53,27 @@ def test_prefill_chunk_of_tiny_py_runs_none_of_the_prefill_ops_on_the_reference(
     # mHC of a chunk: the decode step's mix/finish kernels unless a measurement chose the rows kernel
     assert {"hc_pre_norm", "hc_post_pre_norm", "hc_post"} <= set(ops.calls.glue) - ran, ops.report()
     assert set(ops.calls.reference) == set(), ops.report()  # nothing at all on the reference
-    ref = dsv4lab.load(ROOT / "data" / "tiny-py", max_batch=1).forward(ids, 0)[0]
+    ref = dsv4lab.load(cut, max_batch=1).forward(ids, 0)[0]
     kl = kl_per_position(ref, logits)
-    floor = _floor("tiny-py")
+    floor = rounding_floor(cut, "tiny-py")
     assert sum(kl) / len(kl) <= floor["mean_kl"] and max(kl) <= floor["max_kl"], (sum(kl) / len(kl), max(kl))
 
 
 @pytest.mark.slow
-def test_a_few_token_forward_runs_the_indexer_and_the_compressor_pool_on_kernels():
+def test_a_few_token_forward_runs_the_indexer_and_the_compressor_pool_on_kernels(layer_cut):
     """Three tokens after a 41-token prompt — a speculative verify step's shape — through ``TritonOps``: the
     indexer's scores and top-k and the compressor's pooling, which have no decode kernel in the per-op path, run
     their prefill kernels at this row count (on the H200 their reference fallbacks made a 2-token verify step 17×
-    a 1-token step), and the logits agree with the reference's within the checkpoint's rounding floor."""
+    a 1-token step), and the logits agree with the reference's within the checkpoint's rounding floor. On the first
+    three layers of ``data/tiny-py`` (``layer_cut``: SWA, CSA, HCA) and that cut's own floor."""
     import dsv4lab
-    from conftest import ROOT
+    from conftest import rounding_floor
     from dsv4lab.tools.verify.model import fixed_sequence, kl_per_position
-    ids = torch.tensor([fixed_sequence(dsv4lab.load(ROOT / "data" / "tiny-py", max_batch=1).args, 44, seed=1)])
+    cut = layer_cut("tiny-py")
+    ids = torch.tensor([fixed_sequence(dsv4lab.load(cut, max_batch=1).args, 44, seed=1)])
     out = {}
     for backend in ("triton", "reference"):
-        m = dsv4lab.load(ROOT / "data" / "tiny-py", backend=backend, max_batch=1)
+        m = dsv4lab.load(cut, backend=backend, max_batch=1)
         kernels, m.ops = m.ops, ReferenceOps(m.ops.numerics)  # the prompt on the reference: the same state for both
         m.forward(ids[:, :41], 0)
         m.ops = kernels
@@ -86,7 +84,7 @@ def test_a_few_token_forward_runs_the_indexer_and_the_compressor_pool_on_kernels
                 m.ops.report()
             assert "compressor_pool" in m.ops.calls.prefill, m.ops.report()  # position 43 completes an entry
     kl = kl_per_position(out["reference"], out["triton"])
-    assert max(kl) <= _floor("tiny-py")["max_kl"], kl
+    assert max(kl) <= rounding_floor(cut, "tiny-py")["max_kl"], kl
 
 
 @pytest.mark.parametrize("fmt,act_quant", [("bf16", False), ("fp8", False), ("fp8", True)])

@@ -554,13 +554,16 @@ def test_cli_fingerprint_then_repair(tmp_path, tiny_hashes, capsys):
 @pytest.mark.slow
 def test_cli_fingerprint_repair_verify_turns_a_faulted_copy_green(tmp_path, tiny_hashes, capsys):
     # the acceptance flow: the oracle fails on the faulted copy, fingerprint writes a spec, and both the repaired
-    # copy and a load-time repair of the faulted copy pass `verify model`; data/tiny is untouched (the fixture)
+    # copy and a load-time repair of the faulted copy pass `verify model`; data/tiny is untouched (the fixture).
+    # `verify model` runs its oracle tier, the one a layout fault fails: the cached- and chunked-vs-recompute tiers
+    # compare a model with itself and pass on the faulted copy too (the repaired copy, byte-identical to data/tiny,
+    # gets every tier in tests/test_verify.py::test_verify_model_cli_passes_on_tiny)
     golden = TINY.parent / "golden" / "tiny.json"
     bad, spec, fixed = tmp_path / "bad", tmp_path / "spec.json", tmp_path / "fixed"
 
     def verify(checkpoint, *extra):
         return cli.main(["verify", "model", "--checkpoint", str(checkpoint), "--golden", str(golden),
-                         "--skip-trajectory", "--layers", "never", "--out", str(tmp_path / "verify"), *extra])
+                         "--tiers", "oracles", "--layers", "never", "--out", str(tmp_path / "verify"), *extra])
 
     assert cli.main(["repair", str(TINY), "--inject-fault", "paper_w2_blocks", "--out", str(bad)]) == 0
     assert verify(bad) == 1

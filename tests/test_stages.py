@@ -14,7 +14,9 @@
   calibrated KL bound, which is why the stage and checkpoint tiers are binding;
 * an op with no bound is a failure; top-k ties are ties; the KL factors equal the committed calibration.
 
-Short inputs (24 tokens: a 22-token prefill, an eager and a static decode step) keep the replays to seconds.
+Short inputs (24 tokens: a 22-token prefill, an eager and a static decode step) keep the replays to seconds, and
+the replays run on the first three layers of each checkpoint (SWA, CSA, HCA: every kind of the six, same widths;
+conftest's ``layer_cut``); the tiers that read the golden layer digests run on the whole checkpoints.
 """
 from __future__ import annotations
 
@@ -64,6 +66,12 @@ LAYOUT_EXPECT = {"paper_w2_blocks": ("layers.0", "stage 2"), "writer_preshuffle"
                  "paper_w2_one_expert": ("layers.1", "stage 2"), "gate_up_interleave_w2": ("layers.0", "stage 2")}
 
 _cache: dict = {}
+REPLAYED: dict[str, Path] = {}  # name → the three-layer cut the replays record and replay on (set below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _replay_on_the_cuts(layer_cut):
+    REPLAYED.update({name: layer_cut(name) for name in CHECKPOINTS})
 
 
 def _golden(name):
@@ -71,18 +79,21 @@ def _golden(name):
 
 
 def _recorded(name: str, n: int = SHORT):
-    """(reference runner, recorded calls) of the golden layer input's first ``n`` tokens, cached per module."""
+    """(reference runner, recorded calls) of the golden layer input's first ``n`` tokens on the three-layer cut of
+    ``name``, cached per module."""
     key = (name, n)
     if key not in _cache:
-        ref = dsv4lab.load(CHECKPOINTS[name], max_batch=1)
+        ref = dsv4lab.load(REPLAYED[name], max_batch=1)
         ids = _golden(name)["layers"]["input_ids"][:n]
         _cache[key] = (ref, record_reference(ref, ids))
     return _cache[key]
 
 
-def _backend(name, ops_class=None, fault=None, model_fault=None):
+def _backend(name, ops_class=None, fault=None, model_fault=None, whole=False):
+    """The reference (or ``ops_class``, a backend fault, a model fault) on the cut of ``name`` that
+    :func:`_recorded` records, or with ``whole`` on the checkpoint itself."""
     backend = faulty_backend(model_fault) if model_fault is not None else "reference"
-    b = dsv4lab.load(CHECKPOINTS[name], max_batch=1, backend=backend)
+    b = dsv4lab.load(CHECKPOINTS[name] if whole else REPLAYED[name], max_batch=1, backend=backend)
     if ops_class is not None:
         b.ops = ops_class(b.ops.numerics)
     if fault is not None:
@@ -101,7 +112,7 @@ def test_reference_against_itself_is_bit_identical_at_every_stage():
     assert report.ok and {s.verdict for s in report.stages} == {"bit-identical"}
     names = {s.stage for s in report.stages}
     assert ISSUE_STAGES <= names, ISSUE_STAGES - names
-    assert {s.block for s in report.stages} == {f"layers.{i}" for i in range(6)} | {"model"}
+    assert {s.block for s in report.stages} == {f"layers.{i}" for i in range(3)} | {"model"}
     # a prefill, an eager decode step and a static one (the engine's decode step) were recorded
     assert {(c.forward, c.path) for c in calls} == {(0, "prefill"), (1, "eager"), (2, "static")}
 
@@ -210,12 +221,12 @@ def test_verify_model_passes_a_legitimate_backend_and_only_the_stages_catch_a_bf
     golden = _golden("tiny-py")
     ref = dsv4lab.load(CHECKPOINTS["tiny-py"], max_batch=1)
     tiers = ("vs_reference", "checkpoint", "stages")
-    good = model_tier.verify_model(_backend("tiny-py", KernelLike), golden, CHECKPOINTS["tiny-py"], ref, tiers=tiers,
-                                   stage_tokens=SHORT)
+    good = model_tier.verify_model(_backend("tiny-py", KernelLike, whole=True), golden, CHECKPOINTS["tiny-py"], ref,
+                                   tiers=tiers, stage_tokens=SHORT)
     assert good["ok"], {k: v.get("summary", v.get("ok")) for k, v in good["tiers"].items()}
     assert good["tiers"]["vs_reference"]["max_position"] is not None
     assert good["kl_rule"]["k_mean"] == model_tier.KL_FLOOR_FACTOR_MEAN
-    bad = model_tier.verify_model(_backend("tiny-py", KernelLike, fault="bf16_accumulation"), golden,
+    bad = model_tier.verify_model(_backend("tiny-py", KernelLike, fault="bf16_accumulation", whole=True), golden,
                                   CHECKPOINTS["tiny-py"], ref, tiers=tiers, stage_tokens=SHORT)
     assert not bad["ok"] and bad["tiers"]["vs_reference"]["ok"]  # invisible to the KL tier ...
     assert bad["first_divergence"] == dict(where="stages", block="layers.1", stage="attention output (wo_b)")
@@ -225,8 +236,9 @@ def test_the_reference_with_a_backend_fault_keeps_exact_tiers_and_is_caught_by_t
     # its oracles pass (the bf16 accumulation moves no greedy choice) and its own caches agree with themselves
     golden = _golden("tiny-py")
     ref = dsv4lab.load(CHECKPOINTS["tiny-py"], max_batch=1)
-    res = model_tier.verify_model(_backend("tiny-py", fault="bf16_accumulation"), golden, CHECKPOINTS["tiny-py"], ref,
-                                  tiers=("oracles", "checkpoint", "stages"), layer_check="never", stage_tokens=SHORT)
+    res = model_tier.verify_model(_backend("tiny-py", fault="bf16_accumulation", whole=True), golden,
+                                  CHECKPOINTS["tiny-py"], ref, tiers=("oracles", "checkpoint", "stages"),
+                                  layer_check="never", stage_tokens=SHORT)
     assert res["exact_semantics"] and res["tiers"]["oracles"]["ok"] and not res["ok"]
     assert res["first_divergence"] == dict(where="stages", block="layers.1", stage="attention output (wo_b)")
 
@@ -368,9 +380,9 @@ def test_docs_cover_the_backend_faults_and_link_the_verification_page():
 def test_triton_backend_is_clean_stage_by_stage_under_the_interpreter(name):
     """A 6-token prefill (prefill kernels from 4 rows), an eager decode step (decode kernels) and a step of the
     engine's static decode path (its fused glue kernels): every op of the Triton backend within its bound on the
-    reference's inputs (60–80 s per checkpoint in the interpreter on a shared 2-core machine)."""
+    reference's inputs (~30 s of CPU per checkpoint in the interpreter, on the three-layer cut)."""
     ref, calls = _recorded(name, 8)  # the static step at position 7 completes a block of every ratio-4 compressor
-    tri = dsv4lab.load(CHECKPOINTS[name], max_batch=1, backend="triton")
+    tri = dsv4lab.load(REPLAYED[name], max_batch=1, backend="triton")
     tri.ops.prefill_min_tokens = 4
     report = replay(calls, tri, ref)
     assert report.ok, _failures(report)
