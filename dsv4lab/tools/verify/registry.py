@@ -310,6 +310,15 @@ def _make_hc_post_pre_norm(s, gen, device, nm):
     return (out, X, post, comb, fn, base, scale, w, a)
 
 
+def _make_moe_post_pre_norm(s, gen, device, nm):
+    """The fused MoE site: a routed MoE over ``T = b·n`` rows, ``S`` shared experts' outputs, the streams and the
+    next block's mHC site of the same rows."""
+    x, idx, w, bank = _moe_inputs(dict(s, T=s["b"] * s["n"]), gen, device, nm)
+    shared = randn(gen, s["S"], s["b"] * s["n"], s["D"], scale=2.0, device=device).to(nm.act)
+    _, X, post, comb, fn, base, scale, nw, a = _make_hc_post_pre_norm(s, gen, device, nm)
+    return (x, idx, w.to(nm.acc), bank, 10.0, shared, X, post, comb, fn, base, scale, nw, a)
+
+
 def _make_head_rms_rope(s, gen, device, nm):
     cos, sin = _tables(TINY, device=device, nm=nm)
     q = _x(gen, (s["b"], s["s"], s["h"], TINY.head_dim), nm, device, 3.0)
@@ -514,6 +523,9 @@ FUSED_OPS = [
            "fused chain", "mHC pre + the sub-layer's RMSNorm"),
     OpCase("hc_post_pre_norm", "hc_post_pre_norm", _make_hc_post_pre_norm,
            [dict(b=1, n=1, D=256), dict(b=2, n=3, D=96)], "fused chain", "mHC post, then the next pre + RMSNorm"),
+    OpCase("moe_post_pre_norm", "moe_post_pre_norm", _make_moe_post_pre_norm,
+           [dict(b=1, n=1, D=256, E=16, k=4, I=128, S=1), dict(b=3, n=1, D=96, E=12, k=3, I=64, S=2)], "fused chain",
+           "routed experts, MoE output (routed + shared), then the next mHC site"),
     OpCase("head_rms_rope", "head_rms_rope", _make_head_rms_rope, [dict(b=1, s=1, h=8), dict(b=2, s=3, h=3)],
            "fused chain", "per-head RMS of q, then RoPE at its positions"),
     OpCase("kv_norm_rope", "kv_norm_rope", _make_kv_norm_rope, [dict(b=2, s=5), dict(b=3, ring=True)],

@@ -111,6 +111,7 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("router_topk", "*", "router choice and weights (fused)"),
     ("router_scores", "*", "router scores"),
     ("routed_experts", "*", "routed experts (whole)"),
+    ("moe_post_pre_norm", "*", "routed experts + MoE output + next mHC site (fused)"),
     ("moe_stage1", "*", "MoE stage 1 (w1 gate, w3 up projections)"),
     ("moe_activation", "*", "MoE activation (clamped SwiGLU × routing weight)"),
     ("swiglu", "ffn.experts", "MoE activation (clamped SwiGLU)"),

@@ -48,6 +48,7 @@ from dsv4lab.tools.verify.op_bounds.dot import (expert_mlp, grouped_wo_a, linear
                                                 moe_stage1_int8, moe_stage2, promoted_fp8_model, routed_experts,
                                                 routed_experts_int8)
 from dsv4lab.tools.verify.op_bounds.elementwise import (hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm,
+                                                        moe_post_pre_norm,
                                                         head_rms, rms_norm, rms_norm_interval, rope, rope_interval,
                                                         router_scores, swiglu)
 from dsv4lab.tools.verify.op_bounds.intervals import (EXACT, act_int8_interval, act_qdq_interval, fp4_qdq_interval,
@@ -71,6 +72,7 @@ OP_BOUNDS = {
     "hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm, "head_rms_rope": head_rms_rope,
     "kv_norm_rope": kv_norm_rope, "indexer_query": indexer_query, "indexer_select": indexer_select,
     "indexer_select_decode": indexer_select_decode, "router_topk": router_topk, "compressor_step": compressor_step,
+    "moe_post_pre_norm": moe_post_pre_norm,
 }
 """op name → bound function. A new op needs one entry (and, for a fused op, the chain of its parts)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsv4lab.tools.verify.bounds import Interval, elementwise_roundoff, gamma, unit_roundoff
+from dsv4lab.tools.verify.op_bounds.dot import routed_experts
 from dsv4lab.tools.verify.op_bounds.intervals import as_f64, exp_error, gamma_elementwise, point, swiglu_interval
 
 
@@ -233,3 +234,36 @@ def hc_post_pre_norm(nm, acc, out, X, post, comb, fn, base, scale, norm_weight, 
     Xn = hc_post(nm, acc, out, X, post, comb)
     u, post2, comb2 = _hc_pre(nm, acc, Xn, fn, base, scale, args, X.dtype)
     return Xn, rms_norm_interval(nm, acc, u, norm_weight, args.norm_eps, X.dtype), post2, comb2
+
+
+def _hc_post_of_interval(nm, acc, out: Interval, X, post, comb):
+    """:func:`hc_post` for every ``out [..., D]`` in an interval (the fused MoE site's sub-layer output, itself a
+    bound): ``post[k]·out`` as an interval (sign-aware), the exact mix of the streams, the same evaluation
+    allowance γ_{n+2}·Σ|terms| over the interval's largest magnitudes."""
+    Xf, pf, cf = as_f64(X), as_f64(post), as_f64(comb)
+    mixed = torch.einsum("bsjk,bsjd->bskd", cf, Xf)
+    mixed_mag = torch.einsum("bsjk,bsjd->bskd", cf.abs(), Xf.abs())
+    p = pf[..., None]
+    a, b = p * out.lo[..., None, :], p * out.hi[..., None, :]
+    po = Interval(torch.minimum(a, b), torch.maximum(a, b), out.rule)
+    n = X.shape[-2]
+    return po.add(mixed).widen(gamma(n + 2, acc) * (po.mag + mixed_mag),
+                               f"mHC post: γ(n+2={n + 2}, {acc})·Σ|terms|").round(nm.acc).round(X.dtype)
+
+
+def moe_post_pre_norm(nm, acc, x, idx, weights, bank, limit, shared, X, post, comb, fn, base, scale, norm_weight,
+                      args, all_reduce=None):
+    """The fused MoE site as one chain of intervals: :func:`routed_experts`' interval of the routed sum, each
+    shared expert's output added with one rounding in ``acc`` and the sum rounded to act (:func:`moe_output` on
+    an interval), then :func:`hc_post_pre_norm` of every sub-layer output in that interval: ``(X', x, post',
+    comb')``."""
+    y, u = routed_experts(nm, acc, x, idx, weights, bank, limit), elementwise_roundoff(acc)
+    for s in shared:
+        y = y.add(point(s))
+        y = y.widen(u * y.mag, "+ shared expert in acc")
+    y = y.round(nm.act)
+    shape = (*X.shape[:-2], X.shape[-1])
+    out = Interval(y.lo.reshape(shape), y.hi.reshape(shape), y.rule)
+    Xn = _hc_post_of_interval(nm, acc, out, X, post, comb)
+    u2, post2, comb2 = _hc_pre(nm, acc, Xn, fn, base, scale, args, X.dtype)
+    return Xn, rms_norm_interval(nm, acc, u2, norm_weight, args.norm_eps, X.dtype), post2, comb2
