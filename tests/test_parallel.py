@@ -232,7 +232,8 @@ def test_torchrun_generate_prints_the_single_process_json(single_process):
     text = m.tokenizer.decode(ids)
     reason = finish_reason(ids, len(PROMPT), NEW_TOKENS, m.args.max_seq_len, m.args.eos_token_id)
     assert got == dict(prompt_ids=PROMPT, output_ids=ids, hash=single_process["hash"], text=text,
-                       backend="reference", dtype="bf16", finish_reason=reason, decode=dict(path="eager"))
+                       backend="reference", dtype="bf16", finish_reason=reason, decode=dict(path="eager"),
+                       prefill_path="eager")
     assert "loaded" in tp.stderr and "all-reduces per decode token: 15" in tp.stderr
 
 
