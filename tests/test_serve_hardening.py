@@ -15,8 +15,6 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -26,12 +24,11 @@ httpx = pytest.importorskip("httpx")
 
 from dsv4lab.tools.serve.app import ServeConfig, create_app  # noqa: E402
 from dsv4lab.tools.serve.protocol import ERROR_TYPES  # noqa: E402
-from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
+from dsv4lab.tools.serve.server import BackgroundServer  # noqa: E402
+from serve_helpers import MODEL, TINY_PY, tiny_server  # noqa: E402
 
 pytestmark = pytest.mark.serve
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "tiny-py"
-MODEL = "tiny-py"
 BODY_LIMIT = 2 << 20
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 USER = [{"role": "user", "content": "x"}]
@@ -39,13 +36,8 @@ USER = [{"role": "user", "content": "x"}]
 
 @pytest.fixture(scope="module")
 def server():
-    opts = ServerOptions(checkpoint=str(TINY), max_concurrency=2, max_body_bytes=BODY_LIMIT)
-    model = load_model(opts)
-    app, scheduler = build_app(opts, model=model)
-    running = BackgroundServer(app, scheduler=scheduler).start()
-    client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    yield SimpleNamespace(url=running.url, model=model, scheduler=scheduler, tokenizer=model.tokenizer, client=client)
-    running.stop()
+    with tiny_server(client_timeout=60, max_concurrency=2, max_body_bytes=BODY_LIMIT) as s:
+        yield s
 
 
 # ------------------------------------------------------------------------------------------ the corpus
@@ -315,7 +307,7 @@ def test_the_api_key_comes_from_the_environment_and_its_scheme_in_any_case(monke
 
     monkeypatch.setattr(uvicorn, "run", serve_briefly)
     monkeypatch.setenv(API_KEY_ENV, "env-s3cret")
-    assert main(["serve", "--checkpoint", str(TINY), "--device", "cpu", "--max-concurrency", "1"]) == 0
+    assert main(["serve", "--checkpoint", str(TINY_PY), "--device", "cpu", "--max-concurrency", "1"]) == 0
     assert "API key required" in capsys.readouterr().err
     assert seen.pop("health") == 200 and seen.pop("www-authenticate") == "Bearer"
     assert seen == {"Bearer env-s3cret": 200, "bearer env-s3cret": 200, "BEARER  env-s3cret": 200,

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,43 +22,29 @@ import torch  # noqa: E402
 from dsv4lab.tools.serve.app import ServeConfig, create_app  # noqa: E402
 from dsv4lab.tools.serve.encoding import chat_format_for  # noqa: E402
 from dsv4lab.tools.serve.scheduler import Scheduler  # noqa: E402
-from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
-from conftest import ROOT  # noqa: E402
+from dsv4lab.tools.serve.server import BackgroundServer  # noqa: E402
+from serve_helpers import MODEL, stream_token_ids, tiny_server  # noqa: E402
 
 pytestmark = pytest.mark.serve
 
-TINY_PY = ROOT / "data" / "tiny-py"
-MODEL = "tiny-py"
 MAX_TOKENS = 5
-
-
-def _wait_idle(scheduler, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while scheduler.stats()["running"] or scheduler.stats()["waiting"]:
-        assert time.monotonic() < deadline, scheduler.stats()
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
 def served():
-    opts = ServerOptions(checkpoint=str(TINY_PY), max_concurrency=6)
-    model = load_model(opts)
-    app, scheduler = build_app(opts, model=model)
-    server = BackgroundServer(app, scheduler=scheduler).start()
+    with tiny_server(max_concurrency=6) as s:
+        memo: dict = {}
+        sequential = s.reference
 
-    memo: dict = {}
+        def reference(prompt_ids, n=MAX_TOKENS):
+            """Sequential greedy ids (remembered: the cases restore every poisoned weight before they return)."""
+            key = (tuple(prompt_ids), n)
+            if key not in memo:
+                memo[key] = sequential(prompt_ids, n)
+            return memo[key]
 
-    def reference(prompt_ids, n=MAX_TOKENS):
-        """Sequential greedy ids (remembered: the cases restore every poisoned weight before they return)."""
-        key = (tuple(prompt_ids), n)
-        if key not in memo:
-            _wait_idle(scheduler)
-            memo[key] = model.generate(prompt_ids, n)
-        return memo[key]
-
-    yield SimpleNamespace(model=model, scheduler=scheduler, url=server.url, reference=reference,
-                          tokenizer=model.tokenizer)
-    server.stop()
+        s.reference = reference
+        yield s
 
 
 def _prompts(n: int, avoid: set[int], seed: int) -> list[list[int]]:
@@ -69,23 +53,13 @@ def _prompts(n: int, avoid: set[int], seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-async def _stream_ids(client, prompt: list[int]) -> list[int]:
-    ids: list[int] = []
-    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                             stream=True, extra_body={"return_token_ids": True})
-    async for chunk in stream:
-        for c in chunk.choices:
-            ids += getattr(c, "token_ids", None) or []
-    return ids
-
-
 def _alongside(url: str, prompts: list[list[int]], bad) -> tuple[list[list[int]], object]:
     """Stream ``prompts`` greedily and run ``bad(httpx_client, openai_client)`` at the same time; returns the streams'
     ids and what ``bad`` returned."""
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as raw:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            *ids, outcome = await asyncio.gather(*(_stream_ids(client, p) for p in prompts), bad(raw, client))
+            *ids, outcome = await asyncio.gather(*(stream_token_ids(client, p, MAX_TOKENS) for p in prompts), bad(raw, client))
             await client.close()
             return ids, outcome
     return asyncio.run(run())

@@ -13,10 +13,8 @@ import asyncio
 import json
 import random
 import shutil
-import time
 from argparse import Namespace
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,41 +22,17 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
+from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app  # noqa: E402
+from serve_helpers import (MODEL, TINY_PY, small_scheduler_server, stream_token_ids, tiny_server,  # noqa: E402
+                           wait_for_load, wait_idle)
 
 pytestmark = pytest.mark.serve
-
-TINY = Path(__file__).resolve().parents[1] / "data" / "tiny-py"
-MODEL = "tiny-py"
-
-
-def _wait_idle(scheduler, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = scheduler.stats()
-        if stats["running"] == 0 and stats["waiting"] == 0:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the server did not become idle: {stats}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def served():
-    opts = ServerOptions(checkpoint=str(TINY), max_concurrency=8)
-    model = load_model(opts)
-    app, scheduler = build_app(opts, model=model)
-    server = BackgroundServer(app, scheduler=scheduler).start()
-
-    def reference(prompt_ids, n):
-        """Sequential greedy ids from ``m.generate`` (the server must be idle: it shares the model)."""
-        _wait_idle(scheduler)
-        return model.generate(prompt_ids, n, stop_at_eos=True)
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield SimpleNamespace(model=model, scheduler=scheduler, url=server.url, client=client, opts=opts,
-                          reference=reference, tokenizer=model.tokenizer)
-    server.stop()
+    with tiny_server(max_concurrency=8) as s:
+        yield s
 
 
 def test_models_and_greedy_completion_equal_the_generate_cli(served, capsys):
@@ -66,7 +40,7 @@ def test_models_and_greedy_completion_equal_the_generate_cli(served, capsys):
     models = served.client.models.list().data
     assert [m.id for m in models] == [MODEL]
     prompt = "def add(a, b):"
-    assert main(["generate", "--checkpoint", str(TINY), "--prompt", prompt, "--max-new-tokens", "4", "--json",
+    assert main(["generate", "--checkpoint", str(TINY_PY), "--prompt", prompt, "--max-new-tokens", "4", "--json",
                  "--dtype", "bf16", "--device", "cpu"]) == 0
     cli = json.loads(capsys.readouterr().out)
     r = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
@@ -111,19 +85,10 @@ def test_sixteen_concurrent_streams_equal_sequential_greedy_runs(served):
     max_tokens = 3
     refs = [served.reference(p, max_tokens) for p in prompts]
 
-    async def one(client, prompt):
-        ids = []
-        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                 stream=True, extra_body={"return_token_ids": True})
-        async for chunk in stream:
-            for c in chunk.choices:
-                ids += getattr(c, "token_ids", None) or []
-        return ids
-
     async def all_at_once():
         client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         try:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
+            return await asyncio.gather(*(stream_token_ids(client, p, max_tokens) for p in prompts))
         finally:
             await client.close()
 
@@ -133,7 +98,7 @@ def test_sixteen_concurrent_streams_equal_sequential_greedy_runs(served):
     # Served sequentially, 16 requests would need 16 prefills and 32 decode steps: fewer means they shared batches.
     after = served.scheduler.stats()
     assert after["decode_steps"] - before.get("decode_steps", 0) < 32
-    stats = _wait_idle(served.scheduler)
+    stats = wait_idle(served.scheduler)
     assert stats["free_slots"] == stats["max_running"]
 
 
@@ -218,7 +183,7 @@ def test_internal_errors_are_500_without_traceback_and_midstream_errors_end_with
     assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
 
     monkeypatch.setattr(served.model, "forward", real_forward)
-    _wait_idle(served.scheduler)
+    wait_idle(served.scheduler)
     ok = served.client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2, temperature=0,
                                           extra_body={"return_token_ids": True})
     assert ok.choices[0].token_ids == served.reference([5, 6, 7], 2)
@@ -235,7 +200,7 @@ def test_client_disconnect_frees_its_sequence(served):
                 if seen == 2:
                     break
         assert served.scheduler.stats()["running"] == 1
-    stats = _wait_idle(served.scheduler)
+    stats = wait_idle(served.scheduler)
     assert stats["aborted"] == before + 1 and stats["free_slots"] == stats["max_running"]
     health = httpx.get(served.url + "/health").json()
     assert health["running"] == 0 and health["status"] == "ok"
@@ -245,35 +210,24 @@ def test_client_disconnect_frees_its_sequence(served):
 
 
 def test_a_full_server_without_queue_answers_429(served):
-    from dsv4lab.tools.serve.app import ServeConfig, create_app
-    from dsv4lab.tools.serve.scheduler import SamplingParams, Scheduler
-    _wait_idle(served.scheduler)
-    # A second one-slot scheduler on the same model: safe while the module's server is idle. Its slot is held by
-    # a long greedy sequence submitted to the engine directly (no client timing involved), then released by abort.
-    single = Scheduler(served.model, max_running=1, max_waiting=0)
-    single.start()
-    cfg = ServeConfig(served_model_name=MODEL, max_model_len=2048)
-    try:
-        with BackgroundServer(create_app(single, served.tokenizer, cfg), scheduler=single) as s:
-            held = single.submit([5, 6], SamplingParams(max_tokens=2000), deliver=lambda event: None)
-            deadline = time.monotonic() + 60
-            while single.stats()["running"] != 1:
-                assert time.monotonic() < deadline, single.stats()
-                time.sleep(0.01)
-            r = httpx.post(s.url + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=30)
-            assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError", \
-                (r.status_code, r.text, single.stats())
-            single.abort(held)
-            assert _wait_idle(single)["free_slots"] == 1
-    finally:
-        single.stop()
+    from dsv4lab.tools.serve.scheduler import SamplingParams
+    # A second one-slot scheduler on the same model. Its slot is held by a long greedy sequence submitted to the
+    # engine directly (no client timing involved), then released by abort.
+    with small_scheduler_server(served, max_running=1, max_waiting=0) as (single, url):
+        held = single.submit([5, 6], SamplingParams(max_tokens=2000), deliver=lambda event: None)
+        wait_for_load(single, running=1, waiting=0)
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError", \
+            (r.status_code, r.text, single.stats())
+        single.abort(held)
+        assert wait_idle(single)["free_slots"] == 1
 
 
 def _golden(served, tmp_path: Path) -> Path:
     from dsv4lab.engine.sampling import trajectory_hash
     oracles = []
     for k, prompt in enumerate([[5, 6, 7, 8, 9], [100, 200, 300]]):
-        _wait_idle(served.scheduler)
+        wait_idle(served.scheduler)
         expected = served.model.generate(prompt, 4, stop_at_eos=False)
         oracles.append({"name": f"t{k}", "prompt_ids": prompt, "expected_ids": expected,
                         "hash": trajectory_hash(expected)})
@@ -311,7 +265,7 @@ def test_verify_endpoint_passes_a_healthy_server_and_catches_a_faulted_checkpoin
     assert "2/2 oracles pass" in (tmp_path / "healthy.md").read_text()
 
     faulted = tmp_path / "tiny-faulted"
-    _fault_head(TINY, faulted)
+    _fault_head(TINY_PY, faulted)
     opts = ServerOptions(checkpoint=str(faulted), dtype="float32", max_concurrency=1, served_model_name="faulted")
     app, scheduler = build_app(opts)
     with BackgroundServer(app, scheduler=scheduler) as s:
@@ -353,7 +307,7 @@ def test_bench_serve_prints_the_metric_table_and_writes_json(served, tmp_path, c
 
 def test_bench_engine_case_reports_sglang_metrics(served):
     from dsv4lab.tools.bench.engine import bench_case, decode_weight_bytes, format_table
-    _wait_idle(served.scheduler)
+    wait_idle(served.scheduler)
     r = bench_case(served.model, 2, 5, 3, seed=0, device="cpu")
     assert len(r["decode_step_latencies_s"]) == 2
     assert r["prefill_throughput_tok_s"] == pytest.approx(2 * 5 / r["prefill_latency_s"])
@@ -375,7 +329,7 @@ def test_sampling_options_stop_strings_logprobs_and_thinking_format(served):
     # a seeded sampled request reproduces m.generate with the same seed
     sampled = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.8, seed=123,
                                                extra_body={"return_token_ids": True})
-    _wait_idle(served.scheduler)
+    wait_idle(served.scheduler)
     assert sampled.choices[0].token_ids == served.model.generate(prompt, 3, temperature=0.8, seed=123)
 
     # logprobs: one entry per generated token, the chosen token's logprob, the top 2
@@ -401,7 +355,7 @@ def test_sampling_options_stop_strings_logprobs_and_thinking_format(served):
     streamed = served.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stop=stop,
                                                 stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == full[:first]
-    _wait_idle(served.scheduler)
+    wait_idle(served.scheduler)
 
     # DeepSeek-V4's format in thinking mode: the text until </think> is reasoning
     cfg = ServeConfig(served_model_name=MODEL, max_model_len=256, chat_format=chat_format_for(None, "dsv4"))

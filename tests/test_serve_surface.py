@@ -11,7 +11,6 @@ import asyncio
 import json
 import socket
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -22,39 +21,20 @@ httpx = pytest.importorskip("httpx")
 from dsv4lab.tools.serve.app import ServeConfig, create_app  # noqa: E402
 from dsv4lab.tools.serve.encoding import chat_format_for  # noqa: E402
 from dsv4lab.tools.serve.limits import Limits  # noqa: E402
-from dsv4lab.tools.serve.scheduler import SamplingParams, Scheduler  # noqa: E402
-from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model  # noqa: E402
-from conftest import ROOT  # noqa: E402
+from dsv4lab.tools.serve.scheduler import SamplingParams  # noqa: E402
+from dsv4lab.tools.serve.server import BackgroundServer  # noqa: E402
+from serve_helpers import MODEL, small_scheduler_server, tiny_server, wait_for_load, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.serve
 
-MODEL = "tiny-py"
 PROMPT = [40, 41, 42, 43]
 USER = [{"role": "user", "content": "x = 1"}]
 
 
-def _wait_idle(scheduler, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while scheduler.stats()["running"] or scheduler.stats()["waiting"]:
-        assert time.monotonic() < deadline, scheduler.stats()
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="module")
 def served():
-    opts = ServerOptions(checkpoint=str(ROOT / "data" / "tiny-py"), max_concurrency=4)
-    model = load_model(opts)
-    app, scheduler = build_app(opts, model=model)
-    server = BackgroundServer(app, scheduler=scheduler).start()
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-    def reference(prompt_ids, n, **kw):
-        _wait_idle(scheduler)
-        return model.generate(prompt_ids, n, **kw)
-
-    yield SimpleNamespace(model=model, scheduler=scheduler, url=server.url, client=client, reference=reference,
-                          tokenizer=model.tokenizer)
-    server.stop()
+    with tiny_server(max_concurrency=4) as s:
+        yield s
 
 
 def _ids(served, **kw) -> tuple[list[int], str]:
@@ -222,25 +202,15 @@ def test_slow_headers_and_bodies_meet_their_deadlines(impatient):
 
 # ------------------------------------------------------------------------------------------ 429
 def test_the_429_counts_running_and_waiting_requests(served):
-    _wait_idle(served.scheduler)
-    small = Scheduler(served.model, max_running=1, max_waiting=1)
-    small.start()
-    cfg = ServeConfig(served_model_name=MODEL, max_model_len=2048)
-    try:
-        with BackgroundServer(create_app(small, served.tokenizer, cfg), scheduler=small) as s:
-            held = [small.submit([5, 6], SamplingParams(max_tokens=1000, stop_token_ids=frozenset()), lambda e: None)
-                    for _ in range(2)]
-            deadline = time.monotonic() + 60
-            while (small.stats()["running"], small.stats()["waiting"]) != (1, 1):
-                assert time.monotonic() < deadline, small.stats()
-                time.sleep(0.01)
-            r = httpx.post(s.url + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=30)
-            assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError"
-            assert r.json()["error"]["message"] == (
-                "The server is at its concurrency limit: 1 of 1 sequence slots are decoding and 1 requests wait for "
-                "one (a queue of at most 1). Retry later.")
-            for h in held:
-                small.abort(h)
-            _wait_idle(small)
-    finally:
-        small.stop()
+    with small_scheduler_server(served, max_running=1, max_waiting=1) as (small, url):
+        held = [small.submit([5, 6], SamplingParams(max_tokens=1000, stop_token_ids=frozenset()), lambda e: None)
+                for _ in range(2)]
+        wait_for_load(small, running=1, waiting=1)
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 1}, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError"
+        assert r.json()["error"]["message"] == (
+            "The server is at its concurrency limit: 1 of 1 sequence slots are decoding and 1 requests wait for "
+            "one (a queue of at most 1). Retry later.")
+        for h in held:
+            small.abort(h)
+        wait_idle(small)
