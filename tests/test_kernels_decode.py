@@ -19,11 +19,11 @@ import torch
 from dsv4lab.core import quant
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import ReferenceOps
-from conftest import calibrated_max_kl
+from conftest import calibrated_max_kl, in_poisoned, poisoned_x
 from dsv4lab.tools.verify.compare import compare
 from dsv4lab.tools.verify.model import kl_per_position
 from dsv4lab.tools.verify.op_bounds import OP_BOUNDS, check_expectation, moe_stage1_int8, routed_experts_int8
-from dsv4lab.tools.verify.registry import _make_attention, make_bank, make_linear, routing
+from dsv4lab.tools.verify.registry import _make_attention, make_linear
 from dsv4lab.tools.verify.stages import default_accumulation
 
 triton = pytest.importorskip("triton")
@@ -32,6 +32,7 @@ gemv = pytest.importorskip("dsv4lab_kernels.fp8_gemv")
 moe = pytest.importorskip("dsv4lab_kernels.fp4_moe_decode")
 attn = pytest.importorskip("dsv4lab_kernels.attention_decode")
 formats = pytest.importorskip("dsv4lab_kernels.formats")
+from test_kernels_moe_decode import moe_case  # noqa: E402
 
 NM = Numerics()
 REF = ReferenceOps(NM)
@@ -58,22 +59,6 @@ def _within_bound(name, out, ref, op, *inputs, output=None, acc=None, bound=None
     res = check_expectation(out.cpu(), ref.cpu(), expect, name)
     assert res.ok, res.line()
     return res
-
-
-def _in_poisoned(t: torch.Tensor, poison_byte: int, extra: int = 256) -> torch.Tensor:
-    """``t`` copied to the front of a larger buffer whose tail bytes are ``poison_byte`` (a read past the end
-    of ``t`` returns NaN), as a contiguous view."""
-    raw = t.contiguous().view(torch.uint8).flatten()
-    buf = torch.full((raw.numel() + extra,), poison_byte, dtype=torch.uint8, device=t.device)
-    buf[: raw.numel()] = raw
-    return buf[: raw.numel()].view(t.dtype).view(t.shape)
-
-
-def _poisoned_x(x: torch.Tensor) -> torch.Tensor:
-    nan_bf16 = torch.tensor(float("nan"), dtype=torch.bfloat16).view(torch.int16)
-    buf = torch.full((x.numel() + 128,), int(nan_bf16), dtype=torch.int16, device=x.device)
-    buf[: x.numel()] = x.contiguous().view(torch.int16).flatten()
-    return buf[: x.numel()].view(torch.bfloat16).view(x.shape)
 
 
 # ------------------------------------------------------------------------------------------ device formats
@@ -125,9 +110,9 @@ def test_fp8_gemv_matches_reference_and_never_reads_padding(case):
     M, N, K = case["M"], case["N"], case["K"]
     g = torch.Generator().manual_seed(M * N)
     lin = make_linear("fp8", N, K, g)
-    x = _poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
-    w = _in_poisoned(lin.weight, FP8_NAN)
-    s = _in_poisoned(lin.scale, E8M0_NAN)
+    x = poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    w = in_poisoned(lin.weight, FP8_NAN)
+    s = in_poisoned(lin.scale, E8M0_NAN)
     geo = gemv.GemvGeometry(block_n=32, block_k=128, split_k=case["split"])
     out = gemv.fp8_gemv(x, w, s, act_quant=True, route=case["route"], geometry=geo)
     _within_bound("fp8_gemv", out, REF.linear(x, lin), "linear", x, lin, acc=_acc(out, case["route"] == "dot"))
@@ -151,21 +136,9 @@ def test_grouped_wo_a_and_bf16_weights():
 
 
 # ------------------------------------------------------------------------------------------ routed MoE
-def _moe_case(T, E=10, k=3, D=160, I=96, seed=0, offset=0, n_local=None):
-    g = torch.Generator().manual_seed(seed)
-    bank = make_bank(n_local or E, D, I, g, offset=offset)
-    idx, w = routing(g, T, E, k, skip=2)  # the last two experts get no token
-    x = (torch.randn(T, D, generator=g) * 2).to(torch.bfloat16)
-    # experts no token picks (and, in a slice, those of other ranks) must never be read: NaN scales
-    used = torch.zeros(bank.n_experts, dtype=torch.bool)
-    local = idx.flatten() - offset
-    used[local[(local >= 0) & (local < bank.n_experts)]] = True
-    for which in ("w1", "w2", "w3"):
-        s = getattr(bank, which + "_scale").view(torch.uint8).clone()
-        s[~used] = E8M0_NAN
-        bank._buffers[which + "_scale"] = _in_poisoned(s, E8M0_NAN).view(torch.float8_e8m0fnu)
-        bank._buffers[which] = _in_poisoned(getattr(bank, which), 0x77)
-    return x, idx, w.float(), bank
+def _moe_case(T, **kw):
+    """:func:`test_kernels_moe_decode.moe_case` with the routing as drawn (no shared expert forced)."""
+    return moe_case(T, share=False, **kw)
 
 
 @pytest.mark.parametrize("route,T,geo", [
