@@ -314,14 +314,26 @@ def test_compressor_step_over_block_boundaries(ratio, channels, indexer):
         cmpd.compressor_step(_poisoned(kv), _poisoned(sc), ape, pos.to(DEV), slots.to(DEV), kv_ring, score_ring,
                              cache_dev, norm_w, cos, sin, ratio, comp.overlap, TINY.norm_eps, indexer, True)
     assert (~torch.isnan(cache.float())).any(-1).sum() >= 4  # entries were written
-    # entries: norm, rotation, then the quantization simulation — 1 ulp or one step of its block
-    nope = channels - 2 * cos.shape[-1]
-    mag = torch.zeros_like(cache, dtype=torch.float64)
+    assert_compressor_state(kv_ring, score_ring, cache_dev, comp, cache, rope_dims=2 * cos.shape[-1])
+
+
+def compressor_entry_magnitude(ref_entries, rope_dims: int, indexer: bool) -> torch.Tensor:
+    """The ``magnitude`` term of compressor cache entries (norm, rotation, then the quantization simulation): one
+    step of each entry's quantization block — the indexer's e2m1 blocks of 32, else the e4m3 blocks of 64 of the
+    non-rotated part — on top of the 1 ulp of the bf16 rounding."""
     if indexer:
-        mag = quant_step(cache, 32, "e2m1")
-    else:
-        mag[..., :nope] = quant_step(cache[..., :nope], 64, "e4m3")
-    assert_bound("compressor entries", cache_dev, cache, out_dtype=torch.bfloat16, magnitude=mag, terms=1 << 23)
+        return quant_step(ref_entries, 32, "e2m1")
+    mag = torch.zeros_like(ref_entries, dtype=torch.float64)
+    nope = ref_entries.shape[-1] - rope_dims
+    mag[..., :nope] = quant_step(ref_entries[..., :nope], 64, "e4m3")
+    return mag
+
+
+def assert_compressor_state(kv_ring, score_ring, entries, comp: Compressor, ref_entries, rope_dims: int) -> None:
+    """The kernel's compressor state against the reference's (``comp``'s rings, ``ref_entries``): the rings bit for
+    bit, the cache entries within :func:`compressor_entry_magnitude`'s bound."""
+    mag = compressor_entry_magnitude(ref_entries, rope_dims, comp.is_indexer)
+    assert_bound("compressor entries", entries, ref_entries, out_dtype=torch.bfloat16, magnitude=mag, terms=1 << 23)
     assert_bound("kv ring", kv_ring, comp.kv_ring, out_dtype=torch.float32, ulps=0)
     assert_bound("score ring", score_ring, comp.score_ring, out_dtype=torch.float32, ulps=0)
 
@@ -554,14 +566,9 @@ def _flash_case(name: str, g):
         cmpd.compressor_step(kv.to(DEV), sc.to(DEV), comp.ape.to(DEV), p.to(DEV), slots.to(DEV), *rings, cache_dev,
                              comp.norm.weight.to(DEV), cos.to(DEV), sin.to(DEV), ratio, ratio == 4, a.norm_eps,
                              indexer, True)
-        nope = ch - a.rope_head_dim
-        mag = torch.zeros_like(cache, dtype=torch.float64)
-        if indexer:
-            mag = quant_step(cache, 32, "e2m1")
-        else:
-            mag[..., :nope] = quant_step(cache[..., :nope], 64, "e4m3")
         assert (~torch.isnan(cache.float())).any(-1).sum() >= 1
-        return cache_dev, cache, dict(magnitude=mag, terms=1 << 23)
+        return cache_dev, cache, dict(magnitude=compressor_entry_magnitude(cache, a.rope_head_dim, indexer),
+                                      terms=1 << 23)
     if name == "indexer_select":
         T, H, D = 4096 // 4, a.index_n_heads, a.index_head_dim
         qi = quant.fp4_qdq(torch.randn(b, H, D, generator=g), 32).to(bf)

@@ -12,7 +12,7 @@ from dsv4lab.core.model.compressor import Compressor
 from dsv4lab.tools.bench.common import random_fp8_linear
 from dsv4lab.tools.bench.decode import gemv_bound, projections
 from dsv4lab.tools.verify.registry import make_linear
-from test_kernels_glue import DEV, TINY, _poisoned, _ref, _tables, assert_bound, quant_step
+from test_kernels_glue import DEV, TINY, _poisoned, _ref, _tables, assert_compressor_state
 from test_kernels_moe_decode import LIMIT, G, check_moe, moe, moe_case
 
 cmpd = pytest.importorskip("dsv4lab_kernels.compressor_decode")
@@ -68,15 +68,7 @@ def _compressor_launches(ratio: int, channels: int, indexer: bool, T: int, max_l
     assert int((~torch.isnan(many[2].float().cpu())).any(-1).sum()) == completed  # entries written, and only those
     for a, b in zip(many, ones):
         assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0))
-    nope = channels - 2 * cos.shape[-1]
-    mag = torch.zeros_like(cache, dtype=torch.float64)
-    if indexer:
-        mag = quant_step(cache, 32, "e2m1")
-    else:
-        mag[..., :nope] = quant_step(cache[..., :nope], 64, "e4m3")
-    assert_bound("compressor entries", many[2], cache, out_dtype=torch.bfloat16, magnitude=mag, terms=1 << 23)
-    assert_bound("kv ring", many[0], comp.kv_ring, out_dtype=torch.float32, ulps=0)
-    assert_bound("score ring", many[1], comp.score_ring, out_dtype=torch.float32, ulps=0)
+    assert_compressor_state(*many, comp, cache, rope_dims=2 * cos.shape[-1])
 
 
 @pytest.mark.parametrize("ratio,channels,indexer,T", [(4, 96, False, 5), (4, 64, True, 3), (16, 96, False, 4)])
