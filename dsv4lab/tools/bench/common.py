@@ -271,6 +271,18 @@ def median_copy_us(src, dst) -> float:
     return statistics.median(times)
 
 
+def clock_us(step, device, reps: int) -> float:
+    """CUDA-event µs of one call of ``step`` (the mean of ``reps`` back to back)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize(device)
+    return round(start.elapsed_time(end) * 1e3 / reps, 1)
+
+
 # ============================================================================================ inputs
 def random_bank(n_experts: int, dim: int, inter: int, device, gen):
     """A routed-expert bank with uniformly random E2M1 codes and 1×32 E8M0 scales 2^-10 … 2^-6 (within the fp8

@@ -73,7 +73,8 @@ from dsv4lab.tools.perf.roofline import time_step
 from dsv4lab.core.provenance import short_commit
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
-from dsv4lab.tools.bench.common import OP_NAMES, OpTimer, kernel_profile, median_copy_us, top_kernels, write_json
+from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, kernel_profile, median_copy_us, top_kernels,
+                                        write_json)
 from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_rows, verify_rows
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
 from dsv4lab.tools.bench.e2e_warmup import first_prompt_rows, format_first_prompts, warmup_part
@@ -760,15 +761,3 @@ def breakdown(runner, o: dict, device) -> dict:
                 kernel_launches=launches, kernels=top_kernels(prof, reps), launches_per_step=round(total_launches, 1),
                 launches_per_layer=round(total_launches / runner.args.n_layers, 1),
                 predicted_us_by_kind=pred["by_kind"], predicted_step_us=pred["total"], predicted_terms_us=pred["terms"])
-
-
-def clock_us(step, device, reps: int) -> float:
-    """CUDA-event µs of one call of ``step`` (the mean of ``reps`` back to back)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
-    start.record()
-    for _ in range(reps):
-        step()
-    end.record()
-    torch.cuda.synchronize(device)
-    return round(start.elapsed_time(end) * 1e3 / reps, 1)

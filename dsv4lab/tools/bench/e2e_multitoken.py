@@ -30,6 +30,7 @@ import torch
 from dsv4lab.engine.loader import load
 from dsv4lab.engine.speculative import SpeculativeDecoder, max_draft_tokens
 from dsv4lab.engine.speculative_step import run_cycle
+from dsv4lab.tools.bench.common import clock_us
 from dsv4lab.tools.perf.costmodel import decode_step, expected_distinct_experts
 from dsv4lab.tools.verify.model import fixed_sequence
 
@@ -53,14 +54,7 @@ def _timed_us(fn, device, reps: int) -> float:
     """µs per call of ``fn`` (the mean of ``reps`` back to back after one unmeasured call; CUDA events on a GPU)."""
     fn()
     if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return round(start.elapsed_time(end) * 1e3 / reps, 1)
+        return clock_us(fn, device, reps)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
