@@ -201,6 +201,17 @@ def linear(w: torch.Tensor):
     return lambda x: x.to(torch.float64) @ w.T
 
 
+def fingerprint_permuted(perm: torch.Tensor, k: int, side: str, g: torch.Generator):
+    """The fingerprint of a random fp64 weight against itself with ``perm`` applied to its ``side`` ("rows": a
+    ``[len(perm), k]`` weight's output rows; "cols": a ``[k, len(perm)]`` weight's input columns)."""
+    n = len(perm)
+    if side == "rows":
+        w = torch.randn(n, k, generator=g, dtype=torch.float64)
+        return L.fingerprint(linear(w), linear(w[perm]), k)
+    w = torch.randn(k, n, generator=g, dtype=torch.float64)
+    return L.fingerprint(linear(w), linear(w[:, perm]), n, side="cols")
+
+
 def test_identical_pair_is_no_permutation():
     w = torch.randn(200, 72, generator=gen(20), dtype=torch.float64)
     r = L.fingerprint(linear(w), linear(w), 72)
@@ -238,12 +249,7 @@ def test_random_block_permutations_are_identified_exactly(seed):
     perm = (bp[:, None] * block + torch.arange(block)).flatten()
     n, k = len(perm), int(torch.randint(17, 90, (1,), generator=g))
     side = "rows" if seed < 6 else "cols"
-    if side == "rows":
-        w = torch.randn(n, k, generator=g, dtype=torch.float64)
-        r = L.fingerprint(linear(w), linear(w[perm]), k)
-    else:
-        w = torch.randn(k, n, generator=g, dtype=torch.float64)
-        r = L.fingerprint(linear(w), linear(w[:, perm]), n, side="cols")
+    r = fingerprint_permuted(perm, k, side, g)
     assert torch.equal(r.perm, perm), (block, blocks_per_tile, n_tiles)
     assert r.exact and not r.ambiguous
     assert torch.equal(r.block.expand(), perm)
@@ -258,12 +264,7 @@ def test_random_unstructured_permutations_are_identified_exactly(side):
     g = gen(30)
     n, k = 333, 61
     perm = torch.randperm(n, generator=g)
-    if side == "rows":
-        w = torch.randn(n, k, generator=g, dtype=torch.float64)
-        r = L.fingerprint(linear(w), linear(w[perm]), k)
-    else:
-        w = torch.randn(k, n, generator=g, dtype=torch.float64)
-        r = L.fingerprint(linear(w), linear(w[:, perm]), n, side="cols")
+    r = fingerprint_permuted(perm, k, side, g)
     assert torch.equal(r.perm, perm) and r.exact
     assert r.description.startswith(f"unstructured {'row' if side == 'rows' else 'column'} permutation")
     assert isinstance(r.layout(), L.Permutation)
