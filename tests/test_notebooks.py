@@ -33,6 +33,13 @@ def _reproduce(*argv: str) -> int:
     return main(["reproduce", *argv])
 
 
+def _reproduce_with_params(tmp_path: Path, only: str, params_yaml: str) -> int:
+    """``reproduce --only ONLY --params p.yaml --out tmp_path/runs`` with ``params_yaml`` as the parameter file."""
+    params = tmp_path / "p.yaml"
+    params.write_text(params_yaml)
+    return _reproduce("--only", only, "--params", str(params), "--out", str(tmp_path / "runs"))
+
+
 def _only_run(out: Path) -> Path:
     folders = [p for p in out.iterdir() if p.is_dir()]
     assert len(folders) == 1, folders
@@ -160,9 +167,7 @@ def test_tables_display_compactly_and_key_results_are_not_a_dict_dump(tmp_path):
 
 # ============================================================================================ parameters
 def test_unknown_parameter_is_refused_naming_the_notebook_and_its_cell(tmp_path, capsys):
-    params = tmp_path / "p.yaml"
-    params.write_text("SEED: 3\n01_layout_repair:\n  LAYR: 2\n")
-    assert _reproduce("--only", "01", "--params", str(params), "--out", str(tmp_path / "runs")) == 2
+    assert _reproduce_with_params(tmp_path, "01", "SEED: 3\n01_layout_repair:\n  LAYR: 2\n") == 2
     err = capsys.readouterr().err
     assert "01_layout_repair (parameters cell: cell 2, id cell-02): unknown parameter 'LAYR'" in err
     assert "LAYER" in err  # the declared names are listed
@@ -173,9 +178,7 @@ def test_unknown_parameter_is_refused_naming_the_notebook_and_its_cell(tmp_path,
 
 
 def test_parameter_of_the_wrong_type_and_global_names_nobody_declares(tmp_path, capsys):
-    params = tmp_path / "p.yaml"
-    params.write_text("SEED: three\nNOT_A_PARAMETER: 1\n")
-    assert _reproduce("--only", "05", "--params", str(params), "--out", str(tmp_path / "runs")) == 2
+    assert _reproduce_with_params(tmp_path, "05", "SEED: three\nNOT_A_PARAMETER: 1\n") == 2
     err = capsys.readouterr().err
     assert "parameter SEED is declared int (default 0), got 'three': expected an integer" in err
     assert "no selected notebook declares a parameter 'NOT_A_PARAMETER'" in err
