@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from dsv4lab.engine.decode_graph import step_tokens
-from dsv4lab.engine.speculative_step import run_cycle
+from dsv4lab.engine.speculative_step import rollback_caches, run_cycle
 
 METHODS = ("mtp",)
 
@@ -71,17 +71,11 @@ class CacheSnapshot:
     def __init__(self, model, slots: torch.Tensor, start: torch.Tensor, n: int):
         self.slots, self.start, self.n = slots, start, n
         self.positions = start[:, None] + torch.arange(n, device=start.device)[None, :]  # [b, n]
+        rings, self.entries = rollback_caches(model, n)
         self.rings: list[tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.entries: list[tuple[bool, torch.Tensor, int]] = []
-        for i, blk in enumerate(model.blocks()):
-            is_mtp = i >= model.args.n_layers
-            for buf, period in blk.attn.ring_caches():
-                if n > period:
-                    raise ValueError(f"a snapshot of {n} positions does not fit a ring cache of {period} rows")
-                rows = self.positions % period
-                self.rings.append((is_mtp, buf, rows, buf[slots[:, None], rows].clone()))
-            for buf, ratio in blk.attn.entry_caches():
-                self.entries.append((is_mtp, buf, ratio))
+        for is_mtp, buf, period in rings:
+            rows = self.positions % period
+            self.rings.append((is_mtp, buf, rows, buf[slots[:, None], rows].clone()))
 
     def restore(self, keep_main: torch.Tensor | None, keep_mtp: torch.Tensor | None) -> None:
         """Undo every write to a position ``≥ keep[i]`` of row ``i`` since the snapshot: the main layers' caches to

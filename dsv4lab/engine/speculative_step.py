@@ -28,6 +28,26 @@ from dataclasses import dataclass
 import torch
 
 
+CacheList = list[tuple[bool, torch.Tensor, int]]
+
+
+def rollback_caches(model, n: int) -> tuple[CacheList, CacheList]:
+    """The caches a rollback of ``n`` positions restores, in block order (main layers, then the MTP block):
+    ``(is_mtp, buffer, period)`` per ring cache and ``(is_mtp, buffer, ratio)`` per entry cache. A ring cache of
+    fewer than ``n`` rows is refused (``n`` positions would overwrite each other's rows)."""
+    rings: CacheList = []
+    entries: CacheList = []
+    for i, blk in enumerate(model.blocks()):
+        is_mtp = i >= model.args.n_layers
+        for buf, period in blk.attn.ring_caches():
+            if n > period:
+                raise ValueError(f"a snapshot of {n} positions does not fit a ring cache of {period} rows")
+            rings.append((is_mtp, buf, period))
+        for buf, ratio in blk.attn.entry_caches():
+            entries.append((is_mtp, buf, ratio))
+    return rings, entries
+
+
 class StaticSnapshot:
     """What writing positions ``start[i] .. start[i]+n−1`` of each row's slot can destroy, as fixed-shape tensors:
     :meth:`take` gathers the ``n`` ring rows of every ring cache (main layers and MTP block); :meth:`restore` puts
@@ -43,16 +63,7 @@ class StaticSnapshot:
             raise ValueError("the static rollback writes what it keeps to the spare cache slot: load the model "
                              "with dsv4lab.load")
         self.n, self.spare = n, model.spare_slot
-        self.rings: list[tuple[bool, torch.Tensor, int]] = []
-        self.entries: list[tuple[bool, torch.Tensor, int]] = []
-        for i, blk in enumerate(model.blocks()):
-            is_mtp = i >= model.args.n_layers
-            for buf, period in blk.attn.ring_caches():
-                if n > period:
-                    raise ValueError(f"a snapshot of {n} positions does not fit a ring cache of {period} rows")
-                self.rings.append((is_mtp, buf, period))
-            for buf, ratio in blk.attn.entry_caches():
-                self.entries.append((is_mtp, buf, ratio))
+        self.rings, self.entries = rollback_caches(model, n)
 
     def _rows(self, start: torch.Tensor) -> dict[int, torch.Tensor]:
         """Ring rows ``[b, n]`` of the positions ``start … start+n−1``, per ring period."""
