@@ -218,6 +218,20 @@ def _select(sc_row, buf, out, n_vis, TOPK, KOUT, ROUND_BF16: tl.constexpr, BLOCK
         _sorted_picks(buf, out, k_sel, KOUT, BLOCK_K)
 
 
+def _selection_outputs(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, topk: int):
+    """The launchers' shared prologue (this one and :func:`.indexer_split_decode.indexer_select_split`): the shapes,
+    strides and dtypes checked, and the outputs allocated. Returns ``B, H, DI, T, kout, out [B, kout] int64,
+    scores [B, T] fp32``."""
+    B, H, DI = qi.shape
+    T = keys.shape[1]
+    assert keys.shape[2] == DI and w.shape == (B, H) and keys.stride(-1) == 1 and qi.stride(-1) == 1
+    assert qi.dtype == keys.dtype == w.dtype and qi.dtype in (torch.bfloat16, torch.float32)
+    kout = min(topk, T)
+    out = torch.empty(B, kout, dtype=torch.long, device=qi.device)
+    scores = torch.empty(B, T, dtype=torch.float32, device=qi.device)
+    return B, H, DI, T, kout, out, scores
+
+
 def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                    positions: torch.Tensor, topk: int, ratio: int = 4, w_scale: float = 1.0,
                    block_t: int | None = None, return_scores: bool = False, block_sel: int | None = None):
@@ -227,13 +241,7 @@ def indexer_select(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots:
     holding act values; only the visible ones are written). ``block_t``: keys scored per program; ``block_sel``:
     scores the selection holds at once (default: the cache's length up to 2,048; a power of two ≥ ``block_t``)."""
     slots, positions = slots.contiguous(), positions.contiguous()  # read as ptr + row
-    B, H, DI = qi.shape
-    T = keys.shape[1]
-    assert keys.shape[2] == DI and w.shape == (B, H) and keys.stride(-1) == 1 and qi.stride(-1) == 1
-    assert qi.dtype == keys.dtype == w.dtype and qi.dtype in (torch.bfloat16, torch.float32)
-    kout = min(topk, T)
-    out = torch.empty(B, kout, dtype=torch.long, device=qi.device)
-    scores = torch.empty(B, T, dtype=torch.float32, device=qi.device)
+    B, H, DI, T, kout, out, scores = _selection_outputs(qi, w, keys, topk)
     if B == 0 or kout == 0:
         return (out, scores) if return_scores else out
     block_t = block_t or (256 if interpreting() else 64)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .indexer_decode import _query, _score_keys, _sort_key
+from .indexer_decode import _query, _score_keys, _selection_outputs, _sort_key
 from .launch import pdl_args, pdl_prologue
 from .rowops import interpreting
 
@@ -149,13 +149,7 @@ def indexer_select_split(qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     if g.split & (g.split - 1) or g.split < g.block_t or g.block_e & (g.block_e - 1) or g.block_t < 16:
         raise ValueError(f"IndexerSplitGeometry {g}: split must be a power of two ≥ block_t ≥ 16, block_e a power "
                          "of two")
-    B, H, DI = qi.shape
-    T = keys.shape[1]
-    assert keys.shape[2] == DI and w.shape == (B, H) and keys.stride(-1) == 1 and qi.stride(-1) == 1
-    assert qi.dtype == keys.dtype == w.dtype and qi.dtype in (torch.bfloat16, torch.float32)
-    kout = min(topk, T)
-    out = torch.empty(B, kout, dtype=torch.long, device=qi.device)
-    scores = torch.empty(B, T, dtype=torch.float32, device=qi.device)
+    B, H, DI, T, kout, out, scores = _selection_outputs(qi, w, keys, topk)
     if B == 0 or kout == 0:
         return (out, scores) if return_scores else out
     s_cap = triton.cdiv(T, g.split)
