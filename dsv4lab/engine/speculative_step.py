@@ -97,7 +97,10 @@ class StaticSnapshot:
                     firsts[ratio] = (ent, (start + self.n) // ratio)
                 ent, end = firsts[ratio]
                 drop = ent < end.clamp(max=buf.shape[1])[:, None]
-                buf[torch.where(drop, slots[:, None], self.spare), ent.clamp(max=buf.shape[1] - 1)] = float("nan")
+                # the NaN is a device tensor: a Python float would be copied from the host, which a CUDA graph
+                # capture refuses (the H200 visit at d1b16dd ran every speculative cycle eagerly because of it)
+                buf.index_put_((torch.where(drop, slots[:, None], self.spare), ent.clamp(max=buf.shape[1] - 1)),
+                               torch.full((), float("nan"), dtype=buf.dtype, device=buf.device))
 
 
 @dataclass
