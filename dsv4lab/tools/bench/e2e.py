@@ -44,6 +44,7 @@ per-op breakdown), ABBA, contexts — what a tight budget should keep first. Eve
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -70,7 +71,7 @@ from dsv4lab.tools.perf.costmodel import decode_step
 from dsv4lab.tools.perf.costmodel import prefill as prefill_cost  # context_row has a local prefill()
 from dsv4lab.tools.perf.hardware import load_hardware
 from dsv4lab.tools.perf.roofline import time_step
-from dsv4lab.core.provenance import short_commit
+from dsv4lab.core.provenance import jsonable, short_commit
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, kernel_profile, median_copy_us, top_kernels,
@@ -275,6 +276,8 @@ class _Parts:
                 return None
         self.timing[name] = round(time.perf_counter() - t0, 2)
         log(self.rank, f"{name}: {self.timing[name]:.1f} s")
+        if out is not None:  # the part's numbers in the log at once: a run killed later keeps them
+            log(self.rank, f"{name} result: {json.dumps(jsonable(out), separators=(',', ':'))[:20000]}")
         return out
 
 
