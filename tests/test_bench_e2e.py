@@ -9,7 +9,7 @@ import torch
 
 import dsv4lab
 from dsv4lab.faces import cli
-from dsv4lab.tools.bench import e2e
+from dsv4lab.tools.bench import e2e, e2e_parts
 from dsv4lab.core.checkpoint import expected_tensors
 from dsv4lab.core.config import get_preset
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
@@ -119,7 +119,7 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(capsys):
     """One rank: a part that raises is listed under ``failed`` with its error, ``recover`` runs, and the parts after
     it still run (a broken breakdown must not lose the TTFT measured after it)."""
     recovered = []
-    parts = e2e._Parts(0, time.perf_counter(), budget_s=60.0, world=1, recover=lambda: recovered.append(True))
+    parts = e2e_parts.Parts(0, time.perf_counter(), budget_s=60.0, world=1, recover=lambda: recovered.append(True))
 
     def broken():
         raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED\nsecond line")
@@ -128,6 +128,21 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(capsys):
     assert parts.failed == {"breakdown": "RuntimeError: it->second->use_count > 0 INTERNAL ASSERT FAILED"}
     assert recovered == [True] and "ttft" in parts.timing and "breakdown" not in parts.timing
     assert "breakdown: FAILED" in capsys.readouterr().err
+
+
+def test_a_part_overrunning_the_budget_is_stopped_and_the_run_ends(capsys):
+    """One rank: a part still running ``overrun_s`` past the budget is stopped (listed as failed, timed out), the
+    parts after it are skipped, and the call returns — a GPU visit's run always writes its JSON in time."""
+    parts = e2e_parts.Parts(0, time.perf_counter(), budget_s=0.2, world=1, overrun_s=0.3)
+    t0 = time.perf_counter()
+    assert parts.run("speculative", lambda: time.sleep(30)) is None
+    assert time.perf_counter() - t0 < 5
+    assert parts.failed["speculative"].startswith("PartTimedOut: speculative timed out")
+    assert parts.run("ttft", lambda: [1.0]) is None and parts.skipped == ["ttft"]
+    assert parts.run("late", lambda: 1) is None  # and nothing is left armed
+    fast = e2e_parts.Parts(0, time.perf_counter(), budget_s=60.0, world=1, overrun_s=30.0)
+    assert fast.run("decode_b1", lambda: {"tok_s": 1.0}) == {"tok_s": 1.0} and not fast.failed
+    assert "decode_b1 result: {\"tok_s\":1.0}" in capsys.readouterr().err
 
 
 def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_acceptance(tmp_path, capsys):

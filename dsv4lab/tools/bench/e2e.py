@@ -38,19 +38,18 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
 The parts run in the order warm-up and first prompts, decode rows, breakdown, verify, speculative, TTFT (and its
 per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
 (``timing_s``); parts that would start after
-``--budget-s`` are skipped and listed (``skipped``). ``--smoke`` runs the same code on the tiny preset on a CPU
+``--budget-s`` are skipped and listed (``skipped``), and on one rank a part still running ``--overrun-s`` past the
+budget is stopped and listed under ``failed`` ("timed out"), so the JSON is always written inside a fixed time. ``--smoke`` runs the same code on the tiny preset on a CPU
 (gloo between ranks) in seconds.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -71,9 +70,10 @@ from dsv4lab.tools.perf.costmodel import decode_step
 from dsv4lab.tools.perf.costmodel import prefill as prefill_cost  # context_row has a local prefill()
 from dsv4lab.tools.perf.hardware import load_hardware
 from dsv4lab.tools.perf.roofline import time_step
-from dsv4lab.core.provenance import jsonable, short_commit
+from dsv4lab.core.provenance import short_commit
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
+from dsv4lab.tools.bench.e2e_parts import Parts, log
 from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, kernel_profile, median_copy_us, top_kernels,
                                         write_json)
 from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_rows, verify_rows
@@ -119,6 +119,9 @@ def add_arguments(p):
                    "('' to skip)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="skip the parts that would start after this many seconds (recorded as skipped)")
+    p.add_argument("--overrun-s", type=float, default=30.0,
+                   help="one rank: stop a part still running this many seconds past --budget-s (recorded as failed, "
+                        "'timed out'), so the JSON is written (default 30)")
     p.add_argument("--no-pdl", action="store_true", help="launch the decode kernels without programmatic dependent "
                    "launch, which is on by default on Hopper or later (sets DSV4LAB_PDL=0 in every rank — "
                    "kernels/dsv4lab_kernels/launch.py)")
@@ -138,7 +141,8 @@ def options(args) -> dict:
              contexts=positive_ints(args.contexts, "--contexts") if args.contexts.strip() else [],
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
              prompt_tokens=args.prompt_tokens, chunks=positive_ints(args.chunks, "--chunks"),
-             abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, smoke=args.smoke,
+             abba=[s for s in args.abba.split(",") if s], budget_s=args.budget_s, overrun_s=args.overrun_s,
+             smoke=args.smoke,
              draft_tokens=positive_ints(args.draft_tokens, "--draft-tokens") if args.draft_tokens.strip() else [],
              alphas=_alphas(args.alphas), warmup=args.warmup,
              first_prompts=positive_ints(args.first_prompts, "--first-prompts") if args.first_prompts.strip() else [],
@@ -232,55 +236,6 @@ class _Clock:
         return time.perf_counter() - t0
 
 
-def log(rank: int, msg: str) -> None:
-    if rank == 0:
-        print(f"[bench e2e] {msg}", file=sys.stderr, flush=True)
-
-
-class _Parts:
-    """Runs the benchmark's parts in order, timing each and skipping those that would start past the budget.
-
-    On one rank a part that raises is recorded (``failed``: name → the error's line, the traceback on stderr) and
-    the run goes on after ``recover()`` — one broken part does not lose the others' numbers. Across ranks the
-    parts are collective, so an error there still ends the run."""
-
-    def __init__(self, rank: int, t_start: float, budget_s: float, world: int, recover=None):
-        self.rank, self.t_start, self.budget_s, self.world = rank, t_start, budget_s, world
-        self.recover = recover
-        self.timing: dict[str, float] = {}
-        self.skipped: list[str] = []
-        self.failed: dict[str, str] = {}
-
-    def run(self, name: str, fn):
-        over = time.perf_counter() - self.t_start > self.budget_s
-        if self.world > 1:  # every rank must take the same decision (the parts are collective)
-            flag = torch.tensor([int(over)])
-            dist.broadcast(flag, 0)
-            over = bool(flag.item())
-        if over:
-            self.skipped.append(name)
-            log(self.rank, f"{name}: skipped (past the {self.budget_s:.0f} s budget)")
-            return None
-        t0 = time.perf_counter()
-        if self.world > 1:
-            out = fn()
-        else:
-            try:
-                out = fn()
-            except Exception as err:  # noqa: BLE001 — recorded, reported, and the exit status says so
-                traceback.print_exc()
-                self.failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-                log(self.rank, f"{name}: FAILED ({self.failed[name]})")
-                if self.recover is not None:
-                    self.recover()
-                return None
-        self.timing[name] = round(time.perf_counter() - t0, 2)
-        log(self.rank, f"{name}: {self.timing[name]:.1f} s")
-        if out is not None:  # the part's numbers in the log at once: a run killed later keeps them
-            log(self.rank, f"{name} result: {json.dumps(jsonable(out), separators=(',', ':'))[:20000]}")
-        return out
-
-
 def worker(rank: int, world: int, o: dict) -> dict | None:
 
     t_start = time.perf_counter()
@@ -307,7 +262,7 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     load_s = time.perf_counter() - t_start
     log(rank, f"model generated and loaded in {load_s:.1f} s ({args.n_layers} layers, max_seq_len {max_len}, "
               f"decode path {runner.decode_path})")
-    parts = _Parts(rank, t_start, o["budget_s"], world, recover=runner.reset)
+    parts = Parts(rank, t_start, o["budget_s"], world, recover=runner.reset, overrun_s=o.get("overrun_s"))
     copy_gbps = parts.run("copy_bandwidth", lambda: copy_bandwidth(device))
     doc = dict(benchmark="e2e", model=o["preset"], layers=args.n_layers, layer_kinds=_kinds(args), seed=o["seed"],
                ranks=world, tp=o["tp"], ep=o["ep"], backend=o["backend"], collective=o["collective"],
