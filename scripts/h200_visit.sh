@@ -122,7 +122,8 @@ for spec in "$@"; do
         e2e) [ -f "$T" ] && [ -z "${DSV4LAB_TUNED:-}" ] \
                 && export DSV4LAB_TUNED="$PWD/$T"  # the choices this visit's bench parts measured
             part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
-            --budget-s $(( ${limit:-300} - 60 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;  # a part overrunning the budget by 30 s is stopped: the JSON is written
+            --budget-s $(( ${limit:-300} - 60 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
+            # (a part overrunning the budget by --overrun-s, 30 s, is stopped: the JSON is written in time)
         e2e_nopdl) part e2e_nopdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --no-pdl \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_NOPDL_ARGS:-} --out "$R/e2e_1gpu_nopdl.json" ;;
         serve) if compgen -G ".whl/*.whl" > /dev/null; then  # no internet there: the wheels came with the call

@@ -39,7 +39,8 @@ The parts run in the order warm-up and first prompts, decode rows, breakdown, ve
 per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
 (``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``), and on one rank a part still running ``--overrun-s`` past the
-budget is stopped and listed under ``failed`` ("timed out"), so the JSON is always written inside a fixed time. ``--smoke`` runs the same code on the tiny preset on a CPU
+budget is stopped and listed under ``failed`` ("timed out"), so the JSON is always written inside a fixed time.
+``--smoke`` runs the same code on the tiny preset on a CPU
 (gloo between ranks) in seconds.
 """
 from __future__ import annotations
