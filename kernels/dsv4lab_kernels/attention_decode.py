@@ -197,6 +197,48 @@ def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, s
                   D - d0, R, ROUND_ACT, ROPE, BLOCK_H, BLOCK_DC)
 
 
+@dataclass
+class AttentionInputs:
+    """The decode attention's operands as both launchers (this one and the split-KV one) take them: contiguous
+    where the kernels read by row (``ptr + row``), the second cache defaulted to an empty selection of the first,
+    the sink in fp32, and the shapes ``R, H, D, Ka, Kb``."""
+
+    q: torch.Tensor
+    kv_a: torch.Tensor
+    rows_a: torch.Tensor
+    batch_a: torch.Tensor
+    kv_b: torch.Tensor
+    rows_b: torch.Tensor
+    batch_b: torch.Tensor
+    sink: torch.Tensor
+    positions: torch.Tensor | None
+    R: int
+    H: int
+    D: int
+    Ka: int
+    Kb: int
+
+    @classmethod
+    def of(cls, q, kv_a, rows_a, batch_a, sink, kv_b, rows_b, batch_b, cos, positions,
+           prefix_ratio_b: int) -> "AttentionInputs":
+        q = q.contiguous()
+        R, H, D = q.shape
+        assert q.stride(2) == 1 and kv_a.stride(2) == 1 and kv_a.shape[2] == D
+        assert rows_a.shape[0] == R and batch_a.shape == (R,)
+        if kv_b is None:
+            kv_b, rows_b, batch_b = kv_a, rows_a[:, :0], batch_a
+        assert kv_b.stride(2) == 1 and kv_b.shape[2] == D and rows_b.shape[0] == R and kv_b.dtype == kv_a.dtype
+        if cos is not None or prefix_ratio_b:
+            assert positions is not None and positions.shape == (R,)
+        if cos is not None:
+            assert cos.stride(-1) == 1 and 2 * cos.shape[-1] <= D
+        rows_a, rows_b = rows_a.contiguous(), rows_b.contiguous()
+        batch_a, batch_b = batch_a.contiguous(), batch_b.contiguous()  # read as ptr + row
+        positions = positions.contiguous() if positions is not None else None
+        return cls(q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink.to(torch.float32).contiguous(), positions,
+                   R, H, D, rows_a.shape[1], rows_b.shape[1])
+
+
 def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Tensor, batch_a: torch.Tensor,
                             sink: torch.Tensor, scale: float, kv_b: torch.Tensor | None = None,
                             rows_b: torch.Tensor | None = None, batch_b: torch.Tensor | None = None,
@@ -213,19 +255,10 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
     Returns ``[R, H, d]`` in ``q.dtype``.
     """
     g = geometry or AttentionGeometry()
-    q = q.contiguous()
-    R, H, D = q.shape
-    assert q.stride(2) == 1 and kv_a.stride(2) == 1 and kv_a.shape[2] == D
-    assert rows_a.shape[0] == R and batch_a.shape == (R,)
-    if kv_b is None:
-        kv_b, rows_b, batch_b = kv_a, rows_a[:, :0], batch_a
-    assert kv_b.stride(2) == 1 and kv_b.shape[2] == D and rows_b.shape[0] == R and kv_b.dtype == kv_a.dtype
-    rows_a = rows_a.contiguous()
-    rows_b = rows_b.contiguous()
-    batch_a, batch_b = batch_a.contiguous(), batch_b.contiguous()  # read as ptr + row
-    if positions is not None:
-        positions = positions.contiguous()
-    Ka, Kb = rows_a.shape[1], rows_b.shape[1]
+    a = AttentionInputs.of(q, kv_a, rows_a, batch_a, sink, kv_b, rows_b, batch_b, cos, positions, prefix_ratio_b)
+    q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, positions = (
+        a.q, a.kv_a, a.rows_a, a.batch_a, a.kv_b, a.rows_b, a.batch_b, a.sink, a.positions)
+    R, H, D, Ka, Kb = a.R, a.H, a.D, a.Ka, a.Kb
     splits = max(1, min(g.splits, triton.cdiv(max(Ka + Kb, 1), g.block_r)))
     out = torch.empty_like(q)
     if splits > 1:
@@ -234,13 +267,8 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
         pacc = torch.empty(R, splits, H, D, dtype=torch.float32, device=q.device)
     else:
         pm = pl = pacc = out
-    sink = sink.to(torch.float32).contiguous()
     block_d = triton.next_power_of_2(D)
     rope = cos is not None
-    if rope or prefix_ratio_b:
-        assert positions is not None and positions.shape == (R,)
-    if rope:
-        assert cos.stride(-1) == 1 and 2 * cos.shape[-1] <= D
     tables = (cos if rope else sink, sin if rope else sink, positions if positions is not None else batch_a)
     rope_args = (2 * cos.shape[-1], cos.stride(0)) if rope else (0, 0)
     exact = LAUNCH_EXACT if rope else {}  # the rotation's products rounded as torch rounds them

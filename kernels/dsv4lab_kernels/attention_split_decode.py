@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_decode import _gather_rows, _scores, _store_output
+from .attention_decode import AttentionInputs, _gather_rows, _scores, _store_output
 from .formats import round_to_bf16
 from .launch import pdl_args, pdl_prologue
 from .rowops import LAUNCH_EXACT, interpreting
@@ -164,35 +164,21 @@ def sparse_attention_split(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.Te
                            prefix_ratio_b: int = 0) -> torch.Tensor:
     """:func:`.attention_decode.sparse_attention_decode` (same arguments but the geometry, same op) with the
     selection cut into chunks of ``geometry.chunk`` rows. Returns ``[R, H, d]`` in ``q.dtype``."""
-    batch_a = batch_a.contiguous()  # read as ptr + row (batch_b below, when given)
-    batch_b = batch_b.contiguous() if batch_b is not None else None
-    positions = positions.contiguous() if positions is not None else None
     g = geometry or SplitKvGeometry()
     if g.chunk % g.block_r or g.block_r < 16 or g.block_h < 16 or g.combine_block & (g.combine_block - 1):
         raise ValueError(f"SplitKvGeometry {g}: chunk must be a multiple of block_r, block_r and block_h ≥ 16, "
                          "combine_block a power of two")
-    q = q.contiguous()
-    R, H, D = q.shape
-    assert q.stride(2) == 1 and kv_a.stride(2) == 1 and kv_a.shape[2] == D
-    assert rows_a.shape[0] == R and batch_a.shape == (R,)
-    if kv_b is None:
-        kv_b, rows_b, batch_b = kv_a, rows_a[:, :0], batch_a
-    assert kv_b.stride(2) == 1 and kv_b.shape[2] == D and rows_b.shape[0] == R and kv_b.dtype == kv_a.dtype
-    rows_a = rows_a.contiguous()
-    rows_b = rows_b.contiguous()
-    Ka, Kb = rows_a.shape[1], rows_b.shape[1]
+    a = AttentionInputs.of(q, kv_a, rows_a, batch_a, sink, kv_b, rows_b, batch_b, cos, positions, prefix_ratio_b)
+    q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, positions = (
+        a.q, a.kv_a, a.rows_a, a.batch_a, a.kv_b, a.rows_b, a.batch_b, a.sink, a.positions)
+    R, H, D, Ka, Kb = a.R, a.H, a.D, a.Ka, a.Kb
     n_cap = max(1, triton.cdiv(Ka + Kb, g.chunk))
     out = torch.empty_like(q)
     pm = torch.empty(R, n_cap, H, dtype=torch.float32, device=q.device)
     pl = torch.empty_like(pm)
     pacc = torch.empty(R, n_cap, H, D, dtype=torch.float32, device=q.device)
-    sink = sink.to(torch.float32).contiguous()
     block_d = triton.next_power_of_2(D)
     rope = cos is not None
-    if rope or prefix_ratio_b:
-        assert positions is not None and positions.shape == (R,)
-    if rope:
-        assert cos.stride(-1) == 1 and 2 * cos.shape[-1] <= D
     pos = positions if positions is not None else batch_a
     bf16 = q.dtype == torch.bfloat16
     _attn_chunk_kernel[(R, triton.cdiv(H, g.block_h), n_cap)](
