@@ -277,7 +277,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
             runner, clock, o["first_prompts"], o["rounds"], after_warmup=bool(doc.get("warmup"))))
     doc["oracle"] = parts.run("oracle", lambda: oracle(runner))
     doc["oracle_hash"] = (doc["oracle"] or {}).get("hash")
-    log(rank, f"oracle hash {doc['oracle_hash']}")
+    log(rank, f"oracle hash {doc['oracle_hash']}" + (f" (eager prefill: {doc['oracle']['hash_eager_prefill']})"
+                                                     if "hash_eager_prefill" in (doc["oracle"] or {}) else ""))
     if runner.decode_path == "graph":
         doc["graph_check"] = parts.run("graph_check", lambda: graph_check(runner))
     doc["decode"] = []
@@ -368,11 +369,23 @@ def _prompt(args, n: int, seed: int) -> list[int]:
 
 
 def oracle(runner) -> dict:
-    """32 greedy tokens from a fixed 16-token prompt: ids and trajectory hash."""
+    """32 greedy tokens from a fixed 16-token prompt: ids and trajectory hash. Where the prompt runs through the
+    captured prefill step, the same tokens with the eager per-op prefill too (``hash_eager_prefill``): the two paths
+    run the same kernels, so the hashes must agree — a hash that moved with the prefill path is a finding, not
+    rounding."""
     prompt = [runner.args.bos_token_id] + _prompt(runner.args, 15, seed=4604)
     ids = runner.generate(prompt, 32, stop_at_eos=False)
     runner.reset()
-    return dict(prompt_ids=prompt, ids=ids, hash=trajectory_hash(ids))
+    out = dict(prompt_ids=prompt, ids=ids, hash=trajectory_hash(ids), prefill_path=runner.prefill_path)
+    if runner.prefill_path != "eager":
+        path, runner.prefill_path = runner.prefill_path, "eager"
+        try:
+            eager_ids = runner.generate(prompt, 32, stop_at_eos=False)
+            runner.reset()
+        finally:
+            runner.prefill_path = path
+        out.update(hash_eager_prefill=trajectory_hash(eager_ids), prefill_paths_equal=eager_ids == ids)
+    return out
 
 
 def _teacher_forced(runner, steps, batch: int, prompt, tokens) -> list:
