@@ -82,6 +82,28 @@ else:
 top
 
 # %% [markdown]
+# ## Steps that carry more than one token
+#
+# The whole decode step of the committed end-to-end run (`data/results/<gpu>/e2e_1gpu.json`, `bench e2e`): tok/s and
+# MBU at batch 1…32; the verify step of `k` drafts (k+1 tokens, the MTP block included) and the whole speculative
+# cycle against the one-token step, beside the bytes ratios of the same steps (a step at the bandwidth limit costs
+# its bytes ratio); speculative throughput with injected acceptance α against plain greedy of the same run (every
+# output checked equal to plain greedy). Empty tables: the run did not measure that part.
+
+# %%
+e2e_doc = measurements.load_results_file("e2e_1gpu", GPU)
+multi = figure_data.multitoken_tables(e2e_doc)
+if e2e_doc is not None:
+    print(f"end-to-end run: {measurements.provenance(e2e_doc)}")
+else:
+    print(f"No committed end-to-end run: {measurements.results_path('e2e_1gpu', GPU)} is absent "
+          "(dsv4lab bench e2e --nproc 1 --layers 30 on the GPU machine).")
+out.keys(e2e_batches=len(multi["batches"]), e2e_verify_rows=len(multi["verify"]),
+         e2e_speculative_rows=len(multi["speculative"]))
+for name, table in multi.items():
+    out.table(f"multitoken_{name}", table or [dict(note=f"{name}: not in the committed run")])
+
+# %% [markdown]
 # ## Fresh measurements (GPU only)
 
 # %%

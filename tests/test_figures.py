@@ -419,3 +419,18 @@ def test_one_modelled_paper_prefill_in_notebooks_04_and_06():
     paper = next(r for r in rows if r.get("reported_rate") is not None)
     assert paper["label"].endswith(f"chunk {account['chunk']}")
     assert paper["modelled_input_tok_s"] == account["model_input_tok_s"]  # 04's waterfall row is 06's line
+
+
+def test_multitoken_tables_read_the_rows_bench_e2e_writes():
+    """The verify table states each step's cost over its bytes ratio; a part the run skipped is an empty table."""
+    doc = dict(decode=[dict(batch=8, tok_s=253.1, mbu=0.18, path="graph", bytes_per_step=23_600_000_000)],
+               verify=[dict(draft_tokens=2, verify_over_step=3.0, bytes_ratio=2.0, cycle_over_step=3.5,
+                            cycle_bytes_ratio=2.2, step_us=6400.0, verify_us=19200.0)],
+               speculative=[dict(alpha=0.8, draft_tokens=2, tok_s=190.0, greedy_tok_s=152.0, speedup=1.25,
+                                 ideal_speedup_modelled=1.3, of_ideal=0.962, equal_to_greedy=True)])
+    t = figure_data.multitoken_tables(doc)
+    assert t["batches"] == [dict(batch=8, tok_s=253.1, mbu=0.18, path="graph", gb_per_step=23.6)]
+    assert t["verify"][0]["over_bytes_ratio"] == 1.5
+    assert t["speculative"][0]["equal_to_greedy"] is True
+    assert figure_data.multitoken_tables(dict(decode=doc["decode"]))["verify"] == []
+    assert figure_data.multitoken_tables(None) == dict(batches=[], verify=[], speculative=[])

@@ -180,6 +180,30 @@ def prefill_standing(gpu: str = "h200") -> list[dict[str, Any]]:
     return rows
 
 
+# ============================================================================================ 03: steps of many tokens
+def multitoken_tables(doc: Mapping[str, Any] | None) -> dict[str, list[dict[str, Any]]]:
+    """The rows of a ``bench e2e`` run that carry more than one token a step, as three tables: ``batches`` (tok/s,
+    MBU and bytes per step at every batch), ``verify`` (the verify step of ``k`` drafts and the whole speculative
+    cycle against the one-token step, beside the bytes ratios of the same steps) and ``speculative`` (injected
+    acceptance α: tok/s against plain greedy of the same run, the modelled bytes-bound ideal beside it, and whether
+    every output equalled plain greedy). A table the run did not measure is empty; ``doc`` None gives three."""
+    doc = doc or {}
+    batches = [dict(batch=r["batch"], tok_s=r["tok_s"], mbu=r["mbu"], path=r.get("path"),
+                    gb_per_step=round(r["bytes_per_step"] / 1e9, 3) if r.get("bytes_per_step") else None)
+               for r in doc.get("decode") or []]
+    verify = [dict(draft_tokens=r["draft_tokens"], verify_over_step=r["verify_over_step"], bytes_ratio=r["bytes_ratio"],
+                   over_bytes_ratio=round(r["verify_over_step"] / r["bytes_ratio"], 3),
+                   cycle_over_step=r.get("cycle_over_step"), cycle_bytes_ratio=r.get("cycle_bytes_ratio"),
+                   step_us=r.get("step_us"), verify_us=r.get("verify_us"))
+              for r in doc.get("verify") or []]
+    speculative = [dict(alpha=r["alpha"], draft_tokens=r["draft_tokens"], tok_s=r["tok_s"],
+                        greedy_tok_s=r.get("greedy_tok_s"), speedup=r["speedup"],
+                        ideal_speedup_modelled=r.get("ideal_speedup_modelled"), of_ideal=r.get("of_ideal"),
+                        equal_to_greedy=r["equal_to_greedy"])
+                   for r in doc.get("speculative") or []]
+    return dict(batches=batches, verify=verify, speculative=speculative)
+
+
 # ============================================================================================ 03: decode kernels
 KERNEL_NAMES = {"moe_decode": "routed MoE (6 experts)", "attn_decode": "attention", "decode_layer": "whole CSA layer",
                 "mhc_site": "mHC site (post + pre + norm)",
