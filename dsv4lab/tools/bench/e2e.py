@@ -33,7 +33,8 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   (``--smoke`` adds the natural acceptance of ``data/tiny-py``'s trained MTP block).
 * **breakdown** (CUDA): one graph replay of the batch-1 step under the profiler — GPU time by kernel family and
   the number of kernel launches per step and per layer — beside the roofline model's prediction on the H200
-  catalogue entry.
+  catalogue entry; the same for each ``--breakdown-batches`` batch (``breakdown_by_batch``: where a batch's step
+  spends the time its bytes do not explain).
 
 The parts run in the order warm-up and first prompts, decode rows, breakdown, verify, speculative, TTFT (and its
 per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
@@ -99,6 +100,9 @@ def add_arguments(p):
     add_backend(p, "triton")
     p.add_argument("--collective", default="auto", help="all-reduce strategy: library, peer_read or auto")
     p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--breakdown-batches", default="8",
+                   help="batches whose step is profiled too, beside batch 1's (comma-separated; '' to skip; each "
+                        "within --batches' largest)")
     p.add_argument("--draft-tokens", default="1,2,3",
                    help="draft counts k of the verify and speculative rows (comma-separated; '' to skip them)")
     p.add_argument("--alphas", default="0.5,0.7,0.8,0.9",
@@ -138,6 +142,8 @@ def options(args) -> dict:
     tp = args.tp if args.tp is not None else max(1, args.nproc // max(args.ep, 1))
     o = dict(preset=args.preset, layers=args.layers, seed=args.seed, nproc=args.nproc, tp=tp, ep=args.ep,
              backend=args.backend, collective=args.collective, batches=positive_ints(args.batches, "--batches"),
+             breakdown_batches=(positive_ints(args.breakdown_batches, "--breakdown-batches")
+                                if args.breakdown_batches.strip() else []),
              decode_tokens=args.decode_tokens, rounds=args.rounds,
              contexts=positive_ints(args.contexts, "--contexts") if args.contexts.strip() else [],
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
@@ -150,7 +156,7 @@ def options(args) -> dict:
              commit=args.commit, pdl=not getattr(args, "no_pdl", False) and os.environ.get(PDL_ENV) != "0")
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
-                 chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1],
+                 chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1], breakdown_batches=[],
                  alphas=o["alphas"][:2], draft_tokens=o["draft_tokens"][:2],
                  contexts=[24, 48] if o["contexts"] else [], context_tokens=2, context_chunk=32,
                  first_prompts=[1, 17] if o["first_prompts"] else [])
@@ -166,6 +172,9 @@ def options(args) -> dict:
         raise UserError(f"--layers {o['layers']}: expected 0 (all layers) or a positive count")
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
+    if o["breakdown_batches"] and max(o["breakdown_batches"]) > max(o["batches"]):
+        raise UserError(f"--breakdown-batches {args.breakdown_batches!r}: each must be at most the largest of "
+                        f"--batches ({max(o['batches'])})")
     return o
 
 
@@ -291,6 +300,9 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
     # context prompts (a 65,536-token prefill at full width takes about a minute)
     if device.type == "cuda":
         doc["breakdown"] = parts.run("breakdown", lambda: breakdown(runner, o, device))
+        doc["breakdown_by_batch"] = {}
+        for b in o["breakdown_batches"]:  # where a batch's step spends its time (batch 1 is the breakdown above)
+            doc["breakdown_by_batch"][str(b)] = parts.run(f"breakdown_b{b}", lambda b=b: breakdown(runner, o, device, b))
     if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
         doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
         doc["speculative"], doc["speculative_natural"] = parts.run(
@@ -678,20 +690,22 @@ def count_launches(fn):
     return counts, out
 
 
-def breakdown(runner, o: dict, device) -> dict:
-    """The batch-1 decode step as the engine runs it — one graph replay (or one eager step when the engine does not
-    use graphs) under the profiler: GPU µs and kernel launches by family and per kernel (:func:`top_kernels`),
-    launches per layer; beside the roofline
-    model's prediction of the same step (µs by op kind) on the H200 catalogue entry."""
+def breakdown(runner, o: dict, device, batch: int = 1) -> dict:
+    """The decode step of ``batch`` sequences as the engine runs it — one graph replay of its tier (or one eager
+    step when the engine does not use graphs) under the profiler: GPU µs and kernel launches by family and per
+    kernel (:func:`top_kernels`), launches per layer; beside the roofline model's prediction of the same step (µs by
+    op kind) on the H200 catalogue entry."""
 
     prompt = _prompt(runner.args, 16, seed=2)
-    nxt = runner.prefill(prompt).argmax(-1)
-    runner.forward(nxt[:, None], len(prompt))  # captures tier 1 on the graph path
+    slots = torch.arange(batch)
+    nxt = runner.prefill([prompt] * batch, slots=slots.tolist()).argmax(-1).cpu()
+    pos = torch.full((batch,), len(prompt))
     graphs = runner.decoder.graphs if runner.decoder is not None else None
-    if graphs is not None and 1 in graphs.graphs:
-        step = graphs.graphs[1][0].replay  # the last step again (same slot and position): its state rewritten
+    if graphs is not None:
+        runner.decoder(nxt, pos, slots)  # captures the tier on first use; its inputs now hold these rows
+        step = graphs.graphs[graphs.tier(batch)][0].replay  # the same step again: its state rewritten
     else:
-        step = lambda: runner.forward(nxt[:, None], len(prompt) + 1)  # noqa: E731 — eager: one step only
+        step = lambda: runner.forward(nxt[:, None], pos, slots=slots)  # noqa: E731 — eager: one step only
     reps = 3 if graphs is not None else 1
     pdl = _pdl_active(device)
     step()
@@ -707,8 +721,8 @@ def breakdown(runner, o: dict, device) -> dict:
         os.environ[PDL_ENV] = "0"
         try:
             plain = Decoder(runner, graphs=True)
-            plain(nxt.cpu(), torch.tensor([len(prompt)]), torch.tensor([0]))
-            step = plain.graphs.graphs[1][0].replay
+            plain(nxt, pos, slots)
+            step = plain.graphs.graphs[plain.graphs.tier(batch)][0].replay
             step()
             replay_no_pdl_us = clock_us(step, device, reps)
         finally:
@@ -726,8 +740,8 @@ def breakdown(runner, o: dict, device) -> dict:
     runner.reset()
     measured, launches = kernel_profile(prof, reps)
     total_launches = sum(launches.values())
-    pred = _predicted(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=1, context=len(prompt)))
-    return dict(source="graph replay" if graphs is not None else "eager step",
+    pred = _predicted(decode_step(runner.args, tp=o["tp"], ep=o["ep"], batch=batch, context=len(prompt)))
+    return dict(batch=batch, source="graph replay" if graphs is not None else "eager step",
                 profiled_without_pdl=profiled_without_pdl, replay_us=replay_us, replay_without_pdl_us=replay_no_pdl_us, pdl=pdl,
                 measured_gpu_us=measured, measured_total_us=round(sum(measured.values()), 1),
                 kernel_launches=launches, kernels=top_kernels(prof, reps), launches_per_step=round(total_launches, 1),
