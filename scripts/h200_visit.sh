@@ -24,7 +24,8 @@
 #                   ($R/tuned_h200.json, over the committed kernels/dsv4lab_kernels/tuned/h200.json), which is copied
 #                   over the committed one: what the backend reads from here on
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=mhc,attention
-#                   narrows it to those sections; the visit's tuned file keeps the entries it does not measure)
+#                   narrows it to those sections, DECODE_BATCHES=16,32 to those rows; the visit's tuned file keeps the
+#                   entries it does not measure)
 #   prefill (150)   bench kernels --suite prefill --quick (only its mHC choice goes into the visit's tuned file:
 #                   --tuned-ops prefill.mhc_rows; PREFILL_SECTIONS=glue narrows it to the mHC/RoPE glue)
 #   prefill_full    bench kernels --suite prefill (full; every prefill choice into the visit's tuned file)
@@ -112,7 +113,7 @@ for spec in "$@"; do
             # the measured choices are what the backend reads from here on
             [ -s "$T" ] && cp "$T" kernels/dsv4lab_kernels/tuned/h200.json ;;
         decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
-            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} --budget-s $(( ${limit:-420} - 30 )) \
+            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} --budget-s $(( ${limit:-420} - 30 )) \
             --out "$R/decode_kernels.json" --tuned-out "$T" $(tuned_base) ;;  # entries a budget-cut run misses are kept
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
             ${PREFILL_SECTIONS:+--sections "$PREFILL_SECTIONS"} --budget-s $(( ${limit:-150} - 30 )) \

@@ -74,6 +74,16 @@ def test_bench_e2e_refuses_bad_splits(capsys):
     assert "--nproc 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,named", [
+    (["bench", "e2e", "--batches", "1,8", "--breakdown-batches", "32"], "--breakdown-batches '32'"),
+    (["bench", "kernels", "--suite", "decode", "--batches", "8,0"], "--batches '8,0'"),
+])
+def test_row_counts_out_of_range_are_refused_before_any_work(argv, named, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and len(err.strip().splitlines()) == 1
+
+
 def test_op_timer_times_outermost_calls_and_puts_the_ops_back():
     from dsv4lab.tools.bench.common import OpTimer
 

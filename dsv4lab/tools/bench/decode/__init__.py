@@ -47,8 +47,9 @@ from dsv4lab.tools.bench.decode.gemv import (GemvVariant, accumulation_probe, bf
                                              gemv_variants, projection_shapes, projections)
 from dsv4lab.tools.bench.decode.harness import DecodeBench
 from dsv4lab.tools.bench.decode.moe import moe_stage_checks, moe_variants
-from dsv4lab.tools.bench.decode.suite import HELP, QUICK_SECTIONS, SECTIONS, chosen_sections, run_suite, targets
+from dsv4lab.tools.bench.decode.suite import (HELP, QUICK_SECTIONS, SECTIONS, add_suite_arguments, chosen_sections,
+                                              run_suite, targets)
 
 __all__ = ["GemvVariant", "accumulation_probe", "bf16_projections", "gemv_bound", "gemv_variants", "projection_shapes",
            "projections", "DecodeBench", "moe_stage_checks", "moe_variants", "HELP", "QUICK_SECTIONS", "SECTIONS",
-           "chosen_sections", "run_suite", "targets"]
+           "add_suite_arguments", "chosen_sections", "run_suite", "targets"]

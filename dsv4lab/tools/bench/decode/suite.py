@@ -16,6 +16,7 @@ from dsv4lab.tools.bench.decode.long_context import bench_long_context, check_lo
 from dsv4lab.tools.bench.decode.mhc import bench_mhc
 from dsv4lab.tools.bench.decode.moe import bench_moe, check_moe, moe_variants
 from dsv4lab.tools.bench.tuned import TunedWriter, decode_entries, source_of
+from dsv4lab.tools.options import positive_ints
 
 HELP = "decode kernels: routed FP4 MoE, FP8/BF16 GEMV vs cuBLAS, attention, one layer (writes JSON + tuned choices)"
 
@@ -28,10 +29,20 @@ def chosen_sections(spec: str | None, quick: bool) -> tuple[str, ...]:
     return pick_sections(spec, SECTIONS, QUICK_SECTIONS if quick else SECTIONS)
 
 
+def add_suite_arguments(p) -> None:
+    """Options of this suite beyond the dispatcher's common ones."""
+    p.add_argument("--batches", default=None,
+                   help=f"decode: token rows timed (comma-separated; default {','.join(map(str, BATCHES))}, --quick "
+                        f"{','.join(map(str, QUICK_BATCHES))}; e.g. 16,32 for the larger tiers of a batched step — "
+                        "the dispatch takes each call's entry at the fewest rows ≥ its own)")
+
+
 def run_suite(args) -> int:
     smoke = getattr(args, "smoke", False)
     quick = getattr(args, "quick", False)
     chosen = chosen_sections(getattr(args, "sections", None), quick)  # a misspelt name is refused before any work
+    asked = getattr(args, "batches", None)
+    asked = tuple(positive_ints(asked, "--batches")) if asked else None  # so is a bad row count
     device = select_device("decode", smoke)
     from dsv4lab.engine import triton_backend  # noqa: F401 — registers dsv4lab_kernels, sets the interpreter on a CPU
     budget = getattr(args, "budget_s", 160.0)
@@ -40,7 +51,7 @@ def run_suite(args) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     a = get_preset("tiny" if smoke else "flash")
     tiny = DATA_DIR / "tiny"
-    batches = (1,) if smoke else (QUICK_BATCHES if quick else BATCHES)
+    batches = (1,) if smoke else (asked or (QUICK_BATCHES if quick else BATCHES))
     mv = moe_variants(smoke, quick)
     gv = gemv_variants(smoke, quick)
     doc = run_header(b, args, smoke) | dict(quick=quick)
