@@ -113,7 +113,8 @@ for spec in "$@"; do
             # the measured choices are what the backend reads from here on
             [ -s "$T" ] && cp "$T" kernels/dsv4lab_kernels/tuned/h200.json ;;
         decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
-            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} --budget-s $(( ${limit:-420} - 30 )) \
+            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} \
+            --budget-s $(( ${limit:-420} - 30 )) \
             --out "$R/decode_kernels.json" --tuned-out "$T" $(tuned_base) ;;  # entries a budget-cut run misses are kept
         prefill) part prefill "${limit:-150}" python3 -m dsv4lab bench kernels --suite prefill --quick \
             ${PREFILL_SECTIONS:+--sections "$PREFILL_SECTIONS"} --budget-s $(( ${limit:-150} - 30 )) \
