@@ -54,8 +54,75 @@ def _list_the_interpreters_builtins_once() -> None:
     interpreter._patch_builtin = patch_builtin
 
 
+def _source_digest(fn) -> str:
+    import hashlib
+    import inspect
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return ""
+
+
+def _map_the_interpreters_dtypes_once() -> None:
+    """Two more per-call costs of Triton's interpreter (3.9) that depend on nothing that changes: ``_get_np_dtype``
+    builds its 18-entry table of dtypes (each key hashed) at every call — ~300,000 calls in one stage replay, 8% of
+    its time — and ``_patch_lang`` lists a kernel's globals (``inspect.ismodule`` on each) at every launch and every
+    nested ``@triton.jit`` call to find ``triton.language``. Here the table is built once and the globals are
+    scanned by identity; the same dtypes and the same modules come out (modules compare by identity), so every
+    value the interpreter computes is unchanged. Another Triton (functions of other source) keeps the originals."""
+    import numpy as np
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    get_np_dtype, patch_lang = getattr(interpreter, "_get_np_dtype", None), getattr(interpreter, "_patch_lang", None)
+    if get_np_dtype is None or patch_lang is None:
+        return
+    try:
+        table = {ty: get_np_dtype(ty) for ty in (
+            tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32,
+            tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8,
+            tl.float8e4b15)}
+    except (AttributeError, KeyError):
+        return
+    if len(table) != 18 or _source_digest(get_np_dtype) != "8f20d41e3207891a" or (
+            _source_digest(patch_lang) != "e5beeba74ada4829"):
+        return  # another Triton: its functions are not the ones written out here
+    pointer, block, uint64 = tl.pointer_type, tl.block_type, np.dtype(np.uint64)
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, pointer):
+            return uint64
+        if isinstance(tt_dtype, block):
+            if isinstance(tt_dtype.element_ty, pointer):
+                return uint64
+            return table[tt_dtype.element_ty]
+        return table[tt_dtype]
+
+    builder, scope_class = interpreter.interpreter_builder, interpreter._LangPatchScope
+
+    def patch_lang(fn):  # the original's body, with the lookup of triton.language by identity
+        scope = scope_class()
+        langs = [value for value in fn.__globals__.values() if value is tl or value is tl.core]
+        assert len(langs) >= 1, "triton.language must be visible from within jit'd function"
+        for lang in langs:
+            interpreter._patch_builtin(lang, builder, scope)
+            interpreter._patch_builtin(lang.tensor, builder, scope)
+            if lang == tl:
+                interpreter._patch_builtin(lang.math, builder, scope)
+            interpreter._patch_lang_tensor(lang.tensor, scope)
+            interpreter._patch_lang_core(lang, scope)
+        interpreter._patch_builtin(tl.core.tensor_descriptor_base, builder, scope)
+        return scope
+
+    interpreter._get_np_dtype = np_dtype
+    interpreter._patch_lang = patch_lang
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _list_the_interpreters_builtins_once()
+    _map_the_interpreters_dtypes_once()
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny"
@@ -78,8 +145,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     # the long tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
     # worker idles while the other finishes, so a long test must not be among them. Long: marked slow, or a
-    # browser, notebook or multi-process run (10-35 s each on the CI machine). `make test` hands tests out two at a
-    # time (--maxschedchunk 2), so the long ones alternate between the workers.
+    # browser, notebook or multi-process run (10-35 s each on the CI machine). `make test` (--dist loadgroup) hands
+    # out the xdist_group units first, then single tests as workers free up, so the long ones alternate between them.
     long = ("slow", "browser", "notebooks", "distributed")
     items.sort(key=lambda item: not any(mark in item.keywords for mark in long))
     try:
