@@ -145,10 +145,12 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     # the long tests first (stable otherwise): under pytest-xdist the last tests handed out decide how long one
     # worker idles while the other finishes, so a long test must not be among them. Long: marked slow, or a
-    # browser, notebook or multi-process run (10-35 s each on the CI machine). `make test` (--dist loadgroup) hands
-    # out the xdist_group units first, then single tests as workers free up, so the long ones alternate between them.
+    # browser, notebook or multi-process run (10-35 s each on the CI machine). `make test` hands tests out two at a
+    # time (--maxschedchunk 2), so the long ones alternate between the workers. The browser tests, the longest, go
+    # first of all: xdist's first hand-out gives the first two tests to one worker, and those two (test_browser's
+    # interactive ones, next to each other) share that worker's JupyterLab.
     long = ("slow", "browser", "notebooks", "distributed")
-    items.sort(key=lambda item: not any(mark in item.keywords for mark in long))
+    items.sort(key=lambda item: 0 if "browser" in item.keywords else 1 if any(m in item.keywords for m in long) else 2)
     try:
         import torch
         has_gpu = torch.cuda.is_available()
@@ -188,6 +190,26 @@ def layer_cut(tmp_path_factory):
                                           extra_files=extra)
         return made[name]
     return cut
+
+
+def once_per_run(tmp_path_factory, name: str, produce):
+    """``produce(folder)``, computed once per pytest run also under pytest-xdist, for a module fixture that each
+    worker would compute again: the first worker to ask computes it in a folder of the run's shared temporary
+    directory while holding a lock, the others wait for it and read its value (pickled beside it). Without
+    xdist, ``produce`` of a fresh folder of this session's."""
+    import fcntl
+    import pickle
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return produce(tmp_path_factory.mktemp(name))
+    folder = tmp_path_factory.getbasetemp().parent / f"once-{name}"  # the workers' basetemps' parent: this run's
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        done = folder / "value.pickle"
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            value = produce(folder)
+            done.write_bytes(pickle.dumps(value))
+        return pickle.loads(done.read_bytes())
 
 
 @pytest.fixture
