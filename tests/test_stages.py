@@ -36,7 +36,6 @@ from dsv4lab.core.layouts import FAULTS, inject_fault_into_checkpoint
 from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.tools.verify.faults import MODEL_FAULTS, faulty_backend
 from dsv4lab.tools.verify import model as model_tier
-from dsv4lab.tools.verify import stages as stages_module
 from dsv4lab.tools.verify.backend_faults import BACKEND_FAULTS, inject_backend_fault
 from dsv4lab.tools.verify.op_bounds import OP_BOUNDS, TopK, check_outputs, check_topk
 from dsv4lab.tools.verify.registry import OPS
@@ -68,34 +67,11 @@ LAYOUT_EXPECT = {"paper_w2_blocks": ("layers.0", "stage 2"), "writer_preshuffle"
 
 _cache: dict = {}
 REPLAYED: dict[str, Path] = {}  # name → the three-layer cut the replays record and replay on (set below)
-_bounds: dict = {}  # (id of a call recorded by _recorded, numerics, accumulation) → the call's bound
-_shared_calls: set[int] = set()  # the ids of the calls _recorded keeps (alive for the module: ids stay unique)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _replay_on_the_cuts(layer_cut):
     REPLAYED.update({name: layer_cut(name) for name in CHECKPOINTS})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _each_bound_once():
-    """The bound of a recorded call depends on the call's recorded inputs, the numerics and the accumulation model
-    only (mHC's Sinkhorn bound alone is ~3/4 of a replay on the reference): the tests that replay one recording
-    against several backends compute each (call, accumulation) bound once. Every output is still judged by it;
-    calls recorded elsewhere (``verify_model``'s own recordings) are bounded afresh."""
-    compute = stages_module.bound_of
-
-    def bound_once(call, numerics, acc):
-        if id(call) not in _shared_calls:
-            return compute(call, numerics, acc)
-        key = (id(call), numerics, acc)
-        if key not in _bounds:
-            _bounds[key] = compute(call, numerics, acc)
-        return _bounds[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stages_module, "bound_of", bound_once)
-        yield
 
 
 def _golden(name):
@@ -110,7 +86,6 @@ def _recorded(name: str, n: int = SHORT):
         ref = dsv4lab.load(REPLAYED[name], max_batch=1)
         ids = _golden(name)["layers"]["input_ids"][:n]
         _cache[key] = (ref, record_reference(ref, ids))
-        _shared_calls.update(id(c) for c in _cache[key][1])
     return _cache[key]
 
 
