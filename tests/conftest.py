@@ -65,11 +65,13 @@ def _source_digest(fn) -> str:
 
 def _map_the_interpreters_dtypes_once() -> None:
     """Two more per-call costs of Triton's interpreter (3.9) that depend on nothing that changes: ``_get_np_dtype``
-    builds its 18-entry table of dtypes (each key hashed) at every call — ~300,000 calls in one stage replay, 8% of
-    its time — and ``_patch_lang`` lists a kernel's globals (``inspect.ismodule`` on each) at every launch and every
-    nested ``@triton.jit`` call to find ``triton.language``. Here the table is built once and the globals are
-    scanned by identity; the same dtypes and the same modules come out (modules compare by identity), so every
-    value the interpreter computes is unchanged. Another Triton (functions of other source) keeps the originals."""
+    builds its 18-entry table of dtypes (each key hashed) at every call — ~300,000 calls in one stage replay — and
+    ``_patch_lang`` lists a kernel's globals (``inspect.ismodule`` on each) at every launch and every nested
+    ``@triton.jit`` call to find ``triton.language``. Here the table is built once and the globals are scanned by
+    identity; the same dtypes and the same modules come out (modules compare by identity), so every value the
+    interpreter computes is unchanged (the MoE decode kernels' outputs checked bit for bit). Measured: the MoE
+    decode kernels −20% CPU time, whole kernel test files −5 to −10%. Another Triton (functions of other source)
+    keeps the originals."""
     import numpy as np
     try:
         import triton.language as tl
@@ -234,7 +236,8 @@ def _each_mhc_bound_once():
     def identity(v):
         if isinstance(v, torch.Tensor):
             t = v.detach().cpu().contiguous()
-            return ("tensor", str(t.dtype), tuple(t.shape), hashlib.blake2b(t.view(torch.uint8).numpy()).hexdigest())
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+            return ("tensor", str(t.dtype), tuple(t.shape), hashlib.blake2b(raw).hexdigest())
         if isinstance(v, ModelArgs):
             return ("args", repr(v))
         raise TypeError(type(v).__name__)
@@ -244,7 +247,7 @@ def _each_mhc_bound_once():
             return compute(call, numerics, acc)
         try:
             key = (call.op, stages.OP_BOUNDS[call.op], numerics, acc, tuple(identity(a) for a in call.args))
-        except (TypeError, KeyError):
+        except (TypeError, KeyError, RuntimeError):  # an argument of another kind: bounded as the tier bounds it
             return compute(call, numerics, acc)
         if key not in _mhc_bounds:
             _mhc_bounds[key] = compute(call, numerics, acc)
