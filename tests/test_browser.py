@@ -108,9 +108,11 @@ def _require_browser() -> None:
     pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
 
 
-@pytest.fixture
-def interactive_lab(tmp_path):
-    """JupyterLab serving parameterised copies of 01 and 05 with ``INTERACTIVE=True``; yields (base url, token)."""
+@pytest.fixture(scope="module")
+def interactive_lab(tmp_path_factory):
+    """JupyterLab serving parameterised copies of 01 and 05 with ``INTERACTIVE=True``; yields (base url, token).
+    One server for the tests of this module (starting one took 8 s in a two-worker run on the 2-core host); they
+    take it through :func:`lab`, which cleans up after each."""
     _require_browser()
     import nbformat
     from papermill.iorw import load_notebook_node
@@ -118,6 +120,7 @@ def interactive_lab(tmp_path):
 
     from dsv4lab.faces.commands.reproduce import read_notebook
 
+    tmp_path = tmp_path_factory.mktemp("interactive_lab")
     served = tmp_path / "lab"
     served.mkdir()
     for name in ("01_layout_repair", "05_roofline"):
@@ -128,6 +131,22 @@ def interactive_lab(tmp_path):
         nbformat.write(nb, str(target))
     with _jupyterlab(served, tmp_path) as (base, token, _):
         yield base, token
+
+
+@pytest.fixture
+def lab(interactive_lab):
+    """The shared :func:`interactive_lab`; after each test its sessions (and their kernels) are shut down and the
+    workspaces JupyterLab saved are deleted, so the next test finds the server as the first did: no kernel, and no
+    notebook reopened from the last test's layout beside its own."""
+    base, token = interactive_lab
+    yield base, token
+    try:
+        for s in _api(f"{base}/api/sessions", token) or []:
+            _api(f"{base}/api/sessions/{s['id']}", token, method="DELETE")
+        for ws in ((_api(f"{base}/lab/api/workspaces", token) or {}).get("workspaces") or {}).get("ids", []):
+            _api(f"{base}/lab/api/workspaces/{ws}", token, method="DELETE")
+    except OSError:  # the server is gone: interactive_lab's own teardown has nothing more to stop
+        pass
 
 
 def _artifacts(tmp_path_factory) -> Path:
@@ -157,13 +176,13 @@ def _in_browser(tmp_path_factory, shot_name: str, drive) -> None:
     print(f"screenshot: {shot}")
 
 
-def test_layout_repair_notebook_runs_in_jupyterlab_and_its_explorer_responds(interactive_lab, tmp_path_factory):
-    base, token = interactive_lab
+def test_layout_repair_notebook_runs_in_jupyterlab_and_its_explorer_responds(lab, tmp_path_factory):
+    base, token = lab
     _in_browser(tmp_path_factory, "01_layout_repair_jupyterlab.png", lambda page, shot: _drive(page, base, token, shot))
 
 
-def test_roofline_explorer_responds_to_the_hardware_menu(interactive_lab, tmp_path_factory):
-    base, token = interactive_lab
+def test_roofline_explorer_responds_to_the_hardware_menu(lab, tmp_path_factory):
+    base, token = lab
     _in_browser(tmp_path_factory, "05_roofline_jupyterlab.png",
                 lambda page, shot: _drive_roofline(page, base, token, shot))
 

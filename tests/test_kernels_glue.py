@@ -633,11 +633,25 @@ def test_device_probe_runs_once_per_device_and_records_why_not():
     assert DeviceProbe(lambda dev: True, ok_word="available").works("cpu")
 
 
+def _cli_in_process(args: list[str]) -> tuple[int, str]:
+    """``dsv4lab ARGS`` through ``cli.main`` in this process, for a refusal (a subprocess costs ~2 s of start-up
+    for it; an exception escaping ``cli.main`` fails the test as a traceback would): exit status and stderr."""
+    import contextlib
+    import io
+
+    from dsv4lab.faces import cli
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = cli.main(args)
+    return rc, err.getvalue()
+
+
 def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
     """``bench kernels --suite decode --sections mhc`` (the smoke shapes, on the interpreter here): the site kernel
     checked against the reference within its stated bound, then timed beside the parts of its time (one Sinkhorn
     iteration, the head collapse, the two-launch pair, an empty launch); no other section runs and (without a
-    GPU) no tuned file is written. A misspelt section is refused naming it."""
+    GPU) no tuned file is written. A misspelt section is refused naming it (in this process: a refusal needs
+    no process of its own)."""
     import json
     import subprocess
     import sys
@@ -654,18 +668,18 @@ def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
                                                        "mix_finish_pair", "empty_launch"}
     assert len(doc["checks"]) == 4 and all(c["ok"] for c in doc["checks"])
     assert not list(tmp_path.glob("tuned_*.json"))
-    r = subprocess.run([sys.executable, "-m", "dsv4lab", "bench", "kernels", "--suite", "decode", "--smoke",
-                        "--sections", "mhc,glue", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                       timeout=600)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "--sections 'mhc,glue': unknown glue; known: moe, gemv, mhc, attention, layer" in r.stderr
+    rc, err = _cli_in_process(["bench", "kernels", "--suite", "decode", "--smoke", "--sections", "mhc,glue",
+                               "--out", str(out)])
+    assert rc == 2 and "Traceback" not in err, err
+    assert "--sections 'mhc,glue': unknown glue; known: moe, gemv, mhc, attention, layer" in err
 
 
 @pytest.mark.slow
 def test_prefill_suite_glue_section_alone(tmp_path):
     """``bench kernels --suite prefill --sections glue`` (smoke shapes, the interpreter here, ~50 s): only the glue
     rows, the mHC rows kernel checked against the decode kernels and timed per named geometry, the choice naming
-    the geometry; no MoE/GEMM/attention checks run. A misspelt section is refused naming the known ones."""
+    the geometry; no MoE/GEMM/attention checks run. A misspelt section is refused naming the known ones (in this
+    process)."""
     import json
     import subprocess
     import sys
@@ -681,6 +695,6 @@ def test_prefill_suite_glue_section_alone(tmp_path):
     geo = doc["choices"]["mhc_rows_geometry"]
     assert {f"{op}:rows_kernel:{geo}" for op in ("hc_pre_norm", "hc_post_pre_norm", "hc_post")} <= {
         row["variant"] for row in doc["rows"]}
-    r = subprocess.run(cmd + ["--sections", "glue,mhc"], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "--sections 'glue,mhc': unknown mhc; known: moe, chunks, dense, glue, attention" in r.stderr
+    rc, err = _cli_in_process(cmd[3:] + ["--sections", "glue,mhc"])
+    assert rc == 2 and "Traceback" not in err, err
+    assert "--sections 'glue,mhc': unknown mhc; known: moe, chunks, dense, glue, attention" in err

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, once_per_run
 from dsv4lab.core.checkpoint import Checkpoint, expected_tensors
 from dsv4lab.engine.collectives import CountingAllReduce, LibraryAllReduce, SizeSwitchAllReduce, make_all_reduce
 from dsv4lab.core.config import get_preset
@@ -156,13 +156,23 @@ def single_process():
 
 
 @pytest.fixture(scope="module")
-def bench_json(tmp_path_factory):
-    return tmp_path_factory.mktemp("bench") / "collectives.json"
+def two_ranks_run(tmp_path_factory):
+    """(each rank's rows, the collectives benchmark's JSON) of one two-process run (~10 s) per pytest run: under
+    pytest-xdist the tests reading it land on both workers, which would each run it (conftest's once_per_run)."""
+    def run(folder):
+        bench = folder / "collectives.json"
+        return run_parallel(_generate_ranks, 2, str(TINY), LAYOUTS, str(bench)), bench
+    return once_per_run(tmp_path_factory, "parallel_two_ranks", run)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(bench_json):
-    return run_parallel(_generate_ranks, 2, str(TINY), LAYOUTS, str(bench_json))
+def two_ranks(two_ranks_run):
+    return two_ranks_run[0]
+
+
+@pytest.fixture(scope="module")
+def bench_json(two_ranks_run):
+    return two_ranks_run[1]
 
 
 @pytest.mark.distributed
