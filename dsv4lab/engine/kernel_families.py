@@ -141,13 +141,16 @@ def _moe(route: str, name: str, bn: int, bk: int, warps: int, stages: int, runs:
                    num_stages=stages, **kw)
 
 
-MOE_SAME_SEMANTICS = ("dot", "fma", "dot_scaled")
+MOE_SAME_SEMANTICS = ("dot", "fma", "dot_scaled", "fp8lut")
 """The routes that evaluate the reference's quantization; ``int8`` is the paper's (judged by its own oracle)."""
 
 MOE = Family(
     "decode.moe", "fp4_moe_decode", "MoeGeometry", ("routed_experts", "moe_stage1", "moe_stage2"),
-    {"dot": "fp32_tc4", "fma": "fp32", "int8": "fp32", "dot_scaled": "fp32_tc4"},
-    (*(variant(r, r, "verify") for r in MOE_SAME_SEMANTICS),
+    # fp8lut: exact E4M3 products in FP8 MMAs promoted per 128-wide K tile (op_bounds.dot.promoted_fp8_model)
+    {"dot": "fp32_tc4", "fma": "fp32", "int8": "fp32", "dot_scaled": "fp32_tc4", "fp8lut": "fp8_mma"},
+    (*(variant(r, r, "verify") for r in ("dot", "fma", "dot_scaled")),
+     # the route steps K by the activation's 128-wide block and needs ≥ 16 weight rows per MMA operand
+     variant("fp8lut", "fp8lut", "verify", block_n_up=16, block_n_down=32, block_k=128, slot_split=0),
      variant("fma_slot_split2", "fma", "verify", ops=("routed_experts",), slot_split=2, block_k=128),
      variant("dot_token_major", "dot", "verify", ops=("routed_experts",), slot_split=1),
      *(_moe(r, "n16k128w1s1", 16, 128, 1, 1, runs="smoke") for r in ("dot", "fma", "int8", "dot_scaled")),
@@ -179,7 +182,16 @@ MOE = Family(
      _moe("fma", "n16k256w1s2:bytewise:prequant", 16, 256, 1, 2, decode="bytewise", prequant=True),
      _moe("int8", "n16k256w1s2", 16, 256, 1, 2, runs="quick full"), _moe("int8", "n32k256w2s2", 32, 256, 2, 2),
      _moe("dot_scaled", "n16k256w1s2", 16, 256, 1, 2, runs="quick full"),
-     _moe("dot_scaled", "n32k256w2s3", 32, 256, 2, 3)))
+     _moe("dot_scaled", "n32k256w2s3", 32, 256, 2, 3),
+     # the grouped prefill's table decode to E4M3 and FP8 MMAs in the decode's structure (fp4_moe_decode_fp8lut):
+     # ~2.5 compiled instructions per weight byte in the K loop against ~12–15 for the fma route's bytewise decode
+     # (scripts/compile_decode_moe.py); rows per program and warps trade programs in flight against MMA width
+     _moe("fp8lut", "n16k128w1s1", 16, 128, 1, 1, runs="smoke"),
+     _moe("fp8lut", "n16k128w1s3", 16, 128, 1, 3, runs="quick full"),
+     _moe("fp8lut", "n32k128w2s3", 32, 128, 2, 3, runs="quick full"),
+     _moe("fp8lut", "n16k128w1s4", 16, 128, 1, 4), _moe("fp8lut", "n32k128w1s3", 32, 128, 1, 3),
+     _moe("fp8lut", "n64k128w4s3", 64, 128, 4, 3),
+     _moe("fp8lut", "n16k128w1s3:tile", 16, 128, 1, 3, lut_ref="tile")))
 """The routed FP4 MoE of the decode step (``fp4_moe_decode``): every route × launch geometry."""
 
 
