@@ -26,6 +26,7 @@ from dsv4lab.tools.verify.op_bounds import promoted_fp8_model
 pytest.importorskip("triton")
 moe = pytest.importorskip("dsv4lab_kernels.fp4_moe_decode")
 lut = pytest.importorskip("dsv4lab_kernels.fp4_moe_decode_fp8lut")
+from conftest import compiled_kernel_rows  # noqa: E402
 from test_kernels_moe_decode import LIMIT, moe_case  # noqa: E402
 
 G = moe.MoeGeometry
@@ -178,6 +179,22 @@ def test_the_route_is_declared_with_its_derived_model():
     doc["ops"]["decode.moe"][0]["choice"]["route"] = "fp8lux"
     with pytest.raises(DispatchError, match="unknown routed-MoE route 'fp8lux'"):
         Tuned(doc)
+
+
+# ------------------------------------------------------------------------------------------ the GPU compiler
+@pytest.mark.slow
+def test_the_route_compiles_to_fp8_wgmma_for_sm90_and_the_table_decode_gets_one_group_per_call():
+    """``scripts/compile_decode_moe.py --quick``: today's tuned batch-1 route and the first quick fp8lut geometry at
+    Flash widths compile for sm_90 with the JIT's GPU signature; the fp8lut kernels multiply on FP8 tensor cores
+    (wgmma, E4M3 × E4M3) and Triton's layout hands the inline-PTX table decode four bytes of one weight group per
+    call (its single table per call needs it); every weight-streaming kernel's K loop is counted per weight byte.
+    Skipped where Triton has no NVIDIA backend."""
+    rows = compiled_kernel_rows("compile_decode_moe.py")
+    for kernel in ("_moe_up_lut_kernel", "_moe_down_lut_kernel"):
+        row = next(r for r in rows if r["kernel"] == kernel)
+        assert any(m.startswith("wgmma.mma_async") and m.endswith("e4m3.e4m3") for m in row["mma"]), row
+        assert row["asm_packs_one_group"] is True and row["per_weight_byte"] > 0, row
+    assert all(r["per_weight_byte"] > 0 for r in rows if r["kernel"] in ("_moe_up_kernel", "_moe_down_expert_kernel"))
 
 
 # ------------------------------------------------------------------------------------------ GPU, real widths

@@ -183,15 +183,21 @@ MOE = Family(
      _moe("int8", "n16k256w1s2", 16, 256, 1, 2, runs="quick full"), _moe("int8", "n32k256w2s2", 32, 256, 2, 2),
      _moe("dot_scaled", "n16k256w1s2", 16, 256, 1, 2, runs="quick full"),
      _moe("dot_scaled", "n32k256w2s3", 32, 256, 2, 3),
-     # the grouped prefill's table decode to E4M3 and FP8 MMAs in the decode's structure (fp4_moe_decode_fp8lut):
-     # ~2.5 compiled instructions per weight byte in the K loop against ~12–15 for the fma route's bytewise decode
-     # (scripts/compile_decode_moe.py); rows per program and warps trade programs in flight against MMA width
+     # the grouped prefill's table decode to E4M3 and FP8 MMAs in the decode's structure (fp4_moe_decode_fp8lut).
+     # Compiled for sm_90 (scripts/compile_decode_moe.py, Triton 3.9; compiled instruction counts, not times): the
+     # tuned fma bytewise route's K loop 10.4 / 11.8 SASS per weight byte (gate/up / down) and once more per row;
+     # fp8lut with a warp group per program (wgmma E4M3) 7.4 / 9.5 (n64 w4), 8.6 / 8.7 (n32x64 w4, one reference
+     # per tile), the same for up to 16 rows; one or two warps lower to mma.sync through f16 (11–13 per byte)
      _moe("fp8lut", "n16k128w1s1", 16, 128, 1, 1, runs="smoke"),
-     _moe("fp8lut", "n16k128w1s3", 16, 128, 1, 3, runs="quick full"),
-     _moe("fp8lut", "n32k128w2s3", 32, 128, 2, 3, runs="quick full"),
-     _moe("fp8lut", "n16k128w1s4", 16, 128, 1, 4), _moe("fp8lut", "n32k128w1s3", 32, 128, 1, 3),
-     _moe("fp8lut", "n64k128w4s3", 64, 128, 4, 3),
-     _moe("fp8lut", "n16k128w1s3:tile", 16, 128, 1, 3, lut_ref="tile")))
+     _moe("fp8lut", "n64k128w4s3", 64, 128, 4, 3, runs="quick full"),
+     variant("n32x64k128w4s3:tile", "fp8lut", "quick full", block_n_up=32, block_n_down=64, block_k=128,
+             num_warps=4, num_stages=3, lut_ref="tile"),
+     variant("n32x64k128w4s3", "fp8lut", "full", block_n_up=32, block_n_down=64, block_k=128, num_warps=4,
+             num_stages=3),
+     variant("n64x128k128w8s3", "fp8lut", "full", block_n_up=64, block_n_down=128, block_k=128, num_warps=8,
+             num_stages=3),
+     _moe("fp8lut", "n64k128w4s4", 64, 128, 4, 4), _moe("fp8lut", "n64k128w4s3:tile", 64, 128, 4, 3, lut_ref="tile"),
+     _moe("fp8lut", "n16k128w1s3", 16, 128, 1, 3), _moe("fp8lut", "n32k128w2s3", 32, 128, 2, 3)))
 """The routed FP4 MoE of the decode step (``fp4_moe_decode``): every route × launch geometry."""
 
 

@@ -23,9 +23,11 @@ evaluates the reference's quantization: ``x`` per token, ``h`` per slot after it
 **Numerics.** Every product is exact (E4M3 × E4M3 times powers of two); the sums are Hopper's FP8 MMA inside a
 128-wide tile (~14 bits of the running sum) and fp32 across tiles: the ``fp8_mma`` accumulation model
 (:func:`dsv4lab.tools.verify.op_bounds.dot.promoted_fp8_model`), ``γ_min(n,128)(2^-13) + γ_⌈n/128⌉(2^-23)`` of
-``Σ|terms|`` per output before its bf16 rounding. It holds where the bank's scales lie within the table's window —
-:data:`.fp4_moe_fp8lut.LUT_MAX_SPREAD` binades per weight row and 128-wide K tile, bytes 7 … 254 — besides E8M0's
-NaN byte, which poisons its row's tile (NaN, as the reference's weight): :func:`refusal` names a bank outside it
+``Σ|terms|`` per output before its bf16 rounding (with fewer than four warps Triton lowers the dot to ``mma.sync``
+on f16 operands — E4M3 values are exact in f16 — with fp32 accumulation: tighter still). It holds where the bank's
+scales lie within the table's window — :data:`.fp4_moe_fp8lut.LUT_MAX_SPREAD` binades per weight row and 128-wide
+K tile, bytes 7 … 254 — besides E8M0's NaN byte, which poisons its row's tile (NaN, as the reference's weight):
+:func:`refusal` names a bank outside it
 (the launchers raise that line; the Triton backend falls back to its default route).
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .launch import pdl_args, pdl_prologue
 ROUTE = lut.ROUTE
 BLOCK_K = 128
 """K elements per loop step: the activation's scale block (one promotion per tile)."""
+_TILE_K = tl.constexpr(BLOCK_K)  # the same, as the kernels may read it
 MIN_MMA_M = 16
 """An MMA operand's fewest rows (weight rows here: ``2·block_n_up``, ``block_n_down``) and fewest columns (the
 token rows, padded)."""
@@ -82,7 +85,7 @@ def _moe_up_lut_kernel(xq_ptr, xs_ptr, idx_ptr, rw_ptr, w1_ptr, s1_ptr, w3_delta
         top = tops_ptr + local.to(tl.int64) * stride_te + pid_n * stride_tn
         h = lut.gate_up_tile(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top, local, tok, tok, has, row, rw,
                              g_ptr, u_ptr, pid_n * BN, D, I, limit, D, stride_xsr, stride_xsk, stride_we, stride_wn,
-                             stride_se, stride_sn, I, BN, TP, BLOCK_K, EVEN_K, FUSE, ASM, TILE_REF, UPCAST)
+                             stride_se, stride_sn, I, BN, TP, _TILE_K, EVEN_K, FUSE, ASM, TILE_REF, UPCAST)
         if FUSE:
             n = pid_n * BN + tl.arange(0, BN)
             tl.store(h_ptr + row[None, :].to(tl.int64) * I + n[:, None], h.to(tl.bfloat16),  # bf16 values: exact
@@ -108,7 +111,7 @@ def _moe_down_lut_kernel(hq_ptr, hs_ptr, idx_ptr, w2_ptr, s2_ptr, tops_ptr, out_
         s_rows = s2_ptr + local.to(tl.int64) * stride_se + n.to(tl.int64) * stride_sn
         top = tops_ptr + local.to(tl.int64) * stride_te + pid_n * stride_tn
         acc = lut.project_rows(hq_ptr, hs_ptr, row, row, w_rows, s_rows, n_ok, top, I, I, stride_xsr, stride_xsk,
-                               BN, BLOCK_K, TP, EVEN_K, ASM, TILE_REF, UPCAST)
+                               BN, _TILE_K, TP, EVEN_K, ASM, TILE_REF, UPCAST)
         tl.store(out_ptr + row[None, :].to(tl.int64) * D + n[:, None], round_to_bf16(acc),
                  mask=n_ok[:, None] & has[None, :])
 
