@@ -37,8 +37,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas", "launch_pdl", "maxnreg")
-SASS_OPS = ("QGMMA", "HGMMA", "PRMT", "LOP3", "SHF", "IMAD", "FFMA", "FMUL", "LDS", "LDSM", "STS", "LDG", "LDGSTS",
-            "BAR", "LDL", "STL")
+SASS_OPS = ("QGMMA", "HGMMA", "QMMA", "HMMA", "PRMT", "LOP3", "SHF", "IMAD", "FFMA", "FMUL", "FADD", "HFMA2", "LDS",
+            "LDSM", "STS", "LDG", "LDGSTS", "BAR", "LDL", "STL")
+MMA_OPS = ("QGMMA", "HGMMA", "QMMA", "HMMA", "IMMA")
+TABLE_DECODE_MARK = "prmt.b32 sel, lo, hi, 0x6420"
+"""A line of the table decode's inline PTX (``fp4_moe_fp8lut._DECODE_E4M3_PTX``): the calls the layout check is for."""
 
 
 def _backend(target: GPUTarget):
@@ -86,35 +89,46 @@ def _resources(kernel) -> dict:
                 sass=sass)
 
 
-def k_loop_mix(sass: str) -> dict:
-    """The opcode counts of the innermost loop that issues an MMA (the K loop), per iteration and thread."""
+def k_loop_mix(sass: str, any_loop: bool = False) -> dict:
+    """The opcode counts of the innermost loop that issues an MMA (the K loop), per iteration and thread; with
+    ``any_loop``, where no loop issues one (the CUDA-core routes), the largest innermost loop (a weight-streaming
+    kernel's K loop)."""
     rows = [(int(m.group(1), 16), m.group(2).strip()) for m in
             (re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
-    loops = []
+    spans = []
     for addr, ins in rows:
         t = re.search(r"BRA\s+0x([0-9a-f]+)", ins)
         if t and int(t.group(1), 16) < addr:
-            lo = int(t.group(1), 16)
-            ops = Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0]
-                          for a, i in rows if lo <= a <= addr)
-            if ops["QGMMA"] or ops["HGMMA"]:
-                loops.append(ops)
-    if not loops:
+            spans.append((int(t.group(1), 16), addr))
+    loops = []
+    for lo, hi in spans:
+        ops = Counter((i.split()[1] if i.startswith("@") else i.split()[0]).split(".")[0]
+                      for a, i in rows if lo <= a <= hi)
+        innermost = not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in spans)
+        loops.append((ops, innermost))
+    with_mma = [ops for ops, _ in loops if any(ops[m] for m in MMA_OPS)]
+    if with_mma:
+        ops = min(with_mma, key=lambda c: sum(c.values()))
+    elif any_loop and any(inner for _, inner in loops):
+        ops = max((ops for ops, inner in loops if inner), key=lambda c: sum(c.values()))
+    else:
         return {}
-    ops = min(loops, key=lambda c: sum(c.values()))
     return dict(instructions=sum(ops.values()), **{op: ops[op] for op in SASS_OPS if ops[op]})
 
 
-def asm_packs_one_group(ttgir: str) -> bool | None:
+def asm_packs_one_group(ttgir: str, mark: str | None = None) -> bool | None:
     """Whether every inline-PTX table decode (``tt.elementwise_inline_asm`` with four packed elements) gets four
     consecutive bytes of one weight row per call — what its single table per call assumes (the four bytes lie in
     one 16-byte group then: the packs are 4-aligned). Read from the layout of its operands in the TTGIR: a blocked
     layout with the bytes' axis fastest and a multiple of 4 of them per thread, a dot operand with ``kWidth`` a
     multiple of 4, or a linear layout whose first two register bases step the byte axis by 1 and 2. None where the
-    kernel has no such call."""
+    kernel has no such call. ``mark``: only the calls whose PTX holds this text (the table decode's, not the fma
+    route's E2M1 decodes, which take no table)."""
     layouts = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
     verdicts = []
     for line in re.findall(r"tt\.elementwise_inline_asm.*packed_element = 4.*", ttgir):
+        if mark is not None and mark not in line:
+            continue
         for shape, name in re.findall(r"tensor<([\dx]+)xi8, (#ttg\.\w+<\{[^}]*\}>|#\w+)", line):
             rank, spec = len(shape.split("x")), layouts.get(name, name)
             if spec.startswith("#ttg.blocked"):
@@ -134,8 +148,10 @@ def asm_packs_one_group(ttgir: str) -> bool | None:
     return None if not verdicts else all(verdicts)
 
 
-def compile_launches(target: GPUTarget, calls, sass: bool = False) -> list[dict]:
-    """Run ``calls`` ((name, thunk) pairs) with every Triton launch compiled for ``target`` instead of executed."""
+def compile_launches(target: GPUTarget, calls, sass: bool = False, any_loop: bool = False) -> list[dict]:
+    """Run ``calls`` ((name, thunk) pairs) with every Triton launch compiled for ``target`` instead of executed.
+    Each row keeps the launch's ``num_warps`` and integer constexprs (``params``: the tile sizes a per-byte count
+    needs); ``any_loop``: the K-loop mix of kernels without an MMA too (:func:`k_loop_mix`)."""
     rows = []
     original = JITFunction.run
 
@@ -144,16 +160,18 @@ def compile_launches(target: GPUTarget, calls, sass: bool = False) -> list[dict]
         t0 = time.perf_counter()
         try:
             k = triton.compile(_source(self, args, kwargs, target), target=target, options=options)
+            params = {"num_warps": options.get("num_warps", 4)} | {
+                n: v for n, v in kwargs.items() if n.isupper() and isinstance(v, int)}
             row = dict(call=current[0], kernel=self.__name__, ok=True, seconds=round(time.perf_counter() - t0, 1),
-                       shared=k.metadata.shared,
+                       shared=k.metadata.shared, params=params,
                        mma=sorted(set(re.findall(r"wgmma\.mma_async[\w.]*|mma\.sync[\w.]*", k.asm.get("ptx", "")))),
-                       asm_packs_one_group=asm_packs_one_group(k.asm.get("ttgir", "")))
+                       asm_packs_one_group=asm_packs_one_group(k.asm.get("ttgir", ""), TABLE_DECODE_MARK))
             if target.backend == "cuda":
                 res = _resources(k)
                 code = res.pop("sass")
                 row.update(res)
                 if sass:
-                    row["k_loop"] = k_loop_mix(code)
+                    row["k_loop"] = k_loop_mix(code, any_loop)
             rows.append(row)
         except Exception as err:  # noqa: BLE001 — report every kernel, not only the first failure
             rows.append(dict(call=current[0], kernel=self.__name__, ok=False, error=f"{type(err).__name__}: "
@@ -217,15 +235,22 @@ DEFAULT_CONFIGS = [(64, 8, 3, "asm", "tile"), (128, 8, 3, "asm", "tile"), (64, 8
 blocks, the per-row reference and the portable decode (the bench times all four: kernel_families.PREFILL_MOE)."""
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_target_args(description: str, quick_help: str, argv=None, sass: bool = True):
+    """The compile scripts' command line (``--target``, ``--quick``, ``--json``; ``--sass`` where the mix is
+    optional): ``(args, GPUTarget)``."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--target", default="cuda:90", help="backend:arch, e.g. cuda:90 (H200)")
-    p.add_argument("--sass", action="store_true", help="also the K loop's instruction mix (CUDA targets)")
-    p.add_argument("--quick", action="store_true", help="only the default launch (rows 64, asm, tile)")
+    if sass:
+        p.add_argument("--sass", action="store_true", help="also the K loop's instruction mix (CUDA targets)")
+    p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     backend, arch = args.target.split(":")
-    target = GPUTarget(backend, int(arch) if arch.isdigit() else arch, 32 if backend == "cuda" else 64)
+    return args, GPUTarget(backend, int(arch) if arch.isdigit() else arch, 32 if backend == "cuda" else 64)
+
+
+def main(argv=None) -> int:
+    args, target = parse_target_args(__doc__.splitlines()[0], "only the default launch (rows 64, asm, tile)", argv)
     rows = compile_launches(target, fp8lut_calls(DEFAULT_CONFIGS[:1] if args.quick else DEFAULT_CONFIGS), args.sass)
     if args.json:
         print(json.dumps(dict(target=args.target, triton=triton.__version__, kernels=rows), indent=1))

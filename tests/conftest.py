@@ -325,3 +325,20 @@ def poisoned_x(x):
     buf = torch.full((x.numel() + 128,), nan, dtype=torch.int16, device=x.device)
     buf[: x.numel()] = x.contiguous().view(torch.int16).flatten()
     return buf[: x.numel()].view(torch.bfloat16).view(x.shape)
+
+
+def compiled_kernel_rows(script: str) -> list[dict]:
+    """The ``kernels`` rows of ``scripts/<script> --quick --json`` (a compile script: Triton's NVIDIA backend and its
+    ptxas on this machine, no GPU), run without ``TRITON_INTERPRET``; skips where this Triton has no such backend
+    or no ptxas for sm_90, fails with the script's output where it fails."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--quick", "--json"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=600)
+    if out.returncode != 0 and "ptxas" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no ptxas for sm_90 here")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    return json.loads(out.stdout)["kernels"]

@@ -358,8 +358,9 @@ def test_family_lists_reach_the_benchmarks():
     assert [(v.route, v.block_n, v.prequant) for v in gemv_variants(False, True)] == [
         ("fma", 32, False), ("fma", 16, False), ("fma", 64, False), ("dot", 16, False), ("dot", 64, True)]
     assert [n for _, n, _ in moe_variants(False, True)] == [
-        "n32k256w2s3", "n8k256w1s2", "n8k256w1s2:bytewise:prequant", "n16k256w1s2", "n16k256w1s2"]
-    assert len(moe_variants(False, False)) == len(kf.MOE.runs("full")) and len(moe_variants(True, False)) == 4
+        "n32k256w2s3", "n8k256w1s2", "n8k256w1s2:bytewise:prequant", "n16k256w1s2", "n16k256w1s2", "n64k128w4s3",
+        "n32x64k128w4s3:tile"]  # the last two: the fp8lut route's
+    assert len(moe_variants(False, False)) == len(kf.MOE.runs("full")) and len(moe_variants(True, False)) == 5
     quick, full = plan_variants("quick", ("bf16", "fp8"), "bf16"), plan_variants("full", ("bf16",), "bf16")
     assert quick["tags"] == ["f16", "persistent", "w16"] and quick["gemm"] == ("m128n128",)
     assert full["gemm"] == ("m128n128", "m128n256", "m64n128") and full["indexer"][1] == "q2t64x8"

@@ -65,9 +65,9 @@ def moe_case(T, E=10, k=3, D=160, I=96, seed=0, offset=0, n_local=None, share=Tr
 
 def _bound(out, oracle, route, name):
     """Per-slot check of a stage against its oracle (NaN exactly where the oracle has NaN)."""
-    c = moe.ACCUMULATION[route][1]
+    c, acc = moe.bound_args(route, oracle.terms)
     return check_within_bound(out, oracle.ref, oracle.magnitude.nan_to_num(0.0), terms=oracle.terms,
-                              c=c * oracle.terms, acc_dtype=torch.float32, out_dtype=torch.bfloat16, name=name)
+                              c=c, acc_dtype=acc, out_dtype=torch.bfloat16, name=name)
 
 
 def check_moe(x, idx, w, bank, route, geo, act_quant=True):

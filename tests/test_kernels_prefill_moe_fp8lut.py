@@ -10,14 +10,12 @@ sm_90 (an FP8 wgmma must be emitted); ``gpu`` tests at real widths and the inlin
 """
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from conftest import compiled_kernel_rows
 from dsv4lab.core import quant
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import ReferenceOps
@@ -275,15 +273,7 @@ def test_fp8lut_compiles_to_fp8_wgmma_for_sm90():
     signature the JIT gives them there, their PTX multiplies on FP8 tensor cores (wgmma, E4M3 × E4M3), and the
     layout Triton chose hands the inline-PTX decode four bytes of one weight group per call (its single table per
     call needs it); the decode's self-test kernel compiles too. Skipped where Triton has no NVIDIA backend."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    from conftest import ROOT
-    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_prefill_moe.py"), "--quick", "--json"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    if out.returncode != 0 and "ptxas" in out.stderr and "not found" in out.stderr:
-        pytest.skip("no ptxas for sm_90 here")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    rows = json.loads(out.stdout)["kernels"]
+    rows = compiled_kernel_rows("compile_prefill_moe.py")
     for kernel in ("_gate_up_kernel", "_down_kernel"):
         row = next(r for r in rows if r["kernel"] == kernel)
         assert any(m.startswith("wgmma.mma_async") and m.endswith("e4m3.e4m3") for m in row["mma"]), row

@@ -39,7 +39,8 @@ op                    choice
 ``decode.gemv``       per projection ``shape`` (:func:`shape_key`): ``impl`` (``triton``/``cublas``),
                       ``route``, ``cublas_out`` and the fields of ``fp8_gemv.GemvGeometry`` (a cuBLAS entry's
                       geometry is what the own kernel runs when a caller fixes the route)
-``decode.moe``        ``route`` and the fields of ``fp4_moe_decode.MoeGeometry``
+``decode.moe``        ``route`` (a route of ``kernel_families.MOE``: ``dot``, ``fma``, ``int8``, ``dot_scaled``,
+                      ``fp8lut``) and the fields of ``fp4_moe_decode.MoeGeometry``
 ``decode.attention``  the fields of ``attention_decode.AttentionGeometry``
 ``decode.attention_split`` ``kernel`` (``slices``: ``decode.attention``'s kernel; ``split``: the split-KV
                       ``attention_split_decode`` where a query's selection lists ``≥ min_entries`` rows — window +
@@ -90,7 +91,7 @@ from pathlib import Path
 
 from dsv4lab.core.errors import DSV4LabError
 from dsv4lab.core.paths import KERNELS_DIR, display_path, read_json
-from dsv4lab.engine.kernel_families import FUSION_NAMES, moe_tags
+from dsv4lab.engine.kernel_families import FUSION_NAMES, MOE, moe_tags
 
 log = logging.getLogger("dsv4lab.triton")
 
@@ -273,6 +274,9 @@ class Tuned:
             raise DispatchError(f"{at}: unknown choice field(s) {bad} (known: {', '.join(own)})")
         if op == "decode.fusion" and not all(isinstance(v, bool) for v in e["choice"].values()):
             raise DispatchError(f"{at}: each fused path is true or false, got {e['choice']}")
+        if op == "decode.moe" and e["choice"].get("route", "dot") not in MOE.accumulation:
+            raise DispatchError(f"{at}: unknown routed-MoE route {e['choice']['route']!r} (known: "
+                                f"{', '.join(MOE.accumulation)})")
         table = self._ops.setdefault(op, {}).setdefault(e.get("shape"), [])
         table.append(dict(e, rows=rows, at=at))
         table.sort(key=lambda x: x["rows"])

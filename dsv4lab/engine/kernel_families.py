@@ -141,13 +141,16 @@ def _moe(route: str, name: str, bn: int, bk: int, warps: int, stages: int, runs:
                    num_stages=stages, **kw)
 
 
-MOE_SAME_SEMANTICS = ("dot", "fma", "dot_scaled")
+MOE_SAME_SEMANTICS = ("dot", "fma", "dot_scaled", "fp8lut")
 """The routes that evaluate the reference's quantization; ``int8`` is the paper's (judged by its own oracle)."""
 
 MOE = Family(
     "decode.moe", "fp4_moe_decode", "MoeGeometry", ("routed_experts", "moe_stage1", "moe_stage2"),
-    {"dot": "fp32_tc4", "fma": "fp32", "int8": "fp32", "dot_scaled": "fp32_tc4"},
-    (*(variant(r, r, "verify") for r in MOE_SAME_SEMANTICS),
+    # fp8lut: exact E4M3 products in FP8 MMAs promoted per 128-wide K tile (op_bounds.dot.promoted_fp8_model)
+    {"dot": "fp32_tc4", "fma": "fp32", "int8": "fp32", "dot_scaled": "fp32_tc4", "fp8lut": "fp8_mma"},
+    (*(variant(r, r, "verify") for r in ("dot", "fma", "dot_scaled")),
+     # the route steps K by the activation's 128-wide block and needs ≥ 16 weight rows per MMA operand
+     variant("fp8lut", "fp8lut", "verify", block_n_up=16, block_n_down=32, block_k=128, slot_split=0),
      variant("fma_slot_split2", "fma", "verify", ops=("routed_experts",), slot_split=2, block_k=128),
      variant("dot_token_major", "dot", "verify", ops=("routed_experts",), slot_split=1),
      *(_moe(r, "n16k128w1s1", 16, 128, 1, 1, runs="smoke") for r in ("dot", "fma", "int8", "dot_scaled")),
@@ -179,7 +182,22 @@ MOE = Family(
      _moe("fma", "n16k256w1s2:bytewise:prequant", 16, 256, 1, 2, decode="bytewise", prequant=True),
      _moe("int8", "n16k256w1s2", 16, 256, 1, 2, runs="quick full"), _moe("int8", "n32k256w2s2", 32, 256, 2, 2),
      _moe("dot_scaled", "n16k256w1s2", 16, 256, 1, 2, runs="quick full"),
-     _moe("dot_scaled", "n32k256w2s3", 32, 256, 2, 3)))
+     _moe("dot_scaled", "n32k256w2s3", 32, 256, 2, 3),
+     # the grouped prefill's table decode to E4M3 and FP8 MMAs in the decode's structure (fp4_moe_decode_fp8lut).
+     # Compiled for sm_90 (scripts/compile_decode_moe.py, Triton 3.9; compiled instruction counts, not times): the
+     # tuned fma bytewise route's K loop 10.4 / 11.8 SASS per weight byte (gate/up / down) and once more per row;
+     # fp8lut with a warp group per program (wgmma E4M3) 7.4 / 9.5 (n64 w4), 8.6 / 8.7 (n32x64 w4, one reference
+     # per tile), the same for up to 16 rows; one or two warps lower to mma.sync through f16 (11–13 per byte)
+     _moe("fp8lut", "n16k128w1s1", 16, 128, 1, 1, runs="smoke"),
+     _moe("fp8lut", "n64k128w4s3", 64, 128, 4, 3, runs="quick full"),
+     variant("n32x64k128w4s3:tile", "fp8lut", "quick full", block_n_up=32, block_n_down=64, block_k=128,
+             num_warps=4, num_stages=3, lut_ref="tile"),
+     variant("n32x64k128w4s3", "fp8lut", "full", block_n_up=32, block_n_down=64, block_k=128, num_warps=4,
+             num_stages=3),
+     variant("n64x128k128w8s3", "fp8lut", "full", block_n_up=64, block_n_down=128, block_k=128, num_warps=8,
+             num_stages=3),
+     _moe("fp8lut", "n64k128w4s4", 64, 128, 4, 4), _moe("fp8lut", "n64k128w4s3:tile", 64, 128, 4, 3, lut_ref="tile"),
+     _moe("fp8lut", "n16k128w1s3", 16, 128, 1, 3), _moe("fp8lut", "n32k128w2s3", 32, 128, 2, 3)))
 """The routed FP4 MoE of the decode step (``fp4_moe_decode``): every route × launch geometry."""
 
 

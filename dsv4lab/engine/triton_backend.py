@@ -99,8 +99,13 @@ ACCUMULATION_MODELS = ("fp32", "fp32_tc", "fp32_tc4", "fp8_mma")
 _FACTOR_MODEL = {1.0: "fp32", 2.0: "fp32_tc", 4.0: "fp32_tc4"}
 
 
-def accumulation_model(factor: float) -> str:
-    """The model of a kernel table's accumulation factor ``c`` (``γ(c·n)`` with fp32's unit roundoff)."""
+def accumulation_model(factor: float | str) -> str:
+    """The model of a kernel table's accumulation factor ``c`` (``γ(c·n)`` with fp32's unit roundoff), or the
+    model a table names itself (a blocked one: the decode MoE's ``fp8lut`` route's ``fp8_mma``)."""
+    if isinstance(factor, str):
+        if factor not in ACCUMULATION_MODELS:
+            raise ValueError(f"no accumulation model {factor!r} (known: {', '.join(ACCUMULATION_MODELS)})")
+        return factor
     if float(factor) not in _FACTOR_MODEL:
         raise ValueError(f"no accumulation model for the factor {factor} (known: {sorted(_FACTOR_MODEL)})")
     return _FACTOR_MODEL[float(factor)]
@@ -168,6 +173,23 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         """``(route, MoeGeometry)`` of the routed MoE at ``rows`` rows (None: the default, as the stages take)."""
         p = self.config.moe(rows)
         return p.route, p.build(moe.MoeGeometry)
+
+    def _moe_plan(self, bank: ExpertBank, rows: int | None, route: str | None = None, geometry=None):
+        """``(route, MoeGeometry)`` of a routed-MoE call: the caller's route/geometry over the dispatch's; where that
+        is the ``fp8lut`` route and it refuses this bank or these numerics (scales outside its byte table's window,
+        no FP8 activations: ``fp4_moe_decode_fp8lut.refusal``), the device's default route and geometry instead,
+        logged once."""
+        r, geo = self.moe_choice(rows)
+        route, geo = route or r, geometry or geo
+        if route == moe.lut_decode.ROUTE:
+            nm = self.numerics
+            why = moe.lut_decode.refusal(moe.ExpertTensors.of(bank), nm.act_quant, nm.act)
+            if why is not None:
+                if ("moe_route", why) not in self._logged:
+                    self._logged.add(("moe_route", why))
+                    log.warning("triton backend: the routed MoE takes its default route instead of fp8lut (%s)", why)
+                route, geo = self.moe_choice(None)
+        return route, geo
 
     def attention_choice(self, rows: int | None = None):
         """The decode attention's ``AttentionGeometry`` at ``rows`` query rows (``rows`` None: the default; None:
@@ -381,9 +403,9 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.routed_experts(self, x, idx, weights, bank, limit, trace=trace, all_reduce=all_reduce)
         self._decode("routed_experts")
         nm = self.numerics
-        r, geo = self.moe_choice(x.shape[0])
-        return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit, route=route or r,
-                                     geometry=geometry or geo, act_quant=nm.act_quant, act_dtype=nm.act).to(nm.acc)
+        route, geo = self._moe_plan(bank, x.shape[0], route, geometry)
+        return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit, route=route,
+                                     geometry=geo, act_quant=nm.act_quant, act_dtype=nm.act).to(nm.acc)
 
     def moe_stage1(self, x, idx, bank, route: str | None = None):
         if route is None:
@@ -396,8 +418,8 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_stage1(self, x, idx, bank)
         self._decode("moe_stage1")
         nm = self.numerics
-        r, geo = self.moe_choice()
-        g, u = moe.moe_gate_up(x, idx, None, moe.ExpertTensors.of(bank), 0.0, route=route or r, geometry=geo,
+        route, geo = self._moe_plan(bank, None, route)
+        g, u = moe.moe_gate_up(x, idx, None, moe.ExpertTensors.of(bank), 0.0, route=route, geometry=geo,
                                act_quant=nm.act_quant, act_dtype=nm.act,
                                write_gu=True)
         return g.to(nm.acc), u.to(nm.acc)
@@ -413,8 +435,8 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_stage2(self, h, idx, bank)
         self._decode("moe_stage2")
         nm = self.numerics
-        r, geo = self.moe_choice()
-        return moe.moe_down(h.to(nm.act), idx, moe.ExpertTensors.of(bank), route=route or r, geometry=geo,
+        route, geo = self._moe_plan(bank, None, route)
+        return moe.moe_down(h.to(nm.act), idx, moe.ExpertTensors.of(bank), route=route, geometry=geo,
                             act_quant=nm.act_quant, act_dtype=nm.act,
                             per_slot=True).to(nm.acc)
 
@@ -559,7 +581,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
                           args, all_reduce=None):
         rows = x.shape[0]
         nm = self.numerics
-        route, geo = self.moe_choice(rows)
+        route, geo = self._moe_plan(bank, rows) if bank.fmt == "fp4" else self.moe_choice(rows)
         why = None if self.config.fused("moe_site", rows) else "fusion off"
         why = why or self._moe_unsupported(x, bank) or self._glue_unsupported(X)
         if why is None:

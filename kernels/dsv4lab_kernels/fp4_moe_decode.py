@@ -31,6 +31,11 @@ Routes (how a chunk of weights meets the activations, ``route``):
 * ``"dot_scaled"`` — Triton's ``tl.dot_scaled`` (E2M1 weights with their E8M0 scales as given, bf16
   activations holding the FP8-quantized values): the reference's semantics; native on hardware with microscaled
   MMA, an upcast emulation elsewhere (sm_90).
+* ``"fp8lut"`` — the grouped prefill's FP8 route in the decode's structure (:mod:`.fp4_moe_decode_fp8lut`): each
+  weight tile turned into exact E4M3 bytes by a per-group byte table (one ``prmt`` per four weights), FP8 MMAs with
+  the rows as the second operand (padded to 16), promoted per 128-wide K tile; the activations are the reference's
+  own E4M3 values and scales, quantized once per stage. The reference's semantics within the ``fp8_mma``
+  accumulation model, for banks whose scales lie within the byte table's window (``block_k`` 128, expert-major).
 
 The E2M1 decode (``decode``): ``"asm"`` on NVIDIA GPUs — PTX on packed registers, 4 bytes (8 weights) at a
 time: ``sign<<15 | magnitude<<6`` is the bf16 of ``value·2^-126`` for every code, and one ``mul.bf16x2`` by
@@ -45,10 +50,13 @@ the same bits as ``"asm"``/``"plain"``, for any E8M0 byte (no ``s ≤ 128`` limi
 
 Numerics: every product is exact in fp32, only sums round. ``fma`` and ``int8`` sum in IEEE fp32 on CUDA cores
 (``int8`` also rounds each group's ``dot × scale`` product once); ``dot`` and ``dot_scaled`` accumulate inside
-tensor cores (aligned, truncated partial sums) — :data:`ACCUMULATION` states the per-route bound the tests use.
+tensor cores (aligned, truncated partial sums), ``fp8lut`` in FP8 MMAs (~14 bits of the running sum) per 128-wide
+K tile, the tiles' partials in fp32 — :data:`ACCUMULATION` states the per-route bound the tests use
+(:func:`bound_args`).
 
-Three files: this one (geometry, the bank's tensors, the launchers), the kernels
-(:mod:`~dsv4lab_kernels.fp4_moe_decode_kernels`) and the exact oracles
+Four files: this one (geometry, the bank's tensors, the launchers), the kernels
+(:mod:`~dsv4lab_kernels.fp4_moe_decode_kernels`; the ``fp8lut`` route's in
+:mod:`~dsv4lab_kernels.fp4_moe_decode_fp8lut`) and the exact oracles
 (:mod:`~dsv4lab_kernels.fp4_moe_decode_reference`, whose names this module re-exports).
 """
 from __future__ import annotations
@@ -58,6 +66,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from . import fp4_moe_decode_fp8lut as lut_decode
 from .fp4_moe_decode_kernels import (_act_qdq_kernel, _moe_combine_kernel, _moe_down_expert_kernel,
                                      _moe_down_token_kernel, _moe_output_kernel, _moe_up_kernel)
 from .fp4_moe_decode_reference import (StageOracle, reference_int8_moe, reference_int8_route, reference_stage1,
@@ -65,18 +74,30 @@ from .fp4_moe_decode_reference import (StageOracle, reference_int8_moe, referenc
 from .fp8_gemv import interpreting
 from .launch import pdl_args
 
-ROUTES = ("dot", "fma", "int8", "dot_scaled")
+ROUTES = ("dot", "fma", "int8", "dot_scaled", "fp8lut")
 DECODES = ("auto", "asm", "plain", "bytewise")
-SAME_SEMANTICS = ("dot", "fma", "dot_scaled")  # the reference's quantization; "int8" is the paper's
+SAME_SEMANTICS = ("dot", "fma", "dot_scaled", "fp8lut")  # the reference's quantization; "int8" is the paper's
 ACCUMULATION = {
-    # route: (where the sums are done, the factor c in γ(c·n) over n = reduction length, fp32 unit roundoff)
+    # route: (where the sums are done, the factor c in γ(c·n) over n = reduction length, fp32 unit roundoff — or
+    # the name of a blocked accumulation model of dsv4lab.tools.verify.bounds, γ_n(model))
     "fma": ("fp32 FMA on CUDA cores, round to nearest", 1.0),
     "int8": ("exact int32 per 32-group, one fp32 product rounding per group, fp32 sums", 1.0),
     # Tensor cores align each step's addends to the largest and truncate (Fasi et al. 2021; Khattak & Mikaitis
     # 2025): a step of m products errs by ≤ (m+1)·2^-23 of its magnitude, so n terms by ≤ 2(1+1/m)·n·u ≤ 4·n·u.
     "dot": ("tensor-core fp32 accumulation (aligned, truncated)", 4.0),
     "dot_scaled": ("tensor-core fp32 accumulation (aligned, truncated)", 4.0),
+    # exact E4M3 products; Hopper's FP8 MMA keeps ~14 bits of a 128-wide tile's sum, the partials promoted by exact
+    # powers of two and summed in fp32: γ_min(n,128)(2^-13) + γ_⌈n/128⌉(2^-23) (op_bounds.dot.promoted_fp8_model)
+    "fp8lut": ("FP8 MMA per 128-wide K tile (~14-bit running sum), partials promoted to fp32", "fp8_mma"),
 }
+
+
+def bound_args(route: str, n: int) -> tuple[float, object]:
+    """``(c, acc)`` with ``γ(c, acc)`` (:func:`dsv4lab.tools.verify.bounds.gamma`) the bound of an ``n``-term
+    reduction along ``route`` relative to its ``Σ|terms|``: ``(factor·n, fp32)``, or ``(n, model)`` for a route
+    whose accumulation is a named blocked model."""
+    c = ACCUMULATION[route][1]
+    return (n, c) if isinstance(c, str) else (c * n, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,11 @@ class MoeGeometry:
             of the tile, two FFMAs per weight pair and no tree in the loop, reduced once after the last chunk
             (fewer instructions per weight byte — the route is issue-bound at batch 1 — for 32 more registers
             per matrix at 8 rows × 256). Either is an fp32 sum of the same exact products in another order.
+        lut_ref: the ``fp8lut`` route's scale reference (:data:`.fp4_moe_fp8lut.REFS`): ``"row"`` — each weight
+            row's largest scale byte of the K tile; ``"tile"`` — one per ``block_n × 128`` tile, precomputed per
+            bank (one multiply fewer per accumulator element and tile; ~4 MB per stage of a 256-expert Flash bank
+            at 16 rows); ``"auto"`` — tiles where the bank's scales allow it. (The route reads ``decode`` as its
+            table decode: ``auto``, ``asm`` or ``plain``, the portable one; ``prequant`` is implied.)
     """
 
     block_n_up: int = 32
@@ -112,6 +138,7 @@ class MoeGeometry:
     decode: str = "auto"
     prequant: bool = False
     fma_sums: str = "group"
+    lut_ref: str = "row"
 
 
 FMA_SUMS = ("group", "element")
@@ -257,6 +284,9 @@ def moe_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None
         rw = weights.to(torch.float32).contiguous()
         h = torch.empty(T, k, I, dtype=act_dtype, device=x.device)
         g = u = h
+    if route == lut_decode.ROUTE:
+        lut_decode.gate_up(x, idx, rw, ex, limit, geo, act_quant, act_dtype, h, g, u, write_gu)
+        return (g, u) if write_gu else h
     bn = min(geo.block_n_up, triton.next_power_of_2(I))
     grid = (T * k, triton.cdiv(I, bn))
     _moe_up_kernel[grid](x, idx, rw, ex.w1, ex.w3, ex.w1_scale, ex.w3_scale, h, g, u,
@@ -290,9 +320,14 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
     D = ex.dim
     h = h.contiguous()
     idx = idx.contiguous()
+    y = torch.empty(T, D, dtype=torch.float32, device=h.device)
+    if route == lut_decode.ROUTE:  # expert-major only (the route's check says so for slot_split ≥ 1)
+        out = torch.full((T, k, D), float("nan"), dtype=torch.float32, device=h.device) if per_slot else \
+            torch.empty(T, k, D, dtype=torch.float32, device=h.device)  # per slot: other banks' slots NaN
+        lut_decode.down(h, idx, ex, geo, act_quant, act_dtype, out)
+        return out if per_slot or not combine else _combine(out, None, idx, y, ex, from_slots=True)
     asm = _use_asm(geo, ex, h.device)
     bn = min(geo.block_n_down, triton.next_power_of_2(D))
-    y = torch.empty(T, D, dtype=torch.float32, device=h.device)
     common = dict(ROUTE=r, ASM=asm, ACT_QUANT=act_quant, ROUND_ACT=act_dtype == torch.bfloat16,
                   DOT_FP32=interpreting(), BN=bn, BK=geo.block_k, **_launch_opts(geo, route))
     strides = (ex.w2.stride(0), ex.w2.stride(1), ex.w2_scale.stride(0), ex.w2_scale.stride(1))
@@ -375,7 +410,7 @@ def routed_moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                       act_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The whole routed MoE of a decode step: ``Σ_slots w2(act(w1·x, w3·x)·weight)`` → ``[T, D]`` fp32."""
     geo = geometry or MoeGeometry()
-    if geo.prequant and act_quant and act_dtype == torch.bfloat16:
+    if geo.prequant and act_quant and act_dtype == torch.bfloat16 and route != lut_decode.ROUTE:
         if route == "int8":
             raise ValueError("MoeGeometry.prequant applies to the FP8-activation routes, not to 'int8'")
         h = moe_gate_up(act_qdq(x), idx, weights, ex, limit, route, geo, False, act_dtype)
@@ -391,7 +426,7 @@ def routed_moe_slots(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     bank unwritten), the combine left to the consumer (the mHC site after the MoE: :class:`MoeOutput`) — one launch
     fewer. The expert-major down projection only (``slot_split=0``)."""
     geo = geometry or MoeGeometry()
-    if geo.prequant and act_quant and act_dtype == torch.bfloat16:
+    if geo.prequant and act_quant and act_dtype == torch.bfloat16 and route != lut_decode.ROUTE:
         if route == "int8":
             raise ValueError("MoeGeometry.prequant applies to the FP8-activation routes, not to 'int8'")
         h = moe_gate_up(act_qdq(x), idx, weights, ex, limit, route, geo, False, act_dtype)
@@ -400,7 +435,7 @@ def routed_moe_slots(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     return moe_down(h, idx, ex, route, geo, act_quant, act_dtype, combine=False)
 
 
-__all__ = ["ROUTES", "DECODES", "SAME_SEMANTICS", "ACCUMULATION", "MoeGeometry", "FMA_SUMS", "act_qdq", "ExpertTensors",
+__all__ = ["ROUTES", "DECODES", "SAME_SEMANTICS", "ACCUMULATION", "bound_args", "MoeGeometry", "FMA_SUMS", "act_qdq", "ExpertTensors",
            "moe_gate_up", "moe_down", "moe_output", "MoeOutput", "routed_moe_decode", "routed_moe_slots",
            # the oracles, from fp4_moe_decode_reference
            "StageOracle", "reference_int8_route", "reference_int8_moe", "reference_stage1", "reference_stage2"]

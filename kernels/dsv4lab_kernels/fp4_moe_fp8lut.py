@@ -200,6 +200,9 @@ def _tile_product(acc, w_rows, s_rows, a_ok, k0, K, xe, xo, sx, top_ptr, BLOCK_A
     part = _mma(w_lo, xe, tl.zeros((BLOCK_A, ROWS), dtype=tl.float32), UPCAST)
     part = _mma(w_hi, xo, part, UPCAST)
     unit = pow2(tl.maximum(top - 133, -126))  # 2^(top − 127 − 6): the E4M3 weights' unit (rows of a padded tile: 0)
+    # E8M0's NaN byte as the reference block's top: every weight of the block is NaN there, so its products are
+    # (a bank refuses such bytes, :func:`lut_route_exact`, unless they mark experts never read: the decode's)
+    unit = tl.where(top == 255, float("nan"), unit)
     if TILE_REF:
         acc += part * (unit * sx)[None, :]
     else:
@@ -207,29 +210,43 @@ def _tile_product(acc, w_rows, s_rows, a_ok, k0, K, xe, xo, sx, top_ptr, BLOCK_A
     return acc
 
 
+@triton.jit
+def project_rows(x_ptr, xs_ptr, xrow, srow, w_rows, s_rows, a_ok, top_ptr, K, stride_xm, stride_xsr, stride_xsk,
+                 BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+                 ASM: tl.constexpr, TILE_REF: tl.constexpr, UPCAST: tl.constexpr):
+    """``accᵀ[BLOCK_A, ROWS] = W · Xᵀ`` over all of ``K``: the weight rows at ``w_rows`` / ``s_rows`` (``a_ok``:
+    the row exists) against the activation rows ``xrow`` (scales at entry ``srow`` of the scale table), tile by
+    tile (:func:`_load_rows`, :func:`_tile_product`) — the K loop of every kernel of the route, the grouped
+    prefill's and the decode's (:mod:`.fp4_moe_decode_fp8lut`)."""
+    acc = tl.zeros((BLOCK_A, ROWS), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xe, xo, sx = _load_rows(x_ptr, xs_ptr, xrow, srow, k0, K, stride_xm, stride_xsr, stride_xsk, BLOCK_K, EVEN_K)
+        acc = _tile_product(acc, w_rows, s_rows, a_ok, k0, K, xe, xo, sx, top_ptr, BLOCK_A, BLOCK_K, ROWS, EVEN_K,
+                            ASM, TILE_REF, UPCAST)
+    return acc
+
+
 # ============================================================================================ stage 1: gate/up
 @triton.jit
-def _gate_up_half(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top_ptr, e, tok, rows, valid, slot, rw,
-                  out0_ptr, out1_ptr, i0, D, I, limit, stride_xm, stride_xsr, stride_xsk, stride_we, stride_wn,
-                  stride_se, stride_sn, stride_o0, HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, FUSE: tl.constexpr, ASM: tl.constexpr, TILE_REF: tl.constexpr,
-                  UPCAST: tl.constexpr):
+def gate_up_tile(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top_ptr, e, tok, rows, valid, slot, rw,
+                 out0_ptr, out1_ptr, i0, D, I, limit, stride_xm, stride_xsr, stride_xsk, stride_we, stride_wn,
+                 stride_se, stride_sn, stride_o0, HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, FUSE: tl.constexpr, ASM: tl.constexpr, TILE_REF: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """The ``HALF`` columns ``i0 …`` of gate and up for the block's rows as one MMA operand of ``2·HALF`` weight
-    rows (gate's first, then up's: the two warp groups of an 8-warp program take one each; w3 and its scales are
-    addressed as w1's plus the byte distances ``w3_delta`` / ``s3_delta``, so every row pointer keeps the 16-byte
-    alignment the asynchronous copies need). ``FUSE``: returns h (fp32, bf16 values; 0 outside the valid
-    entries); else stores g and u at each slot's row and returns 0."""
+    rows (the grouped prefill's item computes two such halves, the decode's program one —
+    :mod:`.fp4_moe_decode_fp8lut`; gate's rows first, then up's: the two warp groups of an 8-warp program take one
+    each; w3 and its scales are addressed as w1's plus the byte distances ``w3_delta`` / ``s3_delta``, so every row
+    pointer keeps the 16-byte alignment the asynchronous copies need). ``FUSE``: returns h (fp32, bf16 values; 0
+    outside the valid entries); else stores g and u at each slot's row and returns 0."""
     a = tl.arange(0, 2 * HALF)
     col = i0 + a % HALF
     a_ok = col < I
     up = (a >= HALF).to(tl.int64)
     w_rows = w1_ptr + (e.to(tl.int64) * stride_we + col.to(tl.int64) * stride_wn + up * w3_delta)
     s_rows = s1_ptr + (e.to(tl.int64) * stride_se + col.to(tl.int64) * stride_sn + up * s3_delta)
-    acc = tl.zeros((2 * HALF, ROWS), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        xe, xo, sx = _load_rows(x_ptr, xs_ptr, tok, rows, k0, D, stride_xm, stride_xsr, stride_xsk, BLOCK_K, EVEN_K)
-        acc = _tile_product(acc, w_rows, s_rows, a_ok, k0, D, xe, xo, sx, top_ptr, 2 * HALF, BLOCK_K, ROWS, EVEN_K,
-                            ASM, TILE_REF, UPCAST)
+    acc = project_rows(x_ptr, xs_ptr, tok, rows, w_rows, s_rows, a_ok, top_ptr, D, stride_xm, stride_xsr, stride_xsk,
+                       2 * HALF, BLOCK_K, ROWS, EVEN_K, ASM, TILE_REF, UPCAST)
     g, u = tl.split(tl.permute(tl.reshape(acc, (2, HALF, ROWS)), (1, 2, 0)))
     # the reference's Linear outputs bf16: round g and u before the activation
     g = to_bf16(g).to(tl.float32)
@@ -264,7 +281,7 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, tops_ptr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FUSE: tl.constexpr,
                     ASM: tl.constexpr, TILE_REF: tl.constexpr, UPCAST: tl.constexpr):
     """Gate/up: a work item is a sorted block and ``BLOCK_N`` (the 128-column quantization block of h) columns,
-    computed as two halves (:func:`_gate_up_half`). The activation scales are read per sorted row (``xs`` is the
+    computed as two halves (:func:`gate_up_tile`). The activation scales are read per sorted row (``xs`` is the
     table :func:`sorted_scales` makes). ``FUSE``: h quantized per row over the item's columns (``out0`` E4M3 at
     the sorted row, split layout; ``out1`` its scale, row stride ``stride_o1r``, column stride ``stride_o1k``); else
     g and u (bf16-rounded fp32) at each slot's row of ``out0`` / ``out1``."""
@@ -282,14 +299,14 @@ def _gate_up_kernel(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, tops_ptr,
         else:
             rw = tl.zeros((ROWS,), dtype=tl.float32)
         top = tops_ptr + e.to(tl.int64) * stride_te + (2 * tile) * stride_tn
-        h0 = _gate_up_half(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top, e, tok, rows, valid, slot, rw,
-                           out0_ptr, out1_ptr, tile * BLOCK_N, D, I, limit, stride_xm, stride_xsr, stride_xsk,
-                           stride_we, stride_wn, stride_se, stride_sn, stride_o0, HALF, ROWS, BLOCK_K, EVEN_K, FUSE,
-                           ASM, TILE_REF, UPCAST)
-        h1 = _gate_up_half(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top + stride_tn, e, tok, rows, valid,
-                           slot, rw, out0_ptr, out1_ptr, tile * BLOCK_N + HALF, D, I, limit, stride_xm, stride_xsr,
-                           stride_xsk, stride_we, stride_wn, stride_se, stride_sn, stride_o0, HALF, ROWS, BLOCK_K,
-                           EVEN_K, FUSE, ASM, TILE_REF, UPCAST)
+        h0 = gate_up_tile(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top, e, tok, rows, valid, slot, rw,
+                          out0_ptr, out1_ptr, tile * BLOCK_N, D, I, limit, stride_xm, stride_xsr, stride_xsk,
+                          stride_we, stride_wn, stride_se, stride_sn, stride_o0, HALF, ROWS, BLOCK_K, EVEN_K, FUSE,
+                          ASM, TILE_REF, UPCAST)
+        h1 = gate_up_tile(x_ptr, xs_ptr, w1_ptr, s1_ptr, w3_delta, s3_delta, top + stride_tn, e, tok, rows, valid,
+                          slot, rw, out0_ptr, out1_ptr, tile * BLOCK_N + HALF, D, I, limit, stride_xm, stride_xsr,
+                          stride_xsk, stride_we, stride_wn, stride_se, stride_sn, stride_o0, HALF, ROWS, BLOCK_K,
+                          EVEN_K, FUSE, ASM, TILE_REF, UPCAST)
         if FUSE:
             # the FP8 quantization of h per row over the item's 128 columns (both halves)
             ex = pow2_exponent(tl.maximum(tl.max(tl.abs(h0), axis=0), tl.max(tl.abs(h1), axis=0)))
@@ -323,12 +340,8 @@ def _down_kernel(x_ptr, xs_ptr, w2_ptr, s2_ptr, tops_ptr, sorted_ptr, block_expe
         w_rows = w2_ptr + e.to(tl.int64) * stride_we + rn.to(tl.int64) * stride_wn
         s_rows = s2_ptr + e.to(tl.int64) * stride_se + rn.to(tl.int64) * stride_sn
         top = tops_ptr + e.to(tl.int64) * stride_te + tile * stride_tn
-        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            xe, xo, sx = _load_rows(x_ptr, xs_ptr, xrow, xrow, k0, I, stride_xm, stride_xsr, stride_xsk, BLOCK_K,
-                                    EVEN_K)
-            acc = _tile_product(acc, w_rows, s_rows, n_ok, k0, I, xe, xo, sx, top, BLOCK_N, BLOCK_K, ROWS, EVEN_K,
-                                ASM, TILE_REF, UPCAST)
+        acc = project_rows(x_ptr, xs_ptr, xrow, xrow, w_rows, s_rows, n_ok, top, I, stride_xm, stride_xsr, stride_xsk,
+                           BLOCK_N, BLOCK_K, ROWS, EVEN_K, ASM, TILE_REF, UPCAST)
         off = slot[None, :].to(tl.int64) * stride_o + rn[:, None]
         tl.store(out_ptr + off, to_bf16(acc), mask=n_ok[:, None] & valid[None, :])
 
@@ -354,10 +367,12 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-def _block_extremes(scales, block_n: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_extremes(scales, block_n: int, block_k: int,
+                    nan_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest and smallest scale byte of every ``block_n × block_k`` block (edge blocks partial), taken over
     the same block of each of ``scales`` (``[E, N, K/32]`` each; gate/up's tiles hold w1's and w3's rows):
-    ``(top, low)`` int16 ``[E, ceil(N/block_n), ceil(K/block_k)]``."""
+    ``(top, low)`` int16 ``[E, ceil(N/block_n), ceil(K/block_k)]``. ``nan_scales``: E8M0's NaN byte (255) left
+    out (a block of NaN bytes only: top −1, low 1000)."""
     tops, lows = [], []
     per = block_k // 32
     for t in scales:
@@ -365,22 +380,26 @@ def _block_extremes(scales, block_n: int, block_k: int) -> tuple[torch.Tensor, t
         E, N, G = s.shape
         pad = (0, -G % per, 0, -N % block_n)
         shape = (E, -(-N // block_n), block_n, -(-G // per), per)
-        tops.append(torch.nn.functional.pad(s, pad, value=-1).view(shape).amax((2, 4)))
-        lows.append(torch.nn.functional.pad(s, pad, value=1000).view(shape).amin((2, 4)))
+        nan = s == 255 if nan_scales else torch.zeros_like(s, dtype=torch.bool)
+        tops.append(torch.nn.functional.pad(s.masked_fill(nan, -1), pad, value=-1).view(shape).amax((2, 4)))
+        lows.append(torch.nn.functional.pad(s.masked_fill(nan, 1000), pad, value=1000).view(shape).amin((2, 4)))
     return torch.stack(tops).amax(0), torch.stack(lows).amin(0)
 
 
-def _exact(scales, block_n: int, block_k: int) -> bool:
-    top, low = _block_extremes(scales, block_n, block_k)
+def _exact(scales, block_n: int, block_k: int, nan_scales: bool = False) -> bool:
+    top, low = _block_extremes(scales, block_n, block_k, nan_scales)
+    empty = top < 0  # NaN bytes only (nan_scales): every weight NaN, nothing to round
     lo_byte, hi_byte = LUT_SCALE_BYTES
-    return bool(((top - low <= LUT_MAX_SPREAD) & (low >= lo_byte) & (top <= hi_byte)).all())
+    return bool((empty | ((top - low <= LUT_MAX_SPREAD) & (low >= lo_byte) & (top <= hi_byte))).all())
 
 
-def lut_route_exact(bank, block_k: int = 128) -> bool:
+def lut_route_exact(bank, block_k: int = 128, nan_scales: bool = False) -> bool:
     """Whether the bank's weights are exact as the route's E4M3 values with one reference per weight row and
-    ``block_k``-wide K tile (``ref="row"``), scale bytes within :data:`LUT_SCALE_BYTES`: the route applies."""
-    return once_per_tensors(("fp8lut", block_k), [bank.w1_scale, bank.w3_scale, bank.w2_scale],
-                            lambda ts: all(_exact([t], 1, block_k) for t in ts))
+    ``block_k``-wide K tile (``ref="row"``), scale bytes within :data:`LUT_SCALE_BYTES`: the route applies.
+    ``nan_scales``: E8M0's NaN byte (255) is allowed beside them — a row's tile holding one computes NaN, as the
+    reference does (the decode's use: experts poisoned or absent, never picked)."""
+    return once_per_tensors(("fp8lut", block_k, nan_scales), [bank.w1_scale, bank.w3_scale, bank.w2_scale],
+                            lambda ts: all(_exact([t], 1, block_k, nan_scales) for t in ts))
 
 
 def tile_tops(scales, block_n: int, block_k: int) -> tuple[torch.Tensor, bool]:
@@ -395,7 +414,7 @@ def tile_tops(scales, block_n: int, block_k: int) -> tuple[torch.Tensor, bool]:
     return once_per_tensors(("fp8lut_tops", block_n, block_k), list(scales), compute)
 
 
-def _reference(ref: str, scales, block_n: int, block_k: int) -> tuple[bool, torch.Tensor]:
+def scale_reference(ref: str, scales, block_n: int, block_k: int) -> tuple[bool, torch.Tensor]:
     """Resolve a geometry's ``lut_ref`` for one stage: (one reference per tile?, the tile tops — a placeholder for
     ``row``)."""
     if ref not in REFS:
@@ -425,7 +444,7 @@ def gate_up(xv, xs, bank, routing, geo, rw, out0, out1, limit: float, fuse: bool
     form is h's scale, ``[n_rows, I/128]`` stored column block by column block)."""
     I, D = bank.inter, bank.dim
     w1, w3, s1, s3 = (_u8(getattr(bank, n)) for n in ("w1", "w3", "w1_scale", "w3_scale"))
-    tile_ref, tops = _reference(geo.lut_ref, (bank.w1_scale, bank.w3_scale), geo.block_n1 // 2, geo.block_k1)
+    tile_ref, tops = scale_reference(geo.lut_ref, (bank.w1_scale, bank.w3_scale), geo.block_n1 // 2, geo.block_k1)
     table = sorted_scales(xs, routing)
     so1 = (out1.stride(0), out1.stride(1)) if fuse else (0, 0)
     _gate_up_kernel[grid](xv, table, w1, s1, w3.data_ptr() - w1.data_ptr(), s3.data_ptr() - s1.data_ptr(), tops,
@@ -442,7 +461,7 @@ def down(hv, hs, bank, routing, geo, out, x_sorted: bool, grid) -> None:
     """Launch stage 2 (see :func:`.fp4_moe_grouped.down`): ``hs [rows of hv, I/128]`` in any strides."""
     I, D = bank.inter, bank.dim
     w2, s2 = _u8(bank.w2), _u8(bank.w2_scale)
-    tile_ref, tops = _reference(geo.lut_ref, (bank.w2_scale,), geo.block_n2, geo.block_k2)
+    tile_ref, tops = scale_reference(geo.lut_ref, (bank.w2_scale,), geo.block_n2, geo.block_k2)
     _down_kernel[grid](hv, hs, w2, s2, tops, routing.sorted_slots, routing.block_expert, routing.expert_first_block,
                        routing.expert_blocks, routing.used_blocks, out, D, I, hv.stride(0), hs.stride(0),
                        hs.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), tops.stride(0),
@@ -517,5 +536,5 @@ def decode_asm(decode_name: str, device) -> bool:
 
 
 __all__ = ["ROUTE", "LUT_MAX_SPREAD", "LUT_SCALE_BYTES", "REFS", "DECODES", "group_tables", "decode_tile",
-           "lut_route_exact", "tile_tops", "sorted_scales", "gate_up", "down", "decode_probe_inputs", "decode",
-           "lut_decode_works", "lut_decode_status", "decode_asm"]
+           "project_rows", "gate_up_tile", "lut_route_exact", "tile_tops", "scale_reference", "sorted_scales",
+           "gate_up", "down", "decode_probe_inputs", "decode", "lut_decode_works", "lut_decode_status", "decode_asm"]

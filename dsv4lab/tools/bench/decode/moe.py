@@ -23,7 +23,8 @@ def moe_variants(smoke: bool, quick: bool) -> list[tuple[str, str, object]]:
     of each route is its quick one). Names: ``n<rows>k<K step>w<warps>s<stages>``, ``:token`` token-major down
     projection, ``:plain`` the portable E2M1 decode instead of the asm one, ``:prequant`` activations quantized
     once per step, ``:elem`` the fma route's position-wise accumulators (``MoeGeometry.fma_sums``), ``:bytewise``
-    the fp16 decode with the scales after the group sums (``MoeGeometry.decode``)."""
+    the fp16 decode with the scales after the group sums (``MoeGeometry.decode``); the ``fp8lut`` route's
+    ``:tile`` one scale reference per weight tile (``MoeGeometry.lut_ref``)."""
     from dsv4lab_kernels import fp4_moe_decode as moe
     return [(v.route, v.name, moe.MoeGeometry(**v.fields)) for v in MOE.runs(run_mode(smoke, quick))]
 
@@ -38,12 +39,11 @@ def moe_stage_checks(x, idx, w, ex, route: str, geo, limit: float, act_quant: bo
     (the last two as equivalent records)."""
     from dsv4lab_kernels import fp4_moe_decode as moe
     name = name or route
-    c = moe.ACCUMULATION[route][1]
 
     def stage(out, oracle, what):
+        c, acc = moe.bound_args(route, oracle.terms)  # γ(c·n) in fp32, or a blocked model (fp8lut: fp8_mma)
         return check_within_bound(out, oracle.ref, oracle.magnitude.nan_to_num(0.0), terms=oracle.terms,
-                                  c=c * oracle.terms, acc_dtype=torch.float32, out_dtype=torch.bfloat16,
-                                  name=f"{name} {what}")
+                                  c=c, acc_dtype=acc, out_dtype=torch.bfloat16, name=f"{name} {what}")
 
     def record(what, ok, ratio, numel, line):
         return BoundCheck(name=f"{name} {what}", ok=ok, numel=numel, n_violations=0 if ok else 1, nan_mismatch=0,
@@ -63,7 +63,7 @@ def moe_stage_checks(x, idx, w, ex, route: str, geo, limit: float, act_quant: bo
     o2 = moe.reference_stage2(h, idx, ex, route, act_quant)
     out.append(stage(moe.moe_down(h, idx, ex, route, geo, act_quant, per_slot=True), o2, "stage2"))
     y = moe.routed_moe_decode(x, idx, w, ex, limit, route, geo, act_quant)
-    slot = gamma(int(c * o2.terms), torch.float32) * o2.magnitude + ulp(o2.ref, torch.bfloat16)
+    slot = gamma(*moe.bound_args(route, o2.terms)) * o2.magnitude + ulp(o2.ref, torch.bfloat16)
     ref = o2.ref.nan_to_num(0.0).sum(1)
     bound = slot.nan_to_num(0.0).sum(1) + ulp(ref, torch.float32)
     err = (y.double() - ref).abs()
@@ -76,8 +76,8 @@ def moe_stage_checks(x, idx, w, ex, route: str, geo, limit: float, act_quant: bo
 
 def moe_structure(route: str, geo) -> tuple:
     """The code path a routed-MoE variant runs: geometries with the same path differ only in the order of fp32
-    sums, so one check covers them all."""
-    return route, geo.slot_split > 0, geo.decode, geo.prequant, geo.fma_sums
+    sums, so one check covers them all (the fp8lut route's scale reference is a path of its own)."""
+    return route, geo.slot_split > 0, geo.decode, geo.prequant, geo.fma_sums, geo.lut_ref
 
 
 def check_moe(b: DecodeBench, a, gen, variants) -> set[str]:
