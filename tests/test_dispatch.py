@@ -364,3 +364,12 @@ def test_family_lists_reach_the_benchmarks():
     quick, full = plan_variants("quick", ("bf16", "fp8"), "bf16"), plan_variants("full", ("bf16",), "bf16")
     assert quick["tags"] == ["f16", "persistent", "w16"] and quick["gemm"] == ("m128n128",)
     assert full["gemm"] == ("m128n128", "m128n256", "m64n128") and full["indexer"][1] == "q2t64x8"
+
+
+def test_the_decode_ops_redefine_no_private_helper_of_the_prefill_ops():
+    """TritonOps subclasses TritonPrefillOps: a private helper of the same name in the subclass silently replaces
+    the prefill's (a decode-MoE ``_moe_plan`` once took the prefill chunks' calls, with other arguments)."""
+    from dsv4lab.engine.triton_backend import TritonOps
+    from dsv4lab.engine.triton_prefill import TritonPrefillOps
+    helpers = {n for n in vars(TritonPrefillOps) if n.startswith("_") and not n.startswith("__")}
+    assert not helpers & set(vars(TritonOps)), sorted(helpers & set(vars(TritonOps)))

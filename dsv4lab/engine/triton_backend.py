@@ -174,8 +174,9 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         p = self.config.moe(rows)
         return p.route, p.build(moe.MoeGeometry)
 
-    def _moe_plan(self, bank: ExpertBank, rows: int | None, route: str | None = None, geometry=None):
-        """``(route, MoeGeometry)`` of a routed-MoE call: the caller's route/geometry over the dispatch's; where that
+    def _decode_moe_plan(self, bank: ExpertBank, rows: int | None, route: str | None = None, geometry=None):
+        """``(route, MoeGeometry)`` of a routed-MoE decode call (the prefill's grouped MoE has its own,
+        ``TritonPrefillOps._moe_plan``): the caller's route/geometry over the dispatch's; where that
         is the ``fp8lut`` route and it refuses this bank or these numerics (scales outside its byte table's window,
         no FP8 activations: ``fp4_moe_decode_fp8lut.refusal``), the device's default route and geometry instead,
         logged once."""
@@ -403,7 +404,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.routed_experts(self, x, idx, weights, bank, limit, trace=trace, all_reduce=all_reduce)
         self._decode("routed_experts")
         nm = self.numerics
-        route, geo = self._moe_plan(bank, x.shape[0], route, geometry)
+        route, geo = self._decode_moe_plan(bank, x.shape[0], route, geometry)
         return moe.routed_moe_decode(x, idx, weights, moe.ExpertTensors.of(bank), limit, route=route,
                                      geometry=geo, act_quant=nm.act_quant, act_dtype=nm.act).to(nm.acc)
 
@@ -418,7 +419,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_stage1(self, x, idx, bank)
         self._decode("moe_stage1")
         nm = self.numerics
-        route, geo = self._moe_plan(bank, None, route)
+        route, geo = self._decode_moe_plan(bank, None, route)
         g, u = moe.moe_gate_up(x, idx, None, moe.ExpertTensors.of(bank), 0.0, route=route, geometry=geo,
                                act_quant=nm.act_quant, act_dtype=nm.act,
                                write_gu=True)
@@ -435,7 +436,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_stage2(self, h, idx, bank)
         self._decode("moe_stage2")
         nm = self.numerics
-        route, geo = self._moe_plan(bank, None, route)
+        route, geo = self._decode_moe_plan(bank, None, route)
         return moe.moe_down(h.to(nm.act), idx, moe.ExpertTensors.of(bank), route=route, geometry=geo,
                             act_quant=nm.act_quant, act_dtype=nm.act,
                             per_slot=True).to(nm.acc)
@@ -581,7 +582,7 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
                           args, all_reduce=None):
         rows = x.shape[0]
         nm = self.numerics
-        route, geo = self._moe_plan(bank, rows) if bank.fmt == "fp4" else self.moe_choice(rows)
+        route, geo = self._decode_moe_plan(bank, rows) if bank.fmt == "fp4" else self.moe_choice(rows)
         why = None if self.config.fused("moe_site", rows) else "fusion off"
         why = why or self._moe_unsupported(x, bank) or self._glue_unsupported(X)
         if why is None:
