@@ -84,6 +84,17 @@ def test_row_counts_out_of_range_are_refused_before_any_work(argv, named, capsys
     assert named in err and len(err.strip().splitlines()) == 1
 
 
+def test_the_default_breakdown_batches_follow_the_batches_a_run_decodes():
+    """Batch 8's step is profiled by default only where the run decodes 8 rows: ``--batches 1`` is not refused."""
+    import argparse
+    from dsv4lab.tools.bench import e2e
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    assert e2e.options(p.parse_args(["--batches", "1"]))["breakdown_batches"] == []
+    assert e2e.options(p.parse_args([]))["breakdown_batches"] == [8]
+    assert e2e.options(p.parse_args(["--breakdown-batches", "8,32"]))["breakdown_batches"] == [8, 32]
+
+
 def test_op_timer_times_outermost_calls_and_puts_the_ops_back():
     from dsv4lab.tools.bench.common import OpTimer
 

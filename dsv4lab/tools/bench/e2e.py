@@ -100,9 +100,9 @@ def add_arguments(p):
     add_backend(p, "triton")
     p.add_argument("--collective", default="auto", help="all-reduce strategy: library, peer_read or auto")
     p.add_argument("--batches", default="1,2,4,8,16,32")
-    p.add_argument("--breakdown-batches", default="8",
+    p.add_argument("--breakdown-batches", default=None,
                    help="batches whose step is profiled too, beside batch 1's (comma-separated; '' to skip; each "
-                        "within --batches' largest)")
+                        "within --batches' largest; default 8 where --batches reaches it)")
     p.add_argument("--draft-tokens", default="1,2,3",
                    help="draft counts k of the verify and speculative rows (comma-separated; '' to skip them)")
     p.add_argument("--alphas", default="0.5,0.7,0.8,0.9",
@@ -137,13 +137,16 @@ def add_arguments(p):
     p.add_argument("--commit", default=None, help="commit to record (default: git describe of this tree)")
 
 
+DEFAULT_BREAKDOWN_BATCHES = (8,)
+
+
 def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
     tp = args.tp if args.tp is not None else max(1, args.nproc // max(args.ep, 1))
     o = dict(preset=args.preset, layers=args.layers, seed=args.seed, nproc=args.nproc, tp=tp, ep=args.ep,
              backend=args.backend, collective=args.collective, batches=positive_ints(args.batches, "--batches"),
              breakdown_batches=(positive_ints(args.breakdown_batches, "--breakdown-batches")
-                                if args.breakdown_batches.strip() else []),
+                                if (args.breakdown_batches or "").strip() else []),
              decode_tokens=args.decode_tokens, rounds=args.rounds,
              contexts=positive_ints(args.contexts, "--contexts") if args.contexts.strip() else [],
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
@@ -172,6 +175,8 @@ def options(args) -> dict:
         raise UserError(f"--layers {o['layers']}: expected 0 (all layers) or a positive count")
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
+    if args.breakdown_batches is None:  # the default: batch 8's step, where the run decodes that many
+        o["breakdown_batches"] = [b for b in DEFAULT_BREAKDOWN_BATCHES if b <= max(o["batches"])]
     if o["breakdown_batches"] and max(o["breakdown_batches"]) > max(o["batches"]):
         raise UserError(f"--breakdown-batches {args.breakdown_batches!r}: each must be at most the largest of "
                         f"--batches ({max(o['batches'])})")
