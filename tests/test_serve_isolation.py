@@ -59,7 +59,8 @@ def _alongside(url: str, prompts: list[list[int]], bad) -> tuple[list[list[int]]
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=120) as raw:
             client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            *ids, outcome = await asyncio.gather(*(stream_token_ids(client, p, MAX_TOKENS) for p in prompts), bad(raw, client))
+            *ids, outcome = await asyncio.gather(*(stream_token_ids(client, p, MAX_TOKENS) for p in prompts),
+                                                 bad(raw, client))
             await client.close()
             return ids, outcome
     return asyncio.run(run())

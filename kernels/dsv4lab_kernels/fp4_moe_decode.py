@@ -435,7 +435,8 @@ def routed_moe_slots(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     return moe_down(h, idx, ex, route, geo, act_quant, act_dtype, combine=False)
 
 
-__all__ = ["ROUTES", "DECODES", "SAME_SEMANTICS", "ACCUMULATION", "bound_args", "MoeGeometry", "FMA_SUMS", "act_qdq", "ExpertTensors",
+__all__ = ["ROUTES", "DECODES", "SAME_SEMANTICS", "ACCUMULATION", "bound_args", "MoeGeometry", "FMA_SUMS", "act_qdq",
+           "ExpertTensors",
            "moe_gate_up", "moe_down", "moe_output", "MoeOutput", "routed_moe_decode", "routed_moe_slots",
            # the oracles, from fp4_moe_decode_reference
            "StageOracle", "reference_int8_route", "reference_int8_moe", "reference_stage1", "reference_stage2"]

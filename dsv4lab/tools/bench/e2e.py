@@ -140,13 +140,20 @@ def add_arguments(p):
 DEFAULT_BREAKDOWN_BATCHES = (8,)
 
 
+def _breakdown_batches(args) -> list[int]:
+    """``--breakdown-batches``: the batches given ('' none), else batch 8 where ``--batches`` reaches it."""
+    if args.breakdown_batches is None:
+        most = max(positive_ints(args.batches, "--batches"))
+        return [b for b in DEFAULT_BREAKDOWN_BATCHES if b <= most]
+    return positive_ints(args.breakdown_batches, "--breakdown-batches") if args.breakdown_batches.strip() else []
+
+
 def options(args) -> dict:
     """The run's settings as plain data (what every rank receives)."""
     tp = args.tp if args.tp is not None else max(1, args.nproc // max(args.ep, 1))
     o = dict(preset=args.preset, layers=args.layers, seed=args.seed, nproc=args.nproc, tp=tp, ep=args.ep,
              backend=args.backend, collective=args.collective, batches=positive_ints(args.batches, "--batches"),
-             breakdown_batches=(positive_ints(args.breakdown_batches, "--breakdown-batches")
-                                if (args.breakdown_batches or "").strip() else []),
+             breakdown_batches=_breakdown_batches(args),
              decode_tokens=args.decode_tokens, rounds=args.rounds,
              contexts=positive_ints(args.contexts, "--contexts") if args.contexts.strip() else [],
              context_tokens=args.context_tokens, context_chunk=args.context_chunk,
@@ -175,8 +182,6 @@ def options(args) -> dict:
         raise UserError(f"--layers {o['layers']}: expected 0 (all layers) or a positive count")
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
-    if args.breakdown_batches is None:  # the default: batch 8's step, where the run decodes that many
-        o["breakdown_batches"] = [b for b in DEFAULT_BREAKDOWN_BATCHES if b <= max(o["batches"])]
     if o["breakdown_batches"] and max(o["breakdown_batches"]) > max(o["batches"]):
         raise UserError(f"--breakdown-batches {args.breakdown_batches!r}: each must be at most the largest of "
                         f"--batches ({max(o['batches'])})")
@@ -307,7 +312,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         doc["breakdown"] = parts.run("breakdown", lambda: breakdown(runner, o, device))
         doc["breakdown_by_batch"] = {}
         for b in o["breakdown_batches"]:  # where a batch's step spends its time (batch 1 is the breakdown above)
-            doc["breakdown_by_batch"][str(b)] = parts.run(f"breakdown_b{b}", lambda b=b: breakdown(runner, o, device, b))
+            doc["breakdown_by_batch"][str(b)] = parts.run(f"breakdown_b{b}",
+                                                          lambda b=b: breakdown(runner, o, device, b))
     if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
         doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
         doc["speculative"], doc["speculative_natural"] = parts.run(
@@ -387,9 +393,9 @@ def _prompt(args, n: int, seed: int) -> list[int]:
 
 def oracle(runner) -> dict:
     """32 greedy tokens from a fixed 16-token prompt: ids and trajectory hash. Where the prompt runs through the
-    captured prefill step, the same tokens with the eager per-op prefill too (``hash_eager_prefill``): the two paths
-    run the same kernels, so the hashes must agree — a hash that moved with the prefill path is a finding, not
-    rounding."""
+    captured prefill step, the same tokens with the eager per-op prefill too (``hash_eager_prefill``,
+    ``prefill_paths_equal``): whether the oracle hash depends on the prefill path — where the two differ, the stage
+    tier (``verify model``) tells which op rounds otherwise."""
     prompt = [runner.args.bos_token_id] + _prompt(runner.args, 15, seed=4604)
     ids = runner.generate(prompt, 32, stop_at_eos=False)
     runner.reset()

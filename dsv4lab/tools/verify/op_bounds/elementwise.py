@@ -111,14 +111,22 @@ def router_scores(nm, acc, logits, score_func):
 
 
 def hc_post(nm, acc, out, X, post, comb):
-    """``post[k]·out + Σ_j comb[j,k]·X[j]``: n+1 products and sums, γ_{n+2}·Σ|terms|."""
-    Xf, pf, cf, of = as_f64(X), as_f64(post), as_f64(comb), as_f64(out)
+    """``post[k]·out + Σ_j comb[j,k]·X[j]``: n+1 products and sums, γ_{n+2}·Σ|terms|. ``out`` is the sub-layer's
+    output, or an :class:`Interval` of them (the fused MoE site's, itself a bound): then ``post[k]·out`` is an
+    interval (sign-aware) and the allowance is taken over its largest magnitudes."""
+    Xf, pf, cf = as_f64(X), as_f64(post), as_f64(comb)
     mixed = torch.einsum("bsjk,bsjd->bskd", cf, Xf)
     mixed_mag = torch.einsum("bsjk,bsjd->bskd", cf.abs(), Xf.abs())
-    po = pf[..., None] * of[..., None, :]
+    p = pf[..., None]
+    if isinstance(out, Interval):
+        a, b = p * out.lo[..., None, :], p * out.hi[..., None, :]
+        po_lo, po_hi = torch.minimum(a, b), torch.maximum(a, b)
+    else:
+        po_lo = po_hi = p * as_f64(out)[..., None, :]
     n = X.shape[-2]
-    return Interval.around(po + mixed, gamma(n + 2, acc) * (po.abs() + mixed_mag),
-                           f"mHC post: γ(n+2={n + 2}, {acc})·Σ|terms|").round(nm.acc).round(X.dtype)
+    r = gamma(n + 2, acc) * (torch.maximum(po_lo.abs(), po_hi.abs()) + mixed_mag)
+    return Interval(po_lo + mixed - r, po_hi + mixed + r,
+                    f"mHC post: γ(n+2={n + 2}, {acc})·Σ|terms|").round(nm.acc).round(X.dtype)
 
 
 def _mix_logits(nm, acc, X: Interval, fn, eps):
@@ -236,21 +244,6 @@ def hc_post_pre_norm(nm, acc, out, X, post, comb, fn, base, scale, norm_weight, 
     return Xn, rms_norm_interval(nm, acc, u, norm_weight, args.norm_eps, X.dtype), post2, comb2
 
 
-def _hc_post_of_interval(nm, acc, out: Interval, X, post, comb):
-    """:func:`hc_post` for every ``out [..., D]`` in an interval (the fused MoE site's sub-layer output, itself a
-    bound): ``post[k]·out`` as an interval (sign-aware), the exact mix of the streams, the same evaluation
-    allowance γ_{n+2}·Σ|terms| over the interval's largest magnitudes."""
-    Xf, pf, cf = as_f64(X), as_f64(post), as_f64(comb)
-    mixed = torch.einsum("bsjk,bsjd->bskd", cf, Xf)
-    mixed_mag = torch.einsum("bsjk,bsjd->bskd", cf.abs(), Xf.abs())
-    p = pf[..., None]
-    a, b = p * out.lo[..., None, :], p * out.hi[..., None, :]
-    po = Interval(torch.minimum(a, b), torch.maximum(a, b), out.rule)
-    n = X.shape[-2]
-    return po.add(mixed).widen(gamma(n + 2, acc) * (po.mag + mixed_mag),
-                               f"mHC post: γ(n+2={n + 2}, {acc})·Σ|terms|").round(nm.acc).round(X.dtype)
-
-
 def moe_post_pre_norm(nm, acc, x, idx, weights, bank, limit, shared, X, post, comb, fn, base, scale, norm_weight,
                       args, all_reduce=None):
     """The fused MoE site as one chain of intervals: :func:`routed_experts`' interval of the routed sum, each
@@ -264,6 +257,6 @@ def moe_post_pre_norm(nm, acc, x, idx, weights, bank, limit, shared, X, post, co
     y = y.round(nm.act)
     shape = (*X.shape[:-2], X.shape[-1])
     out = Interval(y.lo.reshape(shape), y.hi.reshape(shape), y.rule)
-    Xn = _hc_post_of_interval(nm, acc, out, X, post, comb)
+    Xn = hc_post(nm, acc, out, X, post, comb)
     u2, post2, comb2 = _hc_pre(nm, acc, Xn, fn, base, scale, args, X.dtype)
     return Xn, rms_norm_interval(nm, acc, u2, norm_weight, args.norm_eps, X.dtype), post2, comb2
