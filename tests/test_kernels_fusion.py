@@ -136,3 +136,165 @@ def test_the_backends_greedy_kernel_runs_where_the_dispatch_says():
         got = ops.greedy(_poisoned(logits))
         assert all(torch.equal(u.cpu(), v) for u, v in zip(got, want))
         assert ops.calls.glue.get("greedy", 0) == int(fused) and not ops.calls.reference
+
+
+# ------------------------------------------------------------------------------------------ attention_norms, query_heads
+nrq = pytest.importorskip("dsv4lab_kernels.norm_rope_quant")
+
+
+def _attention_rows(R: int, seed: int, q_dim: int = 200):
+    """The query latent and window KV rows of ``R`` tokens (an irregular latent width), ragged positions, a ring
+    of ``R + 1`` slots whose spare one is NaN, slots in shuffled order — every input at the front of NaN."""
+    from test_kernels_glue import _tables
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = _tables()
+    d = TINY.head_dim
+    q_a = _poisoned((torch.randn(R, 1, q_dim, generator=g) * 3).to(torch.bfloat16))
+    kv = _poisoned((torch.randn(R, 1, d, generator=g) * 4).to(torch.bfloat16))
+    q_w = _poisoned(1 + 0.1 * torch.randn(q_dim, generator=g))
+    kv_w = _poisoned(1 + 0.1 * torch.randn(d, generator=g))
+    pos = torch.randint(0, cos.shape[0], (R, 1), generator=g).to(DEV)
+    ring = (torch.randn(R + 1, TINY.window_size, d, generator=g)).to(torch.bfloat16).to(DEV)
+    ring[-1] = float("nan")
+    slots = torch.randperm(R, generator=g).to(DEV)
+    return q_a, q_w, kv, kv_w, cos, sin, pos, ring, slots
+
+
+@pytest.mark.parametrize("R", [1, 3])
+def test_attention_norms_is_its_two_launches_bit_for_bit(R):
+    """q_norm and the window KV row (norm, RoPE, FP8 sim, ring write) in one grid against ``rms_norm`` and
+    ``kv_norm_rope`` launched alone: the same outputs and the same ring, the spare slot untouched (NaN), in one
+    launch instead of two; rows that disagree are refused."""
+    from dsv4lab.tools.bench.e2e import count_launches
+    q_a, q_w, kv, kv_w, cos, sin, pos, ring, slots = _attention_rows(R, 10 + R)
+    nope = TINY.head_dim - 2 * cos.shape[-1]
+    ring_alone, ring_fused = ring.clone(), ring.clone()
+    want_q = nrq.rms_norm(q_a, q_w, 1e-6)
+    want_kv = nrq.kv_norm_rope(kv, kv_w, 1e-6, cos, sin, pos, nope, True, ring_alone, slots)
+    counts, (got_q, got_kv) = count_launches(
+        lambda: nrq.attention_norms(q_a, q_w, kv, kv_w, 1e-6, cos, sin, pos, nope, True, ring_fused, slots))
+    assert counts["triton"] == 1, counts
+    assert torch.equal(got_q, want_q) and torch.equal(got_kv, want_kv)
+    assert torch.equal(ring_fused.nan_to_num(7.0), ring_alone.nan_to_num(7.0)) and ring_fused[-1].isnan().all()
+    with pytest.raises(AssertionError, match="rows"):
+        nrq.attention_norms(q_a[:1], q_w, kv, kv_w, 1e-6, cos, sin, pos, nope, True, None, None) if R > 1 else \
+            nrq.attention_norms(torch.cat([q_a, q_a]), q_w, kv, kv_w, 1e-6, cos, sin, pos, nope, True, None, None)
+
+
+@pytest.mark.parametrize("R,H", [(1, 8), (3, 5)])
+def test_query_heads_is_its_two_launches_bit_for_bit(R, H):
+    """The query heads' RMS + RoPE and the indexer's RoPE, Hadamard, FP4 sim in one grid (an irregular head count:
+    a partial head block) against ``head_rms_rope`` and ``indexer_query`` alone: the same bits, one launch."""
+    from dsv4lab.tools.bench.e2e import count_launches
+    from test_kernels_glue import _tables
+    g = torch.Generator().manual_seed(R * H)
+    cos, sin = _tables()
+    q = _poisoned((torch.randn(R, 1, H, TINY.head_dim, generator=g) * 3).to(torch.bfloat16))
+    qi = _poisoned((torch.randn(R, 1, TINY.index_n_heads, TINY.index_head_dim, generator=g) * 2).to(torch.bfloat16))
+    pos = torch.randint(0, cos.shape[0], (R, 1), generator=g).to(DEV)
+    want = nrq.head_rms_rope(q, cos, sin, pos, 1e-6), nrq.indexer_query(qi, cos, sin, pos, True)
+    counts, got = count_launches(lambda: nrq.query_heads(q, qi, cos, sin, pos, 1e-6, True))
+    assert counts["triton"] == 1, counts
+    for name, u, v in zip(("q", "qi"), got, want):
+        assert torch.equal(u, v), f"{name}: max |Δ| {(u.float() - v.float()).abs().max():.3g}"
+
+
+def test_the_backends_fused_attention_glue_equals_its_parts():
+    """``TritonOps.attention_norms`` and ``query_heads`` with their fused paths on (one launch each) against the
+    same ops off (each part on its own kernel) and against the reference composition: the same bits (the glue
+    kernels are bit-identical to the reference at these sizes), the calls say which ran."""
+    from dsv4lab.tools.bench.e2e import count_launches
+    q_a, q_w, kv, kv_w, cos, sin, pos, ring, slots = _attention_rows(2, 21, q_dim=TINY.q_lora_rank)
+    g = torch.Generator().manual_seed(5)
+    q = _poisoned((torch.randn(2, 1, 4, TINY.head_dim, generator=g) * 3).to(torch.bfloat16))
+    qi = _poisoned((torch.randn(2, 1, TINY.index_n_heads, TINY.index_head_dim, generator=g)).to(torch.bfloat16))
+    results, launches = {}, {}
+    for name, ops in (("fused", _ops(True)), ("parts", _ops(False)), ("reference", ReferenceOps(Numerics()))):
+        r = ring.clone()
+        counts, out = count_launches(lambda: (ops.attention_norms(q_a, q_w, kv, kv_w, 1e-6, cos, sin, pos, r, slots),
+                                              ops.query_heads(q, qi, cos, sin, pos, 1e-6)))
+        results[name], launches[name] = (*out[0], r, *out[1]), counts["triton"]
+        if name != "reference":
+            assert not ops.calls.reference, ops.report()
+            fused = ops.calls.glue.get("attention_norms", 0), ops.calls.glue.get("query_heads", 0)
+            assert fused == ((1, 1) if name == "fused" else (0, 0)), ops.report()
+    assert (launches["fused"], launches["parts"]) == (2, 4), launches
+    for other in ("parts", "reference"):
+        for i, (u, v) in enumerate(zip(results["fused"], results[other])):
+            assert torch.equal(u.cpu().nan_to_num(7.0), v.cpu().nan_to_num(7.0)), f"output {i} against {other}"
+
+
+# ------------------------------------------------------------------------------------------ shared_swiglu
+gemv = pytest.importorskip("dsv4lab_kernels.fp8_gemv")
+swiglu_kernels = pytest.importorskip("dsv4lab_kernels.swiglu")
+
+
+@pytest.mark.parametrize("route,fmt,M,K,split,limit", [
+    ("fma", "fp8", 1, 200, 2, 10.0), ("fma", "fp8", 3, 384, 1, 0.0), ("dot", "fp8", 5, 320, 3, 10.0),
+    ("fma", "bf16", 2, 96, 1, 10.0), ("dot", "bf16", 1, 256, 2, 0.0)])
+def test_shared_swiglu_in_the_down_projections_prologue_is_bit_for_bit(route, fmt, M, K, split, limit):
+    """The shared expert's activation computed in the GEMV's prologue (``swiglu=(u, limit)``) against the
+    activation's own launch then the GEMV, for both routes, FP8 and BF16 weights, clamped (limit > 0) or not,
+    irregular K, split-K: the same bits from one launch instead of two. Gate and up sit at the front of NaN."""
+    from dsv4lab.tools.bench.e2e import count_launches
+    from dsv4lab.tools.verify.registry import make_linear
+    g = torch.Generator().manual_seed(M * K + split)
+    lin = make_linear(fmt, 160, K, g)
+    gate = poisoned_x((torch.randn(M, K, generator=g) * 4).to(torch.bfloat16))
+    up = poisoned_x((torch.randn(M, K, generator=g) * 4).to(torch.bfloat16))
+    if limit:  # a few values beyond the clamp
+        gate[0, :5], up[-1, -3:] = 12.0, -15.0
+    geo = gemv.GemvGeometry(block_n=32, block_k=128, split_k=split)
+    scale, aq = (lin.scale, True) if fmt == "fp8" else (None, False)
+    h = swiglu_kernels.swiglu(gate, up, limit)
+    want = gemv.fp8_gemv(h, lin.weight, scale, act_quant=aq, route=route, geometry=geo)
+    counts, got = count_launches(lambda: gemv.fp8_gemv(gate, lin.weight, scale, act_quant=aq, route=route,
+                                                       geometry=geo, swiglu=(up, limit)))
+    assert counts["triton"] == 1, counts
+    assert torch.equal(got, want), f"max |Δ| {(got.float() - want.float()).abs().max():.3g}"
+
+
+def test_shared_swiglu_prologue_refuses_what_it_cannot_compute():
+    from dsv4lab.tools.verify.registry import make_linear
+    g = torch.Generator().manual_seed(0)
+    lin = make_linear("fp8", 128, 256, g)
+    x = torch.randn(2, 256, generator=g).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="prequant"):
+        gemv.fp8_gemv(x, lin.weight, lin.scale, route="dot", geometry=gemv.GemvGeometry(prequant=True),
+                      swiglu=(x, 10.0))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        gemv.fp8_gemv(x, lin.weight, lin.scale, swiglu=(x.float(), 10.0))
+    with pytest.raises(ValueError, match="no segments"):
+        gemv.fp8_gemv(x, lin.weight, lin.scale, swiglu=(x, 10.0), segments=(64, 64))
+
+
+def test_the_backends_shared_expert_runs_its_activation_in_the_down_projection():
+    """``TritonOps.expert_mlp`` (the shared expert at decode rows) with ``shared_swiglu`` on: one launch fewer than
+    with it off, the same bits; with a tuned ``prequant`` geometry for the down projection the activation keeps
+    its own launch (that route quantizes ``x`` in a kernel of its own)."""
+    from dsv4lab.engine.decode_groups import group
+    from dsv4lab.tools.bench.e2e import count_launches
+    from dsv4lab.tools.verify.registry import make_linear
+    g = torch.Generator().manual_seed(4)
+    D, inter = 256, 128
+    w1, w3, w2 = make_linear("fp8", inter, D, g), make_linear("fp8", inter, D, g), make_linear("fp8", D, inter, g)
+    group((w1, w3))
+    x = poisoned_x((torch.randn(2, 1, D, generator=g) * 3).to(torch.bfloat16))
+    outs, launches = {}, {}
+    for fused in (True, False):
+        ops = _ops(fused)
+        counts, outs[fused] = count_launches(lambda: ops.expert_mlp(x, w1, w2, w3, LIMIT, shared=True))
+        launches[fused] = counts["triton_kernels"]
+        assert not ops.calls.reference, ops.report()
+    assert launches[False]["_swiglu_kernel"] == 1 and "_swiglu_kernel" not in launches[True], launches
+    assert sum(launches[False].values()) - sum(launches[True].values()) == 1
+    assert torch.equal(outs[True], outs[False])
+    from dsv4lab.engine.dispatch import INTERPRETER_DEFAULTS, Dispatch, Tuned, shape_key
+    from dsv4lab.engine.triton_backend import TritonOps
+    from test_dispatch import _doc
+    prequant = Tuned(_doc(**{"decode.gemv": [dict(shape=shape_key(D, inter, 1, "fp8", True), rows=2, choice=dict(
+        impl="triton", route="dot", block_n=32, block_k=128, prequant=True))]}), "t.json")
+    ops = TritonOps(Numerics(), Dispatch(prequant, INTERPRETER_DEFAULTS))
+    counts, out = count_launches(lambda: ops.expert_mlp(x, w1, w2, w3, LIMIT, shared=True))
+    assert counts["triton_kernels"]["_swiglu_kernel"] == 1 and counts["triton_kernels"]["_act_quant_kernel"] == 1
+    assert not ops.calls.reference, ops.report()  # (that route's precision: test_kernels_gemv.py)

@@ -316,15 +316,18 @@ class StaticDecodeStep:
         pos = positions[:, None]  # [R, 1]: the query positions, as the reference's [b, n]
 
         q_a, kv = ops.linear_group(x, (attn.wq_a, attn.wkv))
-        qr = ops.rms_norm(q_a, attn.q_norm.weight, eps)
+        # q_norm, and the window KV row into the ring before any query reads it (the ring has room: module doc)
+        qr, _ = ops.attention_norms(q_a, attn.q_norm.weight, kv, attn.kv_norm.weight, eps, attn.cos, attn.sin, pos,
+                                    ring=attn.win_kv, slots=slots)
         idx = attn.indexer
         if idx is not None:
             q, qi = ops.linear_group(qr, (attn.wq_b, idx.wq_b))
+            # the query heads and the indexer's (Indexer.queries): one op
+            q, qi = ops.query_heads(q.view(R, 1, H, d), qi.view(R, 1, idx.n_local_heads, idx.head_dim), attn.cos,
+                                    attn.sin, pos, eps)
+            qi = qi[:, 0]
         else:
-            q = ops.linear(qr, attn.wq_b)
-        q = ops.head_rms_rope(q.view(R, 1, H, d), attn.cos, attn.sin, pos, eps)
-        # every row's KV goes into the window ring before any query reads it (the ring has room: module doc)
-        ops.kv_norm_rope(kv, attn.kv_norm.weight, eps, attn.cos, attn.sin, pos, ring=attn.win_kv, slots=slots)
+            q = ops.head_rms_rope(ops.linear(qr, attn.wq_b).view(R, 1, H, d), attn.cos, attn.sin, pos, eps)
         # each compressor's kv and score projections, all of them from one op; then its step (indexer keys first)
         comps = [(c, cache) for c, cache in ((idx.compressor if idx is not None else None, attn.ikv),
                                             (attn.compressor, attn.ckv)) if c is not None]
@@ -340,8 +343,7 @@ class StaticDecodeStep:
                                         positions.view(-1, T), rows.seq_slots, cache, attn.cos, attn.sin)
 
         cmp_rows = None
-        if idx is not None:  # Indexer.queries and head_weights on the projections above
-            qi = ops.indexer_query(qi.view(R, 1, idx.n_local_heads, idx.head_dim), attn.cos, attn.sin, pos)[:, 0]
+        if idx is not None:  # Indexer.head_weights on the projection above
             w = ops.linear(x[:, 0], idx.weights_proj)  # its scale is applied in the op
             cmp_rows = ops.indexer_select_decode(qi, w, attn.ikv, slots, positions, a.index_topk,
                                                  all_reduce=self.attn_reduce, w_scale=a.index_scale)

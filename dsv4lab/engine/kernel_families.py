@@ -311,11 +311,20 @@ class Fusion:
 FUSIONS = (
     Fusion("moe_site", "moe_post_pre_norm", "mhc.hc_post_pre_norm", ("_moe_combine_kernel", "_moe_output_kernel"), 2),
     Fusion("greedy", "greedy", "greedy.greedy_ids", ("argmax", "isfinite", "all", "where"), 3),
+    Fusion("attention_norms", "attention_norms", "norm_rope_quant.attention_norms",
+           ("_rms_norm_kernel", "_kv_norm_rope_kernel"), 1),
+    Fusion("query_heads", "query_heads", "norm_rope_quant.query_heads",
+           ("_head_rms_rope_kernel", "_indexer_query_kernel"), 1),
+    Fusion("shared_swiglu", "expert_mlp", "fp8_gemv.fp8_gemv", ("_swiglu_kernel",), 1),
 )
 """The decode step's fused paths (the dispatch turns each on or off per device: ``Defaults.fusions`` and the tuned
 file's ``decode.fusion``): ``moe_site`` sums the routed slots and the shared experts' outputs in the prologue of the
 mHC site after a MoE (per layer but the last); ``greedy`` makes the step's greedy choice in one kernel instead of
-torch's four (once per step, inside the captured graph either way)."""
+torch's four (once per step, inside the captured graph either way); ``attention_norms`` runs q_norm and the window
+KV row's norm, RoPE and ring write in one grid (every layer), ``query_heads`` the query heads' RMS and RoPE with the
+indexer's query RoPE, Hadamard and FP4 simulation (every CSA layer) — each program one op's own body;
+``shared_swiglu`` computes the shared expert's activation in the prologue of its down projection's GEMV (every layer,
+where that projection takes the own GEMV without a separate quantization launch)."""
 FUSION_NAMES = tuple(f.name for f in FUSIONS)
 
 # ============================================================================================ prefill

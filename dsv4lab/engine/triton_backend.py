@@ -83,7 +83,7 @@ greedy_kernels = kernel_module("greedy")
 # The fused glue ops (row-parallel kernels for any row count).
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
             "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope",
-            "moe_output", "greedy", "moe_post_pre_norm")
+            "moe_output", "greedy", "moe_post_pre_norm", "attention_norms", "query_heads")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
@@ -637,6 +637,26 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.indexer_query(self, qi, cos, sin, positions)
         return nrq.indexer_query(qi, cos, sin, positions, self.numerics.indexer_fp4_sim)
 
+    def _fused_glue(self, name: str, op: str, rows: int, *tensors: torch.Tensor) -> bool:
+        """Whether the fused path ``name`` runs this call of ``op`` (counted on its glue kernel): the dispatch turns
+        it on at ``rows`` rows and the glue kernels take the tensors. Off, the op's reference composition runs its
+        parts, each on its own kernel — not a fallback."""
+        if not self.config.fused(name, rows):
+            return False
+        return self._glue(op, *tensors)
+
+    def attention_norms(self, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring=None, slots=None):
+        if not self._fused_glue("attention_norms", "attention_norms", q_a.numel() // q_a.shape[-1], q_a, kv):
+            return ReferenceOps.attention_norms(self, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring,
+                                                slots)
+        return nrq.attention_norms(q_a, q_weight, kv, kv_weight, eps, cos, sin, positions,
+                                   kv.shape[-1] - 2 * cos.shape[-1], self.numerics.kv_fp8_sim, ring, slots)
+
+    def query_heads(self, q, qi, cos, sin, positions, eps):
+        if not self._fused_glue("query_heads", "query_heads", q.numel() // (q.shape[-1] * q.shape[-2]), q, qi):
+            return ReferenceOps.query_heads(self, q, qi, cos, sin, positions, eps)
+        return nrq.query_heads(q, qi, cos, sin, positions, eps, self.numerics.indexer_fp4_sim)
+
     def indexer_select_decode(self, qi, w, keys, slots, positions, topk, all_reduce=None, w_scale=1.0,
                               geometry=None):
         """The fused kernel (:mod:`dsv4lab_kernels.indexer_decode`), or the one split over the key axis where the
@@ -681,7 +701,28 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             g, u = self._stacked_gemv(x, grp, self.numerics.act, self.numerics.act_quant and w1.act_quant)
         else:
             g, u = self.linear(x, w1), self.linear(x, w3)
+        if weight is None and self.config.fused("shared_swiglu", rows):
+            out = self._down_after_swiglu(g, u, limit, w2)
+            if out is not None:
+                return out
         return self.linear(act_kernels.swiglu(g, u, limit, weight), w2)
+
+    def _down_after_swiglu(self, g, u, limit, w2: Linear) -> torch.Tensor | None:
+        """The shared expert's down projection with its activation computed in the GEMV's prologue (the fused path
+        ``shared_swiglu``) where the projection takes the own GEMV without a separate activation quantization
+        (cuBLAS and the ``dot`` route's ``prequant`` quantize ``x`` in a launch of their own); else None."""
+        rows = g.numel() // max(g.shape[-1], 1)
+        if self._unsupported(rows, g, w2.weight) is not None or w2.fmt not in ("fp8", "bf16", "f32"):
+            return None
+        nm = self.numerics
+        aq = nm.act_quant and w2.act_quant
+        impl, route, geo = self.gemv_choice(w2.out_features, w2.in_features, rows,
+                                            weight="fp8" if w2.fmt == "fp8" else "bf16", act_quant=aq)
+        if impl.startswith("cublas") or (route == "dot" and geo.prequant and aq):
+            return None
+        self._decode("linear")
+        return gemv.fp8_gemv(g, w2.weight, w2.scale if w2.fmt == "fp8" else None, act_quant=aq, out_dtype=nm.act,
+                             route=route, geometry=geo, swiglu=(u, limit))
 
     # ------------------------------------------------------------------ accumulation models (for verification)
     def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:

@@ -44,6 +44,8 @@ import triton.language as tl
 from .formats import RNE_MAGIC, e8m0_to_f32, interpreting, round_to_bf16
 from .tickets import counters, take_ticket
 from .launch import pdl_args, pdl_prologue
+from .rowops import to_act
+from .swiglu import shared_swiglu
 from dsv4lab.core import quant
 
 ROUTES = ("fma", "dot")
@@ -115,6 +117,31 @@ def _x_block(x_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT: tl.constexpr, NB: tl.c
 
 
 @triton.jit
+def _x_in(x_ptr, u_ptr, m, m_ok, stride_xm, k0, K, limit, ACT_QUANT: tl.constexpr, SWIGLU: tl.constexpr,
+          CLAMP: tl.constexpr, ROUND_BF16: tl.constexpr, NB: tl.constexpr):
+    """:func:`_x_block` of the kernel's input: ``x`` itself, or (``SWIGLU``) the shared expert's activation
+    ``act(silu(min(g, L)) · clamp(u, ±L))`` of the gate ``g`` at ``x_ptr`` and the up projection ``u`` at ``u_ptr``
+    (:func:`.swiglu.shared_swiglu`, rounded to act as :func:`.swiglu.swiglu` stores it), then quantized as ``x``."""
+    if SWIGLU:
+        b = tl.arange(0, NB)
+        i = tl.arange(0, 128)
+        k = k0 + b[None, :, None] * 128 + i[None, None, :]
+        k_end = tl.where(m_ok, K, 0)
+        off = m[:, None, None] * stride_xm + k
+        keep = k < k_end[:, None, None]
+        g = tl.load(x_ptr + off, mask=keep, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + off, mask=keep, other=0.0).to(tl.float32)
+        x = to_act(shared_swiglu(g, u, limit, CLAMP), ROUND_BF16)
+        if ACT_QUANT:
+            q, s = quantize_e4m3_split(x, tl.max(tl.abs(x), axis=2)[:, :, None])
+            return q, tl.reshape(s, (s.shape[0], NB))
+        else:
+            return x, tl.full((x.shape[0], NB), 1.0, tl.float32)
+    else:
+        return _x_block(x_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT, NB)
+
+
+@triton.jit
 def _xq_block(q_ptr, sq_ptr, m, m_ok, stride_qm, stride_sk, k0, K, NB: tl.constexpr):
     """:func:`_x_block` of rows quantized beforehand (:func:`act_quant_fp8`): E4M3 values ``q [M, K]`` and scales
     ``[K/128, M]`` (``stride_sk`` between 128-blocks)."""
@@ -150,9 +177,11 @@ def _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8: tl.const
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
                      M, N, K, n_per_group, stride_xm, stride_xg, stride_xs, stride_wn, stride_sn, SPLIT_K, B1, B2, B3,
+                     u_ptr, limit,
                      W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, PREQUANT: tl.constexpr, ROUTE: tl.constexpr,
                      OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, BLOCK_S: tl.constexpr,
+                     SWIGLU: tl.constexpr = False, CLAMP: tl.constexpr = False, X_BF16: tl.constexpr = False,
                      PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
@@ -185,7 +214,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
                 k = k0 + kk
                 w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
                             other=0.0).to(tl.float32)
-                x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, k_end, ACT_QUANT, NB)
+                x, sx = _x_in(xg_ptr, u_ptr, m, m_ok, stride_xm, k0, k_end, limit, ACT_QUANT, SWIGLU, CLAMP, X_BF16, NB)
                 if W_FP8:
                     kb = k0 // 128 + tl.arange(0, NB)
                     sw = tl.load(s_ptr + srow * stride_sn + kb, mask=kb * 128 < k_end, other=127).to(tl.int32)
@@ -202,7 +231,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
                 if PREQUANT:
                     x, sx = _xq_block(xg_ptr, xsg_ptr, m, m_ok, stride_xm, stride_xs, k0, K, 1)
                 else:
-                    x, sx = _x_block(xg_ptr, m, m_ok, stride_xm, k0, K, ACT_QUANT, 1)
+                    x, sx = _x_in(xg_ptr, u_ptr, m, m_ok, stride_xm, k0, K, limit, ACT_QUANT, SWIGLU, CLAMP, X_BF16, 1)
                 w2 = tl.reshape(w, (BN, 128))
                 x2 = tl.reshape(x, (TQ, 128))
                 sx1 = tl.reshape(sx, (TQ,))
@@ -284,7 +313,8 @@ def token_blocks(M: int, route: str, rows_per_program: int = 16) -> tuple[int, i
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
              out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, route: str = "fma",
-             geometry: GemvGeometry | None = None, segments: tuple[int, ...] | None = None):
+             geometry: GemvGeometry | None = None, segments: tuple[int, ...] | None = None,
+             swiglu: tuple[torch.Tensor, float] | None = None):
     """``x [..., G·K_g] @ Wᵀ`` for an E4M3 (``scale`` given) or BF16/fp32 (``scale=None``) weight ``[N, K_g]``.
 
     ``groups > 1``: ``x`` is ``[..., G, K_g]`` flattened, row block ``g`` of ``W`` (``N/G`` rows) applies to
@@ -293,6 +323,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     ``segments`` (sizes summing to ``N``, at most 4): ``W`` is several projections of the same input stored one
     after the other (:mod:`dsv4lab.engine.decode_groups`); one launch computes them all and returns a tuple of
     contiguous ``[..., size]`` outputs, one per projection.
+
+    ``swiglu = (u, limit)``: the input is the shared expert's activation of the gate ``x`` and the up projection
+    ``u`` (same shape and dtype, bf16 or fp32), computed in the prologue exactly as :func:`.swiglu.swiglu` computes
+    it (no routing weight) — the down projection without the activation's own launch. One group, no segments, not
+    with ``prequant`` (its separate quantization kernel reads ``x`` as it is).
     """
     if route not in ROUTES:
         raise ValueError(f"fp8_gemv: unknown route {route!r}; known: {', '.join(ROUTES)}")
@@ -309,6 +344,15 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
+    u2, limit = x2, 0.0
+    if swiglu is not None:
+        up, limit = swiglu
+        if up.shape != x.shape or up.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"fp8_gemv: the swiglu prologue takes gate and up of one shape and dtype (bf16 or fp32), "
+                             f"got {tuple(x.shape)} {x.dtype} and {tuple(up.shape)} {up.dtype}")
+        if groups > 1 or segments is not None:
+            raise ValueError("fp8_gemv: the swiglu prologue computes one projection (no groups, no segments)")
+        u2 = up.reshape(-1, Kg).contiguous()
     if not weight.is_contiguous():
         raise ValueError("fp8_gemv: the weight must be contiguous")
     w_fp8 = scale is not None
@@ -349,6 +393,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = counters(x.device, grid[0] * grid[2]) if split > 1 else out
     prequant = g.prequant and act_quant and route == "dot"
+    if prequant and swiglu is not None:
+        raise ValueError("fp8_gemv: the swiglu prologue does not run with prequant (the quantization kernel would "
+                         "read the gate, not the activation)")
     if prequant:
         if groups > 1 and Kg % 128:
             raise ValueError(f"fp8_gemv: prequant of a grouped projection needs K per group a multiple of 128 "
@@ -359,10 +406,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
         xs = x2
     b1, b2, b3 = (bounds + [N, N, N])[:3]
     _fp8_gemv_kernel[grid](x2, xs, weight, s, out, part, cnt, M, N, Kg, n_per_group, x2.stride(0), Kg, M,
-                           weight.stride(0), stride_sn, split, b1, b2, b3, W_FP8=w_fp8, ACT_QUANT=act_quant and not prequant,
+                           weight.stride(0), stride_sn, split, b1, b2, b3, u2, float(limit), W_FP8=w_fp8,
+                           ACT_QUANT=act_quant and not prequant,
                            PREQUANT=prequant, ROUTE=ROUTES.index(route), OUT_BF16=out_dtype == torch.bfloat16,
                            DOT_FP32=interpreting(), TQ=tq, TP=tp, BN=block_n, BK=g.block_k, KU=max(1, g.unroll),
-                           BLOCK_S=max(2, triton.next_power_of_2(split)), num_warps=g.num_warps,
+                           BLOCK_S=max(2, triton.next_power_of_2(split)), SWIGLU=swiglu is not None,
+                           CLAMP=limit > 0, X_BF16=x.dtype == torch.bfloat16, num_warps=g.num_warps,
                            num_stages=g.num_stages, **pdl_args(x2.device))
     if segments is None:
         return out.view(*lead, N)

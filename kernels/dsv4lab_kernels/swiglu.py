@@ -21,6 +21,18 @@ from .launch import pdl_args, pdl_prologue
 
 
 @triton.jit
+def shared_swiglu(g, u, limit, CLAMP: tl.constexpr):
+    """``silu(min(g, L)) · clamp(u, ±L)`` in fp32 (before any routing weight and the rounding to act) from fp32
+    ``g, u``: the body of :func:`_swiglu_kernel` and of the shared down projection's prologue
+    (:mod:`.fp8_gemv`, ``SWIGLU``) — one definition, so the two agree bit for bit."""
+    if CLAMP:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    g64 = g.to(tl.float64)
+    return (g64 / (1.0 + tl.exp(-g64))).to(tl.float32) * u
+
+
+@triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, N, limit, HAS_WEIGHT: tl.constexpr, CLAMP: tl.constexpr,
                    ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
@@ -28,11 +40,7 @@ def _swiglu_kernel(g_ptr, u_ptr, w_ptr, o_ptr, N, limit, HAS_WEIGHT: tl.constexp
     m = i < N
     g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
-    if CLAMP:
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        g = tl.minimum(g, limit)
-    g64 = g.to(tl.float64)
-    h = (g64 / (1.0 + tl.exp(-g64))).to(tl.float32) * u
+    h = shared_swiglu(g, u, limit, CLAMP)
     if HAS_WEIGHT:
         h = tl.load(w_ptr + i, mask=m, other=0.0) * h
     tl.store(o_ptr + i, to_act(h, ROUND_BF16).to(o_ptr.dtype.element_ty), mask=m)
@@ -79,4 +87,4 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float, weight: torch.Tensor 
     return out
 
 
-__all__ = ["swiglu", "routed_swiglu", "routed_swiglu_fp8"]
+__all__ = ["swiglu", "shared_swiglu", "routed_swiglu", "routed_swiglu_fp8"]

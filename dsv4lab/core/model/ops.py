@@ -367,6 +367,23 @@ class ReferenceOps:
         qi = quant.hadamard_transform(qi)
         return quant.fp4_qdq(qi, 32) if self.numerics.indexer_fp4_sim else qi
 
+    def attention_norms(self, q_a: torch.Tensor, q_weight: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Tensor,
+                        eps: float, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                        ring: torch.Tensor | None = None,
+                        slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's two norms after its first projections, as one op: :meth:`rms_norm` of the query latent
+        ``q_a`` (``q_norm``) and :meth:`kv_norm_rope` of the window KV row ``kv`` (its ring write included) →
+        ``(qr, kv')``. A fast backend runs both in one launch (the decode step's fused path ``attention_norms``)."""
+        return self.rms_norm(q_a, q_weight, eps), self.kv_norm_rope(kv, kv_weight, eps, cos, sin, positions, ring,
+                                                                     slots)
+
+    def query_heads(self, q: torch.Tensor, qi: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    positions: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query heads and the indexer's query heads of the same rows, as one op: :meth:`head_rms_rope` of ``q``
+        and :meth:`indexer_query` of ``qi`` → ``(q', qi')``. A fast backend runs both in one launch (the decode
+        step's fused path ``query_heads``)."""
+        return self.head_rms_rope(q, cos, sin, positions, eps), self.indexer_query(qi, cos, sin, positions)
+
     def indexer_select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                               positions: torch.Tensor, topk: int, all_reduce=None,
                               w_scale: float = 1.0) -> torch.Tensor:

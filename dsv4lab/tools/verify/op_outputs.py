@@ -1,7 +1,7 @@
 """What one call of an op outputs: its return value and, for the ops that write state in place, what they write.
 
-Two ops of the decode step write in place, as their fused kernels store where a result belongs: ``kv_norm_rope``
-writes the window KV row into the ring it is given; ``compressor_step`` advances the compressor's two rings (module
+Three ops of the decode step write in place, as their fused kernels store where a result belongs: ``kv_norm_rope``
+(and ``attention_norms``, which contains it) writes the window KV row into the ring it is given; ``compressor_step`` advances the compressor's two rings (module
 state) and writes the entries it finishes into the compressed cache (and returns nothing). Verification compares
 what a call writes, so :data:`IN_PLACE` lists each such op's written state, and:
 
@@ -38,6 +38,7 @@ class InPlace:
 
 IN_PLACE = {
     "kv_norm_rope": InPlace(tensors=("ring",)),
+    "attention_norms": InPlace(tensors=("ring",)),  # q_norm's and kv_norm_rope's returns, then the ring
     "compressor_step": InPlace(tensors=("cache",), module_state=(("comp", "kv_ring"), ("comp", "score_ring")),
                                returns=False),
 }
@@ -94,7 +95,7 @@ def written(op: str, args: tuple, kwargs: dict, returned) -> tuple:
     if spec is None:
         return returned if isinstance(returned, tuple) else (returned,)
     a = _bind(op, args, kwargs).arguments
-    out = (returned,) if spec.returns else ()
+    out = (returned if isinstance(returned, tuple) else (returned,)) if spec.returns else ()
     out += tuple(a[n] for n in spec.tensors if a[n] is not None)
     return out + tuple(getattr(a[arg], attr) for arg, attr in spec.module_state)
 

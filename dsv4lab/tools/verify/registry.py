@@ -347,6 +347,21 @@ def _make_indexer_query(s, gen, device, nm):
     return (qi, cos, sin, _positions(gen, (s["b"], s["s"]), cos.shape[0], device))
 
 
+def _make_attention_norms(s, gen, device, nm):
+    """The query latent's rows and the window KV rows of the same tokens (with ``ring``: one token per row, written
+    into a ring whose spare slot is NaN-poisoned)."""
+    kv, kv_w, eps, cos, sin, pos, *ring = _make_kv_norm_rope(s, gen, device, nm)
+    q_a = _x(gen, (*kv.shape[:-1], s["q"]), nm, device, 3.0)
+    q_w = (1 + 0.1 * torch.randn(s["q"], generator=gen)).to(device)
+    return (q_a, q_w, kv, kv_w, eps, cos, sin, pos, *ring)
+
+
+def _make_query_heads(s, gen, device, nm):
+    q, cos, sin, pos, eps = _make_head_rms_rope(s, gen, device, nm)
+    qi = _x(gen, (s["b"], s["s"], TINY.index_n_heads, TINY.index_head_dim), nm, device, 2.0)
+    return (q, qi, cos, sin, pos, eps)
+
+
 def _make_indexer_select_decode(s, gen, device, nm):
     """One query per row over its slot's index-key cache; the keys no row can see yet are NaN-poisoned."""
     b, T = len(s["positions"]), s["T"]
@@ -532,6 +547,11 @@ FUSED_OPS = [
            "fused chain", "window KV: RMSNorm, RoPE, FP8 sim (and its write into the ring)"),
     OpCase("indexer_query", "indexer_query", _make_indexer_query, [dict(b=1, s=1), dict(b=2, s=3)],
            "fused chain", "indexer q: RoPE, Hadamard, FP4 sim"),
+    OpCase("attention_norms", "attention_norms", _make_attention_norms,
+           [dict(b=2, s=5, q=192), dict(b=3, ring=True, q=96)], "fused chain",
+           "q norm and the window KV row's norm, RoPE, FP8 sim (and ring write) in one launch"),
+    OpCase("query_heads", "query_heads", _make_query_heads, [dict(b=1, s=1, h=8), dict(b=2, s=3, h=3)],
+           "fused chain", "query heads' RMS + RoPE and the indexer's RoPE, Hadamard, FP4 sim in one launch"),
     OpCase("indexer_select_decode", "indexer_select_decode", _make_indexer_select_decode,
            [dict(positions=[150, 299], T=75, k=16), dict(positions=[2, 9, 40], T=30, k=16)],
            "top-k set (score intervals)", "indexer scores + top-k from the key cache, one query per row"),

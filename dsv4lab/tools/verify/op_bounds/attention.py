@@ -8,7 +8,7 @@ import torch
 from dsv4lab.core import quant
 from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.tools.verify.bounds import Interval, elementwise_roundoff, gamma, unit_roundoff
-from dsv4lab.tools.verify.op_bounds.elementwise import head_rms, rms_norm_interval, rope_interval
+from dsv4lab.tools.verify.op_bounds.elementwise import head_rms, rms_norm, rms_norm_interval, rope_interval
 from dsv4lab.tools.verify.op_bounds.intervals import (EXACT, F64, FP32_MIN_NORMAL, as_f64, exp_error, fp4_qdq_interval,
                                                       fp8_qdq_interval, point)
 from dsv4lab.tools.verify.op_outputs import private_arguments
@@ -190,6 +190,19 @@ def indexer_query(nm, acc, qi, cos, sin, positions):
     iv = rope_interval(acc, point(qi), cos[positions][..., None, :], sin[positions][..., None, :], out_dtype=qi.dtype)
     iv = hadamard_interval(acc, iv, qi.dtype)
     return fp4_qdq_interval(iv, 32).round(qi.dtype) if nm.indexer_fp4_sim else iv
+
+
+def attention_norms(nm, acc, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring=None, slots=None):
+    """Its parts' bounds side by side: :func:`~.elementwise.rms_norm` of the query latent, then
+    :func:`kv_norm_rope`'s (the KV row, and the ring after the write when there is one)."""
+    kv_part = kv_norm_rope(nm, acc, kv, kv_weight, eps, cos, sin, positions, ring, slots)
+    return (rms_norm(nm, acc, q_a, q_weight, eps), *(kv_part if isinstance(kv_part, tuple) else (kv_part,)))
+
+
+def query_heads(nm, acc, q, qi, cos, sin, positions, eps):
+    """Its parts' bounds side by side: :func:`head_rms_rope` of the query heads, :func:`indexer_query` of the
+    indexer's."""
+    return head_rms_rope(nm, acc, q, cos, sin, positions, eps), indexer_query(nm, acc, qi, cos, sin, positions)
 
 
 class _Capture(ReferenceOps):
