@@ -165,13 +165,14 @@ def test_fused_static_step_on_the_triton_kernels(capsys, layer_cut):
     layers = tri.args.n_layers
     # the interpreter's default runs every fused path (kernel_families.FUSIONS); turned off, the same bits from
     # the unfused launches: moe_site's two per layer but the last, attention_norms' and shared_swiglu's one per
-    # layer, query_heads' one per layer with an indexer (greedy is not part of the step's logits)
+    # layer, query_heads' and compressor_pair's one each per layer with an indexer (greedy is not part of the
+    # step's logits)
     tri.ops.config = Dispatch(Tuned(dict(schema=SCHEMA, gpu="interpreter", sources={"t": {}}, ops={"decode.fusion": [
         dict(rows=64, source="t", choice={n: False for n in FUSION_NAMES})]}), "off.json"), INTERPRETER_DEFAULTS)
     unfused_counts, unfused = count_launches(lambda: step(tok, pos, torch.tensor([0, 1])))
     assert torch.equal(got, unfused), f"max |Δ| {(got - unfused).abs().max():.3g}"
     with_indexer = sum(blk.attn.indexer is not None for blk in tri.model.layers)
-    saved = 2 * (layers - 1) + 2 * layers + with_indexer
+    saved = 2 * (layers - 1) + 2 * layers + 2 * with_indexer
     assert unfused_counts["triton"] - counts["triton"] == saved, (unfused_counts, counts)
     with capsys.disabled():
         print(f"\n[decode step, tiny's first 3 layers, b=2] first call: {first['triton']} Triton launches + "

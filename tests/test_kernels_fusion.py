@@ -298,3 +298,77 @@ def test_the_backends_shared_expert_runs_its_activation_in_the_down_projection()
     counts, out = count_launches(lambda: ops.expert_mlp(x, w1, w2, w3, LIMIT, shared=True))
     assert counts["triton_kernels"]["_swiglu_kernel"] == 1 and counts["triton_kernels"]["_act_quant_kernel"] == 1
     assert not ops.calls.reference, ops.report()  # (that route's precision: test_kernels_gemv.py)
+
+
+# ------------------------------------------------------------------------------------------ compressor_pair
+cmp_decode = pytest.importorskip("dsv4lab_kernels.compressor_decode")
+
+
+def _compressor_pair_case(positions, seed: int, tokens: int = 1):
+    """A CSA layer's two compressors (indexer keys, main entries) with random rings and NaN-poisoned caches
+    (``registry._make_compressor_pair``); with ``tokens > 1`` each row carries that many consecutive tokens."""
+    from dsv4lab.tools.verify.registry import _make_compressor_pair
+    g = torch.Generator().manual_seed(seed)
+    ca, kva, sca, cache_a, cb, kvb, scb, cache_b, pos, slots, cos, sin = _make_compressor_pair(
+        dict(ratio=4, positions=positions), g, DEV, Numerics())
+    if tokens > 1:
+        pos = pos[:, None] + torch.arange(tokens, device=DEV)[None, :]
+        kva, sca, kvb, scb = (torch.randn(*t.shape[:1], tokens, t.shape[-1], generator=g).to(DEV) * 2
+                              for t in (kva, sca, kvb, scb))
+    return ca, kva, sca, cache_a, cb, kvb, scb, cache_b, pos, slots, cos, sin
+
+
+def _call(comp, kv, score, positions, slots, cache, cos, sin):
+    nm = Numerics()
+    return cmp_decode.CompressorCall(kv, score, comp.ape, positions, slots, comp.kv_ring, comp.score_ring, cache,
+                                     comp.norm.weight, cos, sin, comp.ratio, comp.overlap, comp.args.norm_eps,
+                                     comp.is_indexer, nm.indexer_fp4_sim if comp.is_indexer else nm.kv_fp8_sim)
+
+
+def _state(comp, cache):
+    return [t.clone().nan_to_num(7.0) for t in (cache, comp.kv_ring, comp.score_ring)]
+
+
+@pytest.mark.parametrize("positions,tokens", [([3, 10, 126], 1), ([5, 13], 3)])
+def test_compressor_pair_is_its_two_steps_bit_for_bit(positions, tokens):
+    """Both compressors of a CSA layer in one grid against :func:`compressor_step` of each: the same caches (rows
+    of completed blocks written, NaN poison elsewhere kept) and rings, one launch; at one token per row and at
+    three (a block completed mid-step)."""
+    import copy
+    from dsv4lab.tools.bench.e2e import count_launches
+    ca, kva, sca, cache_a, cb, kvb, scb, cache_b, pos, slots, cos, sin = _compressor_pair_case(positions, tokens,
+                                                                                               tokens)
+    alone = [copy.deepcopy(x) for x in (ca, cache_a, cb, cache_b)]
+    a_comp, a_cache, b_comp, b_cache = alone
+    for comp, kv, sc, cache in ((a_comp, kva, sca, a_cache), (b_comp, kvb, scb, b_cache)):
+        cmp_decode.compressor_step(*(getattr(_call(comp, kv, sc, pos, slots, cache, cos, sin), f)
+                                     for f in cmp_decode.CompressorCall.__dataclass_fields__))
+    counts, _ = count_launches(lambda: cmp_decode.compressor_pair(_call(ca, kva, sca, pos, slots, cache_a, cos, sin),
+                                                                  _call(cb, kvb, scb, pos, slots, cache_b, cos, sin)))
+    assert counts["triton"] == 1, counts
+    for name, got, want in (("indexer", _state(ca, cache_a), _state(a_comp, a_cache)),
+                            ("main", _state(cb, cache_b), _state(b_comp, b_cache))):
+        for part, u, v in zip(("cache", "kv ring", "score ring"), got, want):
+            assert torch.equal(u, v), f"{name} {part}: max |Δ| {(u - v).abs().max():.3g}"
+    assert not torch.equal(_state(ca, cache_a)[0], torch.full_like(cache_a, 7.0))  # an entry was written
+
+
+def test_the_backends_compressor_pair_equals_its_two_steps():
+    """``TritonOps.compressor_pair`` with its fused path on (one launch) and off (two) against the reference
+    composition: the same states."""
+    import copy
+    from dsv4lab.tools.bench.e2e import count_launches
+    case = _compressor_pair_case([3, 10, 126], 9)
+    outs, launches = {}, {}
+    for name, ops in (("fused", _ops(True)), ("parts", _ops(False)), ("reference", ReferenceOps(Numerics()))):
+        ca, kva, sca, cache_a, cb, kvb, scb, cache_b, pos, slots, cos, sin = copy.deepcopy(case)
+        counts, _ = count_launches(lambda: ops.compressor_pair(ca, kva, sca, cache_a, cb, kvb, scb, cache_b, pos,
+                                                               slots, cos, sin))
+        outs[name], launches[name] = _state(ca, cache_a) + _state(cb, cache_b), counts["triton"]
+        if name != "reference":
+            assert not ops.calls.reference, ops.report()
+            assert ops.calls.glue.get("compressor_pair", 0) == int(name == "fused"), ops.report()
+    assert (launches["fused"], launches["parts"]) == (1, 2), launches
+    for other in ("parts", "reference"):
+        for i, (u, v) in enumerate(zip(outs["fused"], outs[other])):
+            assert torch.equal(u.cpu(), v.cpu()), f"state {i} against {other}"

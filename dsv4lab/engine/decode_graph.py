@@ -334,13 +334,17 @@ class StaticDecodeStep:
         if comps:
             proj = ops.linear_f32_group(x[:, 0], tuple(lin for c, _ in comps for lin in (c.wkv, c.wgate)))
             T = rows.tokens
-            for i, (c, cache) in enumerate(comps):
-                kv_c, sc_c = proj[2 * i], proj[2 * i + 1]
-                if T == 1:
-                    ops.compressor_step(c, kv_c, sc_c, positions, slots, cache, attn.cos, attn.sin)
-                else:  # each sequence's tokens in order (a later token may overwrite a ring row an earlier pools)
-                    ops.compressor_step(c, kv_c.view(-1, T, kv_c.shape[-1]), sc_c.view(-1, T, sc_c.shape[-1]),
-                                        positions.view(-1, T), rows.seq_slots, cache, attn.cos, attn.sin)
+            if T == 1:
+                where = (positions, slots, attn.cos, attn.sin)
+            else:  # each sequence's tokens in order (a later token may overwrite a ring row an earlier pools)
+                proj = [t.view(-1, T, t.shape[-1]) for t in proj]
+                where = (positions.view(-1, T), rows.seq_slots, attn.cos, attn.sin)
+            steps = [(c, proj[2 * i], proj[2 * i + 1], cache) for i, (c, cache) in enumerate(comps)]
+            if len(steps) == 2:  # the indexer's keys and the main entries: one op
+                ops.compressor_pair(*steps[0], *steps[1], *where)
+            else:
+                c, kv_c, sc_c, cache = steps[0]
+                ops.compressor_step(c, kv_c, sc_c, where[0], where[1], cache, *where[2:])
 
         cmp_rows = None
         if idx is not None:  # Indexer.head_weights on the projection above

@@ -316,6 +316,8 @@ FUSIONS = (
     Fusion("query_heads", "query_heads", "norm_rope_quant.query_heads",
            ("_head_rms_rope_kernel", "_indexer_query_kernel"), 1),
     Fusion("shared_swiglu", "expert_mlp", "fp8_gemv.fp8_gemv", ("_swiglu_kernel",), 1),
+    Fusion("compressor_pair", "compressor_pair", "compressor_decode.compressor_pair",
+           ("_compressor_step_kernel", "_compressor_step_kernel"), 1),
 )
 """The decode step's fused paths (the dispatch turns each on or off per device: ``Defaults.fusions`` and the tuned
 file's ``decode.fusion``): ``moe_site`` sums the routed slots and the shared experts' outputs in the prologue of the
@@ -324,7 +326,8 @@ torch's four (once per step, inside the captured graph either way); ``attention_
 KV row's norm, RoPE and ring write in one grid (every layer), ``query_heads`` the query heads' RMS and RoPE with the
 indexer's query RoPE, Hadamard and FP4 simulation (every CSA layer) — each program one op's own body;
 ``shared_swiglu`` computes the shared expert's activation in the prologue of its down projection's GEMV (every layer,
-where that projection takes the own GEMV without a separate quantization launch)."""
+where that projection takes the own GEMV without a separate quantization launch); ``compressor_pair`` steps a CSA
+layer's two compressors (the indexer's keys and the main entries) in one grid."""
 FUSION_NAMES = tuple(f.name for f in FUSIONS)
 
 # ============================================================================================ prefill

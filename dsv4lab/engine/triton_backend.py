@@ -43,6 +43,7 @@ any kernel module is imported, unless the caller chose otherwise).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import Counter
@@ -83,7 +84,7 @@ greedy_kernels = kernel_module("greedy")
 # The fused glue ops (row-parallel kernels for any row count).
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
             "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope",
-            "moe_output", "greedy", "moe_post_pre_norm", "attention_norms", "query_heads")
+            "moe_output", "greedy", "moe_post_pre_norm", "attention_norms", "query_heads", "compressor_pair")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
@@ -684,10 +685,24 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
     def compressor_step(self, comp, kv, score, positions, slots, cache, cos, sin):
         if not self._glue("compressor_step", kv, cache):
             return ReferenceOps.compressor_step(self, comp, kv, score, positions, slots, cache, cos, sin)
+        c = self._compressor_call(comp, kv, score, positions, slots, cache, cos, sin)
+        cmp_decode.compressor_step(*(getattr(c, f.name) for f in dataclasses.fields(c)))
+
+    def compressor_pair(self, comp_a, kv_a, score_a, cache_a, comp_b, kv_b, score_b, cache_b, positions, slots, cos,
+                        sin):
+        rows = kv_a.numel() // kv_a.shape[-1]
+        if not self._fused_glue("compressor_pair", "compressor_pair", rows, kv_a, kv_b, cache_a, cache_b):
+            return ReferenceOps.compressor_pair(self, comp_a, kv_a, score_a, cache_a, comp_b, kv_b, score_b, cache_b,
+                                                positions, slots, cos, sin)
+        cmp_decode.compressor_pair(self._compressor_call(comp_a, kv_a, score_a, positions, slots, cache_a, cos, sin),
+                                   self._compressor_call(comp_b, kv_b, score_b, positions, slots, cache_b, cos, sin))
+
+    def _compressor_call(self, comp, kv, score, positions, slots, cache, cos, sin):
         nm = self.numerics
-        cmp_decode.compressor_step(kv, score, comp.ape, positions, slots, comp.kv_ring, comp.score_ring, cache,
-                                   comp.norm.weight, cos, sin, comp.ratio, comp.overlap, comp.args.norm_eps,
-                                   comp.is_indexer, nm.indexer_fp4_sim if comp.is_indexer else nm.kv_fp8_sim)
+        return cmp_decode.CompressorCall(kv, score, comp.ape, positions, slots, comp.kv_ring, comp.score_ring, cache,
+                                         comp.norm.weight, cos, sin, comp.ratio, comp.overlap, comp.args.norm_eps,
+                                         comp.is_indexer,
+                                         nm.indexer_fp4_sim if comp.is_indexer else nm.kv_fp8_sim)
 
     def expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
         out = self._prefill("expert_mlp", self.prefill_expert_mlp(x, w1, w2, w3, limit, weight, shared))

@@ -23,6 +23,8 @@ grid midpoint.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -118,19 +120,16 @@ def _compressor_token(row, slot, kv_ptr, sc_ptr, ape_ptr, pos_ptr, kvr_ptr, scr_
 
 
 @triton.jit
-def _compressor_step_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr,
-                            cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
-                            s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
-                            OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr,
-                            ROUND_BF16: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr,
-                            n_tokens=1, MULTI: tl.constexpr = False, PDL: tl.constexpr = False):
-    """One program per token row; with ``MULTI`` one program per sequence: its ``n_tokens`` tokens (input rows
-    ``n_tokens·pid …``) in order, a barrier after each (token ``t`` reads the ring rows earlier tokens wrote, and
-    token ``t+1`` may overwrite a row token ``t`` pooled) — ``n_tokens`` successive one-token steps in one launch,
-    one compiled kernel for every token count."""
-    pdl_prologue(PDL)
-    seq = tl.program_id(0).to(tl.int64)
+def _compressor_seq(seq, n_tokens, kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr,
+                    cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
+                    s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
+                    OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr,
+                    ROUND_BF16: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr, MULTI: tl.constexpr):
+    """Program ``seq``'s work (the body of :func:`_compressor_step_kernel` and of :func:`_compressor_pair_kernel`):
+    one token row; with ``MULTI`` the ``n_tokens`` tokens of sequence ``seq`` (input rows ``n_tokens·seq …``) in
+    order, a barrier after each (token ``t`` reads the ring rows earlier tokens wrote, and token ``t+1`` may
+    overwrite a row token ``t`` pooled)."""
     slot = tl.load(slot_ptr + seq)
     if MULTI:
         for t in range(n_tokens):
@@ -146,6 +145,118 @@ def _compressor_step_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr,
                           BLOCK_C, BLOCK_CF, LOG2C)
 
 
+@triton.jit
+def _compressor_step_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr,
+                            cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
+                            s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
+                            OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr,
+                            ROUND_BF16: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr, LOG2C: tl.constexpr,
+                            n_tokens=1, MULTI: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One program per token row; with ``MULTI`` one program per sequence: ``n_tokens`` successive one-token steps
+    in one launch, one compiled kernel for every token count (:func:`_compressor_seq`)."""
+    pdl_prologue(PDL)
+    _compressor_seq(tl.program_id(0).to(tl.int64), n_tokens, kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr,
+                    scr_ptr, cache_ptr, w_ptr, cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits,
+                    s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos, OVERLAP, INDEXER, QUANT, ROUND_BF16,
+                    BLOCK_W, BLOCK_S, BLOCK_C, BLOCK_CF, LOG2C, MULTI)
+
+
+@triton.jit
+def _compressor_pair_kernel(
+        kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr, scr_ptr, cache_ptr, w_ptr, cos_ptr, sin_ptr, R, C, WIDTH,
+        CROWS, ROPE, NOPE, eps, hscale_bits, s_in, s_ring_b, s_ring_r, s_cache_b, s_cache_r, s_cos,
+        b_kv_ptr, b_sc_ptr, b_ape_ptr, b_pos_ptr, b_slot_ptr, b_kvr_ptr, b_scr_ptr, b_cache_ptr, b_w_ptr, b_cos_ptr,
+        b_sin_ptr, b_R, b_C, b_WIDTH, b_CROWS, b_ROPE, b_NOPE, b_eps, b_hscale_bits, b_s_in, b_s_ring_b, b_s_ring_r,
+        b_s_cache_b, b_s_cache_r, b_s_cos,
+        OVERLAP: tl.constexpr, INDEXER: tl.constexpr, QUANT: tl.constexpr, ROUND_BF16: tl.constexpr,
+        BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CF: tl.constexpr,
+        LOG2C: tl.constexpr,
+        B_OVERLAP: tl.constexpr, B_INDEXER: tl.constexpr, B_QUANT: tl.constexpr, B_ROUND_BF16: tl.constexpr,
+        B_BLOCK_W: tl.constexpr, B_BLOCK_S: tl.constexpr, B_BLOCK_C: tl.constexpr, B_BLOCK_CF: tl.constexpr,
+        B_LOG2C: tl.constexpr,
+        n_tokens=1, MULTI: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Grid ``(rows, 2)``: programs ``(r, 0)`` are the first compressor's :func:`_compressor_step_kernel`
+    programs, ``(r, 1)`` the second's (``b_*``) — two compressors of one layer, different states, one launch."""
+    pdl_prologue(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _compressor_seq(seq, n_tokens, kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, kvr_ptr, scr_ptr, cache_ptr,
+                        w_ptr, cos_ptr, sin_ptr, R, C, WIDTH, CROWS, ROPE, NOPE, eps, hscale_bits, s_in, s_ring_b,
+                        s_ring_r, s_cache_b, s_cache_r, s_cos, OVERLAP, INDEXER, QUANT, ROUND_BF16, BLOCK_W,
+                        BLOCK_S, BLOCK_C, BLOCK_CF, LOG2C, MULTI)
+    else:
+        _compressor_seq(seq, n_tokens, b_kv_ptr, b_sc_ptr, b_ape_ptr, b_pos_ptr, b_slot_ptr, b_kvr_ptr, b_scr_ptr,
+                        b_cache_ptr, b_w_ptr, b_cos_ptr, b_sin_ptr, b_R, b_C, b_WIDTH, b_CROWS, b_ROPE, b_NOPE, b_eps,
+                        b_hscale_bits, b_s_in, b_s_ring_b, b_s_ring_r, b_s_cache_b, b_s_cache_r, b_s_cos, B_OVERLAP,
+                        B_INDEXER, B_QUANT, B_ROUND_BF16, B_BLOCK_W, B_BLOCK_S, B_BLOCK_C, B_BLOCK_CF, B_LOG2C,
+                        MULTI)
+
+
+@dataclass(frozen=True)
+class CompressorCall:
+    """One compressor's step as :func:`compressor_step` takes it (its arguments, by the same names)."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+    ape: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    kv_ring: torch.Tensor
+    score_ring: torch.Tensor
+    cache: torch.Tensor
+    norm_weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    ratio: int
+    overlap: bool
+    eps: float
+    indexer: bool
+    quantize: bool
+
+
+@dataclass
+class _Launch:
+    programs: int
+    tokens: int
+    multi: bool
+    args: tuple
+    consts: dict
+
+
+def _prepare(c: CompressorCall) -> _Launch:
+    """Check one compressor's step and lay out its kernel arguments (see :func:`compressor_step`)."""
+    kv, score, positions, slots, cache, ratio, overlap = c.kv, c.score, c.positions, c.slots, c.cache, c.ratio, c.overlap
+    slots = slots.contiguous()  # read as ptr + row
+    tokens, multi = 1, kv.ndim == 3
+    if multi:
+        tokens = kv.shape[1]
+        assert positions.shape == kv.shape[:2] and slots.shape == kv.shape[:1], "positions [b, T], slots [b]"
+        kv, score, positions = kv.flatten(0, 1), score.flatten(0, 1), positions.flatten().contiguous()
+    b, width = kv.shape
+    channels = cache.shape[-1]
+    assert width == (2 if overlap else 1) * channels and score.shape == kv.shape and c.ape.shape == (ratio, width)
+    assert c.kv_ring.shape[1:] == (2 * ratio, width) and c.kv_ring.stride() == c.score_ring.stride()
+    assert c.kv_ring.dtype == c.score_ring.dtype == torch.float32 and kv.dtype == torch.float32
+    assert cache.dtype in (torch.bfloat16, torch.float32) and cache.stride(-1) == 1
+    if c.indexer:
+        assert channels & (channels - 1) == 0 and channels % 32 == 0, "indexer keys: a power-of-two width ≥ 32"
+    else:
+        assert (channels - 2 * c.cos.shape[-1]) % 64 == 0
+    kv, score = kv.contiguous(), score.contiguous()
+    block_cf = channels if c.indexer else max(64, triton.next_power_of_2(channels))  # the Hadamard spans all
+    block_s = triton.next_power_of_2((2 if overlap else 1) * ratio)
+    block_c = max(16, min(block_cf, 4096 // block_s))
+    args = (kv, score, c.ape.contiguous(), positions, slots, c.kv_ring, c.score_ring, cache, c.norm_weight, c.cos,
+            c.sin, ratio, channels, width, cache.shape[1], 2 * c.cos.shape[-1], channels - 2 * c.cos.shape[-1],
+            float(c.eps), f64_bits(channels ** -0.5), kv.stride(0), c.kv_ring.stride(0), c.kv_ring.stride(1),
+            cache.stride(0), cache.stride(1), c.cos.stride(0))
+    consts = dict(OVERLAP=overlap, INDEXER=c.indexer, QUANT=c.quantize, ROUND_BF16=cache.dtype == torch.bfloat16,
+                  BLOCK_W=min(1024, triton.next_power_of_2(width)), BLOCK_S=block_s, BLOCK_C=block_c,
+                  BLOCK_CF=block_cf, LOG2C=block_cf.bit_length() - 1)
+    return _Launch(b // tokens, tokens, multi, args, consts)
+
+
 def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor, cache: torch.Tensor,
                     norm_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ratio: int, overlap: bool,
@@ -158,37 +269,25 @@ def compressor_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, po
     Several tokens per row: ``kv, score [b, T, width]`` and ``positions [b, T]`` (each row's tokens in order, its
     slot ``slots[i]``) — one program per row runs them in order, exactly ``T`` successive one-token launches (a
     row may repeat a token at the same position: the repeat rewrites what the first wrote)."""
-    slots = slots.contiguous()  # read as ptr + row
-    tokens, multi = 1, kv.ndim == 3
-    if multi:
-        tokens = kv.shape[1]
-        assert positions.shape == kv.shape[:2] and slots.shape == kv.shape[:1], "positions [b, T], slots [b]"
-        kv, score, positions = kv.flatten(0, 1), score.flatten(0, 1), positions.flatten().contiguous()
-    b, width = kv.shape
-    channels = cache.shape[-1]
-    assert width == (2 if overlap else 1) * channels and score.shape == kv.shape and ape.shape == (ratio, width)
-    assert kv_ring.shape[1:] == (2 * ratio, width) and kv_ring.stride() == score_ring.stride()
-    assert kv_ring.dtype == score_ring.dtype == torch.float32 and kv.dtype == torch.float32
-    assert cache.dtype in (torch.bfloat16, torch.float32) and cache.stride(-1) == 1
-    if indexer:
-        assert channels & (channels - 1) == 0 and channels % 32 == 0, "indexer keys: a power-of-two width ≥ 32"
-    else:
-        assert (channels - 2 * cos.shape[-1]) % 64 == 0
-    kv, score = kv.contiguous(), score.contiguous()
-    if b == 0:
+    L = _prepare(CompressorCall(kv, score, ape, positions, slots, kv_ring, score_ring, cache, norm_weight, cos, sin,
+                                ratio, overlap, eps, indexer, quantize))
+    if L.programs == 0:
         return
-    block_cf = channels if indexer else max(64, triton.next_power_of_2(channels))  # the Hadamard spans all
-    block_s = triton.next_power_of_2((2 if overlap else 1) * ratio)
-    block_c = max(16, min(block_cf, 4096 // block_s))
-    _compressor_step_kernel[(b // tokens,)](
-        kv, score, ape.contiguous(), positions, slots, kv_ring, score_ring, cache, norm_weight, cos, sin, ratio,
-        channels, width, cache.shape[1], 2 * cos.shape[-1], channels - 2 * cos.shape[-1], float(eps),
-        f64_bits(channels ** -0.5), kv.stride(0), kv_ring.stride(0), kv_ring.stride(1), cache.stride(0),
-        cache.stride(1), cos.stride(0), OVERLAP=overlap, INDEXER=indexer, QUANT=quantize,
-        ROUND_BF16=cache.dtype == torch.bfloat16, BLOCK_W=min(1024, triton.next_power_of_2(width)),
-        BLOCK_S=block_s, BLOCK_C=block_c, BLOCK_CF=block_cf, LOG2C=block_cf.bit_length() - 1, n_tokens=tokens,
-        MULTI=multi, num_warps=4,
-        **LAUNCH_EXACT, **pdl_args(kv.device))
+    _compressor_step_kernel[(L.programs,)](*L.args, **L.consts, n_tokens=L.tokens, MULTI=L.multi, num_warps=4,
+                                           **LAUNCH_EXACT, **pdl_args(kv.device))
 
 
-__all__ = ["compressor_step"]
+def compressor_pair(first: CompressorCall, second: CompressorCall) -> None:
+    """:func:`compressor_step` of two compressors of the same rows (a CSA layer's indexer keys and main entries) in
+    one launch; the same writes as the two steps one after the other (their states are disjoint)."""
+    A, B = _prepare(first), _prepare(second)
+    assert (A.programs, A.tokens, A.multi) == (B.programs, B.tokens, B.multi), \
+        f"compressor_pair: {A.programs}×{A.tokens} and {B.programs}×{B.tokens} token rows"
+    if A.programs == 0:
+        return
+    _compressor_pair_kernel[(A.programs, 2)](*A.args, *B.args, **A.consts,
+                                             **{f"B_{k}": v for k, v in B.consts.items()}, n_tokens=A.tokens,
+                                             MULTI=A.multi, num_warps=4, **LAUNCH_EXACT, **pdl_args(first.kv.device))
+
+
+__all__ = ["compressor_step", "compressor_pair", "CompressorCall"]

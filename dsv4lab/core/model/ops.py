@@ -384,6 +384,15 @@ class ReferenceOps:
         step's fused path ``query_heads``)."""
         return self.head_rms_rope(q, cos, sin, positions, eps), self.indexer_query(qi, cos, sin, positions)
 
+    def compressor_pair(self, comp_a, kv_a: torch.Tensor, score_a: torch.Tensor, cache_a: torch.Tensor, comp_b,
+                        kv_b: torch.Tensor, score_b: torch.Tensor, cache_b: torch.Tensor, positions: torch.Tensor,
+                        slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Two compressors of one layer fed the same token rows (a CSA layer's indexer keys ``comp_a`` and main
+        entries ``comp_b``), as one op: :meth:`compressor_step` of each, in that order (their states are disjoint).
+        A fast backend runs both in one launch (the decode step's fused path ``compressor_pair``)."""
+        self.compressor_step(comp_a, kv_a, score_a, positions, slots, cache_a, cos, sin)
+        self.compressor_step(comp_b, kv_b, score_b, positions, slots, cache_b, cos, sin)
+
     def indexer_select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                               positions: torch.Tensor, topk: int, all_reduce=None,
                               w_scale: float = 1.0) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What one call of an op outputs: its return value and, for the ops that write state in place, what they write.
 
 Three ops of the decode step write in place, as their fused kernels store where a result belongs: ``kv_norm_rope``
-(and ``attention_norms``, which contains it) writes the window KV row into the ring it is given; ``compressor_step`` advances the compressor's two rings (module
+(and ``attention_norms``, which contains it) writes the window KV row into the ring it is given; ``compressor_step`` (and ``compressor_pair``, two of them) advances the compressor's two rings (module
 state) and writes the entries it finishes into the compressed cache (and returns nothing). Verification compares
 what a call writes, so :data:`IN_PLACE` lists each such op's written state, and:
 
@@ -41,6 +41,9 @@ IN_PLACE = {
     "attention_norms": InPlace(tensors=("ring",)),  # q_norm's and kv_norm_rope's returns, then the ring
     "compressor_step": InPlace(tensors=("cache",), module_state=(("comp", "kv_ring"), ("comp", "score_ring")),
                                returns=False),
+    "compressor_pair": InPlace(tensors=("cache_a", "cache_b"),
+                               module_state=(("comp_a", "kv_ring"), ("comp_a", "score_ring"), ("comp_b", "kv_ring"),
+                                             ("comp_b", "score_ring")), returns=False),
 }
 """op name → the state it writes in place (every other op only returns)."""
 

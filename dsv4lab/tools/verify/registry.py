@@ -362,6 +362,14 @@ def _make_query_heads(s, gen, device, nm):
     return (q, qi, cos, sin, pos, eps)
 
 
+def _make_compressor_pair(s, gen, device, nm):
+    """A CSA layer's two compressors (the indexer's keys, then the main entries) fed the same token rows, each with
+    its own random state and NaN-poisoned cache (:func:`_make_compressor_step`)."""
+    ca, kva, sca, positions, slots, cachea, cos, sin = _make_compressor_step(dict(s, indexer=True), gen, device, nm)
+    cb, kvb, scb, _, _, cacheb, _, _ = _make_compressor_step(dict(s, indexer=False), gen, device, nm)
+    return (ca, kva, sca, cachea, cb, kvb, scb, cacheb, positions, slots, cos, sin)
+
+
 def _make_indexer_select_decode(s, gen, device, nm):
     """One query per row over its slot's index-key cache; the keys no row can see yet are NaN-poisoned."""
     b, T = len(s["positions"]), s["T"]
@@ -562,6 +570,9 @@ FUSED_OPS = [
            [dict(ratio=4, positions=[3, 10, 127]), dict(ratio=4, indexer=True, positions=[7, 8, 299]),
             dict(ratio=16, positions=[15, 47, 100])],
            "fused chain", "compressor decode step: ring write, pooling, entry finish and cache write"),
+    OpCase("compressor_pair", "compressor_pair", _make_compressor_pair,
+           [dict(ratio=4, positions=[3, 10, 127]), dict(ratio=4, positions=[7, 8])], "fused chain",
+           "a CSA layer's two compressor steps (indexer keys, main entries) in one launch"),
     OpCase("attention_from_caches", "attention_from_caches", _make_attention_from_caches,
            [dict(h=8, positions=[5, 40]), dict(h=8, positions=[63, 200], ratio=16, C=16),
             dict(h=3, positions=[120, 299, 20], ratio=4, C=75, k=16)],

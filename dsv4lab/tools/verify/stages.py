@@ -114,6 +114,7 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("moe_post_pre_norm", "*", "routed experts + MoE output + next mHC site (fused)"),
     ("attention_norms", "*", "q norm + kv norm, RoPE, FP8 sim, ring write (fused launch)"),
     ("query_heads", "*", "q per-head RMS + RoPE and indexer q RoPE + Hadamard + FP4 sim (fused launch)"),
+    ("compressor_pair", "*", "indexer keys and compressed entries: both compressor steps (fused launch)"),
     ("moe_stage1", "*", "MoE stage 1 (w1 gate, w3 up projections)"),
     ("moe_activation", "*", "MoE activation (clamped SwiGLU × routing weight)"),
     ("swiglu", "ffn.experts", "MoE activation (clamped SwiGLU)"),

@@ -28,7 +28,7 @@ points step by step (the op's docstring in ``model/ops.py``); ``docs/verificatio
   from scores a kernel computes itself (``indexer_select``, ``router_topk``): any set some scores inside the score
   intervals make the top k;
 * **fused ops** (``hc_pre_norm``, ``hc_post_pre_norm``, ``head_rms_rope``, ``kv_norm_rope``, ``indexer_query``,
-  ``attention_norms``, ``query_heads``,
+  ``attention_norms``, ``query_heads``, ``compressor_pair``,
   ``indexer_select_decode``, ``router_topk``, ``compressor_step``, ``attention_from_caches``): the chain of their
   parts' bounds, each part taking the previous part's interval as its input (``*_interval`` helpers: RMSNorm, RoPE,
   the Hadamard transform and the FP8/FP4 block quantizers on intervals).
@@ -41,8 +41,8 @@ One module per family: :mod:`~.intervals` (the quantizers and SiLU on intervals,
 """
 from __future__ import annotations
 
-from dsv4lab.tools.verify.op_bounds.attention import (attention_from_caches, attention_norms, compressor_pool,
-                                                      compressor_step, finish_interval, hadamard_interval,
+from dsv4lab.tools.verify.op_bounds.attention import (attention_from_caches, attention_norms, compressor_pair,
+                                                      compressor_pool, compressor_step, finish_interval, hadamard_interval,
                                                       head_rms_rope, indexer_query, indexer_scores, kv_norm_rope,
                                                       query_heads, sparse_attention)
 from dsv4lab.tools.verify.op_bounds.dot import (expert_mlp, grouped_wo_a, linear, linear_f32, linear_f32_group,
@@ -75,6 +75,7 @@ OP_BOUNDS = {
     "kv_norm_rope": kv_norm_rope, "indexer_query": indexer_query, "indexer_select": indexer_select,
     "indexer_select_decode": indexer_select_decode, "router_topk": router_topk, "compressor_step": compressor_step,
     "moe_post_pre_norm": moe_post_pre_norm, "attention_norms": attention_norms, "query_heads": query_heads,
+    "compressor_pair": compressor_pair,
 }
 """op name → bound function. A new op needs one entry (and, for a fused op, the chain of its parts)."""
 

@@ -192,6 +192,15 @@ def indexer_query(nm, acc, qi, cos, sin, positions):
     return fp4_qdq_interval(iv, 32).round(qi.dtype) if nm.indexer_fp4_sim else iv
 
 
+def compressor_pair(nm, acc, comp_a, kv_a, score_a, cache_a, comp_b, kv_b, score_b, cache_b, positions, slots, cos,
+                    sin):
+    """:func:`compressor_step`'s state of each compressor, in :data:`IN_PLACE`'s order: both caches, then the first
+    compressor's rings, then the second's."""
+    ca, *rings_a = compressor_step(nm, acc, comp_a, kv_a, score_a, positions, slots, cache_a, cos, sin)
+    cb, *rings_b = compressor_step(nm, acc, comp_b, kv_b, score_b, positions, slots, cache_b, cos, sin)
+    return (ca, cb, *rings_a, *rings_b)
+
+
 def attention_norms(nm, acc, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring=None, slots=None):
     """Its parts' bounds side by side: :func:`~.elementwise.rms_norm` of the query latent, then
     :func:`kv_norm_rope`'s (the KV row, and the ring after the write when there is one)."""
