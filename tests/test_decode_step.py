@@ -22,6 +22,7 @@ import torch
 import dsv4lab
 from conftest import TINY, calibrated_max_kl
 from dsv4lab.engine.decode_graph import Decoder, StaticDecodeStep, tiers_for
+from dsv4lab.engine.decode_groups import group_of
 from dsv4lab.engine.dispatch import INTERPRETER_DEFAULTS, SCHEMA, Dispatch, Tuned
 from dsv4lab.engine.kernel_families import FUSION_NAMES
 from dsv4lab.core.model.ops import ReferenceOps
@@ -165,14 +166,18 @@ def test_fused_static_step_on_the_triton_kernels(capsys, layer_cut):
     layers = tri.args.n_layers
     # the interpreter's default runs every fused path (kernel_families.FUSIONS); turned off, the same bits from
     # the unfused launches: moe_site's two per layer but the last, attention_norms' and shared_swiglu's one per
-    # layer, query_heads' and compressor_pair's one each per layer with an indexer (greedy is not part of the
-    # step's logits)
+    # layer, query_heads' and compressor_pair's one each per layer with an indexer, x_projections' below (greedy
+    # is not part of the step's logits)
     tri.ops.config = Dispatch(Tuned(dict(schema=SCHEMA, gpu="interpreter", sources={"t": {}}, ops={"decode.fusion": [
         dict(rows=64, source="t", choice={n: False for n in FUSION_NAMES})]}), "off.json"), INTERPRETER_DEFAULTS)
     unfused_counts, unfused = count_launches(lambda: step(tok, pos, torch.tensor([0, 1])))
     assert torch.equal(got, unfused), f"max |Δ| {(got - unfused).abs().max():.3g}"
     with_indexer = sum(blk.attn.indexer is not None for blk in tri.model.layers)
-    saved = 2 * (layers - 1) + 2 * layers + 2 * with_indexer
+    # x_projections: one launch for the attention input's projections (q/KV — two where tiny's widths leave them
+    # unstacked —, the compressors' group, the indexer's head weights)
+    jobs = [(1 if group_of((b.attn.wq_a, b.attn.wkv)) else 2) + (b.attn.compressor is not None)
+            + (b.attn.indexer is not None) for b in tri.model.layers]
+    saved = 2 * (layers - 1) + 2 * layers + 2 * with_indexer + sum(j - 1 for j in jobs)
     assert unfused_counts["triton"] - counts["triton"] == saved, (unfused_counts, counts)
     with capsys.disabled():
         print(f"\n[decode step, tiny's first 3 layers, b=2] first call: {first['triton']} Triton launches + "

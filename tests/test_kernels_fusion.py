@@ -372,3 +372,102 @@ def test_the_backends_compressor_pair_equals_its_two_steps():
     for other in ("parts", "reference"):
         for i, (u, v) in enumerate(zip(outs["fused"], outs[other])):
             assert torch.equal(u.cpu(), v.cpu()), f"state {i} against {other}"
+
+
+# ------------------------------------------------------------------------------------------ x_projections
+def _projection_calls(M: int, K: int, seed: int):
+    """An FP8 stacked pair (split-K with tickets), a BF16 group of four with fp32 outputs (split-K too), one BF16
+    projection and one more FP8 one on the dot route: the keyword arguments of each ``fp8_gemv`` call, the input
+    at the front of NaN."""
+    from dsv4lab.tools.verify.registry import make_linear
+    g = torch.Generator().manual_seed(seed)
+    x = poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    qkv = [make_linear("fp8", n, K, g) for n in (256, 128)]
+    comps = [make_linear("bf16", n, K, g) for n in (96, 96, 48, 48)]
+    head_w, extra = make_linear("bf16", 40, K, g), make_linear("fp8", 72, K, g)
+    geo = lambda **kw: gemv.GemvGeometry(**(dict(block_n=32, block_k=128) | kw))  # noqa: E731
+    return [dict(x=x, weight=torch.cat([lin.weight for lin in qkv]), scale=torch.cat([lin.scale for lin in qkv]),
+                 segments=(256, 128), geometry=geo(split_k=3)),
+            dict(x=x, weight=torch.cat([lin.weight for lin in comps]), scale=None, act_quant=False,
+                 out_dtype=torch.float32, segments=(96, 96, 48, 48), geometry=geo(block_n=16, split_k=2)),
+            dict(x=x, weight=head_w.weight, scale=None, act_quant=False, geometry=geo(block_k=256)),
+            dict(x=x, weight=extra.weight, scale=extra.scale, route="dot", geometry=geo(split_k=2))]
+
+
+def _flat(results):
+    return [t for r in results for t in (r if isinstance(r, tuple) else (r,))]
+
+
+@pytest.mark.parametrize("M,K,jobs", [(1, 320, 4), (3, 200, 3), (2, 384, 2)])
+def test_gemv_jobs_are_their_own_launches_bit_for_bit(M, K, jobs):
+    """Two to four projections of one input in one launch (``fp8_gemv_jobs``: FP8 and BF16 weights, stacked
+    segments, fp32 and bf16 outputs, split-K with each its own tickets, both routes) against each launched alone:
+    the same bits, one launch, and the ticket counters left at zero."""
+    from dsv4lab.tools.bench.e2e import count_launches
+    from dsv4lab_kernels.tickets import counters
+    calls = _projection_calls(M, K, M * K)[:jobs]
+    want = _flat(gemv.fp8_gemv(**c) for c in calls)
+    counts, got = count_launches(lambda: gemv.fp8_gemv_jobs([gemv.gemv_plan(**c) for c in calls]))
+    assert counts["triton"] == 1, counts
+    for i, (u, v) in enumerate(zip(_flat(got), want)):
+        assert u.shape == v.shape and torch.equal(u, v), f"output {i}: max |Δ| {(u.float() - v.float()).abs().max():.3g}"
+    assert not counters(torch.device(DEV), 1).any()
+
+
+def test_gemv_jobs_refuse_what_one_launch_cannot_hold():
+    calls = _projection_calls(1, 256, 0)
+    plans = [gemv.gemv_plan(**c) for c in calls]
+    with pytest.raises(ValueError, match="2 to 4"):
+        gemv.fp8_gemv_jobs(plans[:1])
+    with pytest.raises(ValueError, match="2 to 4"):
+        gemv.fp8_gemv_jobs(plans + plans[:1])
+    with pytest.raises(ValueError, match="num_warps"):
+        gemv.fp8_gemv_jobs([plans[0], gemv.gemv_plan(**(calls[2] | dict(geometry=gemv.GemvGeometry(num_warps=8))))])
+    with pytest.raises(ValueError, match="prequant"):
+        gemv.fp8_gemv_jobs([plans[0], gemv.gemv_plan(**(calls[3] | dict(geometry=gemv.GemvGeometry(prequant=True))))])
+
+
+def test_the_backends_attention_input_projections_in_one_launch():
+    """``TritonOps.projections`` (the fused path ``x_projections``) with a stacked FP8 pair, a stacked BF16 group
+    and a single projection: one launch, the same bits as the three ops launched one by one and as the unfused
+    backend; an unstacked pair counts as two jobs; a tuned cuBLAS choice for one of them (or a prequant geometry)
+    leaves every call on its own path."""
+    from dsv4lab.engine.dispatch import INTERPRETER_DEFAULTS, Dispatch, Tuned, shape_key
+    from dsv4lab.engine.triton_backend import TritonOps
+    from dsv4lab.tools.bench.e2e import count_launches
+    from dsv4lab.tools.verify.registry import _make_projections
+    from test_dispatch import _doc
+    x, calls = _make_projections(dict(b=2, D=256), torch.Generator().manual_seed(3), DEV, Numerics())
+    outs, launches = {}, {}
+    for name, ops in (("fused", _ops(True)), ("parts", _ops(False)), ("reference", ReferenceOps(Numerics()))):
+        counts, outs[name] = count_launches(lambda: ops.projections(x, calls))
+        launches[name] = counts["triton"]
+        if name == "fused":
+            assert ops.calls.glue["projections"] == 1 and ops.calls.decode["linear_group"] == 1, ops.report()
+    assert (launches["fused"], launches["parts"]) == (1, 3), launches
+    assert len(outs["fused"]) == 7 and all(torch.equal(u, v) for u, v in zip(outs["fused"], outs["parts"]))
+    from dsv4lab.tools.verify.op_bounds import OP_BOUNDS, check_outputs
+    checks = check_outputs(outs["fused"], outs["reference"], OP_BOUNDS["projections"](Numerics(), "fp32", x, calls),
+                           [f"projections[{i}]" for i in range(7)])
+    assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]  # against the reference: its bound
+    unstacked = ((calls[0][0], tuple(make_copy(m) for m in calls[0][1])),) + calls[1:]
+    counts, got = count_launches(lambda: _ops(True).projections(x, unstacked))
+    assert counts["triton"] == 1 and all(torch.equal(u, v) for u, v in zip(got, outs["parts"]))
+    head = calls[2][1]
+    for key, choice in ((shape_key(head.out_features, 256, 1, "bf16", False), dict(impl="cublas")),
+                        (shape_key(384, 256, 1, "fp8", True), dict(impl="triton", route="dot", prequant=True))):
+        tuned = Tuned(_doc(**{"decode.gemv": [dict(shape=key, rows=2, choice=choice)]}), "t.json")
+        if choice["impl"] == "cublas" and not torch.cuda.is_available():
+            continue  # cuBLAS needs a GPU; the prequant case is the same refusal
+        ops = TritonOps(Numerics(), Dispatch(tuned, INTERPRETER_DEFAULTS))
+        counts, _ = count_launches(lambda: ops.projections(x, calls))
+        assert "projections" not in ops.calls.glue and counts["triton"] >= 3, (choice, counts)
+
+
+def make_copy(lin):
+    """A copy of ``lin`` with its own weight storage (outside any stacked group)."""
+    import copy
+    c = copy.copy(lin)
+    c._buffers = {k: (v.clone() if v is not None else None) for k, v in lin._buffers.items()}
+    c.__dict__.pop("decode_group", None)
+    return c

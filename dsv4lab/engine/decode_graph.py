@@ -315,11 +315,19 @@ class StaticDecodeStep:
         positions, slots = rows.positions, rows.slots
         pos = positions[:, None]  # [R, 1]: the query positions, as the reference's [b, n]
 
-        q_a, kv = ops.linear_group(x, (attn.wq_a, attn.wkv))
+        idx = attn.indexer
+        # every projection of x: q/KV (FP8), each compressor's kv and score (BF16 → fp32), the indexer's head weights
+        comps = [(c, cache) for c, cache in ((idx.compressor if idx is not None else None, attn.ikv),
+                                            (attn.compressor, attn.ckv)) if c is not None]
+        calls = [("linear_group", (attn.wq_a, attn.wkv))]
+        if comps:
+            calls.append(("linear_f32_group", tuple(lin for c, _ in comps for lin in (c.wkv, c.wgate))))
+        if idx is not None:
+            calls.append(("linear", idx.weights_proj))  # its scale is applied in indexer_select_decode
+        q_a, kv, *rest = ops.projections(x, tuple(calls))
         # q_norm, and the window KV row into the ring before any query reads it (the ring has room: module doc)
         qr, _ = ops.attention_norms(q_a, attn.q_norm.weight, kv, attn.kv_norm.weight, eps, attn.cos, attn.sin, pos,
                                     ring=attn.win_kv, slots=slots)
-        idx = attn.indexer
         if idx is not None:
             q, qi = ops.linear_group(qr, (attn.wq_b, idx.wq_b))
             # the query heads and the indexer's (Indexer.queries): one op
@@ -328,11 +336,9 @@ class StaticDecodeStep:
             qi = qi[:, 0]
         else:
             q = ops.head_rms_rope(ops.linear(qr, attn.wq_b).view(R, 1, H, d), attn.cos, attn.sin, pos, eps)
-        # each compressor's kv and score projections, all of them from one op; then its step (indexer keys first)
-        comps = [(c, cache) for c, cache in ((idx.compressor if idx is not None else None, attn.ikv),
-                                            (attn.compressor, attn.ckv)) if c is not None]
+        # each compressor's step on its kv and score projections (indexer keys first)
         if comps:
-            proj = ops.linear_f32_group(x[:, 0], tuple(lin for c, _ in comps for lin in (c.wkv, c.wgate)))
+            proj = [t[:, 0] for t in rest[:2 * len(comps)]]
             T = rows.tokens
             if T == 1:
                 where = (positions, slots, attn.cos, attn.sin)
@@ -347,8 +353,8 @@ class StaticDecodeStep:
                 ops.compressor_step(c, kv_c, sc_c, where[0], where[1], cache, *where[2:])
 
         cmp_rows = None
-        if idx is not None:  # Indexer.head_weights on the projection above
-            w = ops.linear(x[:, 0], idx.weights_proj)  # its scale is applied in the op
+        if idx is not None:  # Indexer.head_weights: the projection above
+            w = rest[-1][:, 0]
             cmp_rows = ops.indexer_select_decode(qi, w, attn.ikv, slots, positions, a.index_topk,
                                                  all_reduce=self.attn_reduce, w_scale=a.index_scale)
         elif attn.ratio:

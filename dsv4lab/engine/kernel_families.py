@@ -318,6 +318,7 @@ FUSIONS = (
     Fusion("shared_swiglu", "expert_mlp", "fp8_gemv.fp8_gemv", ("_swiglu_kernel",), 1),
     Fusion("compressor_pair", "compressor_pair", "compressor_decode.compressor_pair",
            ("_compressor_step_kernel", "_compressor_step_kernel"), 1),
+    Fusion("x_projections", "projections", "fp8_gemv.fp8_gemv_jobs", ("_fp8_gemv_kernel", "_fp8_gemv_kernel"), 1),
 )
 """The decode step's fused paths (the dispatch turns each on or off per device: ``Defaults.fusions`` and the tuned
 file's ``decode.fusion``): ``moe_site`` sums the routed slots and the shared experts' outputs in the prologue of the
@@ -327,7 +328,10 @@ KV row's norm, RoPE and ring write in one grid (every layer), ``query_heads`` th
 indexer's query RoPE, Hadamard and FP4 simulation (every CSA layer) — each program one op's own body;
 ``shared_swiglu`` computes the shared expert's activation in the prologue of its down projection's GEMV (every layer,
 where that projection takes the own GEMV without a separate quantization launch); ``compressor_pair`` steps a CSA
-layer's two compressors (the indexer's keys and the main entries) in one grid."""
+layer's two compressors (the indexer's keys and the main entries) in one grid; ``x_projections`` computes the
+attention input's projections — q/KV (FP8), the compressors' (BF16), the indexer's head weights — in one launch of
+the GEMV, each projection's programs with its own route and geometry (one launch fewer per compressed layer, two per
+CSA layer)."""
 FUSION_NAMES = tuple(f.name for f in FUSIONS)
 
 # ============================================================================================ prefill

@@ -25,6 +25,9 @@ The glue between them — row-parallel kernels for any number of rows, prefill c
   on the GEMV above around :mod:`dsv4lab_kernels.swiglu`; ``greedy`` (the step's argmax and finiteness flag) —
   :mod:`dsv4lab_kernels.greedy`.
 
+The decode step's fused paths — one launch where the unfused step has several, the same bits — are
+:class:`~dsv4lab.engine.triton_fused.FusedPaths`, a part of this class in a module of their own.
+
 Every other op, and every call no kernel covers (a float64 oracle dtype, tensor-parallel partial sums, a trace
 request, too many rows for the decode kernels but too few for the prefill ones), runs the reference; each such
 fallback is counted, logged once per (op, reason), and listed by :meth:`TritonOps.report`.
@@ -60,6 +63,7 @@ from dsv4lab.engine.dispatch import Dispatch
 from dsv4lab.engine.kernel_families import (ATTENTION, ATTENTION_SPLIT, DECODE_FAMILIES, GEMV, INDEXER_SPLIT, MOE,
                                             verify_variants)
 from dsv4lab.engine.kernel_loader import kernel_module
+from dsv4lab.engine.triton_fused import FusedPaths
 from dsv4lab.engine.triton_prefill import TritonPrefillOps, device_dispatch, interpreting
 
 log = logging.getLogger("dsv4lab.triton")
@@ -79,12 +83,12 @@ router = kernel_module("router")
 idx_decode = kernel_module("indexer_decode")
 idx_split = kernel_module("indexer_split_decode")
 act_kernels = kernel_module("swiglu")
-greedy_kernels = kernel_module("greedy")
 
 # The fused glue ops (row-parallel kernels for any row count).
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
             "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope",
-            "moe_output", "greedy", "moe_post_pre_norm", "attention_norms", "query_heads", "compressor_pair")
+            "moe_output", "greedy", "moe_post_pre_norm", "attention_norms", "query_heads", "compressor_pair",
+            "projections")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
@@ -146,7 +150,7 @@ class _Calls:
     reference: Counter = field(default_factory=Counter)  # keyed (op, reason)
 
 
-class TritonOps(TritonPrefillOps, ReferenceOps):
+class TritonOps(FusedPaths, TritonPrefillOps, ReferenceOps):
     """Prefill kernels, then decode kernels, then the reference — counted per op and reported."""
 
     name = "triton"
@@ -539,13 +543,6 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             return ReferenceOps.moe_output(self, routed, shared)
         return moe.moe_output(routed, shared, nm.act)
 
-    def greedy(self, logits):
-        if logits.ndim != 2 or not self.config.fused("greedy", logits.shape[0]):
-            return ReferenceOps.greedy(self, logits)  # torch's argmax and flag: the same ids, not a fallback
-        if not self._glue("greedy", logits):
-            return ReferenceOps.greedy(self, logits)
-        return greedy_kernels.greedy_ids(logits)
-
     def rms_norm(self, x, weight, eps):
         if not self._glue("rms_norm", x):
             return ReferenceOps.rms_norm(self, x, weight, eps)
@@ -579,36 +576,6 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         return mhc.hc_post_pre_norm(out, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
                                     args.norm_eps, args.hc_eps, geometry=self._mhc_site(X))
 
-    def moe_post_pre_norm(self, x, idx, weights, bank, limit, shared, X, post, comb, fn, base, scale, norm_weight,
-                          args, all_reduce=None):
-        rows = x.shape[0]
-        nm = self.numerics
-        route, geo = self._decode_moe_plan(bank, rows) if bank.fmt == "fp4" else self.moe_choice(rows)
-        why = None if self.config.fused("moe_site", rows) else "fusion off"
-        why = why or self._moe_unsupported(x, bank) or self._glue_unsupported(X)
-        if why is None:
-            if rows >= self.prefill_min_tokens:
-                why = "prefill rows"  # the unfused ops take their prefill kernels there
-            elif all_reduce is not None:
-                why = "expert-parallel partial sum"
-            elif geo.slot_split != 0:
-                why = "token-major down projection"
-            elif X.numel() // (X.shape[-1] * X.shape[-2]) > mhc.SITE_MAX_ROWS:
-                why = "rows above the one-launch mHC site"
-            elif nm.acc != torch.float32 or shared.dtype != nm.act:
-                why = f"shared {shared.dtype}, acc {nm.acc}"
-        if why is not None:  # the three ops, each on its own kernel (or its own counted fallback)
-            return ReferenceOps.moe_post_pre_norm(self, x, idx, weights, bank, limit, shared, X, post, comb, fn,
-                                                  base, scale, norm_weight, args, all_reduce)
-        self._decode("routed_experts")
-        self.calls.glue["moe_post_pre_norm"] += 1
-        ex = moe.ExpertTensors.of(bank)
-        slots = moe.routed_moe_slots(x, idx, weights, ex, limit, route=route, geometry=geo,
-                                     act_quant=nm.act_quant, act_dtype=nm.act)
-        parts = moe.MoeOutput(slots, idx, shared, ex.expert_offset, ex.n_experts)
-        return mhc.hc_post_pre_norm(None, X, post, comb, fn, base, scale, norm_weight, args.hc_sinkhorn_iters,
-                                    args.norm_eps, args.hc_eps, geometry=self._mhc_site(X), moe=parts)
-
     def hc_post(self, out, X, post, comb):
         res = self._prefill("hc_post", self.prefill_hc_post(out, X, post, comb))
         if res is not None:
@@ -637,26 +604,6 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         if not self._glue("indexer_query", qi):
             return ReferenceOps.indexer_query(self, qi, cos, sin, positions)
         return nrq.indexer_query(qi, cos, sin, positions, self.numerics.indexer_fp4_sim)
-
-    def _fused_glue(self, name: str, op: str, rows: int, *tensors: torch.Tensor) -> bool:
-        """Whether the fused path ``name`` runs this call of ``op`` (counted on its glue kernel): the dispatch turns
-        it on at ``rows`` rows and the glue kernels take the tensors. Off, the op's reference composition runs its
-        parts, each on its own kernel — not a fallback."""
-        if not self.config.fused(name, rows):
-            return False
-        return self._glue(op, *tensors)
-
-    def attention_norms(self, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring=None, slots=None):
-        if not self._fused_glue("attention_norms", "attention_norms", q_a.numel() // q_a.shape[-1], q_a, kv):
-            return ReferenceOps.attention_norms(self, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring,
-                                                slots)
-        return nrq.attention_norms(q_a, q_weight, kv, kv_weight, eps, cos, sin, positions,
-                                   kv.shape[-1] - 2 * cos.shape[-1], self.numerics.kv_fp8_sim, ring, slots)
-
-    def query_heads(self, q, qi, cos, sin, positions, eps):
-        if not self._fused_glue("query_heads", "query_heads", q.numel() // (q.shape[-1] * q.shape[-2]), q, qi):
-            return ReferenceOps.query_heads(self, q, qi, cos, sin, positions, eps)
-        return nrq.query_heads(q, qi, cos, sin, positions, eps, self.numerics.indexer_fp4_sim)
 
     def indexer_select_decode(self, qi, w, keys, slots, positions, topk, all_reduce=None, w_scale=1.0,
                               geometry=None):
@@ -688,22 +635,6 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         c = self._compressor_call(comp, kv, score, positions, slots, cache, cos, sin)
         cmp_decode.compressor_step(*(getattr(c, f.name) for f in dataclasses.fields(c)))
 
-    def compressor_pair(self, comp_a, kv_a, score_a, cache_a, comp_b, kv_b, score_b, cache_b, positions, slots, cos,
-                        sin):
-        rows = kv_a.numel() // kv_a.shape[-1]
-        if not self._fused_glue("compressor_pair", "compressor_pair", rows, kv_a, kv_b, cache_a, cache_b):
-            return ReferenceOps.compressor_pair(self, comp_a, kv_a, score_a, cache_a, comp_b, kv_b, score_b, cache_b,
-                                                positions, slots, cos, sin)
-        cmp_decode.compressor_pair(self._compressor_call(comp_a, kv_a, score_a, positions, slots, cache_a, cos, sin),
-                                   self._compressor_call(comp_b, kv_b, score_b, positions, slots, cache_b, cos, sin))
-
-    def _compressor_call(self, comp, kv, score, positions, slots, cache, cos, sin):
-        nm = self.numerics
-        return cmp_decode.CompressorCall(kv, score, comp.ape, positions, slots, comp.kv_ring, comp.score_ring, cache,
-                                         comp.norm.weight, cos, sin, comp.ratio, comp.overlap, comp.args.norm_eps,
-                                         comp.is_indexer,
-                                         nm.indexer_fp4_sim if comp.is_indexer else nm.kv_fp8_sim)
-
     def expert_mlp(self, x, w1, w2, w3, limit, weight=None, shared=False):
         out = self._prefill("expert_mlp", self.prefill_expert_mlp(x, w1, w2, w3, limit, weight, shared))
         if out is not None:  # many rows: the fused shared-expert GEMMs
@@ -721,23 +652,6 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
             if out is not None:
                 return out
         return self.linear(act_kernels.swiglu(g, u, limit, weight), w2)
-
-    def _down_after_swiglu(self, g, u, limit, w2: Linear) -> torch.Tensor | None:
-        """The shared expert's down projection with its activation computed in the GEMV's prologue (the fused path
-        ``shared_swiglu``) where the projection takes the own GEMV without a separate activation quantization
-        (cuBLAS and the ``dot`` route's ``prequant`` quantize ``x`` in a launch of their own); else None."""
-        rows = g.numel() // max(g.shape[-1], 1)
-        if self._unsupported(rows, g, w2.weight) is not None or w2.fmt not in ("fp8", "bf16", "f32"):
-            return None
-        nm = self.numerics
-        aq = nm.act_quant and w2.act_quant
-        impl, route, geo = self.gemv_choice(w2.out_features, w2.in_features, rows,
-                                            weight="fp8" if w2.fmt == "fp8" else "bf16", act_quant=aq)
-        if impl.startswith("cublas") or (route == "dot" and geo.prequant and aq):
-            return None
-        self._decode("linear")
-        return gemv.fp8_gemv(g, w2.weight, w2.scale if w2.fmt == "fp8" else None, act_quant=aq, out_dtype=nm.act,
-                             route=route, geometry=geo, swiglu=(u, limit))
 
     # ------------------------------------------------------------------ accumulation models (for verification)
     def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:
@@ -774,7 +688,29 @@ class TritonOps(TritonPrefillOps, ReferenceOps):
         if op == "expert_mlp":
             x, w1, w2, w3 = args[:4]
             return loosest(*(self._gemv_accumulation("linear", (x, w), None, None) for w in (w1, w3, w2)))
+        if op in ("linear_group", "linear_f32_group"):
+            return self._group_accumulation(op, *args[:2])
+        if op == "projections":  # the loosest of its calls (one launch runs each with its own route)
+            x, calls = args[:2]
+            return loosest(*(self._group_accumulation(o, x, w) if isinstance(w, tuple) else
+                             self._gemv_accumulation(o, (x, w), None, None) for o, w in calls))
         return "fp32"
+
+    def _group_accumulation(self, op: str, x: torch.Tensor, lins: tuple) -> str:
+        """The model of a stacked group's launch (:meth:`_stacked_gemv`: the dispatch's choice for the stacked shape,
+        cuBLAS only at one row), or the loosest of its members' where they run one by one."""
+        single = "linear_f32" if op == "linear_f32_group" else "linear"
+        grp, lin = group_of(tuple(lins)), lins[0]
+        rows = x.numel() // max(x.shape[-1], 1)
+        if grp is None or self._unsupported(rows, x, lin.weight) is not None:
+            return loosest(*(self._gemv_accumulation(single, (x, m), None, None) for m in lins))
+        fp8 = lin.fmt == "fp8" and single == "linear"
+        aq = single == "linear" and self.numerics.act_quant and lin.act_quant
+        impl, r, _ = self.gemv_choice(sum(grp.sizes), lin.in_features, rows, weight="fp8" if fp8 else "bf16",
+                                      act_quant=aq)
+        if impl.startswith("cublas") and rows != 1:
+            r, impl = self.config.own_gemv(sum(grp.sizes), lin.in_features).route, "triton"
+        return GEMV.accumulation_of("cublas" if impl.startswith("cublas") else r)
 
     def _gemv_accumulation(self, op: str, args: tuple, route: str | None, geometry) -> str:
         """The model of a decode projection: its route's, or cuBLAS's where the dispatch picks it."""

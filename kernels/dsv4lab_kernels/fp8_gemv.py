@@ -175,18 +175,15 @@ def _w_block(w_ptr, s_ptr, n, n_ok, stride_wn, stride_sn, k0, K, W_FP8: tl.const
 
 # ------------------------------------------------------------------------------------------------ kernels
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
-                     M, N, K, n_per_group, stride_xm, stride_xg, stride_xs, stride_wn, stride_sn, SPLIT_K, B1, B2, B3,
-                     u_ptr, limit,
-                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, PREQUANT: tl.constexpr, ROUTE: tl.constexpr,
-                     OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, BLOCK_S: tl.constexpr,
-                     SWIGLU: tl.constexpr = False, CLAMP: tl.constexpr = False, X_BF16: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
-    pdl_prologue(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
+def _gemv_program(pid_n, pid_k, pid_m, num_n, x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
+                  M, N, K, n_per_group, stride_xm, stride_xg, stride_xs, stride_wn, stride_sn, SPLIT_K, B1, B2, B3,
+                  u_ptr, limit,
+                  W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, PREQUANT: tl.constexpr, ROUTE: tl.constexpr,
+                  OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, BLOCK_S: tl.constexpr,
+                  SWIGLU: tl.constexpr, CLAMP: tl.constexpr, X_BF16: tl.constexpr):
+    """Program ``(pid_n, pid_k, pid_m)`` of a grid of ``num_n`` output tiles × ``SPLIT_K`` splits × row blocks:
+    the body of :func:`_fp8_gemv_kernel` and of each projection of :func:`_gemv_jobs_kernel`."""
     NB: tl.constexpr = BK // 128
     n = pid_n * BN + tl.arange(0, BN)
     n_ok = n < N
@@ -265,7 +262,7 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
             tl.store(o_ptr + rows[None, :] * (hi - lo) + n[:, None], y, mask=out_mask)
     else:
         tl.store(part_ptr + (pid_k * M + rows[None, :]) * N + n[:, None], y, mask=out_mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = pid_m * num_n + pid_n
         if take_ticket(cnt_ptr + tile) == SPLIT_K - 1:
             # the tile's last program: the partials in split order (not arrival order), one rounding
             sp = tl.arange(0, BLOCK_S)
@@ -280,6 +277,83 @@ def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
             else:
                 tl.store(o_ptr + r2[None, :] * (hi - lo) + n[:, None], total, mask=ok2)
             tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
+                     M, N, K, n_per_group, stride_xm, stride_xg, stride_xs, stride_wn, stride_sn, SPLIT_K, B1, B2, B3,
+                     u_ptr, limit,
+                     W_FP8: tl.constexpr, ACT_QUANT: tl.constexpr, PREQUANT: tl.constexpr, ROUTE: tl.constexpr,
+                     OUT_BF16: tl.constexpr, DOT_FP32: tl.constexpr, TQ: tl.constexpr, TP: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, BLOCK_S: tl.constexpr,
+                     SWIGLU: tl.constexpr = False, CLAMP: tl.constexpr = False, X_BF16: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
+    pdl_prologue(PDL)
+    _gemv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), x_ptr, xs_ptr, w_ptr,
+                  s_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, n_per_group, stride_xm, stride_xg, stride_xs, stride_wn,
+                  stride_sn, SPLIT_K, B1, B2, B3, u_ptr, limit, W_FP8, ACT_QUANT, PREQUANT, ROUTE, OUT_BF16, DOT_FP32,
+                  TQ, TP, BN, BK, KU, BLOCK_S, SWIGLU, CLAMP, X_BF16)
+
+
+@triton.jit
+def _gemv_jobs_kernel(
+        a_x_ptr, a_xs_ptr, a_w_ptr, a_s_ptr, a_out_ptr, a_part_ptr, a_cnt_ptr, a_M, a_N, a_K, a_n_per_group,
+        a_stride_xm, a_stride_xg, a_stride_xs, a_stride_wn, a_stride_sn, a_SPLIT_K, a_B1, a_B2, a_B3, a_u_ptr,
+        a_limit, a_num_n, a_num_k, a_programs, b_x_ptr, b_xs_ptr, b_w_ptr, b_s_ptr, b_out_ptr, b_part_ptr, b_cnt_ptr,
+        b_M, b_N, b_K, b_n_per_group, b_stride_xm, b_stride_xg, b_stride_xs, b_stride_wn, b_stride_sn, b_SPLIT_K,
+        b_B1, b_B2, b_B3, b_u_ptr, b_limit, b_num_n, b_num_k, b_programs, c_x_ptr, c_xs_ptr, c_w_ptr, c_s_ptr,
+        c_out_ptr, c_part_ptr, c_cnt_ptr, c_M, c_N, c_K, c_n_per_group, c_stride_xm, c_stride_xg, c_stride_xs,
+        c_stride_wn, c_stride_sn, c_SPLIT_K, c_B1, c_B2, c_B3, c_u_ptr, c_limit, c_num_n, c_num_k, c_programs,
+        d_x_ptr, d_xs_ptr, d_w_ptr, d_s_ptr, d_out_ptr, d_part_ptr, d_cnt_ptr, d_M, d_N, d_K, d_n_per_group,
+        d_stride_xm, d_stride_xg, d_stride_xs, d_stride_wn, d_stride_sn, d_SPLIT_K, d_B1, d_B2, d_B3, d_u_ptr,
+        d_limit, d_num_n, d_num_k, A_W_FP8: tl.constexpr, A_ACT_QUANT: tl.constexpr, A_PREQUANT: tl.constexpr,
+        A_ROUTE: tl.constexpr, A_OUT_BF16: tl.constexpr, A_DOT_FP32: tl.constexpr, A_TQ: tl.constexpr,
+        A_TP: tl.constexpr, A_BN: tl.constexpr, A_BK: tl.constexpr, A_KU: tl.constexpr, A_BLOCK_S: tl.constexpr,
+        A_SWIGLU: tl.constexpr, A_CLAMP: tl.constexpr, A_X_BF16: tl.constexpr, B_W_FP8: tl.constexpr,
+        B_ACT_QUANT: tl.constexpr, B_PREQUANT: tl.constexpr, B_ROUTE: tl.constexpr, B_OUT_BF16: tl.constexpr,
+        B_DOT_FP32: tl.constexpr, B_TQ: tl.constexpr, B_TP: tl.constexpr, B_BN: tl.constexpr, B_BK: tl.constexpr,
+        B_KU: tl.constexpr, B_BLOCK_S: tl.constexpr, B_SWIGLU: tl.constexpr, B_CLAMP: tl.constexpr,
+        B_X_BF16: tl.constexpr, C_W_FP8: tl.constexpr, C_ACT_QUANT: tl.constexpr, C_PREQUANT: tl.constexpr,
+        C_ROUTE: tl.constexpr, C_OUT_BF16: tl.constexpr, C_DOT_FP32: tl.constexpr, C_TQ: tl.constexpr,
+        C_TP: tl.constexpr, C_BN: tl.constexpr, C_BK: tl.constexpr, C_KU: tl.constexpr, C_BLOCK_S: tl.constexpr,
+        C_SWIGLU: tl.constexpr, C_CLAMP: tl.constexpr, C_X_BF16: tl.constexpr, D_W_FP8: tl.constexpr,
+        D_ACT_QUANT: tl.constexpr, D_PREQUANT: tl.constexpr, D_ROUTE: tl.constexpr, D_OUT_BF16: tl.constexpr,
+        D_DOT_FP32: tl.constexpr, D_TQ: tl.constexpr, D_TP: tl.constexpr, D_BN: tl.constexpr, D_BK: tl.constexpr,
+        D_KU: tl.constexpr, D_BLOCK_S: tl.constexpr, D_SWIGLU: tl.constexpr, D_CLAMP: tl.constexpr,
+        D_X_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    """Up to four projections of one step in one 1-D grid (the fused path ``x_projections``): programs
+    ``0 … a_programs−1`` are the first projection's :func:`_fp8_gemv_kernel` programs (in its grid's order, the
+    output tile fastest), the next ``b_programs`` the second's, and so on (``c_*``, ``d_*``) — each program runs
+    :func:`_gemv_program` with its own projection's arguments, so each output has the bits of its own launch."""
+    pdl_prologue(PDL)
+    p = tl.program_id(0)
+    if p < a_programs:
+        _gemv_program(p % a_num_n, (p // a_num_n) % a_num_k, p // (a_num_n * a_num_k), a_num_n, a_x_ptr, a_xs_ptr,
+                      a_w_ptr, a_s_ptr, a_out_ptr, a_part_ptr, a_cnt_ptr, a_M, a_N, a_K, a_n_per_group, a_stride_xm,
+                      a_stride_xg, a_stride_xs, a_stride_wn, a_stride_sn, a_SPLIT_K, a_B1, a_B2, a_B3, a_u_ptr,
+                      a_limit, A_W_FP8, A_ACT_QUANT, A_PREQUANT, A_ROUTE, A_OUT_BF16, A_DOT_FP32, A_TQ, A_TP, A_BN,
+                      A_BK, A_KU, A_BLOCK_S, A_SWIGLU, A_CLAMP, A_X_BF16)
+    elif p < a_programs + b_programs:
+        q = p - (a_programs)
+        _gemv_program(q % b_num_n, (q // b_num_n) % b_num_k, q // (b_num_n * b_num_k), b_num_n, b_x_ptr, b_xs_ptr,
+                      b_w_ptr, b_s_ptr, b_out_ptr, b_part_ptr, b_cnt_ptr, b_M, b_N, b_K, b_n_per_group, b_stride_xm,
+                      b_stride_xg, b_stride_xs, b_stride_wn, b_stride_sn, b_SPLIT_K, b_B1, b_B2, b_B3, b_u_ptr,
+                      b_limit, B_W_FP8, B_ACT_QUANT, B_PREQUANT, B_ROUTE, B_OUT_BF16, B_DOT_FP32, B_TQ, B_TP, B_BN,
+                      B_BK, B_KU, B_BLOCK_S, B_SWIGLU, B_CLAMP, B_X_BF16)
+    elif p < a_programs + b_programs + c_programs:
+        q = p - (a_programs + b_programs)
+        _gemv_program(q % c_num_n, (q // c_num_n) % c_num_k, q // (c_num_n * c_num_k), c_num_n, c_x_ptr, c_xs_ptr,
+                      c_w_ptr, c_s_ptr, c_out_ptr, c_part_ptr, c_cnt_ptr, c_M, c_N, c_K, c_n_per_group, c_stride_xm,
+                      c_stride_xg, c_stride_xs, c_stride_wn, c_stride_sn, c_SPLIT_K, c_B1, c_B2, c_B3, c_u_ptr,
+                      c_limit, C_W_FP8, C_ACT_QUANT, C_PREQUANT, C_ROUTE, C_OUT_BF16, C_DOT_FP32, C_TQ, C_TP, C_BN,
+                      C_BK, C_KU, C_BLOCK_S, C_SWIGLU, C_CLAMP, C_X_BF16)
+    else:
+        q = p - (a_programs + b_programs + c_programs)
+        _gemv_program(q % d_num_n, (q // d_num_n) % d_num_k, q // (d_num_n * d_num_k), d_num_n, d_x_ptr, d_xs_ptr,
+                      d_w_ptr, d_s_ptr, d_out_ptr, d_part_ptr, d_cnt_ptr, d_M, d_N, d_K, d_n_per_group, d_stride_xm,
+                      d_stride_xg, d_stride_xs, d_stride_wn, d_stride_sn, d_SPLIT_K, d_B1, d_B2, d_B3, d_u_ptr,
+                      d_limit, D_W_FP8, D_ACT_QUANT, D_PREQUANT, D_ROUTE, D_OUT_BF16, D_DOT_FP32, D_TQ, D_TP, D_BN,
+                      D_BK, D_KU, D_BLOCK_S, D_SWIGLU, D_CLAMP, D_X_BF16)
 
 
 @triton.jit
@@ -311,24 +385,42 @@ def token_blocks(M: int, route: str, rows_per_program: int = 16) -> tuple[int, i
     return tq, max(tq, 16)
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
+@dataclass
+class GemvPlan:
+    """One :func:`fp8_gemv` call laid out for its kernel: the grid ``(output tiles, splits, row blocks)``, the
+    kernel's positional arguments and constexprs, the launch options, and how its flat output becomes the result."""
+
+    grid: tuple[int, int, int]
+    args: list
+    consts: dict
+    num_warps: int
+    num_stages: int
+    out: torch.Tensor
+    lead: tuple
+    starts: list | None  # the segments' bounds (None: one projection)
+
+    @property
+    def programs(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def tiles(self) -> int:
+        """Ticket counters it needs (one per output tile and row block, when split)."""
+        return self.grid[0] * self.grid[2] if self.grid[1] > 1 else 0
+
+    def result(self):
+        M, N = self.args[7], self.args[8]
+        if self.starts is None:
+            return self.out.view(*self.lead, N)
+        return tuple(self.out[M * lo:M * hi].view(*self.lead, hi - lo)
+                     for lo, hi in zip(self.starts[:-1], self.starts[1:]))
+
+
+def gemv_plan(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
              out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, route: str = "fma",
              geometry: GemvGeometry | None = None, segments: tuple[int, ...] | None = None,
-             swiglu: tuple[torch.Tensor, float] | None = None):
-    """``x [..., G·K_g] @ Wᵀ`` for an E4M3 (``scale`` given) or BF16/fp32 (``scale=None``) weight ``[N, K_g]``.
-
-    ``groups > 1``: ``x`` is ``[..., G, K_g]`` flattened, row block ``g`` of ``W`` (``N/G`` rows) applies to
-    group ``g``; the result is ``[..., N]``. Output in ``out_dtype`` (bf16 or fp32).
-
-    ``segments`` (sizes summing to ``N``, at most 4): ``W`` is several projections of the same input stored one
-    after the other (:mod:`dsv4lab.engine.decode_groups`); one launch computes them all and returns a tuple of
-    contiguous ``[..., size]`` outputs, one per projection.
-
-    ``swiglu = (u, limit)``: the input is the shared expert's activation of the gate ``x`` and the up projection
-    ``u`` (same shape and dtype, bf16 or fp32), computed in the prologue exactly as :func:`.swiglu.swiglu` computes
-    it (no routing weight) — the down projection without the activation's own launch. One group, no segments, not
-    with ``prequant`` (its separate quantization kernel reads ``x`` as it is).
-    """
+             swiglu: tuple[torch.Tensor, float] | None = None) -> GemvPlan:
+    """:func:`fp8_gemv`'s checks and layout, without the launch (its arguments and raises)."""
     if route not in ROUTES:
         raise ValueError(f"fp8_gemv: unknown route {route!r}; known: {', '.join(ROUTES)}")
     g = geometry or GemvGeometry()
@@ -391,7 +483,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     split = max(1, min(g.split_k, triton.cdiv(Kg, g.block_k)))
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, tq))
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = counters(x.device, grid[0] * grid[2]) if split > 1 else out
+    cnt = counters(x.device, grid[0] * grid[2]) if split > 1 else out  # (fp8_gemv_jobs gives each its own)
     prequant = g.prequant and act_quant and route == "dot"
     if prequant and swiglu is not None:
         raise ValueError("fp8_gemv: the swiglu prologue does not run with prequant (the quantization kernel would "
@@ -405,18 +497,74 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     else:
         xs = x2
     b1, b2, b3 = (bounds + [N, N, N])[:3]
-    _fp8_gemv_kernel[grid](x2, xs, weight, s, out, part, cnt, M, N, Kg, n_per_group, x2.stride(0), Kg, M,
-                           weight.stride(0), stride_sn, split, b1, b2, b3, u2, float(limit), W_FP8=w_fp8,
-                           ACT_QUANT=act_quant and not prequant,
-                           PREQUANT=prequant, ROUTE=ROUTES.index(route), OUT_BF16=out_dtype == torch.bfloat16,
-                           DOT_FP32=interpreting(), TQ=tq, TP=tp, BN=block_n, BK=g.block_k, KU=max(1, g.unroll),
-                           BLOCK_S=max(2, triton.next_power_of_2(split)), SWIGLU=swiglu is not None,
-                           CLAMP=limit > 0, X_BF16=x.dtype == torch.bfloat16, num_warps=g.num_warps,
-                           num_stages=g.num_stages, **pdl_args(x2.device))
-    if segments is None:
-        return out.view(*lead, N)
-    starts = [0] + bounds + [N]
-    return tuple(out[M * lo:M * hi].view(*lead, hi - lo) for lo, hi in zip(starts[:-1], starts[1:]))
+    args = [x2, xs, weight, s, out, part, cnt, M, N, Kg, n_per_group, x2.stride(0), Kg, M, weight.stride(0),
+            stride_sn, split, b1, b2, b3, u2, float(limit)]
+    consts = dict(W_FP8=w_fp8, ACT_QUANT=act_quant and not prequant, PREQUANT=prequant, ROUTE=ROUTES.index(route),
+                  OUT_BF16=out_dtype == torch.bfloat16, DOT_FP32=interpreting(), TQ=tq, TP=tp, BN=block_n,
+                  BK=g.block_k, KU=max(1, g.unroll), BLOCK_S=max(2, triton.next_power_of_2(split)),
+                  SWIGLU=swiglu is not None, CLAMP=limit > 0, X_BF16=x.dtype == torch.bfloat16)
+    return GemvPlan(grid, args, consts, g.num_warps, g.num_stages, out, tuple(lead),
+                    None if segments is None else [0] + bounds + [N])
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_quant: bool = True,
+             out_dtype: torch.dtype = torch.bfloat16, groups: int = 1, route: str = "fma",
+             geometry: GemvGeometry | None = None, segments: tuple[int, ...] | None = None,
+             swiglu: tuple[torch.Tensor, float] | None = None):
+    """``x [..., G·K_g] @ Wᵀ`` for an E4M3 (``scale`` given) or BF16/fp32 (``scale=None``) weight ``[N, K_g]``.
+
+    ``groups > 1``: ``x`` is ``[..., G, K_g]`` flattened, row block ``g`` of ``W`` (``N/G`` rows) applies to
+    group ``g``; the result is ``[..., N]``. Output in ``out_dtype`` (bf16 or fp32).
+
+    ``segments`` (sizes summing to ``N``, at most 4): ``W`` is several projections of the same input stored one
+    after the other (:mod:`dsv4lab.engine.decode_groups`); one launch computes them all and returns a tuple of
+    contiguous ``[..., size]`` outputs, one per projection.
+
+    ``swiglu = (u, limit)``: the input is the shared expert's activation of the gate ``x`` and the up projection
+    ``u`` (same shape and dtype, bf16 or fp32), computed in the prologue exactly as :func:`.swiglu.swiglu` computes
+    it (no routing weight) — the down projection without the activation's own launch. One group, no segments, not
+    with ``prequant`` (its separate quantization kernel reads ``x`` as it is).
+    """
+    plan = gemv_plan(x, weight, scale, act_quant, out_dtype, groups, route, geometry, segments, swiglu)
+    _fp8_gemv_kernel[plan.grid](*plan.args, **plan.consts, num_warps=plan.num_warps, num_stages=plan.num_stages,
+                                **pdl_args(x.device))
+    return plan.result()
+
+
+JOBS = 4
+"""Projections one :func:`fp8_gemv_jobs` launch takes at most."""
+
+
+def fp8_gemv_jobs(plans: list[GemvPlan]) -> list:
+    """Two to :data:`JOBS` plans (:func:`gemv_plan`) in one launch (:func:`_gemv_jobs_kernel`): each projection's
+    programs run its own body with its own arguments, so each result equals its own launch's bit for bit. The plans
+    share the launch's ``num_warps`` and ``num_stages`` (a kernel has one of each) and may not ``prequant`` (that
+    quantizes in a launch of its own); their split-K tickets come from disjoint ranges of the workspace."""
+    if not 2 <= len(plans) <= JOBS:
+        raise ValueError(f"fp8_gemv_jobs: {len(plans)} projections (2 to {JOBS} share a launch)")
+    first = plans[0]
+    for pl in plans:
+        if (pl.num_warps, pl.num_stages) != (first.num_warps, first.num_stages):
+            raise ValueError(f"fp8_gemv_jobs: num_warps/num_stages {pl.num_warps}/{pl.num_stages} and "
+                             f"{first.num_warps}/{first.num_stages}: one launch has one of each")
+        if pl.consts["PREQUANT"]:
+            raise ValueError("fp8_gemv_jobs: a prequant projection quantizes in a launch of its own")
+    device = first.out.device
+    workspace = counters(device, sum(pl.tiles for pl in plans))
+    args, consts, offset = [], {}, 0
+    padded = plans + [plans[-1]] * (JOBS - len(plans))  # the jobs past the last are never reached: its arguments
+    for i, (pl, tag) in enumerate(zip(padded, "abcd")):
+        a = list(pl.args)
+        if i < len(plans) and pl.tiles:
+            a[6] = workspace[offset:]
+            offset += pl.tiles
+        programs = pl.programs if i < len(plans) else 0
+        args += a + [pl.grid[0], pl.grid[1]] + ([programs] if i < JOBS - 1 else [])
+        consts.update({f"{tag.upper()}_{k}": v for k, v in pl.consts.items()})
+    total = sum(pl.programs for pl in plans)
+    _gemv_jobs_kernel[(total,)](*args, **consts, num_warps=first.num_warps, num_stages=first.num_stages,
+                                **pdl_args(device))
+    return [pl.result() for pl in plans]
 
 
 def act_quant_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,18 @@ class ReferenceOps:
         """:meth:`linear_f32` of one input by several weights (the compressors' ``wkv``/``wgate``), as one op."""
         return tuple(self.linear_f32(x, lin) for lin in lins)
 
+    def projections(self, x: torch.Tensor, calls: tuple) -> tuple[torch.Tensor, ...]:
+        """Several projections of one input, as one op: ``calls`` names each as ``(op, weights)`` — ``("linear",
+        lin)``, ``("linear_f32", lin)``, ``("linear_group", lins)``, ``("linear_f32_group", lins)`` — and the result
+        is every output of every call, flattened in order (a group's members one after the other). A fast backend
+        runs them in one launch (the decode step's fused path ``x_projections``: the attention input's FP8 q/KV
+        projections, its compressors' BF16 projections and the indexer's head weights)."""
+        out: list[torch.Tensor] = []
+        for op, w in calls:
+            y = getattr(self, op)(x, w)
+            out += list(y) if isinstance(y, tuple) else [y]
+        return tuple(out)
+
     def grouped_wo_a(self, o: torch.Tensor, lin: Linear, groups: int) -> torch.Tensor:
         """``o [b,s,G,in_g] → [b,s,G,rank]`` with ``wo_a`` viewed as ``[G, rank, in_g]`` (bf16 einsum in the
         reference: no activation quantization, fp32 accumulation, bf16 output)."""

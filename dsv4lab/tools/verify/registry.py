@@ -370,6 +370,18 @@ def _make_compressor_pair(s, gen, device, nm):
     return (ca, kva, sca, cachea, cb, kvb, scb, cacheb, positions, slots, cos, sin)
 
 
+def _make_projections(s, gen, device, nm):
+    """The attention input's projections of one step: the stacked FP8 q/KV pair, a stacked BF16 group of four (the
+    compressors' kv and score) with fp32 outputs, and one BF16 projection (the indexer's head weights)."""
+    D = s["D"]
+    qkv = tuple(make_linear("fp8", n, D, gen, device) for n in (256, 128))
+    comps = tuple(make_linear("bf16", n, D, gen, device) for n in (96, 96, 64, 64))
+    for lins in (qkv, comps):
+        group(lins)
+    x = _x(gen, (s["b"], 1, D), nm, device, 3.0)
+    return (x, (("linear_group", qkv), ("linear_f32_group", comps), ("linear", make_linear("bf16", 40, D, gen, device))))
+
+
 def _make_indexer_select_decode(s, gen, device, nm):
     """One query per row over its slot's index-key cache; the keys no row can see yet are NaN-poisoned."""
     b, T = len(s["positions"]), s["T"]
@@ -573,6 +585,8 @@ FUSED_OPS = [
     OpCase("compressor_pair", "compressor_pair", _make_compressor_pair,
            [dict(ratio=4, positions=[3, 10, 127]), dict(ratio=4, positions=[7, 8])], "fused chain",
            "a CSA layer's two compressor steps (indexer keys, main entries) in one launch"),
+    OpCase("projections", "projections", _make_projections, [dict(b=1, D=256), dict(b=3, D=320)], "dot",
+           "the attention input's projections of one step (FP8 pair, BF16 group, BF16) in one launch"),
     OpCase("attention_from_caches", "attention_from_caches", _make_attention_from_caches,
            [dict(h=8, positions=[5, 40]), dict(h=8, positions=[63, 200], ratio=16, C=16),
             dict(h=3, positions=[120, 299, 20], ratio=4, C=75, k=16)],

@@ -115,6 +115,7 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("attention_norms", "*", "q norm + kv norm, RoPE, FP8 sim, ring write (fused launch)"),
     ("query_heads", "*", "q per-head RMS + RoPE and indexer q RoPE + Hadamard + FP4 sim (fused launch)"),
     ("compressor_pair", "*", "indexer keys and compressed entries: both compressor steps (fused launch)"),
+    ("projections", "*", "attention input projections: q/KV, compressors, indexer head weights (fused launch)"),
     ("moe_stage1", "*", "MoE stage 1 (w1 gate, w3 up projections)"),
     ("moe_activation", "*", "MoE activation (clamped SwiGLU × routing weight)"),
     ("swiglu", "ffn.experts", "MoE activation (clamped SwiGLU)"),

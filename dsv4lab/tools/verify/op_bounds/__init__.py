@@ -10,7 +10,8 @@ backend names it (:data:`~dsv4lab.tools.verify.bounds.UNIT_ROUNDOFF`); element-w
 accumulation (:func:`~dsv4lab.tools.verify.bounds.elementwise_roundoff`). Each function follows the reference's rounding
 points step by step (the op's docstring in ``model/ops.py``); ``docs/verification.md`` derives each family:
 
-* **dot products** (``linear``, ``linear_f32``, ``grouped_wo_a``, ``moe_stage1``, ``moe_stage2``): exact products,
+* **dot products** (``linear``, ``linear_f32``, ``grouped_wo_a``, ``moe_stage1``, ``moe_stage2``; ``projections``, each
+  call's): exact products,
   ``γ_K(acc)·Σ|terms|`` for the K-term sum, then the reference's roundings (fp32, then bf16); the FP8 kernels'
   evaluation (exact E4M3 operands, MMA partials promoted to fp32 per K tile) is derived to be the ``fp8_mma`` model
   in :func:`~.dot.promoted_fp8_model`;
@@ -46,7 +47,7 @@ from dsv4lab.tools.verify.op_bounds.attention import (attention_from_caches, att
                                                       head_rms_rope, indexer_query, indexer_scores, kv_norm_rope,
                                                       query_heads, sparse_attention)
 from dsv4lab.tools.verify.op_bounds.dot import (expert_mlp, grouped_wo_a, linear, linear_f32, linear_f32_group,
-                                                linear_group, moe_activation, moe_combine, moe_output, moe_stage1,
+                                                linear_group, moe_activation, projections, moe_combine, moe_output, moe_stage1,
                                                 moe_stage1_int8, moe_stage2, promoted_fp8_model, routed_experts,
                                                 routed_experts_int8)
 from dsv4lab.tools.verify.op_bounds.elementwise import (hc_head, hc_post, hc_post_pre_norm, hc_pre, hc_pre_norm,
@@ -75,7 +76,7 @@ OP_BOUNDS = {
     "kv_norm_rope": kv_norm_rope, "indexer_query": indexer_query, "indexer_select": indexer_select,
     "indexer_select_decode": indexer_select_decode, "router_topk": router_topk, "compressor_step": compressor_step,
     "moe_post_pre_norm": moe_post_pre_norm, "attention_norms": attention_norms, "query_heads": query_heads,
-    "compressor_pair": compressor_pair,
+    "compressor_pair": compressor_pair, "projections": projections,
 }
 """op name → bound function. A new op needs one entry (and, for a fused op, the chain of its parts)."""
 

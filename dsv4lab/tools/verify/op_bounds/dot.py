@@ -31,6 +31,17 @@ def linear_f32_group(nm, acc, x, lins):
     return tuple(linear_f32(nm, acc, x, lin) for lin in lins)
 
 
+def projections(nm, acc, x, calls):
+    """Every call's bound, flattened as the op flattens its outputs (a group's members one after the other)."""
+    parts = {"linear": linear, "linear_f32": linear_f32, "linear_group": linear_group,
+             "linear_f32_group": linear_f32_group}
+    out: list = []
+    for op, w in calls:
+        b = parts[op](nm, acc, x, w)
+        out += list(b) if isinstance(b, tuple) else [b]
+    return tuple(out)
+
+
 def grouped_wo_a(nm, acc, o, lin, groups):
     w = lin.dequantized(F64).view(groups, -1, o.shape[-1])
     parts = [point(o[..., g, :]).matmul(w[g], acc) for g in range(groups)]
