@@ -28,7 +28,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64",
-           torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.float16: "fp16"}
+           torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.float16: "fp16",
+           torch.float8_e4m3fn: "fp8e4nv"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas", "launch_pdl")
 
 
@@ -203,6 +204,47 @@ def flash_calls():
                           torch.zeros(3, 2 * ratio, width), torch.zeros(3, 2 * ratio, width),
                           torch.zeros(3, 16, ch, dtype=bf), torch.ones(ch), cos, cos, ratio, ratio == 4, 1e-6, idx,
                           True)))
+    # the fused paths of the decode step (kernel_families.FUSIONS) at Flash widths, and the single GEMV beside the
+    # GEMV jobs launch (x_projections) to compare their registers: the jobs kernel holds every projection's path
+    calls += [
+        ("attention_norms+ring", lambda: norm_rope_quant.attention_norms(
+            torch.zeros(b, 1, a.q_lora_rank, dtype=bf), torch.ones(a.q_lora_rank), torch.zeros(b, 1, d, dtype=bf),
+            torch.ones(d), 1e-6, cos, cos, pos[:, None], d - R, True, torch.zeros(3, a.window_size, d, dtype=bf),
+            slots)),
+        ("query_heads", lambda: norm_rope_quant.query_heads(
+            torch.zeros(b, 1, a.n_heads, d, dtype=bf), torch.zeros(b, 1, a.index_n_heads, a.index_head_dim, dtype=bf),
+            cos, cos, pos[:, None], 1e-6, True)),
+        ("compressor_pair (CSA)", lambda: compressor_decode.compressor_pair(
+            *(compressor_decode.CompressorCall(
+                torch.zeros(b, 2 * ch), torch.zeros(b, 2 * ch), torch.zeros(4, 2 * ch), pos, slots,
+                torch.zeros(3, 8, 2 * ch), torch.zeros(3, 8, 2 * ch), torch.zeros(3, 16, ch, dtype=bf),
+                torch.ones(ch), cos, cos, 4, True, 1e-6, idx, True) for ch, idx in ((a.index_head_dim, True), (d, False))))),
+    ]
+    from dsv4lab_kernels import fp8_gemv
+    xg = torch.zeros(1, D, dtype=bf)
+    fp8w = lambda n, k: (torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(-(-n // 128), -(-k // 128),  # noqa: E731
+                                                                                  dtype=torch.uint8))
+    geo = fp8_gemv.GemvGeometry
+    qkv = dict(x=xg, weight=fp8w(a.q_lora_rank + d, D)[0], scale=fp8w(a.q_lora_rank + d, D)[1],
+               segments=(a.q_lora_rank, d), geometry=geo(block_n=32, block_k=256, split_k=6))
+    comp_n = 2 * 2 * d + 2 * 2 * a.index_head_dim
+    comps = dict(x=xg, weight=torch.zeros(comp_n, D, dtype=bf), scale=None, act_quant=False, out_dtype=f32,
+                 segments=(2 * d, 2 * d, 2 * a.index_head_dim, 2 * a.index_head_dim),
+                 geometry=geo(block_n=32, block_k=256, split_k=4))
+    head_w = dict(x=xg, weight=torch.zeros(a.index_n_heads, D, dtype=bf), scale=None, act_quant=False,
+                  geometry=geo(block_n=32, block_k=256, split_k=16))
+    calls += [
+        ("GEMV q/KV alone (fma)", lambda: fp8_gemv.fp8_gemv(**qkv)),
+        ("GEMV jobs: q/KV, compressors, head weights (x_projections, CSA)", lambda: fp8_gemv.fp8_gemv_jobs(
+            [fp8_gemv.gemv_plan(**c) for c in (qkv, comps, head_w)])),
+        ("GEMV shared w2 alone", lambda: fp8_gemv.fp8_gemv(
+            torch.zeros(1, a.moe_inter_dim, dtype=bf), *fp8w(D, a.moe_inter_dim),
+            geometry=geo(block_n=64, block_k=256, split_k=5, num_warps=8))),
+        ("GEMV shared w2 with the SwiGLU prologue (shared_swiglu)", lambda: fp8_gemv.fp8_gemv(
+            torch.zeros(1, a.moe_inter_dim, dtype=bf), *fp8w(D, a.moe_inter_dim),
+            geometry=geo(block_n=64, block_k=256, split_k=5, num_warps=8),
+            swiglu=(torch.zeros(1, a.moe_inter_dim, dtype=bf), 10.0))),
+    ]
     # prefill-side kernels with a run-time probe and a fallback: a compile error here is a silent loss on the GPU
     from dsv4lab_kernels import fp4_moe_grouped
     rows = torch.zeros(64, hc, D, dtype=bf)

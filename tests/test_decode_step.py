@@ -177,6 +177,8 @@ def test_fused_static_step_on_the_triton_kernels(capsys, layer_cut):
     # unstacked —, the compressors' group, the indexer's head weights)
     jobs = [(1 if group_of((b.attn.wq_a, b.attn.wkv)) else 2) + (b.attn.compressor is not None)
             + (b.attn.indexer is not None) for b in tri.model.layers]
+    # ... and the MoE input's (the router logits, the shared expert's w1/w3)
+    jobs += [1 + (1 if group_of((b.ffn.shared_experts.w1, b.ffn.shared_experts.w3)) else 2) for b in tri.model.layers]
     saved = 2 * (layers - 1) + 2 * layers + 2 * with_indexer + sum(j - 1 for j in jobs)
     assert unfused_counts["triton"] - counts["triton"] == saved, (unfused_counts, counts)
     with capsys.disabled():

@@ -471,3 +471,26 @@ def make_copy(lin):
     c._buffers = {k: (v.clone() if v is not None else None) for k, v in lin._buffers.items()}
     c.__dict__.pop("decode_group", None)
     return c
+
+
+def test_the_backends_expert_down_is_expert_mlps_second_half():
+    """``expert_down`` of the shared expert's gate and up outputs equals ``expert_mlp`` of its input on the
+    backend (fused path on: one launch, the SwiGLU in the GEMV's prologue; off: two) and the reference's
+    ``expert_down`` equals its ``expert_mlp`` bit for bit (the decode step's split of the shared expert changes
+    nothing)."""
+    from dsv4lab.engine.decode_groups import group
+    from dsv4lab.tools.bench.e2e import count_launches
+    from dsv4lab.tools.verify.registry import make_linear
+    g = torch.Generator().manual_seed(8)
+    D, inter = 256, 128
+    w1, w3, w2 = make_linear("fp8", inter, D, g), make_linear("fp8", inter, D, g), make_linear("fp8", D, inter, g)
+    group((w1, w3))
+    x = poisoned_x((torch.randn(3, D, generator=g) * 3).to(torch.bfloat16))
+    ref = ReferenceOps(Numerics())
+    gate, up = ref.linear_group(x, (w1, w3))
+    assert torch.equal(ref.expert_down(gate, up, w2, LIMIT), ref.expert_mlp(x, w1, w2, w3, LIMIT, shared=True))
+    for fused, launches in ((True, 1), (False, 2)):
+        ops = _ops(fused)
+        counts, got = count_launches(lambda: ops.expert_down(gate, up, w2, LIMIT))
+        assert counts["triton"] == launches and not ops.calls.reference, (counts, ops.report())
+        assert torch.equal(got, ops.expert_mlp(x, w1, w2, w3, LIMIT, shared=True))

@@ -296,8 +296,7 @@ class StaticDecodeStep:
         X, x, post, comb = ops.hc_post_pre_norm(h, X, post, comb, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale,
                                                 blk.ffn_norm.weight, a)
         ffn, x = blk.ffn, x.reshape(R, -1)
-        idx, weights = ffn.gate(x, tokens, ops)
-        shared = ffn.shared_outputs(x, ops)
+        idx, weights, shared = self._moe_inputs(ffn, x, tokens)
         if nxt is None:
             y = ops.routed_experts(x, idx, weights, ffn.experts, a.swiglu_limit, all_reduce=self.moe_reduce)
             return ops.hc_post(ops.moe_output(y, shared).view(R, 1, -1), X, post, comb), None, None, None
@@ -305,6 +304,19 @@ class StaticDecodeStep:
         return ops.moe_post_pre_norm(x, idx, weights, ffn.experts, a.swiglu_limit, shared, X, post, comb,
                                      nxt.hc_attn_fn, nxt.hc_attn_base, nxt.hc_attn_scale, nxt.attn_norm.weight, a,
                                      all_reduce=self.moe_reduce)
+
+    def _moe_inputs(self, ffn, x, tokens):
+        """``MoE.gate`` and ``MoE.shared_outputs`` of the MoE input ``x [R, D]``: the router logits and every shared
+        expert's gate and up projections from one op (``projections``), then the router's choice and each shared
+        expert's SwiGLU and down projection (``expert_down``) → ``(idx, weights, shared [S, R, D])``."""
+        ops = self.ops
+        experts = ffn.shared_experts if isinstance(ffn.shared_experts, torch.nn.ModuleList) else [ffn.shared_experts]
+        calls = (("linear_f32", ffn.gate),) + tuple(("linear_group", (se.w1, se.w3)) for se in experts)
+        logits, *gate_up = ops.projections(x, calls)
+        idx, weights = ops.router_topk(logits, ffn.gate, tokens)
+        outs = [ops.expert_down(gate_up[2 * i], gate_up[2 * i + 1], se.w2, self.args.swiglu_limit)
+                for i, se in enumerate(experts)]
+        return idx, weights, outs[0][None] if len(outs) == 1 else torch.stack(outs)
 
     # ------------------------------------------------------------------ attention
     def _attention(self, attn: Attention, x, rows: _StepRows):

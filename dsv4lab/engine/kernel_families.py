@@ -329,9 +329,10 @@ indexer's query RoPE, Hadamard and FP4 simulation (every CSA layer) — each pro
 ``shared_swiglu`` computes the shared expert's activation in the prologue of its down projection's GEMV (every layer,
 where that projection takes the own GEMV without a separate quantization launch); ``compressor_pair`` steps a CSA
 layer's two compressors (the indexer's keys and the main entries) in one grid; ``x_projections`` computes the
-attention input's projections — q/KV (FP8), the compressors' (BF16), the indexer's head weights — in one launch of
-the GEMV, each projection's programs with its own route and geometry (one launch fewer per compressed layer, two per
-CSA layer)."""
+projections of one input in one launch of the GEMV, each projection's programs with its own route and geometry: the
+attention input's — q/KV (FP8), the compressors' (BF16), the indexer's head weights — (one launch fewer per
+compressed layer, two per CSA layer) and the MoE input's — the router logits, the shared expert's w1/w3 — (one per
+layer, where their tuned geometries share warps and stages)."""
 FUSION_NAMES = tuple(f.name for f in FUSIONS)
 
 # ============================================================================================ prefill

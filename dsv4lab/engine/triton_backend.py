@@ -88,7 +88,7 @@ act_kernels = kernel_module("swiglu")
 GLUE_OPS = ("rms_norm", "hc_pre_norm", "hc_post_pre_norm", "hc_post", "hc_head", "head_rms_rope", "kv_norm_rope",
             "indexer_query", "indexer_select_decode", "router_topk", "compressor_step", "expert_mlp", "rope",
             "moe_output", "greedy", "moe_post_pre_norm", "attention_norms", "query_heads", "compressor_pair",
-            "projections")
+            "projections", "expert_down")
 # Ops of ReferenceOps that may run on a kernel (decode, prefill or glue); the others always run the reference.
 KERNEL_OPS = ("linear", "linear_f32", "linear_group", "linear_f32_group", "grouped_wo_a", "routed_experts", "moe_stage1", "moe_stage2",
               "sparse_attention", "attention_from_caches", "indexer_scores", "indexer_topk", "compressor_pool",
@@ -647,11 +647,23 @@ class TritonOps(FusedPaths, TritonPrefillOps, ReferenceOps):
             g, u = self._stacked_gemv(x, grp, self.numerics.act, self.numerics.act_quant and w1.act_quant)
         else:
             g, u = self.linear(x, w1), self.linear(x, w3)
-        if weight is None and self.config.fused("shared_swiglu", rows):
+        if weight is None:
+            return self._shared_down(g, u, w2, limit)
+        return self.linear(act_kernels.swiglu(g, u, limit, weight), w2)
+
+    def expert_down(self, g, u, w2, limit):
+        if not self._glue("expert_down", g, u):
+            return ReferenceOps.expert_down(self, g, u, w2, limit)
+        return self._shared_down(g, u, w2, limit)
+
+    def _shared_down(self, g, u, w2, limit):
+        """A shared expert's SwiGLU and down projection: in the GEMV's prologue where the fused path
+        ``shared_swiglu`` runs, else the activation's own launch, then the projection."""
+        if self.config.fused("shared_swiglu", g.numel() // max(g.shape[-1], 1)):
             out = self._down_after_swiglu(g, u, limit, w2)
             if out is not None:
                 return out
-        return self.linear(act_kernels.swiglu(g, u, limit, weight), w2)
+        return self.linear(act_kernels.swiglu(g, u, limit), w2)
 
     # ------------------------------------------------------------------ accumulation models (for verification)
     def accumulation_for(self, op: str, *args, variant: str | None = None, **kwargs) -> str:
@@ -688,6 +700,9 @@ class TritonOps(FusedPaths, TritonPrefillOps, ReferenceOps):
         if op == "expert_mlp":
             x, w1, w2, w3 = args[:4]
             return loosest(*(self._gemv_accumulation("linear", (x, w), None, None) for w in (w1, w3, w2)))
+        if op == "expert_down":
+            g, _, w2 = args[:3]
+            return self._gemv_accumulation("linear", (g, w2), None, None)
         if op in ("linear_group", "linear_f32_group"):
             return self._group_accumulation(op, *args[:2])
         if op == "projections":  # the loosest of its calls (one launch runs each with its own route)

@@ -134,6 +134,13 @@ class ReferenceOps:
             h = weight.to(acc) * h
         return self.linear(h.to(self.numerics.act), w2)
 
+    def expert_down(self, g: torch.Tensor, u: torch.Tensor, w2: Linear, limit: float) -> torch.Tensor:
+        """A shared expert after its gate and up projections ``g, u`` (act, as :meth:`linear` returns them): the
+        clamped SwiGLU in acc, rounded to act, and the down projection — :meth:`expert_mlp`'s second half (the decode
+        step computes ``g, u`` with the router logits in one op, :meth:`projections`)."""
+        acc = self.numerics.acc
+        return self.linear(self.swiglu(g.to(acc), u.to(acc), limit, shared=True).to(self.numerics.act), w2)
+
     def moe_stage1(self, x: torch.Tensor, idx: torch.Tensor, bank: ExpertBank) -> tuple[torch.Tensor, torch.Tensor]:
         """Gate/up projections of each token's routed experts: ``x [T, D]``, ``idx [T, k]`` →
         ``(g, u) [T, k, I]`` in acc (each rounded to act first, as the reference's Linear outputs bf16).

@@ -382,6 +382,14 @@ def _make_projections(s, gen, device, nm):
     return (x, (("linear_group", qkv), ("linear_f32_group", comps), ("linear", make_linear("bf16", 40, D, gen, device))))
 
 
+def _make_expert_down(s, gen, device, nm):
+    """A shared expert's gate and up outputs (act; some beyond the clamp) and its FP8 down projection."""
+    g = _x(gen, (s["T"], 1, s["I"]), nm, device, 4.0)
+    u = _x(gen, (s["T"], 1, s["I"]), nm, device, 4.0)
+    g.view(-1)[:3] = 12.0
+    return (g, u, make_linear("fp8", s["D"], s["I"], gen, device), 10.0)
+
+
 def _make_indexer_select_decode(s, gen, device, nm):
     """One query per row over its slot's index-key cache; the keys no row can see yet are NaN-poisoned."""
     b, T = len(s["positions"]), s["T"]
@@ -585,6 +593,8 @@ FUSED_OPS = [
     OpCase("compressor_pair", "compressor_pair", _make_compressor_pair,
            [dict(ratio=4, positions=[3, 10, 127]), dict(ratio=4, positions=[7, 8])], "fused chain",
            "a CSA layer's two compressor steps (indexer keys, main entries) in one launch"),
+    OpCase("expert_down", "expert_down", _make_expert_down, [dict(T=1, D=256, I=128), dict(T=3, D=160, I=200)],
+           "quantizer chain", "a shared expert after its up projections: SwiGLU, w2 (FP8)"),
     OpCase("projections", "projections", _make_projections, [dict(b=1, D=256), dict(b=3, D=320)], "dot",
            "the attention input's projections of one step (FP8 pair, BF16 group, BF16) in one launch"),
     OpCase("attention_from_caches", "attention_from_caches", _make_attention_from_caches,

@@ -115,7 +115,9 @@ STAGE_NAMES: list[tuple[str, str, str]] = [
     ("attention_norms", "*", "q norm + kv norm, RoPE, FP8 sim, ring write (fused launch)"),
     ("query_heads", "*", "q per-head RMS + RoPE and indexer q RoPE + Hadamard + FP4 sim (fused launch)"),
     ("compressor_pair", "*", "indexer keys and compressed entries: both compressor steps (fused launch)"),
-    ("projections", "*", "attention input projections: q/KV, compressors, indexer head weights (fused launch)"),
+    ("projections", "attn*", "attention input projections: q/KV, compressors, indexer head weights (fused launch)"),
+    ("projections", "ffn*", "MoE input projections: router logits, shared expert w1/w3 (fused launch)"),
+    ("expert_down", "*", "shared expert: SwiGLU + w2 after its up projections"),
     ("moe_stage1", "*", "MoE stage 1 (w1 gate, w3 up projections)"),
     ("moe_activation", "*", "MoE activation (clamped SwiGLU × routing weight)"),
     ("swiglu", "ffn.experts", "MoE activation (clamped SwiGLU)"),
@@ -236,6 +238,8 @@ class OpRecorder:
 
     def _owner(self, args, kwargs) -> str | None:
         for v in list(args) + list(kwargs.values()):
+            if isinstance(v, tuple) and v and isinstance(v[0], tuple) and len(v[0]) == 2 and isinstance(v[0][0], str):
+                v = v[0][1]  # the calls of ``projections``: named by the first call's weights
             if isinstance(v, tuple) and v and isinstance(v[0], nn.Module):
                 v = v[0]  # a group of projections is named by its first member
             name = self._names.get(id(v)) if isinstance(v, (nn.Module, torch.Tensor)) else None

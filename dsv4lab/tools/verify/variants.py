@@ -124,8 +124,9 @@ class Fp8MmaLike(KernelLike):
     """Kernel-like, with the FP8 projections accumulated as on Hopper's FP8 tensor cores."""
 
     name = "variant:fp8-mma-like"
-    # its FP8 projections, alone, side by side (linear_group) or inside the expert
-    accumulation = {"linear": "fp8_mma", "linear_group": "fp8_mma", "expert_mlp": "fp8_mma"}
+    # its FP8 projections, alone, side by side (linear_group, projections) or inside the expert
+    accumulation = {"linear": "fp8_mma", "linear_group": "fp8_mma", "expert_mlp": "fp8_mma", "projections": "fp8_mma",
+                    "expert_down": "fp8_mma"}
 
     def linear(self, x, lin, all_reduce=None):
         nm = self.numerics

@@ -46,7 +46,7 @@ from dsv4lab.tools.verify.op_bounds.attention import (attention_from_caches, att
                                                       compressor_pool, compressor_step, finish_interval, hadamard_interval,
                                                       head_rms_rope, indexer_query, indexer_scores, kv_norm_rope,
                                                       query_heads, sparse_attention)
-from dsv4lab.tools.verify.op_bounds.dot import (expert_mlp, grouped_wo_a, linear, linear_f32, linear_f32_group,
+from dsv4lab.tools.verify.op_bounds.dot import (expert_down, expert_mlp, grouped_wo_a, linear, linear_f32, linear_f32_group,
                                                 linear_group, moe_activation, projections, moe_combine, moe_output, moe_stage1,
                                                 moe_stage1_int8, moe_stage2, promoted_fp8_model, routed_experts,
                                                 routed_experts_int8)
@@ -76,7 +76,7 @@ OP_BOUNDS = {
     "kv_norm_rope": kv_norm_rope, "indexer_query": indexer_query, "indexer_select": indexer_select,
     "indexer_select_decode": indexer_select_decode, "router_topk": router_topk, "compressor_step": compressor_step,
     "moe_post_pre_norm": moe_post_pre_norm, "attention_norms": attention_norms, "query_heads": query_heads,
-    "compressor_pair": compressor_pair, "projections": projections,
+    "compressor_pair": compressor_pair, "projections": projections, "expert_down": expert_down,
 }
 """op name → bound function. A new op needs one entry (and, for a fused op, the chain of its parts)."""
 

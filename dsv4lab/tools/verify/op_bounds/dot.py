@@ -180,6 +180,14 @@ def routed_experts_int8(nm, acc, x, idx, weights, bank, limit):
     return out.sum(1, acc, "Σ slots").round(nm.acc)
 
 
+def expert_down(nm, acc, g, u, w2, limit):
+    """:func:`expert_mlp`'s second half from the projections' act outputs: SwiGLU in fp32, act rounding and FP8
+    quantization of its output (flips allowed), the w2 projection."""
+    h = swiglu_interval(point(g), point(u), limit, elementwise_roundoff(acc))
+    h = maybe_act_quant(h.round(nm.acc).round(nm.act), nm, w2.act_quant)
+    return h.matmul(w2.dequantized(F64), acc).round(nm.acc).round(nm.act)
+
+
 def expert_mlp(nm, acc, x, w1, w2, w3, limit, weight=None, shared=False):
     """The shared expert as a chain: two projections rounded to act, SwiGLU in fp32, act rounding and FP8
     quantization of its output (flips allowed), the w2 projection."""
