@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import once_per_run
 
 import dsv4lab
 from dsv4lab.faces import cli
@@ -177,14 +178,17 @@ def test_a_part_overrunning_the_budget_is_stopped_and_the_run_ends(capsys):
 
 @pytest.fixture(scope="module")
 def one_rank_smoke(tmp_path_factory):
-    """One single-process ``bench e2e --smoke`` run shared by the tests of its parts: ``(exit code, JSON, stdout,
-    stderr)``. It times the fused paths too (``--fusion-batches 1``: a Triton-interpreter model of its own)."""
-    out = tmp_path_factory.mktemp("e2e_one_rank") / "e2e.json"
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(["bench", "e2e", "--smoke", "--batches", "1", "--contexts", "", "--fusion-batches", "1",
-                         "--out", str(out)])
-    return code, json.loads(out.read_text()), stdout.getvalue(), stderr.getvalue()
+    """One single-process ``bench e2e --smoke`` run shared by the tests of its parts (once per pytest run, under
+    pytest-xdist too): ``(exit code, JSON, stdout, stderr)``. It times the fused paths too (``--fusion-batches 1``:
+    a Triton-interpreter model of its own)."""
+    def produce(folder):
+        out = folder / "e2e.json"
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = cli.main(["bench", "e2e", "--smoke", "--batches", "1", "--contexts", "", "--fusion-batches", "1",
+                             "--out", str(out)])
+        return code, json.loads(out.read_text()), stdout.getvalue(), stderr.getvalue()
+    return once_per_run(tmp_path_factory, "e2e_one_rank_smoke", produce)
 
 
 def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_acceptance(one_rank_smoke):
