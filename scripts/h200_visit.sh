@@ -30,7 +30,11 @@
 #                   --tuned-ops prefill.mhc_rows; PREFILL_SECTIONS=glue narrows it to the mHC/RoPE glue)
 #   prefill_full    bench kernels --suite prefill (full; every prefill choice into the visit's tuned file)
 #   e2e (300)       bench e2e --nproc 1 --layers 30 (E2E_ARGS adds options; DSV4LAB_TUNED points at the visit's
-#                   tuned file when a bench part before it in the same visit wrote one)
+#                   tuned file when a bench part before it in the same visit wrote one). It times the decode step's
+#                   fused paths off / each alone / all on at batches 1 and 8 (the JSON's 'fusions'; ids differing
+#                   from the unfused step's fail the part) and merges the recommended decode.fusion entries into
+#                   the visit's tuned file ($T, --tuned-out): a later e2e or e2e_nopdl part of the visit runs with
+#                   them (E2E_ARGS=--fusion-batches= skips the A/B, E2E_ARGS="--fusion-batches 1" halves it)
 #   e2e_nopdl (300) the same with --no-pdl (decode kernels launched without programmatic dependent launch, which is
 #                   on by default on sm_90+; E2E_NOPDL_ARGS adds options), written to e2e_1gpu_nopdl.json
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
@@ -124,9 +128,11 @@ for spec in "$@"; do
         e2e) [ -f "$T" ] && [ -z "${DSV4LAB_TUNED:-}" ] \
                 && export DSV4LAB_TUNED="$PWD/$T"  # the choices this visit's bench parts measured
             part e2e "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 \
-            --budget-s $(( ${limit:-300} - 60 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" ;;
+            --budget-s $(( ${limit:-300} - 60 )) ${E2E_ARGS:-} --out "$R/e2e_1gpu.json" \
+            --tuned-out "$T" $(tuned_base) ;;  # the fused paths it recommends, for the parts after it
             # (a part overrunning the budget by --overrun-s, 30 s, is stopped: the JSON is written in time)
-        e2e_nopdl) part e2e_nopdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --no-pdl \
+        e2e_nopdl) [ -f "$T" ] && [ -z "${DSV4LAB_TUNED:-}" ] && export DSV4LAB_TUNED="$PWD/$T"
+            part e2e_nopdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --no-pdl \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_NOPDL_ARGS:-} --out "$R/e2e_1gpu_nopdl.json" ;;
         serve) if compgen -G ".whl/*.whl" > /dev/null; then  # no internet there: the wheels came with the call
                 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve-site .whl/*.whl \

@@ -5,9 +5,11 @@ the same way ``dsv4lab bench kernels`` writes it after a run (:mod:`dsv4lab.tool
                                     [--set OP.FIELD=VALUE …] --out TUNED.json
 
 Each RESULT is a ``bench kernels --suite decode`` result (its rows), a ``--suite prefill`` result (its
-``choices``), a tuned file, or a decode dispatch file of the earlier format (``dsv4lab.decode-dispatch/1``:
-converted entry by entry, each naming the measurement of its commit — give those results with ``--provenance``). Later results win
-over earlier ones, all over ``--base`` (an op, shape and row count a result does not hold keeps the base's entry).
+``choices``), a ``bench e2e`` result (the ``decode.fusion`` entries its ``fusions`` section recommends:
+:func:`dsv4lab.tools.bench.e2e_fusions.tuned_ops`), a tuned file, or a decode dispatch file of the earlier format
+(``dsv4lab.decode-dispatch/1``: converted entry by entry, each naming the measurement of its commit — give those
+results with ``--provenance``). Later results win over earlier ones, all over ``--base`` (an op, shape and row count
+a result does not hold keeps the base's entry).
 ``--ops`` takes only those ops from the results; ``--set OP.FIELD=VALUE`` (a JSON value, else a string) forces a
 field of every entry of OP by hand — an ablation, recorded as a source of its own.
 
@@ -30,6 +32,7 @@ from dsv4lab.core.paths import read_json
 from dsv4lab.core.provenance import write_json
 from dsv4lab.engine.dispatch import SCHEMA
 from dsv4lab.tools.bench.decode.gemv import projection_shapes
+from dsv4lab.tools.bench.e2e_fusions import tuned_ops as e2e_fusion_ops
 from dsv4lab.tools.bench.tuned import (LEGACY_DISPATCH_FORMAT, convert_decode_dispatch, decode_entries,
                                        merge_tuned, prefill_entries, prefill_headline, source_of, take_ops,
                                        tuned_doc)
@@ -44,6 +47,11 @@ def entries_of(doc: dict, name: str, provenance: dict[str, dict]) -> dict:
     if doc.get("suite") == "decode" and "rows" in doc:
         source = source_of(doc, "decode")
         ops = decode_entries(doc, projection_shapes(get_preset(doc.get("model") or "flash")), source[0])
+    elif doc.get("benchmark") == "e2e":
+        try:
+            source, ops = e2e_fusion_ops(doc)
+        except UserError as err:
+            raise UserError(f"{name}: {err}") from None
     elif doc.get("suite") == "prefill" and doc.get("choices"):
         if doc.get("smoke"):
             raise UserError(f"{name}: a smoke run (tiny shapes) chooses nothing")
@@ -51,7 +59,7 @@ def entries_of(doc: dict, name: str, provenance: dict[str, dict]) -> dict:
         ops = prefill_entries(doc["choices"], prefill_headline(doc), source[0])
     else:
         raise UserError(f"{name}: neither a decode result (suite 'decode' with rows), a prefill result with "
-                        f"'choices' nor a decode dispatch file ({LEGACY_DISPATCH_FORMAT})")
+                        f"'choices', a bench e2e result nor a decode dispatch file ({LEGACY_DISPATCH_FORMAT})")
     return tuned_doc(doc["gpu"], {source[0]: source[1]}, ops)
 
 
@@ -82,7 +90,8 @@ def set_by_hand(doc: dict, assignments: list[str]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results", nargs="+", help="bench kernels results or earlier decode dispatch files, in order")
+    p.add_argument("results", nargs="+", help="bench kernels or bench e2e results, tuned files or earlier decode "
+                   "dispatch files, in order")
     p.add_argument("--provenance", nargs="*", default=[], help="decode results naming the commits of a dispatch file")
     p.add_argument("--base", help="a tuned file (same GPU) whose entries the results do not replace are kept")
     p.add_argument("--ops", help="comma-separated ops taken from the results (default: all)")

@@ -1,11 +1,14 @@
 """The end-to-end benchmark's generated model and its smoke run (the GPU run itself is `dsv4lab bench e2e`)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import time
 
 import pytest
 import torch
+from conftest import once_per_run
 
 import dsv4lab
 from dsv4lab.faces import cli
@@ -13,6 +16,8 @@ from dsv4lab.tools.bench import e2e, e2e_parts
 from dsv4lab.core.checkpoint import expected_tensors
 from dsv4lab.core.config import get_preset
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
+from dsv4lab.engine.dispatch import GPU_DEFAULTS, SCHEMA, Dispatch, Tuned
+from dsv4lab.engine.kernel_families import FUSION_NAMES
 from dsv4lab.tools.verify.model import trajectory_hash
 
 TINY = get_preset("tiny")
@@ -76,6 +81,11 @@ def test_bench_e2e_refuses_bad_splits(capsys):
 
 @pytest.mark.parametrize("argv,named", [
     (["bench", "e2e", "--batches", "1,8", "--breakdown-batches", "32"], "--breakdown-batches '32'"),
+    (["bench", "e2e", "--batches", "1,8", "--fusion-batches", "16"], "--fusion-batches '16'"),
+    (["bench", "e2e", "--fusion-batches", "1,x"], "--fusion-batches '1,x'"),
+    (["bench", "e2e", "--fusion-batches", "0"], "--fusion-batches '0'"),
+    (["bench", "e2e", "--nproc", "2", "--tp", "2", "--fusion-batches", "1"], "one rank (--nproc 1)"),
+    (["bench", "e2e", "--backend", "reference", "--fusion-batches", "1"], "--backend triton"),
     (["bench", "kernels", "--suite", "decode", "--batches", "8,0"], "--batches '8,0'"),
 ])
 def test_row_counts_out_of_range_are_refused_before_any_work(argv, named, capsys):
@@ -166,14 +176,28 @@ def test_a_part_overrunning_the_budget_is_stopped_and_the_run_ends(capsys):
     assert "decode_b1 result: {\"tok_s\":1.0}" in capsys.readouterr().err
 
 
-def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_acceptance(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def one_rank_smoke(tmp_path_factory):
+    """One single-process ``bench e2e --smoke`` run shared by the tests of its parts (once per pytest run, under
+    pytest-xdist too): ``(exit code, JSON, stdout, stderr)``. It times the fused paths too (``--fusion-batches 1``:
+    a Triton-interpreter model of its own)."""
+    def produce(folder):
+        out = folder / "e2e.json"
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = cli.main(["bench", "e2e", "--smoke", "--batches", "1", "--contexts", "", "--fusion-batches", "1",
+                             "--out", str(out)])
+        return code, json.loads(out.read_text()), stdout.getvalue(), stderr.getvalue()
+    return once_per_run(tmp_path_factory, "e2e_one_rank_smoke", produce)
+
+
+def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_acceptance(one_rank_smoke):
     """One rank (the multi-token parts are measured there): decode rows carry bytes per step; verify rows per k with
     the time and bytes ratios; speculative rows per (α, k) whose output equals plain greedy's, with drafts accepted
     (injected); rows without injection (random weights) and data/tiny-py's natural acceptance; the targets list
     them; the summary prints them."""
-    out = tmp_path / "e2e.json"
-    assert cli.main(["bench", "e2e", "--smoke", "--batches", "1", "--contexts", "", "--out", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    code, doc, printed, logged = one_rank_smoke
+    assert code == 0
     assert not doc["failed"] and doc["decode"][0]["bytes_per_step"] > doc["decode"][0]["weight_bytes_per_step"] > 0
     assert [r["draft_tokens"] for r in doc["verify"]] == [1, 2]
     for r in doc["verify"]:
@@ -188,12 +212,41 @@ def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_
     trained = [r for r in natural if "tiny-py" in r["checkpoint"]]  # its MTP block drafts for real
     assert len(trained) == 2 and all(r["acceptance_rate"] > 0.3 for r in trained)
     assert {"verify_k1_over_step", "speculative_alpha0.8_speedup", "batch32_mbu"} <= set(doc["targets"])
-    captured = capsys.readouterr()
-    printed = captured.out
     assert "verify k=1" in printed and "speculative α=0.5 k=2" in printed and "without injection" in printed
     # each part's numbers are logged as it ends (a run killed by a time limit keeps them): the verify rows as written
-    line = next(ln for ln in captured.err.splitlines() if ln.startswith("[bench e2e] verify result: "))
+    line = next(ln for ln in logged.splitlines() if ln.startswith("[bench e2e] verify result: "))
     assert json.loads(line.split("result: ", 1)[1]) == doc["verify"]
+
+
+def test_bench_e2e_smoke_times_the_fused_paths_off_alone_and_all_on(one_rank_smoke):
+    """The fused paths of the decode step (every name of ``FUSION_NAMES``) off, each alone and all on, on the
+    smoke's interpreter model: each configuration's ids equal the unfused step's, all on launches fewer kernels
+    than all off, and the tuned entries the section carries make the dispatch choose what it recommends."""
+    code, doc, printed, logged = one_rank_smoke
+    assert code == 0 and not doc["failed"]
+    f = doc["fusions"]
+    assert f["names"] == list(FUSION_NAMES) and f["mismatches"] == []
+    rows = {r["config"]: r for r in f["rows"]}
+    assert set(rows) == {"off", *FUSION_NAMES} | ({"all"} if len(FUSION_NAMES) > 1 else set())
+    for name, r in rows.items():
+        assert r["batch"] == 1 and r["ids_equal_off"] and r["tok_s"] > 0 and r["speedup"] > 0
+        assert r["on"] == ([] if name == "off" else list(FUSION_NAMES) if name == "all" else [name])
+        assert r["launches_per_step"] == r["triton_launches"] + r["torch_launches"] > 0
+        assert r["launches_per_layer"] == pytest.approx(r["launches_per_step"] / 2, abs=0.01)  # two layers
+        assert r["launches_saved"] == rows["off"]["launches_per_step"] - r["launches_per_step"]
+        assert len(r["rounds_tok_s"]) == (2 * len(rows) - 2 if name == "off" else 2)  # off C C off per path
+    every = rows["all" if len(FUSION_NAMES) > 1 else FUSION_NAMES[0]]
+    assert every["launches_per_step"] < rows["off"]["launches_per_step"]
+    assert set(f["recommended"]) == {"1"} and set(f["margin"]) == {"1"} and f["margin"]["1"] >= f["min_margin"]
+    tuned = f["tuned"]
+    (sid, source), = tuned["sources"].items()
+    assert source["result"] == "e2e.json" and source["commit"] == doc["commit"] and "--smoke" in source["command"]
+    d = Dispatch(Tuned(dict(schema=SCHEMA, gpu=doc["gpu"], sources=tuned["sources"],
+                            ops={"decode.fusion": tuned["decode.fusion"]}), "the e2e entries"), GPU_DEFAULTS)
+    assert all(d.fused(n, rows) == (n in f["recommended"]["1"]) for n in FUSION_NAMES for rows in (1, 4, 32))
+    assert "fusions b=1" in printed and "fusions recommended: b=1" in printed
+    line = next(ln for ln in logged.splitlines() if ln.startswith("[bench e2e] fusions_b1 result: "))
+    assert json.loads(line.split("result: ", 1)[1]) == f["rows"]
 
 
 def test_bench_e2e_refuses_draft_counts_the_model_cannot_verify(capsys):

@@ -19,9 +19,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dsv4lab.core.errors import UserError
 from dsv4lab.core.model.linear import ExpertBank, Linear
@@ -491,3 +493,53 @@ def top_kernels(prof, calls: int, n: int = 40) -> list[dict]:
 def kernel_families(prof, calls: int) -> dict[str, float]:
     """GPU time per call (µs) of a ``torch.profiler`` run of ``calls`` calls, by family (:func:`kernel_profile`)."""
     return kernel_profile(prof, calls)[0]
+
+
+# dispatched torch ops that launch no kernel (allocation, aliasing, host reads)
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+              "alias", "_local_scalar_dense", "set_", "resize_"}
+
+
+def count_launches(fn):
+    """Run ``fn()`` counting Triton kernel launches and dispatched torch ops that launch a kernel (views,
+    allocations and host reads excluded) — on a GPU, the kernels of what ``fn`` runs. Works on a CPU (the
+    interpreter's launches are counted the same way). Returns ``(counts, fn's result)`` with ``counts`` =
+    ``{triton, torch, triton_kernels: Counter, torch_ops: Counter}``."""
+
+    import triton.runtime.jit as jit
+    counts = dict(triton=0, torch=0, triton_kernels=Counter(), torch_ops=Counter())
+
+    class _TorchOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not func.is_view and name not in _NO_KERNEL:
+                counts["torch"] += 1
+                counts["torch_ops"][name] += 1
+            return func(*args, **(kwargs or {}))
+
+    classes = [jit.JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    originals = {cls: cls.run for cls in classes}
+
+    def counted(original):
+        def run(self, *args, **kwargs):
+            if not kwargs.get("warmup", False):
+                counts["triton"] += 1
+                counts["triton_kernels"][getattr(self, "__name__", "kernel")] += 1
+            with _disable_current_modes():  # the launch's own host-side tensor handling is not the step's
+                return original(self, *args, **kwargs)
+        return run
+
+    for cls, original in originals.items():
+        cls.run = counted(original)
+    try:
+        with _TorchOps():
+            out = fn()
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+    return counts, out

@@ -31,13 +31,18 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   against the one-token step and against its bytes ratio; speculative decoding's tok/s with injected acceptance
   (``--alphas``) against plain greedy's, every output checked equal to it — :mod:`dsv4lab.tools.bench.e2e_multitoken`
   (``--smoke`` adds the natural acceptance of ``data/tiny-py``'s trained MTP block).
+* **fusions** (one rank, Triton backend): at each ``--fusion-batches`` batch (default 1 and 8 where ``--batches``
+  reaches them), decode tok/s, launches per step and per layer and the token ids with every fused path of the decode
+  step off, each alone on and all on, timed off C C off; the paths a visit should turn on and their ready tuned
+  ``decode.fusion`` entries (``--tuned-out`` merges them into a tuned file) —
+  :mod:`dsv4lab.tools.bench.e2e_fusions`.
 * **breakdown** (CUDA): one graph replay of the batch-1 step under the profiler — GPU time by kernel family and
   the number of kernel launches per step and per layer — beside the roofline model's prediction on the H200
   catalogue entry; the same for each ``--breakdown-batches`` batch (``breakdown_by_batch``: where a batch's step
   spends the time its bytes do not explain).
 
-The parts run in the order warm-up and first prompts, decode rows, breakdown, verify, speculative, TTFT (and its
-per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
+The parts run in the order warm-up and first prompts, decode rows, breakdown, fusions, verify, speculative, TTFT
+(and its per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
 (``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``), and on one rank a part still running ``--overrun-s`` past the
 budget is stopped and listed under ``failed`` ("timed out"), so the JSON is always written inside a fixed time.
@@ -52,13 +57,11 @@ import platform
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dsv4lab.core.config import get_preset
 from dsv4lab.engine.decode_graph import Decoder
@@ -76,16 +79,18 @@ from dsv4lab.core.provenance import short_commit
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.e2e_parts import Parts, log
-from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, kernel_profile, median_copy_us, top_kernels,
-                                        write_json)
+from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, count_launches, kernel_profile,  # noqa: F401
+                                        median_copy_us, top_kernels, write_json)  # count_launches: tests import it here
 from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_rows, verify_rows
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
+from dsv4lab.tools.bench.e2e_fusions import fusion_batches, fusion_rows, fusion_section, smoke_runner, tuned_ops
+from dsv4lab.tools.bench.tuned import TunedWriter
 from dsv4lab.tools.bench.e2e_warmup import first_prompt_rows, format_first_prompts, warmup_part
 from dsv4lab.core.paths import DATA_DIR
 from dsv4lab.engine.speculative import max_draft_tokens
 
 HELP = ("end-to-end: decode tok/s and MBU at batch 1…32 and after long prompts, the speculative verify step and "
-        "throughput, TTFT, oracle hash, graph checks, ABBA, kernel breakdown")
+        "throughput, TTFT, oracle hash, graph checks, ABBA, kernel breakdown, the fused paths timed on and off")
 
 
 
@@ -103,6 +108,17 @@ def add_arguments(p):
     p.add_argument("--breakdown-batches", default=None,
                    help="batches whose step is profiled too, beside batch 1's (comma-separated; '' to skip; each "
                         "within --batches' largest; default 8 where --batches reaches it)")
+    p.add_argument("--fusion-batches", default=None,
+                   help="batches at which the decode step is timed with each fused path off, alone on and all on "
+                        "(A-B-B-A against off; launches and token ids compared; the recommended decode.fusion "
+                        "entries in the JSON's 'fusions'); comma-separated, '' to skip; default 1,8 where --batches "
+                        "reaches them on a GPU run of one rank with the Triton backend (--smoke: only when given)")
+    p.add_argument("--tuned-out", default=None,
+                   help="merge the recommended decode.fusion entries into this tuned file (over --tuned-base); "
+                        "a GPU run only; default: no tuned file written")
+    p.add_argument("--tuned-base", default=None,
+                   help="the tuned file (same GPU) --tuned-out keeps the other entries of (default: this GPU's "
+                        "kernels/dsv4lab_kernels/tuned/<gpu>.json, if any; 'none': only this run's entries)")
     p.add_argument("--draft-tokens", default="1,2,3",
                    help="draft counts k of the verify and speculative rows (comma-separated; '' to skip them)")
     p.add_argument("--alphas", default="0.5,0.7,0.8,0.9",
@@ -163,7 +179,8 @@ def options(args) -> dict:
              draft_tokens=positive_ints(args.draft_tokens, "--draft-tokens") if args.draft_tokens.strip() else [],
              alphas=_alphas(args.alphas), warmup=args.warmup,
              first_prompts=positive_ints(args.first_prompts, "--first-prompts") if args.first_prompts.strip() else [],
-             commit=args.commit, pdl=not getattr(args, "no_pdl", False) and os.environ.get(PDL_ENV) != "0")
+             commit=args.commit, pdl=not getattr(args, "no_pdl", False) and os.environ.get(PDL_ENV) != "0",
+             out=args.out or "runs/bench/e2e.json")
     if args.smoke:
         o.update(preset="tiny", layers=0, decode_tokens=min(o["decode_tokens"], 4), rounds=1, prompt_tokens=40,
                  chunks=[16, 40], batches=[b for b in o["batches"] if b <= 2] or [1], breakdown_batches=[],
@@ -182,6 +199,8 @@ def options(args) -> dict:
         raise UserError(f"--layers {o['layers']}: expected 0 (all layers) or a positive count")
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
+    o["fusion_batches"] = fusion_batches(getattr(args, "fusion_batches", None), o)
+    o["fusion_tokens"] = 1 if o["smoke"] else o["decode_tokens"]  # the interpreter: seconds per step
     if o["breakdown_batches"] and max(o["breakdown_batches"]) > max(o["batches"]):
         raise UserError(f"--breakdown-batches {args.breakdown_batches!r}: each must be at most the largest of "
                         f"--batches ({max(o['batches'])})")
@@ -221,14 +240,22 @@ def run(args) -> int:
         raise UserError("bench e2e measures GPUs (use --smoke to check the script on a CPU)")
     if not o["smoke"] and torch.cuda.device_count() < o["nproc"]:
         raise UserError(f"--nproc {o['nproc']} but {torch.cuda.device_count()} GPU(s) are visible")
+    if o["fusion_batches"] and not torch.cuda.is_available():  # --smoke's fused paths run in the interpreter:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # set before anything imports triton (identity() does)
+    out = Path(o["out"])
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() and not o["smoke"] else None
+    tuned = TunedWriter(args, out, gpu, enabled=bool(getattr(args, "tuned_out", None)))  # a base: read, checked now
     doc = run_parallel(worker, o["nproc"], o)[0] if o["nproc"] > 1 else worker(0, 1, o)
-    out = Path(args.out or "runs/bench/e2e.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, doc)
     print(format_summary(doc))
     for line in format_first_prompts(doc):
         print(line)
     print(f"wrote {out}")
+    if getattr(args, "tuned_out", None):
+        written = tuned.write(*tuned_ops(doc)) if tuned.enabled and (doc.get("fusions") or {}).get("rows") else None
+        print(f"wrote {written} (decode.fusion: {doc['fusions']['recommended']})" if written else
+              "--tuned-out: nothing written (no fused path timed on a GPU in this run)")
     if doc.get("failed"):
         print(f"FAILED parts: {', '.join(f'{k} ({v})' for k, v in doc['failed'].items())}")
         return 1
@@ -314,6 +341,15 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         for b in o["breakdown_batches"]:  # where a batch's step spends its time (batch 1 is the breakdown above)
             doc["breakdown_by_batch"][str(b)] = parts.run(f"breakdown_b{b}",
                                                           lambda b=b: breakdown(runner, o, device, b))
+    if world == 1 and o["fusion_batches"]:  # the fused paths of the decode step, off / alone / all (one rank)
+        fuse = runner if runner.backend == "triton" else parts.run("fusions_model", lambda: smoke_runner(o))
+        rows = [parts.run(f"fusions_b{b}", lambda b=b: fusion_rows(fuse, clock, b, o)) for b in
+                o["fusion_batches"]] if fuse is not None else []
+        if any(rows):
+            doc["fusions"] = fusion_section([r for rs in rows if rs for r in rs], doc, o)
+            if doc["fusions"]["mismatches"]:  # the fused paths claim the unfused step's bits: a failure
+                parts.failed["fusions"] = "token ids differ: " + ", ".join(doc["fusions"]["mismatches"])
+                log(rank, f"FUSIONS: {parts.failed['fusions']}")
     if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
         doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
         doc["speculative"], doc["speculative_natural"] = parts.run(
@@ -649,56 +685,6 @@ def abba(runner, clock, o: dict, device) -> dict:
     return dict(order=f"{a} {b} {b} {a}", tok_s={s: round(statistics.median(v), 2) for s, v in tok.items()},
                 rounds_tok_s={s: [round(x, 2) for x in v] for s, v in tok.items()},
                 speedup=round(statistics.median(tok[b]) / statistics.median(tok[a]), 4))
-
-
-# dispatched torch ops that launch no kernel (allocation, aliasing, host reads)
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
-              "alias", "_local_scalar_dense", "set_", "resize_"}
-
-
-def count_launches(fn):
-    """Run ``fn()`` counting Triton kernel launches and dispatched torch ops that launch a kernel (views,
-    allocations and host reads excluded) — on a GPU, the kernels of what ``fn`` runs. Works on a CPU (the
-    interpreter's launches are counted the same way). Returns ``(counts, fn's result)`` with ``counts`` =
-    ``{triton, torch, triton_kernels: Counter, torch_ops: Counter}``."""
-
-    import triton.runtime.jit as jit
-    counts = dict(triton=0, torch=0, triton_kernels=Counter(), torch_ops=Counter())
-
-    class _TorchOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not func.is_view and name not in _NO_KERNEL:
-                counts["torch"] += 1
-                counts["torch_ops"][name] += 1
-            return func(*args, **(kwargs or {}))
-
-    classes = [jit.JITFunction]
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-        classes.append(InterpretedFunction)
-    except ImportError:
-        pass
-    originals = {cls: cls.run for cls in classes}
-
-    def counted(original):
-        def run(self, *args, **kwargs):
-            if not kwargs.get("warmup", False):
-                counts["triton"] += 1
-                counts["triton_kernels"][getattr(self, "__name__", "kernel")] += 1
-            with _disable_current_modes():  # the launch's own host-side tensor handling is not the step's
-                return original(self, *args, **kwargs)
-        return run
-
-    for cls, original in originals.items():
-        cls.run = counted(original)
-    try:
-        with _TorchOps():
-            out = fn()
-    finally:
-        for cls, original in originals.items():
-            cls.run = original
-    return counts, out
 
 
 def breakdown(runner, o: dict, device, batch: int = 1) -> dict:

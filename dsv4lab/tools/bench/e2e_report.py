@@ -1,6 +1,7 @@
 """``bench e2e``'s report: the issues' targets as measured, and the summary printed after a run."""
 from __future__ import annotations
 
+from dsv4lab.tools.bench.e2e_fusions import format_fusions
 from dsv4lab.tools.bench.e2e_multitoken import format_multitoken
 
 
@@ -59,6 +60,7 @@ def format_summary(doc: dict) -> str:
             lines.append(f"step replay {bd['replay_us']} µs (PDL {'on' if bd.get('pdl') else 'off'}), without PDL "
                          f"{bd.get('replay_without_pdl_us')} µs; kernels profiled without PDL: "
                          f"{bd.get('profiled_without_pdl')}")
+    lines += format_fusions(doc)
     if doc.get("abba"):
         a = doc["abba"]
         lines.append(f"ABBA ({a['order']}): " + ", ".join(f"{s} {v} tok/s" for s, v in a["tok_s"].items())
