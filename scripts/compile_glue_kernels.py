@@ -93,6 +93,7 @@ def compile_launches(target: GPUTarget, calls, registers: bool = True) -> list[d
     ``registers``, each CUDA kernel's registers and spills from a second ptxas run."""
     rows = []
     original = JITFunction.run
+    current = [""]  # the launcher being compiled (each row names it)
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
@@ -100,16 +101,17 @@ def compile_launches(target: GPUTarget, calls, registers: bool = True) -> list[d
         t0 = time.perf_counter()
         try:
             k = triton.compile(ASTSource(self, signature=sig, constexprs=consts), target=target, options=options)
-            rows.append(dict(kernel=self.__name__, ok=True, seconds=round(time.perf_counter() - t0, 2),
+            rows.append(dict(kernel=self.__name__, call=current[0], ok=True,
+                             seconds=round(time.perf_counter() - t0, 2),
                              shared=k.metadata.shared, **(_ptxas_usage(k, target) if registers else {})))
         except Exception as err:  # noqa: BLE001 — report every kernel, not only the first failure
-            rows.append(dict(kernel=self.__name__, ok=False, error=_describe(err)))
+            rows.append(dict(kernel=self.__name__, call=current[0], ok=False, error=_describe(err)))
         return None
 
     JITFunction.run = compile_only
     try:
         for name, thunk in calls:
-            before = len(rows)
+            before, current[0] = len(rows), name
             try:
                 thunk()
             except Exception as err:  # noqa: BLE001 — a launcher failing after a compiled launch is not a kernel error
@@ -214,16 +216,18 @@ def flash_calls():
         ("query_heads", lambda: norm_rope_quant.query_heads(
             torch.zeros(b, 1, a.n_heads, d, dtype=bf), torch.zeros(b, 1, a.index_n_heads, a.index_head_dim, dtype=bf),
             cos, cos, pos[:, None], 1e-6, True)),
-        ("compressor_pair (CSA)", lambda: compressor_decode.compressor_pair(
-            *(compressor_decode.CompressorCall(
+        ("compressor_pair (CSA)", lambda: compressor_decode.compressor_pair(*(
+            compressor_decode.CompressorCall(
                 torch.zeros(b, 2 * ch), torch.zeros(b, 2 * ch), torch.zeros(4, 2 * ch), pos, slots,
                 torch.zeros(3, 8, 2 * ch), torch.zeros(3, 8, 2 * ch), torch.zeros(3, 16, ch, dtype=bf),
-                torch.ones(ch), cos, cos, 4, True, 1e-6, idx, True) for ch, idx in ((a.index_head_dim, True), (d, False))))),
+                torch.ones(ch), cos, cos, 4, True, 1e-6, idx, True)
+            for ch, idx in ((a.index_head_dim, True), (d, False))))),
     ]
     from dsv4lab_kernels import fp8_gemv
     xg = torch.zeros(1, D, dtype=bf)
-    fp8w = lambda n, k: (torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(-(-n // 128), -(-k // 128),  # noqa: E731
-                                                                                  dtype=torch.uint8))
+    def fp8w(n, k):  # an E4M3 weight and its E8M0 block scales
+        return torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(-(-n // 128), -(-k // 128), dtype=torch.uint8)
+
     geo = fp8_gemv.GemvGeometry
     qkv = dict(x=xg, weight=fp8w(a.q_lora_rank + d, D)[0], scale=fp8w(a.q_lora_rank + d, D)[1],
                segments=(a.q_lora_rank, d), geometry=geo(block_n=32, block_k=256, split_k=6))
