@@ -86,6 +86,8 @@ def test_bench_e2e_refuses_bad_splits(capsys):
     (["bench", "e2e", "--fusion-batches", "0"], "--fusion-batches '0'"),
     (["bench", "e2e", "--nproc", "2", "--tp", "2", "--fusion-batches", "1"], "one rank (--nproc 1)"),
     (["bench", "e2e", "--backend", "reference", "--fusion-batches", "1"], "--backend triton"),
+    (["bench", "e2e", "--fusions", "moe_site,nope"], "--fusions 'moe_site,nope'"),
+    (["bench", "e2e", "--fusions", "greedy,greedy"], "--fusions 'greedy,greedy'"),
     (["bench", "kernels", "--suite", "decode", "--batches", "8,0"], "--batches '8,0'"),
 ])
 def test_row_counts_out_of_range_are_refused_before_any_work(argv, named, capsys):
@@ -176,17 +178,23 @@ def test_a_part_overrunning_the_budget_is_stopped_and_the_run_ends(capsys):
     assert "decode_b1 result: {\"tok_s\":1.0}" in capsys.readouterr().err
 
 
+SMOKE_FUSIONS = ("x_projections",)
+"""The fused path the shared smoke run times alone (it engages on both layers of its interpreter model; each
+configuration costs four interpreter steps)."""
+
+
 @pytest.fixture(scope="module")
 def one_rank_smoke(tmp_path_factory):
     """One single-process ``bench e2e --smoke`` run shared by the tests of its parts (once per pytest run, under
     pytest-xdist too): ``(exit code, JSON, stdout, stderr)``. It times the fused paths too (``--fusion-batches 1``:
-    a Triton-interpreter model of its own)."""
+    a Triton-interpreter model of its own; one of them alone, :data:`SMOKE_FUSIONS`, beside off and all on: each
+    configuration is a few interpreter steps)."""
     def produce(folder):
         out = folder / "e2e.json"
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             code = cli.main(["bench", "e2e", "--smoke", "--batches", "1", "--contexts", "", "--fusion-batches", "1",
-                             "--out", str(out)])
+                             "--fusions", ",".join(SMOKE_FUSIONS), "--out", str(out)])
         return code, json.loads(out.read_text()), stdout.getvalue(), stderr.getvalue()
     return once_per_run(tmp_path_factory, "e2e_one_rank_smoke", produce)
 
@@ -219,15 +227,17 @@ def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_
 
 
 def test_bench_e2e_smoke_times_the_fused_paths_off_alone_and_all_on(one_rank_smoke):
-    """The fused paths of the decode step (every name of ``FUSION_NAMES``) off, each alone and all on, on the
-    smoke's interpreter model: each configuration's ids equal the unfused step's, all on launches fewer kernels
-    than all off, and the tuned entries the section carries make the dispatch choose what it recommends."""
+    """The fused paths of the decode step off, each of ``--fusions`` alone (one here; by default every name of
+    ``FUSION_NAMES``) and all on, on the smoke's interpreter model: each configuration's ids equal the unfused
+    step's, every path timed launches fewer kernels than all off, and the tuned entries the section carries make
+    the dispatch choose what it recommends (a path not timed: off)."""
     code, doc, printed, logged = one_rank_smoke
     assert code == 0 and not doc["failed"]
     f = doc["fusions"]
-    assert f["names"] == list(FUSION_NAMES) and f["mismatches"] == []
+    assert f["names"] == list(SMOKE_FUSIONS) and f["mismatches"] == []
     rows = {r["config"]: r for r in f["rows"]}
-    assert set(rows) == {"off", *FUSION_NAMES} | ({"all"} if len(FUSION_NAMES) > 1 else set())
+    assert set(rows) == {"off", *SMOKE_FUSIONS, "all"}
+    assert all(rows[n]["launches_saved"] > 0 for n in SMOKE_FUSIONS)
     for name, r in rows.items():
         assert r["batch"] == 1 and r["ids_equal_off"] and r["tok_s"] > 0 and r["speedup"] > 0
         assert r["on"] == ([] if name == "off" else list(FUSION_NAMES) if name == "all" else [name])
@@ -244,6 +254,7 @@ def test_bench_e2e_smoke_times_the_fused_paths_off_alone_and_all_on(one_rank_smo
     d = Dispatch(Tuned(dict(schema=SCHEMA, gpu=doc["gpu"], sources=tuned["sources"],
                             ops={"decode.fusion": tuned["decode.fusion"]}), "the e2e entries"), GPU_DEFAULTS)
     assert all(d.fused(n, rows) == (n in f["recommended"]["1"]) for n in FUSION_NAMES for rows in (1, 4, 32))
+    assert set(f["recommended"]["1"]) <= set(SMOKE_FUSIONS) and "--fusions" in source["command"]
     assert "fusions b=1" in printed and "fusions recommended: b=1" in printed
     line = next(ln for ln in logged.splitlines() if ln.startswith("[bench e2e] fusions_b1 result: "))
     assert json.loads(line.split("result: ", 1)[1]) == f["rows"]

@@ -127,6 +127,7 @@ def test_each_configuration_replaces_only_the_fusion_choice_of_the_engines_dispa
         "h200.json"), INTERPRETER_DEFAULTS)
     configs = configurations()
     assert list(configs)[:len(FUSION_NAMES) + 1] == ["off", *FUSION_NAMES]
+    assert list(configurations(FUSION_NAMES[:1])) == ["off", FUSION_NAMES[0], "all"]  # --fusions: a subset alone
     assert ("all" in configs) == (len(FUSION_NAMES) > 1)
     for name, choice in configs.items():
         d = with_fusions(engine, choice, name)

@@ -299,10 +299,14 @@ def _sleeping_notebook(folder: Path, kernel: bool = True) -> None:
 @pytest.mark.parametrize("sig,code,by", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")],
                          ids=["SIGTERM", "SIGINT"])
 def test_a_signal_ends_a_run_with_an_interrupted_manifest(sig, code, by, tmp_path):
+    """SIGTERM and SIGINT end a run as "interrupted" — the run started with SIGINT ignored, as a shell starts a
+    background job (``dsv4lab reproduce &``) and as some test runners' workers run: the run sets its own handler
+    (before it did not, and a SIGINT was lost under pytest-xdist: the notebook slept its 120 s out)."""
     _sleeping_notebook(tmp_path / "nbs")
     out = tmp_path / "runs"
     proc = subprocess.Popen([sys.executable, "-m", "dsv4lab", "reproduce", "--notebooks-dir", str(tmp_path / "nbs"),
-                             "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--out", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     def cell_running() -> bool:
         return any("READY" in log.read_text() for log in out.glob("*/logs/sleeps.log"))
     try:

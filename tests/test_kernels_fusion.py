@@ -494,3 +494,74 @@ def test_the_backends_expert_down_is_expert_mlps_second_half():
         counts, got = count_launches(lambda: ops.expert_down(gate, up, w2, LIMIT))
         assert counts["triton"] == launches and not ops.calls.reference, (counts, ops.report())
         assert torch.equal(got, ops.expert_mlp(x, w1, w2, w3, LIMIT, shared=True))
+
+
+# ------------------------------------------------------------------------------------------ GPU, Flash widths
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gpu_fused_paths_are_their_parts_at_flash_widths(rows):
+    """Compiled (the claim the interpreter cannot check: each fused launch's code generation), at DeepSeek-V4-Flash
+    widths and the tuned H200 GEMV geometries: every fused path equals its parts launched alone bit for bit —
+    ``attention_norms``, ``query_heads``, ``compressor_pair``, ``shared_swiglu`` and the GEMV jobs of a CSA
+    layer's attention input (``x_projections``)."""
+    from dsv4lab.core.config import get_preset
+    a = get_preset("flash")
+    g = torch.Generator().manual_seed(rows)
+    bf = torch.bfloat16
+    rnd = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(DEV)  # noqa: E731
+    d, R = a.head_dim, a.rope_head_dim
+    cos, sin = rnd(4096, R // 2), rnd(4096, R // 2)
+    pos = torch.randint(0, 4096, (rows, 1), generator=g).to(DEV)
+    slots = torch.randperm(rows, generator=g).to(DEV)
+    # attention_norms
+    q_a, kv = rnd(rows, 1, a.q_lora_rank, scale=3).to(bf), rnd(rows, 1, d, scale=3).to(bf)
+    q_w, kv_w = 1 + 0.1 * rnd(a.q_lora_rank), 1 + 0.1 * rnd(d)
+    ring_a, ring_b = (torch.zeros(rows + 1, a.window_size, d, dtype=bf, device=DEV) for _ in range(2))
+    want = nrq.rms_norm(q_a, q_w, 1e-6), nrq.kv_norm_rope(kv, kv_w, 1e-6, cos, sin, pos, d - R, True, ring_a, slots)
+    got = nrq.attention_norms(q_a, q_w, kv, kv_w, 1e-6, cos, sin, pos, d - R, True, ring_b, slots)
+    assert all(torch.equal(u, v) for u, v in zip(got, want)) and torch.equal(ring_a, ring_b), "attention_norms"
+    # query_heads
+    q = rnd(rows, 1, a.n_heads, d, scale=3).to(bf)
+    qi = rnd(rows, 1, a.index_n_heads, a.index_head_dim, scale=2).to(bf)
+    want = nrq.head_rms_rope(q, cos, sin, pos, 1e-6), nrq.indexer_query(qi, cos, sin, pos, True)
+    got = nrq.query_heads(q, qi, cos, sin, pos, 1e-6, True)
+    assert all(torch.equal(u, v) for u, v in zip(got, want)), "query_heads"
+    # compressor_pair: a CSA layer's two compressors, positions completing a block
+    p1 = (torch.arange(rows, device=DEV) * 4 + 3)
+    calls = []
+    for ch, idx in ((a.index_head_dim, True), (d, False)):
+        w = 2 * ch
+        state = [rnd(rows + 1, 8, w), rnd(rows + 1, 8, w, scale=2)]
+        calls.append(dict(kv=rnd(rows, w), score=rnd(rows, w, scale=2), ape=rnd(4, w, scale=0.5), positions=p1,
+                          slots=slots, kv_ring=state[0], score_ring=state[1],
+                          cache=torch.zeros(rows + 1, 1024, ch, dtype=bf, device=DEV), norm_weight=1 + 0.1 * rnd(ch),
+                          cos=cos, sin=sin, ratio=4, overlap=True, eps=1e-6, indexer=idx, quantize=True))
+    alone = [{k: (v.clone() if k in ("kv_ring", "score_ring", "cache") else v) for k, v in c.items()} for c in calls]
+    for c in alone:
+        cmp_decode.compressor_step(**c)
+    cmp_decode.compressor_pair(*(cmp_decode.CompressorCall(**c) for c in calls))
+    for c, w in zip(calls, alone):
+        for k in ("kv_ring", "score_ring", "cache"):
+            assert torch.equal(c[k], w[k]), f"compressor_pair {k}"
+    # shared_swiglu and the GEMV jobs at the tuned H200 geometries of rows 1
+    from dsv4lab.tools.verify.registry import make_linear
+    geo = gemv.GemvGeometry
+    gate, up = rnd(rows, a.moe_inter_dim, scale=3).to(bf), rnd(rows, a.moe_inter_dim, scale=3).to(bf)
+    w2 = make_linear("fp8", a.dim, a.moe_inter_dim, g, DEV)
+    g2 = geo(block_n=64, block_k=256, split_k=5, num_warps=8)
+    want = gemv.fp8_gemv(swiglu_kernels.swiglu(gate, up, 10.0), w2.weight, w2.scale, geometry=g2)
+    assert torch.equal(gemv.fp8_gemv(gate, w2.weight, w2.scale, geometry=g2, swiglu=(up, 10.0)), want), \
+        "shared_swiglu"
+    x = rnd(rows, a.dim, scale=3).to(bf)
+    qkv = make_linear("fp8", a.q_lora_rank + d, a.dim, g, DEV)
+    comps = make_linear("bf16", 2 * 2 * d + 2 * 2 * a.index_head_dim, a.dim, g, DEV)
+    head_w = make_linear("bf16", a.index_n_heads, a.dim, g, DEV)
+    jobs = [dict(x=x, weight=qkv.weight, scale=qkv.scale, segments=(a.q_lora_rank, d),
+                 geometry=geo(block_n=32, block_k=256, split_k=6)),
+            dict(x=x, weight=comps.weight, scale=None, act_quant=False, out_dtype=torch.float32,
+                 segments=(2 * d, 2 * d, 2 * a.index_head_dim, 2 * a.index_head_dim),
+                 geometry=geo(block_n=32, block_k=256, split_k=4)),
+            dict(x=x, weight=head_w.weight, scale=None, act_quant=False, geometry=geo(block_n=32, split_k=16))]
+    want = _flat(gemv.fp8_gemv(**c) for c in jobs)
+    got = _flat(gemv.fp8_gemv_jobs([gemv.gemv_plan(**c) for c in jobs]))
+    assert all(torch.equal(u, v) for u, v in zip(got, want)), "x_projections"

@@ -369,20 +369,23 @@ def settle_notebook(partial: Path, final: Path) -> Path | None:
 @contextlib.contextmanager
 def signals_end_runs():
     """For the block, SIGTERM raises :class:`~dsv4lab.core.errors.Terminated` (a ``KeyboardInterrupt``) where the
-    program is, as Ctrl-C (SIGINT) raises ``KeyboardInterrupt``: either ends a run through the code that writes its
-    manifest as "interrupted". The previous handler is restored afterwards (signals reach the main thread only; in
-    any other thread this does nothing)."""
+    program is, and SIGINT (Ctrl-C) ``KeyboardInterrupt``: either ends a run through the code that writes its
+    manifest as "interrupted". SIGINT's handler is set too, not inherited: a process started with SIGINT ignored (a
+    shell's background job ``dsv4lab reproduce &``, a test runner's worker) would otherwise run on through it. The
+    previous handlers are restored afterwards (signals reach the main thread only; in any other thread this does
+    nothing)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum, frame):
         raise Terminated()
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate), signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 # ============================================================================================ expectations

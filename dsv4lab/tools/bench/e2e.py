@@ -83,7 +83,8 @@ from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, count_launc
                                         median_copy_us, top_kernels, write_json)  # count_launches: tests import it here
 from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_rows, verify_rows
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
-from dsv4lab.tools.bench.e2e_fusions import fusion_batches, fusion_rows, fusion_section, smoke_runner, tuned_ops
+from dsv4lab.tools.bench.e2e_fusions import (fusion_batches, fusion_names, fusion_rows, fusion_section, smoke_runner,
+                                             tuned_ops)
 from dsv4lab.tools.bench.tuned import TunedWriter
 from dsv4lab.tools.bench.e2e_warmup import first_prompt_rows, format_first_prompts, warmup_part
 from dsv4lab.core.paths import DATA_DIR
@@ -113,6 +114,10 @@ def add_arguments(p):
                         "(A-B-B-A against off; launches and token ids compared; the recommended decode.fusion "
                         "entries in the JSON's 'fusions'); comma-separated, '' to skip; default 1,8 where --batches "
                         "reaches them on a GPU run of one rank with the Triton backend (--smoke: only when given)")
+    p.add_argument("--fusions", default=None,
+                   help="the fused paths timed alone at --fusion-batches (comma-separated names of "
+                        "dsv4lab/engine/kernel_families.py's FUSIONS; default every one; off and all on are always "
+                        "timed; a path not timed is never recommended)")
     p.add_argument("--tuned-out", default=None,
                    help="merge the recommended decode.fusion entries into this tuned file (over --tuned-base); "
                         "a GPU run only; default: no tuned file written")
@@ -200,6 +205,7 @@ def options(args) -> dict:
     if o["abba"] and len(o["abba"]) != 2:
         raise UserError(f"--abba {args.abba!r}: expected two strategies, e.g. library,peer_read")
     o["fusion_batches"] = fusion_batches(getattr(args, "fusion_batches", None), o)
+    o["fusions"] = fusion_names(getattr(args, "fusions", None))
     o["fusion_tokens"] = 1 if o["smoke"] else o["decode_tokens"]  # the interpreter: seconds per step
     if o["breakdown_batches"] and max(o["breakdown_batches"]) > max(o["batches"]):
         raise UserError(f"--breakdown-batches {args.breakdown_batches!r}: each must be at most the largest of "

@@ -3,7 +3,8 @@
 visit turns them on by measurement — the dispatch runs none of them on a GPU until a ``decode.fusion`` entry of the
 tuned file says so (``docs/kernels_decode.md``, "Fused paths").
 
-* **configurations**: ``off`` (every path false), each path alone, and ``all`` (every path true; left out where
+* **configurations**: ``off`` (every path false), each path alone (``--fusions`` names a subset), and ``all`` (every
+  path true; left out where
   there is one path), each a :class:`~dsv4lab.engine.dispatch.Dispatch` that is the engine's own (its tuned entries
   and defaults) with its ``decode.fusion`` replaced (:func:`with_fusions`), set as ``runner.ops.config`` — and each
   its own decoder: a captured graph holds the kernels it was captured with, so a configuration's graphs are captured
@@ -83,10 +84,22 @@ def fusion_batches(spec: str | None, o: dict) -> list[int]:
     return out
 
 
-def configurations() -> dict[str, dict[str, bool]]:
-    """``off``, each fused path alone, ``all`` (more than one path): name → its ``decode.fusion`` choice."""
+def fusion_names(spec: str | None) -> list[str]:
+    """``--fusions``: the fused paths timed alone (default every name of ``FUSION_NAMES``)."""
+    if spec is None:
+        return list(FUSION_NAMES)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FUSION_NAMES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise UserError(f"--fusions {spec!r}: expected distinct fused paths among {', '.join(FUSION_NAMES)}")
+    return [n for n in FUSION_NAMES if n in names]
+
+
+def configurations(names=FUSION_NAMES) -> dict[str, dict[str, bool]]:
+    """``off``, each of ``names`` alone, ``all`` (every fused path, where there is more than one): name → its
+    ``decode.fusion`` choice (every path named)."""
     off = {n: False for n in FUSION_NAMES}
-    out = {"off": off} | {n: off | {n: True} for n in FUSION_NAMES}
+    out = {"off": off} | {n: off | {n: True} for n in names}
     if len(FUSION_NAMES) > 1:
         out["all"] = {n: True for n in FUSION_NAMES}
     return out
@@ -140,7 +153,7 @@ def _launches(runner, step, tokens: torch.Tensor) -> dict:
 
 def fusion_rows(runner, clock, batch: int, o: dict) -> list[dict]:
     """Every configuration at ``batch`` rows (module doc): ``off``'s row first, then each against it."""
-    configs = configurations()
+    configs = configurations(o.get("fusions", FUSION_NAMES))
     base = runner.ops.config
     dispatches = {name: with_fusions(base, choice, name) for name, choice in configs.items()}
     tokens = torch.tensor(fixed_sequence(runner.args, batch, seed=33 + batch))
@@ -244,18 +257,21 @@ def recommend(rows: list[dict], names=FUSION_NAMES) -> dict:
 
 
 def fusion_section(rows: list[dict], doc: dict, o: dict) -> dict:
-    """The JSON section ``fusions``: the rows, the choice (:func:`recommend`) and its tuned entries."""
-    choice = recommend(rows)
+    """The JSON section ``fusions``: the rows, the choice (:func:`recommend`: among the paths timed alone) and its
+    tuned entries (a path not timed: false)."""
+    names = list(o.get("fusions", FUSION_NAMES))
+    choice = recommend(rows, names)
     sid = f"{doc.get('commit')}/e2e"
     command = (f"dsv4lab bench e2e --nproc 1 --layers {o['layers']} --fusion-batches "
-               f"{','.join(map(str, o['fusion_batches']))} --decode-tokens {o['decode_tokens']} --rounds {o['rounds']}")
+               f"{','.join(map(str, o['fusion_batches']))} --decode-tokens {o['decode_tokens']} --rounds {o['rounds']}"
+               + ("" if names == list(FUSION_NAMES) else f" --fusions {','.join(names)}"))
     source = dict(commit=doc.get("commit"), command=command + (" --smoke" if o["smoke"] else ""),
                   result=Path(o.get("out") or "e2e.json").name, gpu=doc.get("gpu"), torch=doc.get("torch"),
                   triton=doc.get("triton"))
-    entries = [dict(rows=int(b), source=sid, choice={n: n in names for n in FUSION_NAMES},
+    entries = [dict(rows=int(b), source=sid, choice={n: n in chosen for n in FUSION_NAMES},
                     speedup={r["config"]: r["speedup"] for r in rows if r["batch"] == int(b) and r["config"] != "off"})
-               for b, names in choice["recommended"].items()]
-    return dict(names=list(FUSION_NAMES), rule=RULE, min_margin=MIN_MARGIN, rows=rows, **choice,
+               for b, chosen in choice["recommended"].items()]
+    return dict(names=names, rule=RULE, min_margin=MIN_MARGIN, rows=rows, **choice,
                 tuned={"sources": {sid: source}, "decode.fusion": entries})
 
 
@@ -288,5 +304,5 @@ def format_fusions(doc: dict) -> list[str]:
     return lines
 
 
-__all__ = ["FUSION_BATCHES", "MIN_MARGIN", "RULE", "SMOKE_MODEL", "fusion_batches", "configurations", "with_fusions",
-           "smoke_runner", "fusion_rows", "recommend", "fusion_section", "tuned_ops", "format_fusions"]
+__all__ = ["FUSION_BATCHES", "MIN_MARGIN", "RULE", "SMOKE_MODEL", "fusion_batches", "fusion_names", "configurations",
+           "with_fusions", "smoke_runner", "fusion_rows", "recommend", "fusion_section", "tuned_ops", "format_fusions"]
