@@ -16,12 +16,9 @@ from dsv4lab.core.model.ops import ReferenceOps
 from dsv4lab.engine.decode_groups import group_of
 from dsv4lab.engine.kernel_loader import kernel_module
 
-gemv = kernel_module("fp8_gemv")
-moe = kernel_module("fp4_moe_decode")
-mhc = kernel_module("mhc")
-nrq = kernel_module("norm_rope_quant")
-cmp_decode = kernel_module("compressor_decode")
-greedy_kernels = kernel_module("greedy")
+# the kernel modules of the fused paths (the backend's own names for them)
+gemv, moe, mhc, nrq, cmp_decode, greedy_kernels = map(kernel_module, (
+    "fp8_gemv", "fp4_moe_decode", "mhc", "norm_rope_quant", "compressor_decode", "greedy"))
 
 
 class FusedPaths:

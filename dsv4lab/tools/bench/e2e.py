@@ -85,7 +85,7 @@ from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_r
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
 from dsv4lab.tools.bench.e2e_fusions import (fusion_batches, fusion_names, fusion_rows, fusion_section, smoke_runner,
                                              tuned_ops)
-from dsv4lab.tools.bench.tuned import TunedWriter
+from dsv4lab.tools.bench.tuned import TunedWriter, add_tuned_arguments
 from dsv4lab.tools.bench.e2e_warmup import first_prompt_rows, format_first_prompts, warmup_part
 from dsv4lab.core.paths import DATA_DIR
 from dsv4lab.engine.speculative import max_draft_tokens
@@ -118,12 +118,8 @@ def add_arguments(p):
                    help="the fused paths timed alone at --fusion-batches (comma-separated names of "
                         "dsv4lab/engine/kernel_families.py's FUSIONS; default every one; off and all on are always "
                         "timed; a path not timed is never recommended)")
-    p.add_argument("--tuned-out", default=None,
-                   help="merge the recommended decode.fusion entries into this tuned file (over --tuned-base); "
-                        "a GPU run only; default: no tuned file written")
-    p.add_argument("--tuned-base", default=None,
-                   help="the tuned file (same GPU) --tuned-out keeps the other entries of (default: this GPU's "
-                        "kernels/dsv4lab_kernels/tuned/<gpu>.json, if any; 'none': only this run's entries)")
+    add_tuned_arguments(p, "merge the recommended decode.fusion entries into this tuned file (over --tuned-base); "
+                           "a GPU run only; default: no tuned file written", ops=False)
     p.add_argument("--draft-tokens", default="1,2,3",
                    help="draft counts k of the verify and speculative rows (comma-separated; '' to skip them)")
     p.add_argument("--alphas", default="0.5,0.7,0.8,0.9",

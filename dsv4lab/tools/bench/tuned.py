@@ -215,16 +215,19 @@ def take_ops(doc: dict, ops: list[str] | None) -> dict:
     return tuned_doc(doc["gpu"], {k: v for k, v in doc["sources"].items() if k in used}, kept)
 
 
-def add_tuned_arguments(p) -> None:
-    """``--tuned-out`` and ``--tuned-base`` of ``bench kernels`` (both suites)."""
+def add_tuned_arguments(p, out_help: str | None = None, ops: bool = True) -> None:
+    """``--tuned-out`` and ``--tuned-base`` of ``bench kernels`` (both suites) and of ``bench e2e`` (its own
+    ``out_help``), and ``--tuned-ops`` where ``ops``."""
     p.add_argument("--tuned-out", default=None,
-                   help="where a GPU run writes its measured choices as a tuned file (default: tuned_<gpu>.json "
-                        "beside --out); copy it to kernels/dsv4lab_kernels/tuned/ to make it the GPU's, or point "
-                        "DSV4LAB_TUNED at it")
+                   help=out_help or "where a GPU run writes its measured choices as a tuned file (default: "
+                        "tuned_<gpu>.json beside --out); copy it to kernels/dsv4lab_kernels/tuned/ to make it the "
+                        "GPU's, or point DSV4LAB_TUNED at it")
     p.add_argument("--tuned-base", default=None,
                    help="the tuned file (same GPU) whose entries this run does not measure are kept in the one it "
                         "writes, each naming its measurement (default: this GPU's file in the kernels package, "
                         "if any; 'none': only this run's entries)")
+    if not ops:
+        return
     p.add_argument("--tuned-ops", default=None,
                    help="comma-separated ops of the tuned file this run writes (default: every op it measured; "
                         "e.g. prefill.mhc_rows from a --quick run, whose other choices come from fewer variants)")
