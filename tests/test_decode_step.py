@@ -159,6 +159,10 @@ def test_fused_static_step_on_the_triton_kernels(capsys, layer_cut):
     first, _ = count_launches(lambda: step(tok, pos, torch.tensor([0, 1])))
     counts, got = count_launches(lambda: step(tok, pos, torch.tensor([0, 1])))  # rewrites the same state
     assert counts["triton"] == first["triton"] and counts["torch"] < first["torch"]  # the caches are one-time
+    # counted without computing (scripts/count_decode_launches.py at Flash widths): the same launches, and no state
+    # written (every write of the step is a kernel's, skipped)
+    dry, _ = count_launches(lambda: step(tok, pos, torch.tensor([0, 1])), execute=False)
+    assert (dry["triton_kernels"], dry["torch_ops"]) == (counts["triton_kernels"], counts["torch_ops"])
     rel = float((got - want).norm() / want.norm())
     assert rel < 1e-5, rel
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -500,11 +500,30 @@ _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "alias", "_local_scalar_dense", "set_", "resize_"}
 
 
-def count_launches(fn):
+# dispatched torch ops a dry count (count_launches(..., execute=False)) evaluates on the meta device: the products
+# (cuBLAS on a GPU; a CPU has no block-scaled FP8 GEMM), whose values nothing of a dry run reads
+_PRODUCTS = {"_scaled_mm", "mm", "addmm", "bmm", "matmul", "einsum"}
+
+
+def _on_meta(func, args, kwargs):
+    """``func``'s result computed on the meta device, as empty tensors of the same shapes on the inputs' device."""
+    def meta(v):
+        return v.to("meta") if isinstance(v, torch.Tensor) else v
+    device = next(v.device for v in args if isinstance(v, torch.Tensor))
+    out = func(*[meta(v) for v in args], **{k: meta(v) for k, v in (kwargs or {}).items()})
+    return torch.empty(out.shape, dtype=out.dtype, device=device)
+
+
+def count_launches(fn, execute: bool = True):
     """Run ``fn()`` counting Triton kernel launches and dispatched torch ops that launch a kernel (views,
     allocations and host reads excluded) — on a GPU, the kernels of what ``fn`` runs. Works on a CPU (the
     interpreter's launches are counted the same way). Returns ``(counts, fn's result)`` with ``counts`` =
-    ``{triton, torch, triton_kernels: Counter, torch_ops: Counter}``."""
+    ``{triton, torch, triton_kernels: Counter, torch_ops: Counter}``.
+
+    ``execute=False`` counts without computing: the Triton launches are counted and skipped (their outputs stay
+    as allocated) and the products (:data:`_PRODUCTS`) are shaped on the meta device — for code whose launches
+    depend on shapes and dispatch choices, never on values (the decode step: no host syncs, no data-dependent
+    shapes), at widths a CPU cannot compute in useful time (``scripts/count_decode_launches.py``)."""
 
     import triton.runtime.jit as jit
     counts = dict(triton=0, torch=0, triton_kernels=Counter(), torch_ops=Counter())
@@ -515,6 +534,8 @@ def count_launches(fn):
             if not func.is_view and name not in _NO_KERNEL:
                 counts["torch"] += 1
                 counts["torch_ops"][name] += 1
+                if not execute and name in _PRODUCTS:
+                    return _on_meta(func, args, kwargs)
             return func(*args, **(kwargs or {}))
 
     classes = [jit.JITFunction]
@@ -530,6 +551,8 @@ def count_launches(fn):
             if not kwargs.get("warmup", False):
                 counts["triton"] += 1
                 counts["triton_kernels"][getattr(self, "__name__", "kernel")] += 1
+            if not execute:
+                return None
             with _disable_current_modes():  # the launch's own host-side tensor handling is not the step's
                 return original(self, *args, **kwargs)
         return run
