@@ -175,6 +175,13 @@ def flash_calls():
             torch.zeros(b, a.window_size, dtype=torch.long), slots, torch.zeros(a.n_heads), d ** -0.5,
             kv_b=torch.zeros(3, 1024, d, dtype=bf), rows_b=torch.zeros(b, 512, dtype=torch.long), batch_b=slots,
             geometry=attention_decode.AttentionGeometry(16, 32, 16, 8, False), cos=cos, sin=cos, positions=pos)),
+        ("attention+rope split, combined in the kernel (attention_combine)", lambda:
+            attention_decode.sparse_attention_decode(
+                torch.zeros(b, a.n_heads, d, dtype=bf), torch.zeros(3, a.window_size, d, dtype=bf),
+                torch.zeros(b, a.window_size, dtype=torch.long), slots, torch.zeros(a.n_heads), d ** -0.5,
+                kv_b=torch.zeros(3, 1024, d, dtype=bf), rows_b=torch.zeros(b, 512, dtype=torch.long), batch_b=slots,
+                geometry=attention_decode.AttentionGeometry(16, 32, 16, 8, False, combine_in_kernel=True), cos=cos,
+                sin=cos, positions=pos)),
         ("attention+rope one slice", lambda: attention_decode.sparse_attention_decode(
             torch.zeros(b, a.n_heads, d, dtype=bf), torch.zeros(3, a.window_size, d, dtype=bf),
             torch.zeros(b, a.window_size, dtype=torch.long), slots, torch.zeros(a.n_heads), d ** -0.5,

@@ -502,8 +502,8 @@ def test_the_backends_expert_down_is_expert_mlps_second_half():
 def test_gpu_fused_paths_are_their_parts_at_flash_widths(rows):
     """Compiled (the claim the interpreter cannot check: each fused launch's code generation), at DeepSeek-V4-Flash
     widths and the tuned H200 GEMV geometries: every fused path equals its parts launched alone bit for bit —
-    ``attention_norms``, ``query_heads``, ``compressor_pair``, ``shared_swiglu`` and the GEMV jobs of a CSA
-    layer's attention input (``x_projections``)."""
+    ``attention_norms``, ``query_heads``, ``compressor_pair``, ``shared_swiglu``, the GEMV jobs of a CSA
+    layer's attention input (``x_projections``) and the split attention's in-kernel combine (``attention_combine``)."""
     from dsv4lab.core.config import get_preset
     a = get_preset("flash")
     g = torch.Generator().manual_seed(rows)
@@ -565,3 +565,71 @@ def test_gpu_fused_paths_are_their_parts_at_flash_widths(rows):
     want = _flat(gemv.fp8_gemv(**c) for c in jobs)
     got = _flat(gemv.fp8_gemv_jobs([gemv.gemv_plan(**c) for c in jobs]))
     assert all(torch.equal(u, v) for u, v in zip(got, want)), "x_projections"
+    # attention_combine: the H200's default split attention (16 slices) over the window and 512 CSA picks
+    from dsv4lab_kernels import attention_decode as attn_decode_k
+    W, C = a.window_size, 1024
+    q = rnd(rows, a.n_heads, d, scale=0.2).to(bf)
+    win_kv, cmp_kv = rnd(rows + 1, W, d).to(bf), rnd(rows + 1, C, d).to(bf)
+    win_rows = torch.arange(W, device=DEV)[None, :].expand(rows, W).contiguous()
+    cmp_rows = torch.stack([torch.randperm(C, generator=g)[:a.index_topk] for _ in range(rows)]).to(DEV)
+    sink, p2 = rnd(a.n_heads), torch.full((rows,), 4095, device=DEV)
+    outs = [attn_decode_k.sparse_attention_decode(
+        q, win_kv, win_rows, slots, sink, d ** -0.5, kv_b=cmp_kv, rows_b=cmp_rows, batch_b=slots,
+        geometry=attn_decode_k.AttentionGeometry(16, 32, 16, 8, False, combine_in_kernel=fused), cos=cos, sin=sin,
+        positions=p2) for fused in (False, True)]
+    assert torch.equal(*outs), "attention_combine"
+
+
+# ------------------------------------------------------------------------------------------ attention_combine
+attn_decode = pytest.importorskip("dsv4lab_kernels.attention_decode")
+
+
+@pytest.mark.parametrize("case,splits", [(dict(h=8, positions=[5, 40]), 3),
+                                         (dict(h=3, positions=[120, 299, 20], ratio=4, C=75, k=16), 5),
+                                         (dict(h=8, positions=[63, 200], ratio=16, C=16), 16)])
+def test_attention_combine_in_the_kernel_is_the_combine_launch_bit_for_bit(case, splits):
+    """The split attention's combine made by the last slice program of each query row and head block (a ticket:
+    ``combine_in_kernel``, the fused path ``attention_combine``) against the combine's own launch: the same bits
+    (window only, CSA picks, HCA entries; slices past a short selection empty; unread cache rows NaN-poisoned), one
+    launch instead of two, the ticket counters left at zero."""
+    from dsv4lab.tools.bench.e2e import count_launches
+    from dsv4lab.tools.verify.registry import _make_attention_from_caches
+    from dsv4lab_kernels.tickets import counters
+    args = _make_attention_from_caches(case, torch.Generator().manual_seed(splits), DEV, Numerics())
+    q, win_kv, win_rows, cmp_kv, cmp_rows, slots, sink, scale, cos, sin, positions, ratio = args
+    outs = {}
+    for fused in (False, True):
+        geo = attn_decode.AttentionGeometry(block_h=16, block_r=16, splits=splits, two_pass=False,
+                                            combine_in_kernel=fused)
+        counts, outs[fused] = count_launches(lambda: attn_decode.sparse_attention_decode(
+            q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,
+            batch_b=slots if cmp_kv is not None else None, geometry=geo, cos=cos, sin=sin, positions=positions,
+            prefix_ratio_b=ratio if cmp_kv is not None else 0))
+        assert counts["triton"] == (1 if fused else 2), counts
+    assert torch.equal(outs[True], outs[False]), f"max |Δ| {(outs[True] - outs[False]).abs().max():.3g}"
+    assert not counters(torch.device(DEV), 16).any()
+
+
+def test_the_backends_attention_combines_in_the_kernel_where_the_dispatch_says():
+    """``TritonOps.attention_from_caches`` with a split geometry from the dispatch: ``attention_combine`` on → one
+    launch, off → two, the same bits; a geometry the caller fixes (a verification variant) is taken as it is."""
+    from dsv4lab.engine.dispatch import INTERPRETER_DEFAULTS, Dispatch, Tuned
+    from dsv4lab.engine.kernel_families import FUSION_NAMES
+    from dsv4lab.engine.triton_backend import TritonOps
+    from dsv4lab.tools.bench.e2e import count_launches
+    from dsv4lab.tools.verify.registry import _make_attention_from_caches
+    from test_dispatch import _doc
+    args = _make_attention_from_caches(dict(h=8, positions=[63, 200], ratio=16, C=16), torch.Generator().manual_seed(1),
+                                       DEV, Numerics())
+    split = [dict(rows=64, choice=dict(block_h=16, block_r=16, splits=4, two_pass=False))]
+    outs = {}
+    for fused in (True, False):
+        tuned = Tuned(_doc(**{"decode.attention": split, "decode.fusion": [dict(rows=64, choice={
+            n: fused for n in FUSION_NAMES})]}), "t.json")
+        ops = TritonOps(Numerics(), Dispatch(tuned, INTERPRETER_DEFAULTS))
+        counts, outs[fused] = count_launches(lambda: ops.attention_from_caches(*args[:11], cmp_ratio=args[11]))
+        assert counts["triton"] == (1 if fused else 2), counts
+        fixed = attn_decode.AttentionGeometry(block_h=16, block_r=16, splits=4, two_pass=False)
+        counts, _ = count_launches(lambda: ops.attention_from_caches(*args[:11], cmp_ratio=args[11], geometry=fixed))
+        assert counts["triton"] == 2, counts
+    assert torch.equal(outs[True], outs[False])

@@ -319,6 +319,8 @@ FUSIONS = (
     Fusion("compressor_pair", "compressor_pair", "compressor_decode.compressor_pair",
            ("_compressor_step_kernel", "_compressor_step_kernel"), 1),
     Fusion("x_projections", "projections", "fp8_gemv.fp8_gemv_jobs", ("_fp8_gemv_kernel", "_fp8_gemv_kernel"), 1),
+    Fusion("attention_combine", "attention_from_caches", "attention_decode.sparse_attention_decode",
+           ("_attn_combine_kernel",), 1),
 )
 """The decode step's fused paths (the dispatch turns each on or off per device: ``Defaults.fusions`` and the tuned
 file's ``decode.fusion``): ``moe_site`` sums the routed slots and the shared experts' outputs in the prologue of the
@@ -332,7 +334,9 @@ layer's two compressors (the indexer's keys and the main entries) in one grid; `
 projections of one input in one launch of the GEMV, each projection's programs with its own route and geometry: the
 attention input's — q/KV (FP8), the compressors' (BF16), the indexer's head weights — (one launch fewer per
 compressed layer, two per CSA layer) and the MoE input's — the router logits, the shared expert's w1/w3 — (one per
-layer, where their tuned geometries share warps and stages)."""
+layer, where their tuned geometries share warps and stages); ``attention_combine`` makes the split attention's
+combine in its last slice program per query row and head block (a ticket) instead of a second launch (every layer,
+where the attention is split)."""
 FUSION_NAMES = tuple(f.name for f in FUSIONS)
 
 # ============================================================================================ prefill

@@ -482,6 +482,9 @@ class TritonOps(FusedPaths, TritonPrefillOps, ReferenceOps):
         entries = win_rows.shape[1] + (cmp_rows.shape[1] if cmp_kv is not None else 0)
         if geometry is None:
             geometry = self.attention_split_choice(q.shape[0], entries) or self.attention_choice(q.shape[0])
+            if isinstance(geometry, attn.AttentionGeometry) and geometry.splits > 1 and \
+                    self.config.fused("attention_combine", q.shape[0]):
+                geometry = replace(geometry, combine_in_kernel=True)  # the fused path: the combine in the kernel
         kernel = attn_split.sparse_attention_split if isinstance(geometry, attn_split.SplitKvGeometry) \
             else attn.sparse_attention_decode
         return kernel(q, win_kv, win_rows, slots, sink, scale, kv_b=cmp_kv, rows_b=cmp_rows,

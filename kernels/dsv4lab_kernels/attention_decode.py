@@ -33,6 +33,7 @@ from .formats import round_to_bf16
 from .fp8_gemv import interpreting
 from .norm_rope_quant import _rope_tail
 from .rowops import LAUNCH_EXACT
+from .tickets import counters, take_ticket
 from .launch import pdl_args, pdl_prologue
 
 
@@ -40,7 +41,10 @@ from .launch import pdl_args, pdl_prologue
 class AttentionGeometry:
     """Heads per program, KV rows per step, slices of the selected rows (programs per query and head block), warps,
     two passes or one; ``combine_columns``: columns per program of the split combine (0: as many as keep its
-    slices × heads × columns tile at 16 K fp32)."""
+    slices × heads × columns tile at 16 K fp32); ``combine_in_kernel``: the combine made by the last slice program of
+    each query row and head block (a ticket, :mod:`.tickets`), column block after column block, instead of a second
+    launch — the same arithmetic in the same order, so the same bits (the decode step's fused path
+    ``attention_combine``)."""
 
     block_h: int = 16
     block_r: int = 16
@@ -48,6 +52,7 @@ class AttentionGeometry:
     num_warps: int = 8
     two_pass: bool = True
     combine_columns: int = 0
+    combine_in_kernel: bool = False
 
 
 @triton.jit
@@ -94,9 +99,10 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
                         out_ptr, pm_ptr, pl_ptr, pacc_ptr, cos_ptr, sin_ptr, pos_ptr,
                         H, D, Ka, Kb, scale, R, s_cos, RATIO_B,
                         stride_qr, stride_qh, stride_ba, stride_na, stride_bb, stride_nb, stride_ra, stride_rb, SPLITS,
-                        ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, TWO_PASS: tl.constexpr,
+                        cnt_ptr, ROUND_ACT: tl.constexpr, DOT_FP32: tl.constexpr, TWO_PASS: tl.constexpr,
                         ROPE: tl.constexpr, PREFIX_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_D: tl.constexpr, COMBINE: tl.constexpr = False, BLOCK_S: tl.constexpr = 2,
+                        BLOCK_DC: tl.constexpr = 2, PDL: tl.constexpr = False):
     pdl_prologue(PDL)
     r = tl.program_id(0)
     hb = tl.program_id(1)
@@ -160,30 +166,34 @@ def _attn_decode_kernel(q_ptr, kva_ptr, rows_a_ptr, bat_a_ptr, kvb_ptr, rows_b_p
         tl.store(pm_ptr + part, m, mask=h_ok)
         tl.store(pl_ptr + part, den, mask=h_ok)
         tl.store(pacc_ptr + part[:, None] * D + d[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+        if COMBINE:  # the last slice program of (r, hb) combines, column block after column block
+            counter = cnt_ptr + r * tl.num_programs(1) + hb
+            if take_ticket(counter) == SPLITS - 1:
+                for d0 in range(0, D, BLOCK_DC):
+                    _combine_block(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R,
+                                   s_cos, stride_qr, stride_qh, SPLITS, r, hb, d0, ROUND_ACT, ROPE, BLOCK_H, BLOCK_S,
+                                   BLOCK_DC, ".cg")
+                tl.store(counter, 0)
 
 
 @triton.jit
-def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R, s_cos,
-                         stride_qr, stride_qh, SPLITS, ROUND_ACT: tl.constexpr, ROPE: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """One program per (query row, head block, ``BLOCK_DC`` columns): every slice's ``(max, denominator,
-    numerator)`` loaded at once — the loads do not wait on each other, so the combine costs about one trip to L2
-    whatever the number of slices — rescaled to the global max and summed over the slices."""
-    pdl_prologue(PDL)
-    r = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _combine_block(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R, s_cos, stride_qr,
+                   stride_qh, SPLITS, r, hb, d0, ROUND_ACT: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, CACHE: tl.constexpr):
+    """Query row ``r``, head block ``hb``, columns ``d0 … d0+BLOCK_DC`` of the split combine: every slice's
+    ``(max, denominator, numerator)`` loaded at once (``CACHE``: ``.cg`` where other programs of the same launch
+    wrote them), rescaled to the global max and summed over the slices, stored with the rotation of its columns."""
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < H
-    d0 = tl.program_id(2) * BLOCK_DC
     d = d0 + tl.arange(0, BLOCK_DC)
     d_ok = d < D
     sp = tl.arange(0, BLOCK_S)
     part = (r * SPLITS + sp[:, None]) * H + h[None, :]  # [BLOCK_S, BLOCK_H]
     ok = (sp < SPLITS)[:, None] & h_ok[None, :]
-    ms = tl.load(pm_ptr + part, mask=ok, other=float("-inf"))
-    ls = tl.load(pl_ptr + part, mask=ok, other=0.0)
+    ms = tl.load(pm_ptr + part, mask=ok, other=float("-inf"), cache_modifier=CACHE)
+    ls = tl.load(pl_ptr + part, mask=ok, other=0.0, cache_modifier=CACHE)
     accs = tl.load(pacc_ptr + part[:, :, None] * D + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
-                   other=0.0)
+                   other=0.0, cache_modifier=CACHE)
     m = tl.max(ms, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(ms - m_safe[None, :])  # 0 for an empty slice (max −inf) and for the padding slices
@@ -195,6 +205,20 @@ def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, s
     # passes D − d0 as its width (its rotated pairs then take the right angles; none if it ends before them)
     _store_output(out_ptr + d0, o, r, h, h_ok, d - d0, d_ok, stride_qr, stride_qh, cos_ptr, sin_ptr, pos_ptr, s_cos,
                   D - d0, R, ROUND_ACT, ROPE, BLOCK_H, BLOCK_DC)
+
+
+@triton.jit
+def _attn_combine_kernel(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R, s_cos,
+                         stride_qr, stride_qh, SPLITS, ROUND_ACT: tl.constexpr, ROPE: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """One program per (query row, head block, ``BLOCK_DC`` columns): every slice's ``(max, denominator,
+    numerator)`` loaded at once — the loads do not wait on each other, so the combine costs about one trip to L2
+    whatever the number of slices — rescaled to the global max and summed over the slices."""
+    pdl_prologue(PDL)
+    _combine_block(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, H, D, R, s_cos, stride_qr,
+                   stride_qh, SPLITS, tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_DC, ROUND_ACT,
+                   ROPE, BLOCK_H, BLOCK_S, BLOCK_DC, "")
 
 
 @dataclass
@@ -273,19 +297,23 @@ def sparse_attention_decode(q: torch.Tensor, kv_a: torch.Tensor, rows_a: torch.T
     rope_args = (2 * cos.shape[-1], cos.stride(0)) if rope else (0, 0)
     exact = LAUNCH_EXACT if rope else {}  # the rotation's products rounded as torch rounds them
     grid = (R, triton.cdiv(H, g.block_h), splits)
+    block_s = triton.next_power_of_2(splits)
+    # one program's slices × heads × columns tile of the combine, held at once: ≤ 16 K fp32 (64 registers a thread,
+    # 8 warps)
+    block_dc = g.combine_columns or max(16, min(block_d, 16384 // (block_s * g.block_h)))
+    if splits > 1 and (block_dc & (block_dc - 1) or block_dc < 2):
+        raise ValueError(f"AttentionGeometry.combine_columns={block_dc}: a power of two ≥ 2 is required")
+    in_kernel = splits > 1 and g.combine_in_kernel
+    cnt = counters(q.device, grid[0] * grid[1]) if in_kernel else out
     _attn_decode_kernel[grid](q, kv_a, rows_a, batch_a, kv_b, rows_b, batch_b, sink, out, pm, pl, pacc, *tables,
                               H, D, Ka, Kb, float(scale), *rope_args, int(prefix_ratio_b), q.stride(0), q.stride(1),
                               kv_a.stride(0), kv_a.stride(1), kv_b.stride(0), kv_b.stride(1), rows_a.stride(0),
-                              max(rows_b.stride(0), 1), splits, ROUND_ACT=q.dtype == torch.bfloat16,
+                              max(rows_b.stride(0), 1), splits, cnt, ROUND_ACT=q.dtype == torch.bfloat16,
                               DOT_FP32=interpreting(), TWO_PASS=g.two_pass, ROPE=rope, PREFIX_B=prefix_ratio_b > 0,
-                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, num_warps=g.num_warps, **exact,
+                              BLOCK_H=g.block_h, BLOCK_R=g.block_r, BLOCK_D=block_d, COMBINE=in_kernel,
+                              BLOCK_S=max(2, block_s), BLOCK_DC=block_dc, num_warps=g.num_warps, **exact,
                               **pdl_args(q.device))
-    if splits > 1:
-        block_s = triton.next_power_of_2(splits)
-        # one program's slices × heads × columns tile, held at once: ≤ 16 K fp32 (64 registers a thread, 8 warps)
-        block_dc = g.combine_columns or max(16, min(block_d, 16384 // (block_s * g.block_h)))
-        if block_dc & (block_dc - 1) or block_dc < 2:
-            raise ValueError(f"AttentionGeometry.combine_columns={block_dc}: a power of two ≥ 2 is required")
+    if splits > 1 and not in_kernel:
         _attn_combine_kernel[(R, triton.cdiv(H, g.block_h), triton.cdiv(D, block_dc))](
             pm, pl, pacc, sink, out, *tables, H, D, *rope_args, out.stride(0), out.stride(1), splits,
             ROUND_ACT=q.dtype == torch.bfloat16, ROPE=rope, BLOCK_H=g.block_h, BLOCK_S=block_s, BLOCK_DC=block_dc,
