@@ -88,7 +88,9 @@ top
 # MBU at batch 1…32; the verify step of `k` drafts (k+1 tokens, the MTP block included) and the whole speculative
 # cycle against the one-token step, beside the bytes ratios of the same steps (a step at the bandwidth limit costs
 # its bytes ratio); speculative throughput with injected acceptance α against plain greedy of the same run (every
-# output checked equal to plain greedy). Empty tables: the run did not measure that part.
+# output checked equal to plain greedy). Empty tables: the run did not measure that part. Last, the decode step's fused
+# paths timed off, alone and all on (`--fusion-batches`): tok/s, speedup over off, launches per layer, ids equal to
+# the unfused step's, and the paths the run recommends for the GPU's tuned file.
 
 # %%
 e2e_doc = measurements.load_results_file("e2e_1gpu", GPU)
@@ -102,6 +104,11 @@ out.keys(e2e_batches=len(multi["batches"]), e2e_verify_rows=len(multi["verify"])
          e2e_speculative_rows=len(multi["speculative"]))
 for name, table in multi.items():
     out.table(f"multitoken_{name}", table or [dict(note=f"{name}: not in the committed run")])
+# the fused paths of the decode step (off, each alone, all on; A-B-B-A against off) and the ones the run recommends
+fusions = figure_data.fusion_table(e2e_doc)
+out.keys(e2e_fusion_rows=len(fusions))
+out.table("fused_paths", fusions or [dict(note="fused paths: not timed in the committed run "
+                                              "(bench e2e --fusion-batches)")])
 
 # %% [markdown]
 # ## Fresh measurements (GPU only)

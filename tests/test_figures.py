@@ -434,3 +434,14 @@ def test_multitoken_tables_read_the_rows_bench_e2e_writes():
     assert t["speculative"][0]["equal_to_greedy"] is True
     assert figure_data.multitoken_tables(dict(decode=doc["decode"]))["verify"] == []
     assert figure_data.multitoken_tables(None) == dict(batches=[], verify=[], speculative=[])
+
+
+def test_fusion_table_reads_the_fused_path_rows_and_the_recommendation():
+    """Each configuration's row with whether the run recommends it at that batch; a run without the part: empty."""
+    rows = [dict(batch=1, config=c, tok_s=t, speedup=x, launches_per_layer=n, ids_equal_off=True)
+            for c, t, x, n in (("off", 150.0, 1.0, 26.4), ("x_projections", 153.0, 1.02, 25.4),
+                               ("all", 160.0, 1.067, 19.1))]
+    doc = dict(fusions=dict(rows=rows, recommended={"1": ["x_projections"]}))
+    t = figure_data.fusion_table(doc)
+    assert [r["recommended"] for r in t] == [False, True, False] and t[1]["launches_per_layer"] == 25.4
+    assert figure_data.fusion_table(dict(decode=[])) == [] and figure_data.fusion_table(None) == []
