@@ -332,23 +332,28 @@ class TritonOps(FusedPaths, TritonPrefillOps, ReferenceOps):
         self._decode(op)
         return grp
 
-    def _stacked_gemv(self, x: torch.Tensor, grp: ProjectionGroup, out_dtype: torch.dtype, act_quant: bool):
-        """One launch over a group's stacked weight: each member's output as its own contiguous tensor."""
+    def _stacked_choice(self, grp: ProjectionGroup, rows: int, act_quant: bool):
+        """``(impl, route, GemvGeometry)`` of a stacked group's launch: the dispatch's choice for the stacked shape;
+        cuBLAS only at one row (``[1, N]`` is the segments side by side), else the own GEMV, which writes each
+        member's block."""
         lin = grp.members[0]
-        rows = x.numel() // max(x.shape[-1], 1)
-        fp8 = lin.fmt == "fp8"
-        N = sum(grp.sizes)
+        fp8, N = lin.fmt == "fp8", sum(grp.sizes)
         impl, r, geo = self.gemv_choice(N, lin.in_features, rows, weight="fp8" if fp8 else "bf16",
-                                                 act_quant=act_quant)
-        if impl.startswith("cublas") and rows == 1 and (not fp8 or act_quant):  # one row: [1, N] is the segments
-            mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
-            y = gemv.cublas_linear(x, grp.weight, grp.scale, act_quant, out_dtype, mm_out_dtype=mm_out,
-                                   weight_scale_f32=_cublas_scale_of(grp) if fp8 else None)
-            starts = [sum(grp.sizes[:i]) for i in range(len(grp.sizes) + 1)]
-            return tuple(y[..., lo:hi] for lo, hi in zip(starts[:-1], starts[1:]))
-        if impl.startswith("cublas"):  # several rows: the own kernel writes each member's block
+                                        act_quant=act_quant)
+        if impl.startswith("cublas") and not (rows == 1 and (not fp8 or act_quant)):
             own = self.config.own_gemv(N, lin.in_features)
             impl, r, geo = own.impl, own.route, own.build(gemv.GemvGeometry)
+        return impl, r, geo
+
+    def _stacked_gemv(self, x: torch.Tensor, grp: ProjectionGroup, out_dtype: torch.dtype, act_quant: bool):
+        """One launch over a group's stacked weight: each member's output as its own contiguous tensor."""
+        impl, r, geo = self._stacked_choice(grp, x.numel() // max(x.shape[-1], 1), act_quant)
+        if impl.startswith("cublas"):
+            mm_out = torch.bfloat16 if impl == "cublas:bfloat16" else torch.float32
+            y = gemv.cublas_linear(x, grp.weight, grp.scale, act_quant, out_dtype, mm_out_dtype=mm_out,
+                                   weight_scale_f32=_cublas_scale_of(grp) if grp.scale is not None else None)
+            starts = [sum(grp.sizes[:i]) for i in range(len(grp.sizes) + 1)]
+            return tuple(y[..., lo:hi] for lo, hi in zip(starts[:-1], starts[1:]))
         return gemv.fp8_gemv(x, grp.weight, grp.scale, act_quant=act_quant, out_dtype=out_dtype, route=r,
                              geometry=geo, segments=grp.sizes)
 
@@ -722,12 +727,8 @@ class TritonOps(FusedPaths, TritonPrefillOps, ReferenceOps):
         rows = x.numel() // max(x.shape[-1], 1)
         if grp is None or self._unsupported(rows, x, lin.weight) is not None:
             return loosest(*(self._gemv_accumulation(single, (x, m), None, None) for m in lins))
-        fp8 = lin.fmt == "fp8" and single == "linear"
         aq = single == "linear" and self.numerics.act_quant and lin.act_quant
-        impl, r, _ = self.gemv_choice(sum(grp.sizes), lin.in_features, rows, weight="fp8" if fp8 else "bf16",
-                                      act_quant=aq)
-        if impl.startswith("cublas") and rows != 1:
-            r, impl = self.config.own_gemv(sum(grp.sizes), lin.in_features).route, "triton"
+        impl, r, _ = self._stacked_choice(grp, rows, aq)
         return GEMV.accumulation_of("cublas" if impl.startswith("cublas") else r)
 
     def _gemv_accumulation(self, op: str, args: tuple, route: str | None, geometry) -> str:

@@ -24,13 +24,11 @@ gemv, moe, mhc, nrq, cmp_decode, greedy_kernels = map(kernel_module, (
 class FusedPaths:
     """The fused decode-step ops of :class:`~dsv4lab.engine.triton_backend.TritonOps`."""
 
-    def _fused_glue(self, name: str, op: str, rows: int, *tensors: torch.Tensor) -> bool:
-        """Whether the fused path ``name`` runs this call of ``op`` (counted on its glue kernel): the dispatch turns
-        it on at ``rows`` rows and the glue kernels take the tensors. Off, the op's reference composition runs its
-        parts, each on its own kernel — not a fallback."""
-        if not self.config.fused(name, rows):
-            return False
-        return self._glue(op, *tensors)
+    def _fused_glue(self, name: str, rows: int, *tensors: torch.Tensor) -> bool:
+        """Whether the fused path ``name`` runs this call of its op of the same name (counted on its glue kernel):
+        the dispatch turns it on at ``rows`` rows and the glue kernels take the tensors. Off, the op's reference
+        composition runs its parts, each on its own kernel — not a fallback."""
+        return self.config.fused(name, rows) and self._glue(name, *tensors)
 
     def greedy(self, logits):
         if logits.ndim != 2 or not self.config.fused("greedy", logits.shape[0]):
@@ -70,21 +68,21 @@ class FusedPaths:
                                     args.norm_eps, args.hc_eps, geometry=self._mhc_site(X), moe=parts)
 
     def attention_norms(self, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring=None, slots=None):
-        if not self._fused_glue("attention_norms", "attention_norms", q_a.numel() // q_a.shape[-1], q_a, kv):
+        if not self._fused_glue("attention_norms", q_a.numel() // q_a.shape[-1], q_a, kv):
             return ReferenceOps.attention_norms(self, q_a, q_weight, kv, kv_weight, eps, cos, sin, positions, ring,
                                                 slots)
         return nrq.attention_norms(q_a, q_weight, kv, kv_weight, eps, cos, sin, positions,
                                    kv.shape[-1] - 2 * cos.shape[-1], self.numerics.kv_fp8_sim, ring, slots)
 
     def query_heads(self, q, qi, cos, sin, positions, eps):
-        if not self._fused_glue("query_heads", "query_heads", q.numel() // (q.shape[-1] * q.shape[-2]), q, qi):
+        if not self._fused_glue("query_heads", q.numel() // (q.shape[-1] * q.shape[-2]), q, qi):
             return ReferenceOps.query_heads(self, q, qi, cos, sin, positions, eps)
         return nrq.query_heads(q, qi, cos, sin, positions, eps, self.numerics.indexer_fp4_sim)
 
     def compressor_pair(self, comp_a, kv_a, score_a, cache_a, comp_b, kv_b, score_b, cache_b, positions, slots, cos,
                         sin):
         rows = kv_a.numel() // kv_a.shape[-1]
-        if not self._fused_glue("compressor_pair", "compressor_pair", rows, kv_a, kv_b, cache_a, cache_b):
+        if not self._fused_glue("compressor_pair", rows, kv_a, kv_b, cache_a, cache_b):
             return ReferenceOps.compressor_pair(self, comp_a, kv_a, score_a, cache_a, comp_b, kv_b, score_b, cache_b,
                                                 positions, slots, cos, sin)
         cmp_decode.compressor_pair(self._compressor_call(comp_a, kv_a, score_a, positions, slots, cache_a, cos, sin),
@@ -121,45 +119,51 @@ class FusedPaths:
 
     def _projection_plans(self, x: torch.Tensor, op: str, w) -> list:
         """The own GEMV's plans of ``self.<op>(x, w)`` (a projection op: ``linear``, ``linear_f32`` or a group of
-        them; a stacked group is one plan, an unstacked one a plan per member) where that op would launch them —
-        decode rows, a kernel format, the dispatch's choice not cuBLAS and not the ``dot`` route's ``prequant`` (a
-        quantization launch of its own) — else ``[None]``."""
+        them; a stacked group is one plan, an unstacked one a plan per member) where that op would launch them
+        (:meth:`_own_gemv`), else ``[None]``."""
         single = op.removesuffix("_group")
         if isinstance(w, tuple) and group_of(w) is None:
             return [pl for lin in w for pl in self._projection_plans(x, single, lin)]
-        lins = w if isinstance(w, tuple) else (w,)
-        lin, nm = lins[0], self.numerics
-        rows = x.numel() // max(x.shape[-1], 1)
+        grp = group_of(w) if isinstance(w, tuple) else None
+        lin = grp.members[0] if grp is not None else w
         f32 = single == "linear_f32"
-        if self._unsupported(rows, x, lin.weight) is not None or lin.fmt not in (("bf16", "f32") if f32 else
-                                                                                 ("fp8", "bf16", "f32")):
+        own = self._own_gemv(x, lin, f32, grp)
+        if own is None:
             return [None]
-        if isinstance(w, tuple):
-            grp = group_of(w)
-            weight, scale, n, segments = grp.weight, grp.scale, sum(grp.sizes), grp.sizes
-        else:
-            weight, scale, n, segments = lin.weight, lin.scale, lin.out_features, None
-        fp8 = lin.fmt == "fp8"
+        route, geo, aq = own
+        weight, scale = (grp.weight, grp.scale) if grp is not None else (lin.weight, lin.scale)
+        return [gemv.gemv_plan(x, weight, scale if lin.fmt == "fp8" else None, act_quant=aq,
+                               out_dtype=self.numerics.acc if f32 else self.numerics.act, route=route, geometry=geo,
+                               segments=grp.sizes if grp is not None else None)]
+
+    def _own_gemv(self, x: torch.Tensor, lin: Linear, f32: bool = False, grp=None):
+        """``(route, GemvGeometry, act_quant)`` where ``linear`` (``linear_f32``; ``grp``: the stacked group's launch)
+        of ``x`` by ``lin`` takes the own GEMV with its activation quantized in the kernel — decode rows, a kernel
+        format, the dispatch's choice neither cuBLAS nor the ``dot`` route's ``prequant`` (a quantization launch of
+        its own) — else None: where a fused path may take the projection's own launch with the same bits."""
+        nm = self.numerics
+        rows = x.numel() // max(x.shape[-1], 1)
+        if self._unsupported(rows, x, lin.weight) is not None or \
+                lin.fmt not in (("bf16", "f32") if f32 else ("fp8", "bf16", "f32")):
+            return None
         aq = not f32 and nm.act_quant and lin.act_quant
-        impl, route, geo = self.gemv_choice(n, lin.in_features, rows, weight="fp8" if fp8 else "bf16", act_quant=aq)
+        if grp is not None:
+            impl, route, geo = self._stacked_choice(grp, rows, aq)
+        else:
+            impl, route, geo = self.gemv_choice(lin.out_features, lin.in_features, rows,
+                                                weight="fp8" if lin.fmt == "fp8" else "bf16", act_quant=aq)
         if impl.startswith("cublas") or (route == "dot" and geo.prequant and aq):
-            return [None]
-        return [gemv.gemv_plan(x, weight, scale if fp8 else None, act_quant=aq, out_dtype=nm.acc if f32 else nm.act,
-                               route=route, geometry=geo, segments=segments)]
+            return None
+        return route, geo, aq
 
     def _down_after_swiglu(self, g, u, limit, w2: Linear) -> torch.Tensor | None:
         """The shared expert's down projection with its activation computed in the GEMV's prologue (the fused path
-        ``shared_swiglu``) where the projection takes the own GEMV without a separate activation quantization
-        (cuBLAS and the ``dot`` route's ``prequant`` quantize ``x`` in a launch of their own); else None."""
-        rows = g.numel() // max(g.shape[-1], 1)
-        if self._unsupported(rows, g, w2.weight) is not None or w2.fmt not in ("fp8", "bf16", "f32"):
+        ``shared_swiglu``) where the projection takes the own GEMV with its quantization in the kernel
+        (:meth:`_own_gemv`); else None."""
+        own = self._own_gemv(g, w2)
+        if own is None:
             return None
-        nm = self.numerics
-        aq = nm.act_quant and w2.act_quant
-        impl, route, geo = self.gemv_choice(w2.out_features, w2.in_features, rows,
-                                            weight="fp8" if w2.fmt == "fp8" else "bf16", act_quant=aq)
-        if impl.startswith("cublas") or (route == "dot" and geo.prequant and aq):
-            return None
+        route, geo, aq = own
         self._decode("linear")
-        return gemv.fp8_gemv(g, w2.weight, w2.scale if w2.fmt == "fp8" else None, act_quant=aq, out_dtype=nm.act,
-                             route=route, geometry=geo, swiglu=(u, limit))
+        return gemv.fp8_gemv(g, w2.weight, w2.scale if w2.fmt == "fp8" else None, act_quant=aq,
+                             out_dtype=self.numerics.act, route=route, geometry=geo, swiglu=(u, limit))

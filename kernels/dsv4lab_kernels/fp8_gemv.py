@@ -409,7 +409,7 @@ class GemvPlan:
         return self.grid[0] * self.grid[2] if self.grid[1] > 1 else 0
 
     def result(self):
-        M, N = self.args[7], self.args[8]
+        M, N = self.args[7], self.args[8]  # the kernel arguments M, N (after cnt_ptr)
         if self.starts is None:
             return self.out.view(*self.lead, N)
         return tuple(self.out[M * lo:M * hi].view(*self.lead, hi - lo)
@@ -533,6 +533,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
 
 JOBS = 4
 """Projections one :func:`fp8_gemv_jobs` launch takes at most."""
+_CNT_ARG = 6
+"""The position of ``cnt_ptr`` (the ticket counters) in a plan's arguments (:func:`gemv_plan`)."""
 
 
 def fp8_gemv_jobs(plans: list[GemvPlan]) -> list:
@@ -556,7 +558,7 @@ def fp8_gemv_jobs(plans: list[GemvPlan]) -> list:
     for i, (pl, tag) in enumerate(zip(padded, "abcd")):
         a = list(pl.args)
         if i < len(plans) and pl.tiles:
-            a[6] = workspace[offset:]
+            a[_CNT_ARG] = workspace[offset:]
             offset += pl.tiles
         programs = pl.programs if i < len(plans) else 0
         args += a + [pl.grid[0], pl.grid[1]] + ([programs] if i < JOBS - 1 else [])
