@@ -41,6 +41,24 @@ def test_a_path_is_recommended_when_it_beats_off_by_the_noise_of_the_off_rounds(
     assert out["why"]["1"]["r"].startswith("no launch saved") and out["why"]["1"]["s"] == "not measured"
 
 
+def test_where_all_on_wins_the_paths_not_slower_alone_are_taken_too():
+    """Each path saves a launch per layer or so, below the noise alone: where all on clears the margin, a path at
+    speedup >= 1 alone joins; one slower alone, saving no launch or with other ids does not; all on below the
+    margin takes nothing extra."""
+    off = _row(1, "off", rounds=(100.0, 102.0, 98.0, 100.0))  # margin 0.04
+    paths = [_row(1, "p", speedup=1.01, launches=97), _row(1, "q", speedup=0.99, launches=97),
+             _row(1, "r", speedup=1.02, launches=100), _row(1, "s", speedup=1.0, launches=98)]
+    out = recommend([off, *paths, _row(1, "all", speedup=1.06, launches=90)], names=("p", "q", "r", "s"))
+    assert out["recommended"] == {"1": ["p", "s"]}
+    assert out["why"]["1"]["p"].startswith("speedup 1.01 >= 1 and all on 1.06")
+    assert out["why"]["1"]["q"].startswith("speedup 0.99 < 1 + margin") and out["why"]["1"]["r"].startswith("no launch")
+    out = recommend([off, *paths, _row(1, "all", speedup=1.03, launches=90)], names=("p", "q", "r", "s"))
+    assert out["recommended"] == {"1": []}
+    out = recommend([off, *paths, _row(1, "all", speedup=1.06, launches=90), _row(1, "t", equal=False)],
+                    names=("p", "q", "r", "s", "t"))
+    assert out["recommended"] == {"1": []}  # a mismatch anywhere: nothing rides on all on
+
+
 def test_a_path_whose_ids_differ_anywhere_is_never_recommended():
     """Bit-exactness is the fused paths' claim: ids differing at one batch block the path at every batch; all on
     differing (an interaction) or off differing from itself blocks every path."""

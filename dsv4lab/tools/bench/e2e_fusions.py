@@ -22,7 +22,9 @@ tuned file says so (``docs/kernels_decode.md``, "Fused paths").
 * **recommended** (:func:`recommend`): at each batch, the paths whose alone ``speedup ≥ 1 + margin`` with ``margin =
   max(noise, MIN_MARGIN)`` and ``noise`` the spread ``(max − min) / median`` of that batch's ``off`` rounds, whose
   ids equal ``off``'s at every batch measured (and ``all``'s equal too: an interaction is not blamed on one path),
-  and that launch fewer kernels than ``off`` (the path engaged). ``tuned``: the ``decode.fusion`` entries that
+  and that launch fewer kernels than ``off`` (the path engaged). Where ``all`` itself clears ``1 + margin``, a path
+  alone at ``speedup ≥ 1`` is taken too: each path saves one launch per layer or so, a gain that can sit below the
+  noise alone and still add up in ``all``; a path measured slower alone stays off. ``tuned``: the ``decode.fusion`` entries that
   choice makes (one per batch, every path named true or false; the dispatch takes a batch's entry for the row counts
   up to it and the largest batch's above) with their source (commit, command, the result file's name) — what
   ``bench e2e --tuned-out FILE`` merges into a tuned file and ``scripts/rebuild_tuned.py`` takes from a committed
@@ -57,7 +59,8 @@ FUSION_BATCHES = (1, 8)
 MIN_MARGIN = 0.005
 """The least margin over 1.0 a path's speedup must clear (where the ``off`` rounds happen to agree closely)."""
 RULE = ("recommended at a batch: alone speedup >= 1 + max(noise, MIN_MARGIN), noise = (max - min) / median of that "
-        "batch's off rounds; ids equal to off's at every batch (all-on's too); fewer launches than off")
+        "batch's off rounds; or, where all on clears that margin, alone speedup >= 1 (a saving smaller than the noise, "
+        "not slower); ids equal to off's at every batch (all-on's too); fewer launches than off")
 SMOKE_MODEL = dict(n_layers=2, compress_ratios=(0, 0, 0), dim=128, vocab_size=1024, moe_inter_dim=64, q_lora_rank=96,
                    n_heads=4, o_groups=2, n_routed_experts=8, n_activated_experts=2)
 """``--smoke``'s interpreter model: the tiny preset with these fields (two SWA layers: ``moe_site`` fuses every layer
@@ -237,6 +240,9 @@ def recommend(rows: list[dict], names=FUSION_NAMES) -> dict:
         margin = max(noise, MIN_MARGIN)
         out["noise"][str(b)], out["margin"][str(b)] = round(noise, 4), round(margin, 4)
         chosen, why = [], {}
+        every = at.get((b, "all"))
+        all_wins = (every is not None and not blocked and every["launches_per_step"] < off["launches_per_step"]
+                    and every["speedup"] >= 1 + margin)
         for name in names:
             r = at.get((b, name))
             if r is None:
@@ -247,6 +253,10 @@ def recommend(rows: list[dict], names=FUSION_NAMES) -> dict:
                 why[name] = "ids with every path on differ from off's"
             elif r["launches_per_step"] >= off["launches_per_step"]:
                 why[name] = f"no launch saved ({r['launches_per_step']} vs {off['launches_per_step']} per step)"
+            elif r["speedup"] < 1 + margin and all_wins and r["speedup"] >= 1:
+                why[name] = (f"speedup {r['speedup']} >= 1 and all on {every['speedup']} >= 1 + margin "
+                             f"{round(margin, 4)}")
+                chosen.append(name)
             elif r["speedup"] < 1 + margin:
                 why[name] = f"speedup {r['speedup']} < 1 + margin {round(margin, 4)}"
             else:
