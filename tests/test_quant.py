@@ -111,6 +111,27 @@ def test_act_quant_fp8_power_of_two_scales_and_error():
     assert torch.allclose(quant.act_qdq_fp8(y), y, rtol=2 ** -3, atol=1e-3)
 
 
+def test_act_qdq_fp8_is_idempotent():
+    """A consumer that quantizes its input gives the same bits on ``x`` and on ``act_qdq_fp8(x)`` (what lets a
+    producer hand a quantized copy to such a consumer: docs/kernels_decode.md, the MoE input's quantization). The
+    cases where the scale changes on the second pass are in: a block whose maximum rounds down to 224·s (the scale halves,
+    every value doubles exactly), blocks of subnormal E4M3 values, blocks under the 1e-4 amax floor, NaN."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 4 * 128, generator=g) * torch.exp2(torch.randint(-30, 20, (64, 1), generator=g).float())
+    x[0, :128] = torch.linspace(-1, 1, 128) * 225 * 2.0 ** -5  # max 225·s (s = 2^-5) rounds to 224·s: the scale halves
+    x[1, :128] *= 2.0 ** -12  # most values subnormal in E4M3 after the scale
+    x[2, 128:256] = torch.randn(128, generator=g) * 1e-7  # under the amax floor
+    x[3, 7] = float("nan")
+    for xs in (x.to(torch.bfloat16).float(), x):
+        once = quant.act_qdq_fp8(xs)
+        twice = quant.act_qdq_fp8(once)
+        assert torch.equal(once.isnan(), twice.isnan())
+        assert torch.equal(once.nan_to_num(), twice.nan_to_num())
+    _, s0 = quant.act_quant_fp8(x[:1])
+    _, s1 = quant.act_quant_fp8(quant.act_qdq_fp8(x[:1]))
+    assert s1[0, 0] == s0[0, 0] / 2 and torch.equal(s1[0, 1:], s0[0, 1:])  # the halving case is exercised
+
+
 def test_kv_and_indexer_simulations():
     g = torch.Generator().manual_seed(1)
     v = torch.randn(5, 448, generator=g).to(torch.bfloat16)
