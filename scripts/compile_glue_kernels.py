@@ -125,7 +125,8 @@ def compile_launches(target: GPUTarget, calls, registers: bool = True) -> list[d
 def flash_calls():
     """(name, thunk) per launcher at DeepSeek-V4-Flash widths (bf16 activations; fp32 where the op allows it)."""
     from dsv4lab.core.config import get_preset
-    from dsv4lab_kernels import attention_decode, compressor_decode, indexer_decode, mhc, norm_rope_quant, router, swiglu
+    from dsv4lab_kernels import (attention_decode, compressor_decode, greedy, indexer_decode, mhc, norm_rope_quant,
+                                 router, swiglu)
     a = get_preset("flash")
     b, D, hc, d, R = 2, a.dim, a.hc_mult, a.head_dim, a.rope_head_dim
     bf, f32 = torch.bfloat16, torch.float32
@@ -220,6 +221,7 @@ def flash_calls():
             torch.zeros(b, 1, a.q_lora_rank, dtype=bf), torch.ones(a.q_lora_rank), torch.zeros(b, 1, d, dtype=bf),
             torch.ones(d), 1e-6, cos, cos, pos[:, None], d - R, True, torch.zeros(3, a.window_size, d, dtype=bf),
             slots)),
+        ("greedy", lambda: greedy.greedy_ids(torch.zeros(b, a.vocab_size))),
         ("query_heads", lambda: norm_rope_quant.query_heads(
             torch.zeros(b, 1, a.n_heads, d, dtype=bf), torch.zeros(b, 1, a.index_n_heads, a.index_head_dim, dtype=bf),
             cos, cos, pos[:, None], 1e-6, True)),

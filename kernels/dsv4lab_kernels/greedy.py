@@ -21,6 +21,8 @@ from .launch import pdl_args, pdl_prologue
 
 NON_FINITE = -1
 """The id of a row whose logits hold a NaN or ±Inf (``dsv4lab.engine.finite.NON_FINITE``)."""
+_NON_FINITE = tl.constexpr(NON_FINITE)  # what the kernel reads: the GPU compiler refuses a plain global (the
+#                                         interpreter does not), which the H200 visit at 11a5fe7 hit
 
 
 @triton.jit
@@ -48,7 +50,7 @@ def _greedy_kernel(logits_ptr, ids_ptr, seen_ptr, V, s_row, BLOCK: tl.constexpr,
         best = tl.where(take, bm, best)
     ids = tl.where(nan_i < V, nan_i, best_i).to(tl.int64)
     tl.store(ids_ptr + row, ids)
-    tl.store(seen_ptr + row, tl.where(bad > 0, NON_FINITE, ids))
+    tl.store(seen_ptr + row, tl.where(bad > 0, _NON_FINITE, ids))
 
 
 def greedy_ids(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
