@@ -125,8 +125,8 @@ def compile_launches(target: GPUTarget, calls, registers: bool = True) -> list[d
 def flash_calls():
     """(name, thunk) per launcher at DeepSeek-V4-Flash widths (bf16 activations; fp32 where the op allows it)."""
     from dsv4lab.core.config import get_preset
-    from dsv4lab_kernels import (attention_decode, compressor_decode, greedy, indexer_decode, mhc, norm_rope_quant,
-                                 router, swiglu)
+    from dsv4lab_kernels import (attention_decode, compressor_decode, fp4_moe_decode, greedy, indexer_decode, mhc,
+                                 norm_rope_quant, router, swiglu)
     a = get_preset("flash")
     b, D, hc, d, R = 2, a.dim, a.hc_mult, a.head_dim, a.rope_head_dim
     bf, f32 = torch.bfloat16, torch.float32
@@ -154,6 +154,10 @@ def flash_calls():
         ("hc_post_pre_norm two finishers", lambda: mhc.hc_post_pre_norm(
             torch.zeros(b, 1, D, dtype=bf), X, post, comb, fn, base, scale, w, 20, 1e-6, 1e-6,
             geometry=mhc.MhcSiteGeometry(split_tail=True))),
+        ("hc_post_pre_norm with the MoE's parts (moe_site)", lambda: mhc.hc_post_pre_norm(
+            None, X, post, comb, fn, base, scale, w, 20, 1e-6, 1e-6, moe=fp4_moe_decode.MoeOutput(
+                torch.zeros(b, a.n_activated_experts, D), torch.zeros(b, a.n_activated_experts, dtype=torch.long),
+                torch.zeros(1, b, D, dtype=bf)))),
         ("hc_pre_norm prefill rows", lambda: mhc.hc_pre_norm(torch.zeros(64, 1, hc, D, dtype=bf), fn, base, scale,
                                                              w, 20, 1e-6, 1e-6)),
         ("kv_norm_rope+ring", lambda: norm_rope_quant.kv_norm_rope(

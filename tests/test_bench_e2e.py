@@ -13,6 +13,7 @@ from conftest import once_per_run
 import dsv4lab
 from dsv4lab.faces import cli
 from dsv4lab.tools.bench import e2e, e2e_parts
+from dsv4lab.tools.bench.e2e_multitoken import speculative_mismatches
 from dsv4lab.core.checkpoint import expected_tensors
 from dsv4lab.core.config import get_preset
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
@@ -197,6 +198,16 @@ def one_rank_smoke(tmp_path_factory):
                              "--fusions", ",".join(SMOKE_FUSIONS), "--out", str(out)])
         return code, json.loads(out.read_text()), stdout.getvalue(), stderr.getvalue()
     return once_per_run(tmp_path_factory, "e2e_one_rank_smoke", produce)
+
+
+def test_a_speculative_output_unlike_plain_greedy_is_named_for_the_failure():
+    """Greedy speculation is lossless: each row whose ids differ from plain greedy's is named (draft count and α,
+    or the checkpoint of a row without injection) — ``bench e2e`` lists them under ``failed``."""
+    rows = [dict(draft_tokens=1, alpha=0.5, equal_to_greedy=True),
+            dict(draft_tokens=2, alpha=0.8, equal_to_greedy=False),
+            dict(draft_tokens=3, checkpoint="this run's model", equal_to_greedy=False)]
+    assert speculative_mismatches(rows) == ["k=2 alpha=0.8", "k=3 (this run's model)"]
+    assert speculative_mismatches(rows[:1]) == []
 
 
 def test_bench_e2e_smoke_measures_the_verify_step_and_speculation_with_injected_acceptance(one_rank_smoke):

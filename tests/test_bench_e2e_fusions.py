@@ -14,9 +14,10 @@ from dsv4lab.core.errors import UserError
 from dsv4lab.engine.dispatch import (GPU_DEFAULTS, INTERPRETER_DEFAULTS, SCHEMA, Dispatch, Tuned, read_tuned,
                                      shape_key)
 from dsv4lab.engine.kernel_families import FUSION_NAMES
-from dsv4lab.tools.bench import e2e
-from dsv4lab.tools.bench.e2e_fusions import (MIN_MARGIN, configurations, fusion_section, recommend, tuned_ops,
-                                             with_fusions)
+from dsv4lab.faces.figure_data import fusion_table
+from dsv4lab.tools.bench import e2e, e2e_fusions
+from dsv4lab.tools.bench.e2e_fusions import (MIN_MARGIN, configurations, format_fusions, fusion_section, recommend,
+                                             tuned_ops, with_fusions)
 from dsv4lab.tools.bench.tuned import TunedWriter, merge_tuned
 
 
@@ -57,6 +58,58 @@ def test_where_all_on_wins_the_paths_not_slower_alone_are_taken_too():
     out = recommend([off, *paths, _row(1, "all", speedup=1.06, launches=90), _row(1, "t", equal=False)],
                     names=("p", "q", "r", "s", "t"))
     assert out["recommended"] == {"1": []}  # a mismatch anywhere: nothing rides on all on
+
+
+def test_a_path_whose_kernels_failed_is_reported_and_the_others_still_chosen():
+    """A configuration that raised (a compile error, a launch) is a row with its error and no timing: that path is
+    never recommended, the others are judged as before; where all on failed no path is (interactions unseen); the
+    section, its tuned entries and the printed lines take such rows."""
+    off = _row(1, "off", rounds=(100.0, 100.0))
+    failed = dict(batch=1, config="q", on=["q"], error="CompilationError: at 25:47:")
+    out = recommend([off, _row(1, "p", speedup=1.05, launches=90), failed], names=("p", "q"))
+    assert out["recommended"] == {"1": ["p"]} and out["errors"] == {"q": "CompilationError: at 25:47:"}
+    assert out["why"]["1"]["q"] == "failed: CompilationError: at 25:47:" and out["mismatches"] == []
+    out = recommend([off, _row(1, "p", speedup=1.05, launches=90), dict(failed, config="all")], names=("p",))
+    assert out["recommended"] == {"1": []} and out["why"]["1"]["p"].startswith("all on failed")
+    rows = [dict(off, config="off", tok_s=100.0, launches_per_layer=1.0),
+            dict(_row(1, "p", speedup=1.05, launches=90), tok_s=105.0, launches_per_layer=0.9), failed]
+    doc = dict(commit="abc1234", gpu="NVIDIA H200")
+    section = fusion_section(rows, doc, dict(layers=30, fusion_batches=[1], decode_tokens=64, rounds=4, smoke=False,
+                                             fusions=["p", "q"]))
+    assert section["errors"] == {"q": "CompilationError: at 25:47:"}
+    assert section["tuned"]["decode.fusion"][0]["speedup"] == {"p": 1.05}
+    printed = "\n".join(format_fusions(dict(doc, fusions=section)))
+    assert "FUSION FAILED: q: CompilationError" in printed and "p 105.0 tok/s" in printed
+    table = fusion_table(dict(fusions=section))
+    assert {"config": "q", "batch": 1, "error": "CompilationError: at 25:47:"} in table
+
+
+def test_a_failing_path_is_a_row_with_its_error_and_the_a_b_goes_on(monkeypatch):
+    """``fusion_rows`` on the smoke interpreter model with one path's kernels raising (as the greedy kernel's
+    compile error did on the H200 at 11a5fe7, which lost the whole A/B): that path and all on become rows with their
+    error, off and the other path are timed with equal ids, and the choice leaves the failed path out."""
+    o = dict(seed=0, fusion_batches=[1], fusions=["x_projections", "attention_norms"], fusion_tokens=1, rounds=1,
+             smoke=True)
+    runner = e2e_fusions.smoke_runner(o)
+    counted = e2e_fusions._launches
+
+    def failing(runner_, step, tokens):
+        if runner_.ops.config.fused("x_projections", tokens.shape[0]):
+            raise RuntimeError("CompilationError: the kernel refused\nsecond line")
+        return counted(runner_, step, tokens)
+    monkeypatch.setattr(e2e_fusions, "_launches", failing)
+
+    class Clock:
+        def sync(self):
+            pass
+    rows = {r["config"]: r for r in e2e_fusions.fusion_rows(runner, Clock(), 1, o)}
+    assert set(rows) == {"off", "x_projections", "attention_norms", "all"}
+    refused = "RuntimeError: CompilationError: the kernel refused"
+    assert rows["x_projections"]["error"] == rows["all"]["error"] == refused
+    assert rows["off"]["ids_equal_off"] and rows["attention_norms"]["ids_equal_off"]
+    assert rows["attention_norms"]["launches_saved"] > 0 and "error" not in rows["off"]
+    out = recommend(list(rows.values()), names=o["fusions"])
+    assert set(out["errors"]) == {"x_projections", "all"} and out["recommended"] == {"1": []}
 
 
 def test_a_path_whose_ids_differ_anywhere_is_never_recommended():

@@ -207,10 +207,12 @@ def multitoken_tables(doc: Mapping[str, Any] | None) -> dict[str, list[dict[str,
 def fusion_table(doc: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The fused-path A/B of a ``bench e2e`` run (its ``fusions`` section): per batch and configuration (off, each
     path alone, all on) tok/s, the speedup over off, launches per layer, whether the ids equal off's, and whether
-    the run recommends the path at that batch. Empty where the run did not time them (``doc`` None too)."""
+    the run recommends the path at that batch; a configuration whose kernels failed carries its ``error`` and no
+    timing. Empty where the run did not time them (``doc`` None too)."""
     f = (doc or {}).get("fusions") or {}
     chosen = f.get("recommended") or {}
-    return [dict(batch=r["batch"], config=r["config"], tok_s=r["tok_s"], speedup=r["speedup"],
+    return [dict(batch=r["batch"], config=r["config"], error=r["error"]) if r.get("error") else
+            dict(batch=r["batch"], config=r["config"], tok_s=r["tok_s"], speedup=r["speedup"],
                  launches_per_layer=r["launches_per_layer"], ids_equal_off=r["ids_equal_off"],
                  recommended=r["config"] in chosen.get(str(r["batch"]), []))
             for r in f.get("rows") or []]

@@ -29,7 +29,8 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
 * **ABBA** (more than one rank): batch-1 decode rounds alternating two all-reduce strategies A B B A.
 * **verify** and **speculative** (one rank): the speculative verify step of ``k+1`` tokens (``--draft-tokens``)
   against the one-token step and against its bytes ratio; speculative decoding's tok/s with injected acceptance
-  (``--alphas``) against plain greedy's, every output checked equal to it — :mod:`dsv4lab.tools.bench.e2e_multitoken`
+  (``--alphas``) against plain greedy's, every output checked equal to it (one that differs fails the run, listed
+  under ``failed`` as ``speculative``) — :mod:`dsv4lab.tools.bench.e2e_multitoken`
   (``--smoke`` adds the natural acceptance of ``data/tiny-py``'s trained MTP block).
 * **fusions** (one rank, Triton backend): at each ``--fusion-batches`` batch (default 1 and 8 where ``--batches``
   reaches them), decode tok/s, launches per step and per layer and the token ids with every fused path of the decode
@@ -81,7 +82,8 @@ from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.e2e_parts import Parts, log
 from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, count_launches, kernel_profile,  # noqa: F401
                                         median_copy_us, top_kernels, write_json)  # count_launches: tests import it here
-from dsv4lab.tools.bench.e2e_multitoken import natural_acceptance, speculative_rows, verify_rows
+from dsv4lab.tools.bench.e2e_multitoken import (natural_acceptance, speculative_mismatches, speculative_rows,
+                                                verify_rows)
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
 from dsv4lab.tools.bench.e2e_fusions import (fusion_batches, fusion_names, fusion_rows, fusion_section, smoke_runner,
                                              tuned_ops)
@@ -349,8 +351,11 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
                 o["fusion_batches"]] if fuse is not None else []
         if any(rows):
             doc["fusions"] = fusion_section([r for rs in rows if rs for r in rs], doc, o)
-            if doc["fusions"]["mismatches"]:  # the fused paths claim the unfused step's bits: a failure
-                parts.failed["fusions"] = "token ids differ: " + ", ".join(doc["fusions"]["mismatches"])
+            f = doc["fusions"]
+            why = ([("token ids differ: " + ", ".join(f["mismatches"]))] if f["mismatches"] else []) + \
+                [f"{name} failed ({err})" for name, err in f["errors"].items()]
+            if why:  # the fused paths claim the unfused step's bits and must run: a failure either way
+                parts.failed["fusions"] = "; ".join(why)
                 log(rank, f"FUSIONS: {parts.failed['fusions']}")
     if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
         doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
@@ -359,6 +364,10 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         if o["smoke"]:
             doc["speculative_natural"] += parts.run("speculative_tiny_py",
                                                     lambda: natural_acceptance(DATA_DIR / "tiny-py", o)) or []
+        differ = speculative_mismatches(doc["speculative"] + doc["speculative_natural"])
+        if differ:  # greedy speculation is lossless by construction: an output unlike plain greedy's is a failure
+            parts.failed["speculative"] = "output differs from plain greedy: " + ", ".join(differ)
+            log(rank, f"SPECULATIVE: {parts.failed['speculative']}")
     doc["prefill"] = parts.run("ttft", lambda: prefill_rows(runner, clock, o)) or []
     if doc["prefill"]:
         best = min(doc["prefill"], key=lambda r: r["ttft_s"])

@@ -24,11 +24,13 @@ tuned file says so (``docs/kernels_decode.md``, "Fused paths").
   ids equal ``off``'s at every batch measured (and ``all``'s equal too: an interaction is not blamed on one path),
   and that launch fewer kernels than ``off`` (the path engaged). Where ``all`` itself clears ``1 + margin``, a path
   alone at ``speedup ≥ 1`` is taken too: each path saves one launch per layer or so, a gain that can sit below the
-  noise alone and still add up in ``all``; a path measured slower alone stays off. ``tuned``: the ``decode.fusion`` entries that
-  choice makes (one per batch, every path named true or false; the dispatch takes a batch's entry for the row counts
-  up to it and the largest batch's above) with their source (commit, command, the result file's name) — what
-  ``bench e2e --tuned-out FILE`` merges into a tuned file and ``scripts/rebuild_tuned.py`` takes from a committed
-  result (:func:`tuned_ops`).
+  noise alone and still add up in ``all``; a path measured slower alone stays off. A configuration whose kernels
+  fail (a compile error, a launch) is a row with its ``error`` and no timing, listed under ``errors`` and the run's
+  ``failed``; the others are still timed, that path is never recommended, and none is where ``all`` failed.
+  ``tuned``: the ``decode.fusion`` entries that choice makes (one per batch, every path named true or false; the
+  dispatch takes a batch's entry for the row counts up to it and the largest batch's above) with their source
+  (commit, command, the result file's name) — what ``bench e2e --tuned-out FILE`` merges into a tuned file and
+  ``scripts/rebuild_tuned.py`` takes from a committed result (:func:`tuned_ops`).
 
 ``--smoke`` (``--fusion-batches 1`` asks for it): the same code on a Triton-interpreter model of its own
 (:data:`SMOKE_MODEL`: the tiny preset, two SWA layers at smaller widths — the interpreter's cost is per launch
@@ -177,24 +179,41 @@ def fusion_rows(runner, clock, batch: int, o: dict) -> list[dict]:
             eager = Decoder(runner, graphs=False).step
             runner.ops.config = dispatches["off"]
             _launches(runner, eager, tokens)  # the backend's one-time caches (grouped weights, bank views) filled
-            launches = {}
+            launches, errors = {}, {}
             for name in configs:
                 runner.ops.config = dispatches[name]
-                launches[name] = _launches(runner, eager, tokens)
+                try:
+                    launches[name] = _launches(runner, eager, tokens)
+                except Exception as err:  # noqa: BLE001 — a path whose kernels fail is reported, the rest timed
+                    if name == "off":
+                        raise
+                    errors[name] = _error(err)
             seconds: dict[str, list[float]] = {name: [] for name in configs}
             paired: dict[str, list[float]] = {}
             reference, equal = None, {name: True for name in configs}
-            for name in list(configs)[1:]:
+            for name in [c for c in list(configs)[1:] if c not in errors]:
                 paired[name] = []
-                for which in ("off", name, name, "off") * max(1, o["rounds"] // 2):
-                    use(which)
+                try:
+                    for which in ("off", name, name, "off") * max(1, o["rounds"] // 2):
+                        use(which)
+                        s, ids = _round(runner, clock, tokens, n)
+                        seconds[which].append(s)
+                        if which == "off":
+                            paired[name].append(s)
+                        reference = ids if reference is None else reference
+                        equal[which] = equal[which] and ids == reference
+                except Exception as err:  # noqa: BLE001 — its capture or a launch failed: reported, not timed
+                    if not seconds["off"]:
+                        raise
+                    errors[name] = _error(err)
+                decoders.pop(name, None)  # its graphs released before the next configuration captures
+            if not seconds["off"]:  # every other configuration failed: off timed alone, for its own row
+                use("off")
+                for _ in range(2 * max(1, o["rounds"] // 2)):
                     s, ids = _round(runner, clock, tokens, n)
-                    seconds[which].append(s)
-                    if which == "off":
-                        paired[name].append(s)
+                    seconds["off"].append(s)
                     reference = ids if reference is None else reference
-                    equal[which] = equal[which] and ids == reference
-                decoders.pop(name)  # its graphs released before the next configuration captures
+                    equal["off"] = equal["off"] and ids == reference
         finally:
             runner.ops.config = base
             runner.drop_decoders()
@@ -209,6 +228,9 @@ def fusion_rows(runner, clock, batch: int, o: dict) -> list[dict]:
         return [round(x, 2) for x in xs]
     rows = []
     for name, choice in configs.items():
+        if name in errors:  # never recommended (recommend); the run lists it under failed
+            rows.append(dict(batch=batch, config=name, on=[k for k, v in choice.items() if v], error=errors[name]))
+            continue
         mine = statistics.median(tok_s(seconds[name]))
         against = statistics.median(tok_s(paired[name])) if name != "off" else mine
         rows.append(dict(batch=batch, config=name, on=[k for k, v in choice.items() if v], tok_s=round(mine, 2),
@@ -220,17 +242,26 @@ def fusion_rows(runner, clock, batch: int, o: dict) -> list[dict]:
     return rows
 
 
+def _error(err: BaseException) -> str:
+    """A configuration's failure in one line (its type and the first line of its message)."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+
+
 # ============================================================================================ the choice
 def recommend(rows: list[dict], names=FUSION_NAMES) -> dict:
     """The choice the rows support (:data:`RULE`): per batch the recommended paths, the noise margin and why each
-    path is or is not recommended; ``mismatches`` lists every configuration whose ids differed from ``off``'s."""
+    path is or is not recommended; ``mismatches`` lists every configuration whose ids differed from ``off``'s,
+    ``errors`` every one whose kernels failed (a compile error, a launch): that path is never recommended, and where
+    ``all`` failed no path is (its interactions were not seen)."""
     batches = sorted({r["batch"] for r in rows})
+    failed = {r["config"]: r["error"] for r in rows if r.get("error")}  # its kernels failed: never recommended
+    rows = [r for r in rows if not r.get("error")]
     at = {(r["batch"], r["config"]): r for r in rows}
     mismatches = [f"{r['config']} at batch {r['batch']}" + (" (off differs from itself between rounds)"
                                                              if r["config"] == "off" else "")
                   for r in rows if not r["ids_equal_off"]]
     blocked = {r["config"] for r in rows if not r["ids_equal_off"]}
-    out = dict(recommended={}, margin={}, noise={}, why={}, mismatches=mismatches)
+    out = dict(recommended={}, margin={}, noise={}, why={}, mismatches=mismatches, errors=failed)
     for b in batches:
         off = at.get((b, "off"))
         if off is None:
@@ -245,7 +276,11 @@ def recommend(rows: list[dict], names=FUSION_NAMES) -> dict:
                     and every["speedup"] >= 1 + margin)
         for name in names:
             r = at.get((b, name))
-            if r is None:
+            if name in failed:
+                why[name] = f"failed: {failed[name]}"
+            elif "all" in failed:
+                why[name] = f"all on failed: {failed['all']}"
+            elif r is None:
                 why[name] = "not measured"
             elif name in blocked or "off" in blocked:
                 why[name] = "ids differ from off's" if name in blocked else "off's ids differ between rounds"
@@ -279,7 +314,8 @@ def fusion_section(rows: list[dict], doc: dict, o: dict) -> dict:
                   result=Path(o.get("out") or "e2e.json").name, gpu=doc.get("gpu"), torch=doc.get("torch"),
                   triton=doc.get("triton"))
     entries = [dict(rows=int(b), source=sid, choice={n: n in chosen for n in FUSION_NAMES},
-                    speedup={r["config"]: r["speedup"] for r in rows if r["batch"] == int(b) and r["config"] != "off"})
+                    speedup={r["config"]: r["speedup"] for r in rows
+                             if r["batch"] == int(b) and r["config"] != "off" and not r.get("error")})
                for b, chosen in choice["recommended"].items()]
     return dict(names=names, rule=RULE, min_margin=MIN_MARGIN, rows=rows, **choice,
                 tuned={"sources": {sid: source}, "decode.fusion": entries})
@@ -303,7 +339,7 @@ def format_fusions(doc: dict) -> list[str]:
         return []
     lines = []
     for b in sorted({r["batch"] for r in f["rows"]}):
-        rows = [r for r in f["rows"] if r["batch"] == b]
+        rows = [r for r in f["rows"] if r["batch"] == b and not r.get("error")]  # a failed one: FUSION FAILED
         lines.append(f"fusions b={b} (noise {f['noise'].get(str(b))}, margin {f['margin'].get(str(b))}): " + "; ".join(
             f"{r['config']} {r['tok_s']} tok/s ×{r['speedup']}, {r['launches_per_step']} launches "
             f"({r['launches_per_layer']}/layer){'' if r['ids_equal_off'] else ', IDS DIFFER'}" for r in rows))
@@ -311,6 +347,8 @@ def format_fusions(doc: dict) -> list[str]:
                                                       for b, v in f["recommended"].items()))
     for m in f["mismatches"]:
         lines.append(f"FUSION MISMATCH: {m}: token ids differ from the unfused step's (never recommended)")
+    for name, err in (f.get("errors") or {}).items():
+        lines.append(f"FUSION FAILED: {name}: {err} (never recommended; the other configurations were timed)")
     return lines
 
 

@@ -187,6 +187,14 @@ def speculative_rows(runner, clock, o: dict, greedy_round) -> tuple[list[dict], 
     return rows, natural
 
 
+def speculative_mismatches(rows: list[dict]) -> list[str]:
+    """The speculative rows whose output differs from plain greedy's (``equal_to_greedy`` false), named by draft
+    count and α or checkpoint: greedy speculation is lossless by construction, so ``bench e2e`` lists them as a
+    failure of the run (the H200 visit at 11a5fe7 had every row so, and the run said nothing)."""
+    return [f"k={r['draft_tokens']}" + (f" alpha={r['alpha']}" if "alpha" in r else f" ({r['checkpoint']})")
+            for r in rows if not r["equal_to_greedy"]]
+
+
 def _natural_row(r: dict, n: int, k: int, truth: list[int], greedy_tok_s: float) -> dict:
     st, tok_s = r["stats"], n / r["seconds"]
     return dict(draft_tokens=k, tok_s=round(tok_s, 2), speedup=round(tok_s / greedy_tok_s, 3),
