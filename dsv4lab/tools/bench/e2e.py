@@ -352,8 +352,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         if any(rows):
             doc["fusions"] = fusion_section([r for rs in rows if rs for r in rs], doc, o)
             f = doc["fusions"]
-            why = ([("token ids differ: " + ", ".join(f["mismatches"]))] if f["mismatches"] else []) + \
-                [f"{name} failed ({err})" for name, err in f["errors"].items()]
+            why = [f"token ids differ: {', '.join(f['mismatches'])}"] if f["mismatches"] else []
+            why += [f"{name} failed ({err})" for name, err in f["errors"].items()]
             if why:  # the fused paths claim the unfused step's bits and must run: a failure either way
                 parts.failed["fusions"] = "; ".join(why)
                 log(rank, f"FUSIONS: {parts.failed['fusions']}")

@@ -190,30 +190,31 @@ def fusion_rows(runner, clock, batch: int, o: dict) -> list[dict]:
                     errors[name] = _error(err)
             seconds: dict[str, list[float]] = {name: [] for name in configs}
             paired: dict[str, list[float]] = {}
-            reference, equal = None, {name: True for name in configs}
+            first: list = []  # the first round's ids: every round is compared with them
+            equal = {name: True for name in configs}
+
+            def timed(which: str) -> float:
+                use(which)
+                s, ids = _round(runner, clock, tokens, n)
+                seconds[which].append(s)
+                first[:] = first or [ids]
+                equal[which] = equal[which] and ids == first[0]
+                return s
+            rounds = max(1, o["rounds"] // 2)
             for name in [c for c in list(configs)[1:] if c not in errors]:
                 paired[name] = []
                 try:
-                    for which in ("off", name, name, "off") * max(1, o["rounds"] // 2):
-                        use(which)
-                        s, ids = _round(runner, clock, tokens, n)
-                        seconds[which].append(s)
+                    for which in ("off", name, name, "off") * rounds:
+                        s = timed(which)
                         if which == "off":
                             paired[name].append(s)
-                        reference = ids if reference is None else reference
-                        equal[which] = equal[which] and ids == reference
                 except Exception as err:  # noqa: BLE001 — its capture or a launch failed: reported, not timed
                     if not seconds["off"]:
                         raise
                     errors[name] = _error(err)
                 decoders.pop(name, None)  # its graphs released before the next configuration captures
-            if not seconds["off"]:  # every other configuration failed: off timed alone, for its own row
-                use("off")
-                for _ in range(2 * max(1, o["rounds"] // 2)):
-                    s, ids = _round(runner, clock, tokens, n)
-                    seconds["off"].append(s)
-                    reference = ids if reference is None else reference
-                    equal["off"] = equal["off"] and ids == reference
+            while len(seconds["off"]) < 2 * rounds:  # every other configuration failed: off timed alone
+                timed("off")
         finally:
             runner.ops.config = base
             runner.drop_decoders()
