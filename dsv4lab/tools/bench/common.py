@@ -16,6 +16,8 @@ set before the first kernel module is imported).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -23,11 +25,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dsv4lab.core.errors import UserError
 from dsv4lab.core.model.linear import ExpertBank, Linear
 from dsv4lab.core.model.ops import ReferenceOps
+from dsv4lab.engine.kernel_loader import PDL_ENV
 from dsv4lab.core.provenance import short_commit, write_json  # noqa: F401 — write_json: the suites' result writer
 from dsv4lab.tools.verify.compare import compare, tolerance
 
@@ -480,6 +484,33 @@ def kernel_profile(prof, calls: int) -> tuple[dict[str, float], dict[str, float]
         launches[fam] = launches.get(fam, 0.0) + count / calls
     order = sorted(us, key=lambda k: -us[k])
     return {k: round(us[k], 1) for k in order}, {k: round(launches[k], 1) for k in order}
+
+
+@contextlib.contextmanager
+def pdl_off():
+    """Kernels launched — and graphs captured — without programmatic dependent launch inside the block. Under PDL a
+    kernel starts while its predecessor runs and waits inside (griddepcontrol.wait), so profiled kernel durations
+    overlap and sum past the step: a per-kernel profile is taken from a step captured without it."""
+    before = os.environ.get(PDL_ENV)
+    os.environ[PDL_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PDL_ENV]
+        else:
+            os.environ[PDL_ENV] = before
+
+
+def profiled(fn, device, reps: int = 3):
+    """``fn`` (warmed by the caller) run ``reps`` times under ``torch.profiler``: the profile and its call count
+    (for :func:`kernel_profile` and :func:`top_kernels`)."""
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+    return prof, reps
 
 
 def top_kernels(prof, calls: int, n: int = 40) -> list[dict]:

@@ -31,7 +31,8 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   against the one-token step and against its bytes ratio; speculative decoding's tok/s with injected acceptance
   (``--alphas``) against plain greedy's, every output checked equal to it (one that differs fails the run, listed
   under ``failed`` as ``speculative``) — :mod:`dsv4lab.tools.bench.e2e_multitoken`
-  (``--smoke`` adds the natural acceptance of ``data/tiny-py``'s trained MTP block).
+  (``--smoke`` adds the natural acceptance of ``data/tiny-py``'s trained MTP block). On CUDA the verify steps'
+  time by kernel family against the one-token step's (``verify_profile``).
 * **fusions** (one rank, Triton backend): at each ``--fusion-batches`` batch (default 1 and 8 where ``--batches``
   reaches them), decode tok/s, launches per step and per layer and the token ids with every fused path of the decode
   step off, each alone on and all on, timed off C C off; the paths a visit should turn on and their ready tuned
@@ -42,7 +43,7 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   catalogue entry; the same for each ``--breakdown-batches`` batch (``breakdown_by_batch``: where a batch's step
   spends the time its bytes do not explain).
 
-The parts run in the order warm-up and first prompts, decode rows, breakdown, fusions, verify, speculative, TTFT
+The parts run in the order warm-up and first prompts, decode rows, breakdown, fusions, verify (and its profile), speculative, TTFT
 (and its per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
 (``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``), and on one rank a part still running ``--overrun-s`` past the
@@ -62,7 +63,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 from dsv4lab.core.config import get_preset
 from dsv4lab.engine.decode_graph import Decoder
@@ -81,9 +81,9 @@ from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.e2e_parts import Parts, log
 from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, count_launches, kernel_profile,  # noqa: F401
-                                        median_copy_us, top_kernels, write_json)  # count_launches: tests import it here
+                                        median_copy_us, pdl_off, profiled, top_kernels, write_json)  # count_launches: tests import it here
 from dsv4lab.tools.bench.e2e_multitoken import (natural_acceptance, speculative_mismatches, speculative_rows,
-                                                verify_rows)
+                                                verify_profile, verify_rows)
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
 from dsv4lab.tools.bench.e2e_fusions import (fusion_batches, fusion_names, fusion_rows, fusion_section, smoke_runner,
                                              tuned_ops)
@@ -359,6 +359,8 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
                 log(rank, f"FUSIONS: {parts.failed['fusions']}")
     if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
         doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
+        if device.type == "cuda":  # (a profile of GPU kernels)
+            doc["verify_profile"] = parts.run("verify_profile", lambda: verify_profile(runner, o)) or {}
         doc["speculative"], doc["speculative_natural"] = parts.run(
             "speculative", lambda: speculative_rows(runner, clock, o, decode_round)) or ([], [])
         if o["smoke"]:
@@ -720,29 +722,16 @@ def breakdown(runner, o: dict, device, batch: int = 1) -> dict:
     replay_us = clock_us(step, device, reps) if graphs is not None else None
     replay_no_pdl_us = replay_us
     plain = None
-    if pdl and graphs is not None:
-        # Under PDL a kernel starts while its predecessor runs and waits inside (griddepcontrol.wait): profiled
-        # kernel durations overlap and sum past the step. The per-kernel profile comes from the same step captured
-        # without PDL by a decoder of its own (as graph_check does: a graph is never re-captured into the
-        # engine's pool), replaying the same last step.
-        before = os.environ.get(PDL_ENV)
-        os.environ[PDL_ENV] = "0"
-        try:
+    if pdl and graphs is not None:  # the per-kernel profile from the same step captured without PDL (pdl_off), by
+        # a decoder of its own (as graph_check does: a graph is never re-captured into the engine's pool), replaying
+        # the same last step
+        with pdl_off():
             plain = Decoder(runner, graphs=True)
             plain(nxt, pos, slots)
             step = plain.graphs.graphs[plain.graphs.tier(batch)][0].replay
             step()
             replay_no_pdl_us = clock_us(step, device, reps)
-        finally:
-            if before is None:
-                del os.environ[PDL_ENV]
-            else:
-                os.environ[PDL_ENV] = before
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize(device)
+    prof, _ = profiled(step, device, reps)
     profiled_without_pdl = not pdl or plain is not None
     del plain, step
     runner.reset()

@@ -7,6 +7,10 @@ and speculative decoding's throughput with **injected acceptance**.
   last accepted position; :mod:`dsv4lab.engine.speculative_step`). ``verify_over_step`` and ``cycle_over_step``
   are their times over the one-token step's; ``bytes_ratio`` and ``cycle_bytes_ratio`` the ratios of the bytes they
   read (modelled, :func:`step_bytes`) — the issue's target is ``verify_over_step ≤ 1.2 × bytes_ratio``.
+* **verify profile** (CUDA, ``verify_profile``): where the verify step's time goes — GPU µs and launches by kernel
+  family of the one-token step and of each verify step, replayed from graphs captured without PDL by a decoder of
+  their own (as the breakdown is), and each family's µs over the one-token step's (``over_step``): the family that
+  grows past the bytes ratio is what keeps the step from its target.
 * **speculative** (one row per α of ``--alphas`` and ``k``): with random weights the MTP block's drafts are never
   right, so the benchmark — and only the benchmark: ``generate`` and the server never do this — replaces each draft
   by the true greedy next token with probability α (seeded; the draft of position ``P+j`` by plain greedy
@@ -27,10 +31,11 @@ import time
 
 import torch
 
+from dsv4lab.engine.decode_graph import Decoder
 from dsv4lab.engine.loader import load
 from dsv4lab.engine.speculative import SpeculativeDecoder, max_draft_tokens
 from dsv4lab.engine.speculative_step import run_cycle
-from dsv4lab.tools.bench.common import clock_us
+from dsv4lab.tools.bench.common import clock_us, kernel_profile, pdl_off, profiled
 from dsv4lab.tools.perf.costmodel import decode_step, expected_distinct_experts
 from dsv4lab.tools.verify.model import fixed_sequence
 
@@ -125,6 +130,39 @@ def verify_rows(runner, o: dict) -> list[dict]:
                              path=runner.decode_path if runner.decode_path != "eager" else "static"))
     runner.reset()
     return rows
+
+
+def verify_profile(runner, o: dict) -> dict:
+    """The module doc's verify profile: ``{"step": {...}, "verify_k1": {...}, ...}``, each with ``total_us``,
+    ``launches``, ``gpu_us`` and ``launches_by_family`` (by kernel family), the verify steps also ``over_step``."""
+    dev = runner.device
+    if dev.type != "cuda":
+        return {}
+    prompt = fixed_sequence(runner.args, 16, seed=5)
+    slots, pos = torch.tensor([0], device=dev), torch.tensor([len(prompt)], device=dev)
+    out: dict = {}
+    with pdl_off():
+        spec = SpeculativeDecoder(runner, max(o["draft_tokens"]))
+        spec.prefill([prompt], [0], logits="last")
+        tok = torch.tensor([spec.slots[0].token], device=dev)
+        plain = Decoder(runner, graphs=True)
+        advance = plain.stepper(slots)
+        calls = {"step": lambda: advance(tok, pos)}  # position P rewritten each call, as in verify_rows
+        for k in o["draft_tokens"]:
+            tokens, n = tok.repeat(1, k + 1), torch.tensor([k + 1], device=dev)
+            calls[f"verify_k{k}"] = lambda tokens=tokens, n=n: plain.run(tokens, pos, slots, n, mtp=True)
+        for name, fn in calls.items():
+            fn()  # captures its graph
+            us, launches = kernel_profile(*profiled(fn, dev))
+            out[name] = dict(total_us=round(sum(us.values()), 1), launches=round(sum(launches.values()), 1),
+                             gpu_us=us, launches_by_family=launches)
+        del plain, advance, calls
+    runner.reset()
+    base = out["step"]["gpu_us"]
+    for name, row in out.items():
+        if name != "step":
+            row["over_step"] = {f: round(t / base[f], 2) if base.get(f) else None for f, t in row["gpu_us"].items()}
+    return out
 
 
 # ============================================================================================ speculative
@@ -232,6 +270,14 @@ def format_multitoken(doc: dict) -> list[str]:
         lines.append(f"verify k={r['draft_tokens']}: {r['verify_over_step']}× the 1-token step ({r['verify_us']} vs "
                      f"{r['step_us']} µs; bytes ratio {r['bytes_ratio']}, modelled); whole cycle "
                      f"{r['cycle_over_step']}× (bytes {r['cycle_bytes_ratio']}×)")
+    prof = doc.get("verify_profile") or {}
+    for name, row in prof.items():
+        if name != "step":
+            grown = sorted(row["over_step"].items(), key=lambda kv: -(row["gpu_us"][kv[0]] - prof["step"]["gpu_us"]
+                                                                         .get(kv[0], 0.0)))[:4]
+            lines.append(f"{name} without PDL: {row['total_us']} µs in {row['launches']} launches (1-token step "
+                         f"{prof['step']['total_us']} in {prof['step']['launches']}); most added µs: "
+                         + ", ".join(f"{f} {row['gpu_us'][f]} ({x}×)" for f, x in grown))
     for r in doc.get("speculative") or []:
         lines.append(f"speculative α={r['alpha']} k={r['draft_tokens']}: {r['tok_s']} tok/s = {r['speedup']}× plain "
                      f"greedy ({r['greedy_tok_s']}), ideal {r['ideal_speedup_modelled']}× (modelled; "
