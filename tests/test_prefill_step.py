@@ -11,6 +11,8 @@ indexer keys, the compressors' kv/score rings — is compared byte for byte with
   HCA ratio of 128 (Flash's), two of its entries completed inside chunks;
 * several rows in one forward (each row's chunk its own static step), a forward longer than the widest bucket (cut
   into chunks of it), the runner's path checks and the bucket ladder;
+* speculation's prefill (the MTP block along, issue 32): through the static step, equal to the eager forward's
+  main and MTP logits, streams and caches (the MTP block's too), ragged rows in chunks;
 * the Triton prefill kernels under the interpreter (``TritonPrefillBackend``, every op on its prefill kernel at any
   row count, so both paths take the same kernels): bit for bit on a small generated model (slow);
 * on a GPU (marked ``gpu``): the graph-replayed step against the same step run eagerly, and against the eager
@@ -150,6 +152,30 @@ def test_a_forward_longer_than_the_widest_bucket_is_cut_into_chunks_of_it(tiny_p
         assert_same(_run(static, ids, (70,), 2), _run(eager, ids, (70,), 2), static, eager, "70 in chunks of 32")
     finally:
         static._prefillers["static"] = wide
+
+
+def test_the_static_step_with_the_mtp_block_equals_the_eager_forward(tiny_pair, monkeypatch):
+    """Speculation's prefill (``prefill(..., mtp=True)``) runs every chunk through the static step with the MTP block
+    (counted), padding rows poisoned: the main and MTP logits, the MTP streams and every cache — the MTP block's
+    window included — equal the eager forward's byte for byte; ragged rows in chunks of 23 (the 37-token row ends
+    inside one), one row given its next token, the other fed the greedy choice; an MTP decode step continues both."""
+    eager, static = tiny_pair
+    step, chunks = static.prefiller.step, []
+    monkeypatch.setattr(static.prefiller, "step", lambda tokens, meta, mtp=False: chunks.append(
+        (tokens.shape[0], mtp, meta.tolist())) or step(tokens, meta, mtp))
+    ids = _ids(61, 4096, seed=4, rows=2)
+    outs = []
+    for m in (eager, static):
+        got = list(m.prefill(ids[:, :60], chunk=23, slots=[1, 0], lengths=[60, 37], mtp=True,
+                             next_tokens=[int(ids[0, 60]), -1]))
+        got += m.forward(torch.stack((ids[0, 60:61], ids[1, 37:38])), [60, 37], slots=[1, 0], mtp=True)
+        outs.append(got)
+    assert_same(outs[1], outs[0], static, eager, "the MTP block's prefill")
+    # three chunks of row 0 (the first two fed the next chunk's first token), two of row 1 (its last: 14 tokens)
+    assert [(c, mtp) for c, mtp, _ in chunks] == [(32, True)] * 3 + [(16, True)] * 2
+    assert [meta for _, _, meta in chunks] == [[0, 23, 1, int(ids[0, 23])], [0, 23, 0, int(ids[1, 23])],
+                                               [23, 23, 1, int(ids[0, 46])], [23, 14, 0, -1],
+                                               [46, 14, 1, int(ids[0, 60])]]
 
 
 def test_the_prefill_path_is_checked_and_auto_is_eager_on_a_cpu(tiny_pair):

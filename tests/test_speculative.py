@@ -11,12 +11,16 @@ import torch.nn.functional as F
 import dsv4lab
 from conftest import ROOT, load_tiny
 from dsv4lab.core.config import get_preset
+from dsv4lab.engine.decode_graph import StaticDecodeStep
+from dsv4lab.engine.prefill_step import StaticPrefillStep
 from dsv4lab.engine.sampling import trajectory_hash
 from dsv4lab.engine.speculative import SpeculativeDecoder, generate_speculative, max_draft_tokens
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
+from dsv4lab.tools.bench.e2e import cut_layers
+from dsv4lab.tools.bench.e2e_multitoken import speculate
 from dsv4lab.tools.train.trainer import TrainingOps, lm_losses
-from dsv4lab.tools.verify.model import fixed_sequence, judge_kl, kl_per_position, kl_rule, rounding_noise_floor, \
-    rounding_noise_floors_with_mtp
+from dsv4lab.tools.verify.model import fixed_sequence, fp32_reduction_ops, judge_kl, kl_per_position, kl_rule, \
+    rounding_noise_floor, rounding_noise_floors_with_mtp
 from dsv4lab.tools.verify.speculative import critical_positions, rollback_vs_recompute
 
 TINY_PY = ROOT / "data" / "tiny-py"
@@ -60,6 +64,32 @@ def test_ragged_batch_equals_plain_greedy_per_row(ck, k, chunk):
     for out, o in zip(outs, oracles):
         assert out == o["expected_ids"][:n]
     assert st.verify_forwards < st.cycles  # rows verified together
+
+
+def test_speculation_prefills_through_plain_greedys_static_steps(monkeypatch):
+    """Issue 32's H200 failure: speculation's prefill ran the eager forward, plain greedy's the captured static
+    step, and on a GPU the two round differently (bucket-padded GEMM shapes), so the trajectories parted at once.
+    On the CPU they are one arithmetic; here the static steps are given fp32 instead of exact reductions (another
+    rounding, as on a GPU), so a prefill that left them shows: ``prefill(..., mtp=True)``'s main logits must equal
+    plain ``prefill``'s bit for bit (one forward, and chunks ending in a one-token chunk: the decode step's), and
+    speculative ``generate`` plain ``generate``'s ids."""
+    m = dsv4lab.load(TINY_PY, max_batch=1, prefill_path="static", decode_path="static")
+    reordered = fp32_reduction_ops(m.ops.numerics)
+    for step in (StaticPrefillStep, StaticDecodeStep):
+        monkeypatch.setattr(step, "ops", property(lambda self: reordered))
+    o = _golden["tiny-py"]["oracles"][0]
+    prompt = o["prompt_ids"]
+    plain = m.prefill(prompt)
+    m.prefill_path = "eager"
+    assert not torch.equal(m.prefill(prompt), plain)  # the two paths are told apart
+    m.prefill_path = "static"
+    for chunk in (None, len(prompt) - 1):
+        main, _, _ = m.prefill(prompt, chunk, mtp=True)
+        assert torch.equal(main, m.prefill(prompt, chunk)), chunk
+    want = m.generate(prompt, 12)
+    for k in (1, 3):
+        assert m.generate(prompt, 12, speculative="mtp", draft_tokens=k) == want, k
+        assert m.last_speculative_stats.accepted > 0
 
 
 # ------------------------------------------------------------------------------------------ rollback
@@ -247,3 +277,23 @@ def test_gpu_triton_speculative_equals_its_plain_greedy(k):
         rule = kl_rule(floors[head], None)
         verdict = judge_kl(kl_per_position(*rb[head]), m.args, rule)
         assert verdict["ok"], (head, verdict["mean_kl"], verdict["max_kl"], rule["mean_kl"], rule["max_kl"])
+
+
+@pytest.mark.gpu
+def test_gpu_flash_width_speculation_equals_plain_greedy_on_the_captured_paths():
+    """Issue 32's H200 failure, at Flash widths (generated weights, 4 main layers: SWA, SWA, CSA, HCA, and the MTP
+    block), the Triton backend with graph prefill and graph decode: speculation's prefill gives plain prefill's
+    logits bit for bit, and speculative decoding plain greedy's ids — without injection (random weights: drafts
+    rejected) and with injected acceptance α = 0.8 (bench e2e's loop: drafts accepted, and still the same ids)."""
+    args = cut_layers(get_preset("flash"), 4)
+    m = dsv4lab.load(RandomCheckpoint(args, 0, "cuda", name="flash-4"), device="cuda", backend="triton", max_batch=1,
+                     max_seq_len=512, validate=False)
+    assert m.prefill_path == "graph" and m.decode_path == "graph"
+    prompt = fixed_sequence(m.args, 150, seed=6)
+    plain = m.prefill(prompt)
+    assert torch.equal(m.prefill(prompt, mtp=True)[0], plain)
+    want = m.generate(prompt, 16, stop_at_eos=False)
+    for k in (1, 3):
+        assert m.generate(prompt, 16, speculative="mtp", draft_tokens=k, stop_at_eos=False) == want, k
+        injected = speculate(m, prompt, 15, k, truth=want, alpha=0.8, seed=k)
+        assert injected["ids"] == want and injected["stats"].accepted > 0, (k, injected["stats"])

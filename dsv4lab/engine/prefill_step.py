@@ -30,9 +30,19 @@ of an index list change no sum, so each valid row equals the eager forward's: bi
 (its reductions are batch-invariant) and with the Triton prefill kernels under the interpreter at equal kernel
 choice (``tests/test_prefill_step.py``; on a GPU cuBLAS may pick another algorithm at another row count).
 
+**With the MTP block** (``mtp=True``: speculative decoding's prefill) the same step runs the main layers, then
+the MTP block over the chunk's rows as ``MTPBlock.forward_mtp`` does (row ``i`` fed the chunk's token ``i+1``, the
+last valid row the given next token or the main model's greedy choice there, chosen on the device), and returns
+the main and MTP logits and the final streams of both at the last valid token. The main model's part is the plain
+step's, op for op, so speculation's prefill gives plain greedy's logits and caches bit for bit on every backend
+(on a GPU the eager forward, at the prompt's own length, runs other GEMM shapes: the trajectories parted at the
+first token). The MTP block needs the main streams of every row (it fills its own window over the chunk); they
+stay inside the step, so only ``[1, vocab]`` and ``[1, hc, D]`` tensors leave it.
+
 :class:`PrefillGraphs` captures the step per bucket with ``torch.cuda.CUDAGraph`` on first use (warm-up runs and
-capture in the runner's spare slot, as :class:`~dsv4lab.engine.decode_graph.DecodeGraphs` does for decode), one
-memory pool for all buckets; :class:`Prefiller` is the runner's prefill path (:data:`PREFILL_PATHS`).
+capture in the runner's spare slot, as :class:`~dsv4lab.engine.decode_graph.DecodeGraphs` does for decode), the MTP
+form as a graph of its own per bucket (``("mtp", bucket)``, captured only when speculation prefills), one memory
+pool for all of them; :class:`Prefiller` is the runner's prefill path (:data:`PREFILL_PATHS`).
 """
 from __future__ import annotations
 
@@ -107,6 +117,11 @@ class StaticPrefillStep:
     start, slots=[slot], logits="last")`` does, without touching ``runner.positions``. Under tensor/expert
     parallelism it issues the runner's all-reduces where ``Block.forward`` does.
 
+    ``step(tokens, meta [4], mtp=True)``, ``meta = (start, length, slot, next)``: the MTP block along, as
+    ``runner.forward(..., mtp=True, next_tokens=[next], return_hidden=True, logits="last")`` (``next`` −1: the
+    greedy choice) → ``(logits, mtp_logits, streams, mtp_streams)`` at the last valid token (``[1, vocab]`` fp32,
+    ``[1, hc, D]``); the MTP block's caches advance too.
+
     ``poison_padding`` (tests): the padding rows' streams are NaN from the embedding on, so a padding row that
     reached a valid row or a cache would show.
     """
@@ -124,7 +139,7 @@ class StaticPrefillStep:
         return self.runner.ops  # read at every call: a caller may swap the runner's backend
 
     @torch.inference_mode()
-    def __call__(self, tokens: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, meta: torch.Tensor, mtp: bool = False):
         model, ops, a = self.model, self.ops, self.args
         C = tokens.shape[0]
         start, length, slot = meta[0:1], meta[1:2], meta[2:3]
@@ -137,8 +152,33 @@ class StaticPrefillStep:
             X = X.masked_fill((row >= length)[None, :, None, None], float("nan"))
         for blk in model.layers:
             X = self._block(blk, X, ids, pos, start, length, slot)
-        y = ops.hc_head(X[:, length - 1], model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a)
-        return model.logits(y, ops)[:, 0].float()
+        last = X[:, length - 1]  # [1, 1, hc, D]
+        y = ops.hc_head(last, model.hc_head_fn, model.hc_head_base, model.hc_head_scale, a)
+        logits = model.logits(y, ops)[:, 0].float()
+        if not mtp:
+            return logits
+        # the MTP block's input at row i is the token of row i+1; at the last valid row (and the padding rows, its
+        # copies) the given next token, or the main model's greedy choice there
+        given = meta[3:4]
+        after = torch.where(given >= 0, given, logits.argmax(-1))
+        next_ids = torch.where(row + 1 < length, tokens[(row + 1).clamp(max=C - 1)], after)[None]  # [1, C]
+        mtp_logits, mtp_last = self._mtp(X, next_ids, pos, start, length, slot)
+        return logits, mtp_logits, last[:, 0], mtp_last
+
+    def _mtp(self, X, next_ids, pos, start, length, slot):
+        """``MTPBlock.forward_mtp`` over the chunk's rows (its ops, in its order) with the head on the last valid
+        row only: ``X [1, C, hc, D]`` (the main streams), ``next_ids [1, C]`` → ``(logits [1, vocab] fp32, the
+        block's output streams [1, hc, D])`` at the last valid token."""
+        model, ops, a = self.model, self.ops, self.args
+        blk, eps = model.mtp[0], a.norm_eps
+        e = ops.rms_norm(model.embed.weight[next_ids].to(ops.numerics.act), blk.enorm.weight, eps)
+        xh = ops.rms_norm(X, blk.hnorm.weight, eps)
+        Xm = ops.linear(e, blk.e_proj)[:, :, None, :] + ops.linear(xh, blk.h_proj)
+        Xm = self._block(blk, Xm, next_ids, pos, start, length, slot)
+        last = Xm[:, length - 1]  # [1, 1, hc, D]
+        y = ops.rms_norm(ops.hc_head(last, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, a), blk.norm.weight,
+                         eps)
+        return ops.linear_f32(y, model.head)[:, 0].float(), last[:, 0]
 
     # ------------------------------------------------------------------ block (Block.forward's ops, in its order)
     def _block(self, blk: Block, X, ids, pos, start, length, slot):
@@ -242,55 +282,73 @@ def _write_last(ring: torch.Tensor, slot, rows: torch.Tensor, start, length, per
     ring[slot, ring_rows] = torch.where((p >= start)[:, None], new, ring[slot, ring_rows])
 
 
+def _io(bucket: int, mtp: bool, pin: bool = False) -> torch.Tensor:
+    """A chunk's inputs as one host tensor: ``bucket`` token ids (0), then ``start, length, slot`` (and with the
+    MTP block ``next``: −1, the greedy choice) — one copy to the device."""
+    io = torch.zeros(bucket + 3 + int(mtp), dtype=torch.long, pin_memory=pin)
+    if mtp:
+        io[-1] = -1
+    return io
+
+
+def _clone(out):
+    return out.clone() if isinstance(out, torch.Tensor) else tuple(t.clone() for t in out)
+
+
 class PrefillGraphs:
-    """CUDA graphs of :class:`StaticPrefillStep`, one per bucket, sharing one memory pool; each captured on first
-    use (:meth:`replay`) or up front (:meth:`capture`), in the runner's spare slot. ``capture_s`` holds the seconds
-    each capture took (Triton compilation included where it was the first launch of a kernel's key)."""
+    """CUDA graphs of :class:`StaticPrefillStep`, one per bucket (``graphs[bucket]``) and, for speculation's
+    prefill, one per bucket of the step with the MTP block (``graphs["mtp", bucket]``), sharing one memory pool;
+    each captured on first use (:meth:`replay`) or up front (:meth:`capture`), in the runner's spare slot.
+    ``capture_s`` holds the seconds each capture took (Triton compilation included where it was the first launch of
+    a kernel's key)."""
 
     def __init__(self, runner, step: StaticPrefillStep):
         if runner.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a GPU")
         self.runner, self.step = runner, step
-        self.graphs: dict[int, tuple] = {}
-        self.capture_s: dict[int, float] = {}
+        self.graphs: dict = {}
+        self.capture_s: dict = {}
         self._pool = None
 
-    def capture(self, bucket: int, warmup: int = 2) -> None:
-        if bucket in self.graphs:
+    def capture(self, bucket: int, warmup: int = 2, mtp: bool = False) -> None:
+        key = ("mtp", bucket) if mtp else bucket
+        if key in self.graphs:
             return
         r = self.runner
         t0 = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
-            io = torch.zeros(bucket + 3, dtype=torch.long, device=r.device)  # tokens, then start, length, slot
+            io = _io(bucket, mtp)
             io[bucket + 1], io[bucket + 2] = min(bucket, r.args.max_seq_len), r.spare_slot
+            io = io.to(r.device)
             tokens, meta = io[:bucket], io[bucket:]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(warmup):
-                    self.step(tokens, meta)
+                    self.step(tokens, meta, mtp)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self.step(tokens, meta)
+                out = self.step(tokens, meta, mtp)
         torch.cuda.synchronize()
         r.model.reset(torch.tensor([r.spare_slot], device=r.device), r.ops)
-        self.graphs[bucket] = (graph, io, logits)
-        self.capture_s[bucket] = time.perf_counter() - t0
-        log.info("captured the prefill step for %d-token chunks in %.2f s", bucket, self.capture_s[bucket])
+        self.graphs[key] = (graph, io, out)
+        self.capture_s[key] = time.perf_counter() - t0
+        log.info("captured the prefill step%s for %d-token chunks in %.2f s", " with the MTP block" if mtp else "",
+                 bucket, self.capture_s[key])
 
     @torch.inference_mode()  # the static inputs were made in inference mode: copying into them must be too
-    def replay(self, bucket: int, io_host: torch.Tensor) -> torch.Tensor:
-        """Run the bucket's graph on ``io_host [bucket + 3]`` (tokens, start, length, slot; a host tensor, pinned so
-        that the copy in is asynchronous — from pageable memory torch waits for the stream): one copy in, the
-        replay, a copy of the ``[1, vocab]`` logits out — no host sync."""
-        self.capture(bucket)
-        graph, io, logits = self.graphs[bucket]
+    def replay(self, bucket: int, io_host: torch.Tensor, mtp: bool = False):
+        """Run the bucket's graph on ``io_host`` (:func:`_io`'s layout; a host tensor, pinned so that the copy in is
+        asynchronous — from pageable memory torch waits for the stream): one copy in, the replay, a copy of the
+        outputs (the ``[1, vocab]`` logits; with ``mtp`` the step's four outputs) — no host sync."""
+        self.capture(bucket, mtp=mtp)
+        graph, io, out = self.graphs[("mtp", bucket) if mtp else bucket]
         io.copy_(io_host, non_blocking=io_host.is_pinned())
         graph.replay()
-        return logits.clone()
+        return _clone(out)
 
 
 class Prefiller:
@@ -298,8 +356,11 @@ class Prefiller:
     :class:`PrefillGraphs` where ``graphs``; a row longer than the largest bucket in chunks of that bucket.
 
     ``prefiller(tokens [b, n], start [b], lengths [b], slots [b])`` (host tensors, validated by the caller) →
-    ``[b, 1, vocab]`` fp32 logits at each row's last valid token (NaN for a row of length 0). Where a graph cannot
-    be captured (a backend op that syncs with the host) it warns once and runs the step without graphs.
+    ``[b, 1, vocab]`` fp32 logits at each row's last valid token (NaN for a row of length 0). With ``mtp=True`` the
+    step with the MTP block (``next_tokens [b]``: the token after each row's last, −1 or None for the greedy
+    choice; a chunk before a row's last is fed the next chunk's first token) → ``(logits, mtp_logits, streams,
+    mtp_streams)``, ``[b, 1, ...]`` each (NaN for a row of length 0). Where a graph cannot be captured (a backend
+    op that syncs with the host) it warns once and runs the step without graphs.
     """
 
     def __init__(self, runner, graphs: bool, buckets: Sequence[int] | None = None):
@@ -316,16 +377,16 @@ class Prefiller:
         """The smallest bucket that holds ``n`` tokens (the largest, for a longer ``n``: it is cut to it)."""
         return next((c for c in self.buckets if c >= n), self.buckets[-1])
 
-    def warm(self, bucket: int) -> None:
+    def warm(self, bucket: int, mtp: bool = False) -> None:
         """Compile (and on the graph path capture) the bucket's step: one chunk in the spare slot, then reset."""
         r = self.runner
         if self.graphs is not None:
-            self._guarded(lambda: self.graphs.capture(bucket))
+            self._guarded(lambda: self.graphs.capture(bucket, mtp=mtp))
             if self.graphs is not None:
                 return
-        io = torch.zeros(bucket + 3, dtype=torch.long)
+        io = _io(bucket, mtp)
         io[bucket + 1], io[bucket + 2] = min(bucket, r.args.max_seq_len), r.spare_slot
-        self._run(bucket, io)
+        self._run(bucket, io, mtp)
         r.model.reset(torch.tensor([r.spare_slot], device=r.device), r.ops)
 
     def _guarded(self, fn):
@@ -337,16 +398,16 @@ class Prefiller:
             self.graphs = None
             return None
 
-    def _run(self, bucket: int, io: torch.Tensor) -> torch.Tensor:
+    def _run(self, bucket: int, io: torch.Tensor, mtp: bool = False):
         if self.graphs is not None:
-            out = self._guarded(lambda: self.graphs.replay(bucket, io))
+            out = self._guarded(lambda: self.graphs.replay(bucket, io, mtp))
             if out is not None:
                 return out
         io = io.to(self.runner.device, non_blocking=io.is_pinned())
-        return self.step(io[:bucket], io[bucket:])
+        return self.step(io[:bucket], io[bucket:], mtp)
 
     def __call__(self, tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor,
-                 slots: torch.Tensor) -> torch.Tensor:
+                 slots: torch.Tensor, mtp: bool = False, next_tokens: torch.Tensor | None = None):
         b = tokens.shape[0]
         out = [None] * b
         widest = self.buckets[-1]
@@ -357,10 +418,27 @@ class Prefiller:
                 bucket = self.bucket(piece)
                 # a fresh pinned buffer per chunk: the copy to the device overlaps the chunk before it (torch's
                 # pinned-memory cache keeps the buffer until that copy is done)
-                io = torch.zeros(bucket + 3, dtype=torch.long, pin_memory=self.pinned)
+                io = _io(bucket, mtp, self.pinned)
                 io[:piece] = tokens[i, s:s + piece]
-                io[bucket:] = torch.tensor([p + s, piece, int(slots[i])])
-                out[i] = self._run(bucket, io)
-        vocab = next((o.shape[-1] for o in out if o is not None), self.runner.args.vocab_size)
-        nan = torch.full((1, vocab), float("nan"), device=self.runner.device)
-        return torch.stack([o if o is not None else nan for o in out])
+                io[bucket:bucket + 3] = torch.tensor([p + s, piece, int(slots[i])])
+                if mtp and s + piece < n:  # the MTP block's last row here is fed the next chunk's first token
+                    io[-1] = tokens[i, s + piece]
+                elif mtp and next_tokens is not None:
+                    io[-1] = int(next_tokens[i])
+                out[i] = self._run(bucket, io, mtp)
+        if mtp:
+            return _stack_rows(out, self.runner)
+        return _stack_rows([None if o is None else (o,) for o in out], self.runner)[0]
+
+
+def _stack_rows(rows: list, runner) -> tuple[torch.Tensor, ...]:
+    """Per row, the step's outputs (a tuple of ``[1, ...]`` tensors; None for a row of length 0) stacked into
+    ``[b, 1, ...]`` tensors, NaN in the rows of length 0."""
+    like = next((o for o in rows if o is not None), None)
+    if like is None:  # no row had a token: the shapes the step would have given
+        a = runner.args
+        logits = torch.empty(1, a.vocab_size, device=runner.device)
+        streams = torch.empty(1, a.hc_mult, a.dim, dtype=runner.ops.numerics.act, device=runner.device)
+        like = (logits, logits, streams, streams)
+    return tuple(torch.stack([o[k] if o is not None else torch.full_like(t, float("nan")) for o in rows])
+                 for k, t in enumerate(like))

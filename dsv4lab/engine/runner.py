@@ -209,7 +209,10 @@ class ModelRunner:
         ``logits="last"`` returns ``[b, 1, vocab]``: each row's logits at its last valid token only (NaN for a row
         of length 0) — all a prefill needs to pick the first token, and the head then runs on one row per sequence
         instead of ``n`` (``generate``, the server's prefill and ``bench e2e``'s TTFT use it; verification keeps
-        the all-positions form).
+        the all-positions form). The MTP logits and the streams below are then at that token only too.
+        A multi-token ``logits="last"`` forward, with the MTP block or without, runs the prefill path's static
+        step (:attr:`prefiller`, per chunk bucket; graph-replayed on a GPU) and a one-token one the decode path's:
+        speculation's prefill computes plain greedy's main logits and caches bit for bit.
 
         ``start_pos``: int or ``[b]`` — absolute position of ``tokens[:, 0]`` per row (0 for a prefill, the
         slot's current length for a continuation/decode). ``slots``: ``[b]`` cache slots (default ``0..b-1``).
@@ -250,24 +253,39 @@ class ModelRunner:
         if not torch.equal(pos_cpu, start):
             raise ValueError(f"start_pos {start.tolist()} does not continue the slots' sequences "
                              f"(their lengths are {pos_cpu.tolist()}); reset a slot to start a new sequence")
-        plain = not (mtp or return_hidden)
-        if plain and n == 1 and trace is None and bool((lengths_t == 1).all()) and self.decode_path != "eager":
-            logits = self._fast_decode(tokens_cpu[:, 0], start, slots_t)[:, None]
-            self.positions[slots_t] += 1
-            return logits
-        if plain and n > 1 and trace is None and logits == "last" and self.prefiller is not None:
-            out = self.prefiller(tokens_cpu, start, lengths_t, slots_t)  # static chunks per bucket (no host sync)
-            self.positions[slots_t] += lengths_t
-            return out
+        given = None
         if mtp:
             self._check_mtp(slots_t, start)
+            if next_tokens is not None:
+                given = self._token_rows(next_tokens, b, "next_tokens", greedy_marker=True, device=cpu)
+        # the engine's static steps, plain greedy's and speculation's alike (the streams only with the MTP block)
+        static = trace is None and (mtp or not return_hidden)
+        if static and n == 1 and bool((lengths_t == 1).all()) and self.decode_path != "eager":
+            if mtp:
+                out = self._mtp_decode(tokens_cpu[:, 0], start, slots_t, given)
+            else:
+                out = (self._fast_decode(tokens_cpu[:, 0], start, slots_t)[:, None],)
+        elif static and n > 1 and logits == "last" and self.prefiller is not None:
+            # static chunks per bucket (no host sync)
+            out = self.prefiller(tokens_cpu, start, lengths_t, slots_t, mtp=mtp, next_tokens=given)
+            out = out if mtp else (out,)
+        else:
+            out = self._eager_forward(tokens, start, slots_t, lengths_t, trace, mtp, given, logits == "last")
+        self.positions[slots_t] += lengths_t
+        if mtp:
+            self.mtp_positions[slots_t] += lengths_t
+            return out if return_hidden else out[:2]
+        return out if return_hidden else out[0]
+
+    def _eager_forward(self, tokens, start, slots_t, lengths_t, trace, mtp: bool, given, last_only: bool):
+        """:meth:`forward` on the per-op path at the tokens' own length, for rows validated by it (host ``start``,
+        ``slots_t``, ``lengths_t``, ``given``): ``(logits, X)``, with ``mtp`` ``(logits, mtp_logits, X, Xm)`` —
+        each at every position, or with ``last_only`` at each row's last valid token."""
+        b, n = tokens.shape
         ragged = int(lengths_t.min()) < n  # (host copies: no device read-back to decide the padding mask)
         dev = self.device
         slots_t, start, lengths_t = slots_t.to(dev), start.to(dev), lengths_t.to(dev)
         tokens = tokens.to(dev)
-        if mtp and next_tokens is not None:
-            next_tokens = self._token_rows(next_tokens, b, "next_tokens", greedy_marker=True)
-        last_only = logits == "last"
         out, X = self.model(tokens, start, lengths_t, slots_t, self.ops, self._all_reduce, trace,
                             return_hidden=True, last_only=last_only)
         if last_only:
@@ -276,22 +294,39 @@ class ModelRunner:
             pad = torch.arange(n, device=self.device)[None, :] >= lengths_t[:, None]
         if ragged:
             out = out.masked_fill(pad[..., None], float("nan"))
-        self.positions[slots_t.cpu()] += lengths_t.cpu()
-        if not mtp:
-            return (out.float(), X) if return_hidden else out.float()
-        # the MTP block's input at position i is the token of position i+1: the next tokens of the row
         last = (lengths_t - 1).clamp(min=0)
         rows = torch.arange(b, device=self.device)
+
+        def at_last(t):  # [b, n, ...] → [b, 1, ...] at each row's last valid token (NaN for a row with none)
+            if not last_only:
+                return t
+            t = t[rows, last][:, None]
+            return t.masked_fill(pad.view(b, 1, *[1] * (t.ndim - 2)), float("nan"))
+
+        if not mtp:
+            return out.float(), at_last(X)
+        # the MTP block's input at position i is the token of position i+1: the next tokens of the row
         greedy = (out.float()[:, 0] if last_only else out.float()[rows, last]).argmax(-1)
-        next_tokens = greedy if next_tokens is None else torch.where(next_tokens >= 0, next_tokens, greedy)
+        nxt = greedy if given is None else torch.where(given.to(dev) >= 0, given.to(dev), greedy)
         next_ids = torch.cat((tokens[:, 1:], tokens[:, -1:]), 1)
-        next_ids[rows, last] = next_tokens
+        next_ids[rows, last] = nxt
         mtp_logits, Xm = self.model.forward_mtp(X, next_ids, start, lengths_t, slots_t, self.ops, self._all_reduce)
         if ragged:
             mtp_pad = torch.arange(n, device=self.device)[None, :] >= lengths_t[:, None]
             mtp_logits = mtp_logits.masked_fill(mtp_pad[..., None], float("nan"))
-        self.mtp_positions[slots_t.cpu()] += lengths_t.cpu()
-        return (out.float(), mtp_logits.float()) + ((X, Xm) if return_hidden else ())
+        return out.float(), at_last(mtp_logits.float()), at_last(X), at_last(Xm)
+
+    def _mtp_decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, given):
+        """One token per row with the MTP block on the static decode path (plain decoding's step, then the MTP
+        step on its streams, fed ``given`` or the greedy choice): ``(logits, mtp_logits, X, Xm)``, ``[b, 1, ...]``
+        copies of the graphs' outputs."""
+        dec = self.decoder
+        step = dec.run(tokens[:, None], positions, slots)
+        logits, X = step.logits.clone(), step.hidden.clone()
+        greedy = logits[:, 0].argmax(-1)
+        nxt = greedy if given is None else torch.where(given.to(self.device) >= 0, given.to(self.device), greedy)
+        mtp_logits, Xm = dec.mtp(X[:, 0], nxt, positions, slots)
+        return logits, mtp_logits.clone()[:, None], X, Xm.clone()[:, None]
 
     @torch.inference_mode()
     def prefill(self, ids, chunk: int | None = None, slots=None, lengths=None, logits: str = "last",
@@ -353,19 +388,18 @@ class ModelRunner:
                 if mtp:
                     mtp_out = torch.full(shape + got[1].shape[2:], float("nan"), device=dev)
                     streams = torch.full((b,) + got[3].shape[2:], float("nan"), dtype=got[3].dtype, device=dev)
-            r, ends_here = rows.to(dev), (last[rows] < s + chunk)
-            if logits == "last":
-                out[r[ends_here.to(dev)]] = got[0][ends_here.to(dev), 0]
+            r, ends_here = rows.to(dev), (last[rows] < s + chunk).to(dev)
+            if logits == "last":  # the forward's outputs are at each row's last token of the chunk
+                out[r[ends_here]] = got[0][ends_here, 0]
+                if mtp:
+                    mtp_out[r[ends_here]] = got[1][ends_here, 0]
+                    streams[r[ends_here]] = got[3][ends_here, 0]
             else:
                 out[r, s:s + width] = got[0]
-            if mtp:
-                at = (last[rows] - s).clamp(0, width - 1).to(dev)  # each row's last position in this chunk
-                pick = torch.arange(len(rows), device=dev)
-                if logits == "last":
-                    mtp_out[r[ends_here.to(dev)]] = got[1][pick, at][ends_here.to(dev)]
-                else:
+                if mtp:
                     mtp_out[r, s:s + width] = got[1]
-                streams[r[ends_here.to(dev)]] = got[3][pick, at][ends_here.to(dev)]
+                    at = (last[rows] - s).clamp(0, width - 1).to(dev)  # each row's last position in this chunk
+                    streams[r[ends_here]] = got[3][torch.arange(len(rows), device=dev), at][ends_here]
         return out if not mtp else (out, mtp_out, streams)
 
     @torch.inference_mode()
@@ -469,8 +503,8 @@ class ModelRunner:
             loop.finish(slot)
         return out
 
-    def _token_rows(self, ids, b: int, name: str, greedy_marker: bool = False) -> torch.Tensor:
-        t = _as_rows(ids, b, name, self.device)
+    def _token_rows(self, ids, b: int, name: str, greedy_marker: bool = False, device=None) -> torch.Tensor:
+        t = _as_rows(ids, b, name, device or self.device)
         lo = -1 if greedy_marker else 0
         if int(t.min()) < lo or int(t.max()) >= self.args.vocab_size:
             raise ValueError(f"{name}: token ids must be in [{lo}, {self.args.vocab_size})"

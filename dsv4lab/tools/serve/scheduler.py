@@ -345,9 +345,9 @@ class Scheduler:
         lengths_t = torch.tensor(lengths, dtype=torch.long, device=device) if ragged else None
         # the head on each row's last token only, unless a request wants its prompt's log-probabilities
         last_only = all(seq.params.prompt_logprobs is None for seq in group)
-        if self.speculative is not None:
-            logits, _ = self.speculative.prefill(tokens.to(device), slots.tolist(), lengths=lengths_t)
-            last_only = False
+        if self.speculative is not None:  # last_only: the captured prefill step, as a plain prefill (issue 32)
+            logits, _ = self.speculative.prefill(tokens.to(device), slots.tolist(), lengths=lengths_t,
+                                                 logits="last" if last_only else "all")
         else:
             logits = self.model.prefill(tokens, slots=slots, lengths=lengths_t,
                                         logits="last" if last_only else "all")
