@@ -182,10 +182,12 @@ class ModelRunner:
             self._prefillers[self._prefill_path] = Prefiller(self, graphs=self._prefill_path == "graph")
         return self._prefillers[self._prefill_path]
 
-    def warmup(self, progress: bool | None = None) -> WarmupReport:
+    def warmup(self, progress: bool | None = None, draft_tokens: int = 0) -> WarmupReport:
         """Compile (and capture) every prefill bucket and decode tier now, so no prompt compiles later
-        (:func:`dsv4lab.engine.warmup.warm_up`)."""
-        self.warmup_report = warm_up(self, progress)
+        (:func:`dsv4lab.engine.warmup.warm_up`); ``draft_tokens ≥ 1``: speculative decoding's steps too, for up to
+        that many drafts per cycle (``generate(..., speculative="mtp", draft_tokens=k)``, ``serve --speculative
+        mtp``)."""
+        self.warmup_report = warm_up(self, progress, draft_tokens=draft_tokens)
         return self.warmup_report
 
     # ------------------------------------------------------------------ state

@@ -58,6 +58,17 @@ def max_draft_tokens(model) -> int:
     return min(rings, step_tokens(model)) - 1
 
 
+def check_draft_tokens(runner, draft_tokens) -> None:
+    """Raise a one-line ``ValueError`` unless ``runner``'s model has an MTP block and ``draft_tokens`` is an integer
+    in ``[1, max_draft_tokens(model)]`` (a :class:`SpeculativeDecoder`'s, and the warm-up's for speculation)."""
+    if not len(runner.model.mtp):
+        raise ValueError(f"{runner.checkpoint or 'this model'} has no MTP block: speculative decoding needs one")
+    limit = max_draft_tokens(runner.model)
+    if not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
+        raise ValueError(f"draft_tokens must be an integer in [1, {limit}] for this model (a cycle's positions "
+                         f"must fit its smallest ring cache and one decode step), got {draft_tokens!r}")
+
+
 class CacheSnapshot:
     """What writing positions ``start[i] .. start[i]+n−1`` of each slot can destroy, kept for an exact rollback.
 
@@ -150,12 +161,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, runner, draft_tokens: int = 1):
-        if not len(runner.model.mtp):
-            raise ValueError(f"{runner.checkpoint or 'this model'} has no MTP block: speculative decoding needs one")
-        limit = max_draft_tokens(runner.model)
-        if not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= limit:
-            raise ValueError(f"draft_tokens must be an integer in [1, {limit}] for this model (a cycle's positions "
-                             f"must fit its smallest ring cache and one decode step), got {draft_tokens!r}")
+        check_draft_tokens(runner, draft_tokens)
         self.runner, self.draft_tokens = runner, draft_tokens
         self.slots: dict[int, _SlotState] = {}
         self._cycles: dict = {}  # the static path's SpeculativeCycle per draft count
@@ -371,4 +377,4 @@ def generate_speculative(runner, prompts: Sequence[Sequence[int]], max_new_token
 
 
 __all__ = ["SpeculativeDecoder", "SpeculativeStats", "StepResult", "CacheSnapshot", "generate_speculative",
-           "check_speculative", "max_draft_tokens", "METHODS"]
+           "check_speculative", "check_draft_tokens", "max_draft_tokens", "METHODS"]

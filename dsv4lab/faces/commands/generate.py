@@ -53,7 +53,8 @@ def add_arguments(p):
                         "with the triton backend; the eager per-op forward otherwise")
     p.add_argument("--warmup", action="store_true",
                    help="before generating, compile every prefill bucket and decode tier (with a progress bar), as "
-                        "a server does at start: the prompt then compiles nothing")
+                        "a server does at start: the prompt then compiles nothing (with --speculative, its prefill "
+                        "and cycles too)")
     p.add_argument("--speculative", default=None, choices=("mtp",),
                    help="self-speculative greedy decoding: the MTP block drafts, the model verifies (lossless)")
     p.add_argument("--draft-tokens", type=int_range(1), default=1,
@@ -124,7 +125,15 @@ def run(args) -> int:
         m.prefill_path = args.prefill_path
     except ValueError as err:
         raise UserError(f"--prefill-path {args.prefill_path}: {err}") from None
-    warmup = m.warmup(progress=None if rank == 0 else False) if args.warmup else None
+    if args.speculative is not None:
+        limit = max_draft_tokens(m.model) if len(m.model.mtp) else 0
+        if not limit:
+            raise UserError(f"--speculative: {args.checkpoint} has no MTP block")
+        if not 1 <= args.draft_tokens <= limit:
+            raise UserError(f"--draft-tokens must be in [1, {limit}] for this model, got {args.draft_tokens}")
+    # with --speculative: its prefill and cycles of up to --draft-tokens drafts too
+    warmup = m.warmup(progress=None if rank == 0 else False,
+                      draft_tokens=args.draft_tokens if args.speculative is not None else 0) if args.warmup else None
     if warmup is not None and rank == 0 and not args.json:
         print(warmup.describe(), file=sys.stderr)
     if args.prompt is not None:
@@ -140,12 +149,6 @@ def run(args) -> int:
         bad = [i for i in ids if not 0 <= i < m.args.vocab_size]
         if bad:
             raise UserError(f"--prompt-ids: ids {bad} outside the vocabulary [0, {m.args.vocab_size})")
-    if args.speculative is not None:
-        limit = max_draft_tokens(m.model) if len(m.model.mtp) else 0
-        if not limit:
-            raise UserError(f"--speculative: {args.checkpoint} has no MTP block")
-        if not 1 <= args.draft_tokens <= limit:
-            raise UserError(f"--draft-tokens must be in [1, {limit}] for this model, got {args.draft_tokens}")
     cache = m.args.max_seq_len
     check_generation(len(ids), args.max_new_tokens, cache, args.temperature, args.top_p, args.seed)
     if rank == 0 and len(ids) + args.max_new_tokens > cache:

@@ -109,7 +109,9 @@ def build_app(opts: ServerOptions, model=None):
     model = model if model is not None else load_model(opts)
     on_gpu = getattr(getattr(model, "device", None), "type", None) == "cuda"
     if hasattr(model, "warmup") and (opts.warmup or (opts.warmup is None and on_gpu)):
-        log.info("%s", model.warmup(progress=None).describe())  # the first request then compiles nothing
+        # the first request then compiles nothing (with --speculative mtp: its prefill and cycles neither)
+        drafts = opts.draft_tokens if opts.speculative is not None else 0
+        log.info("%s", model.warmup(progress=None, draft_tokens=drafts).describe())
     cache_len = int(model.args.max_seq_len)
     max_model_len = min(opts.max_model_len or cache_len, cache_len)
     scheduler = Scheduler(model, max_running=opts.max_concurrency, max_waiting=opts.max_queue,
