@@ -202,3 +202,37 @@ def test_generate_and_serve_warm_up_for_their_draft_count(capsys):
     scheduler.stop()
     report = m.warmup_report
     assert report.draft_tokens == 2 and report.speculative_s.keys() == {1} and report.prefill_mtp_s.keys() == {16, 32}
+    m.warmup_report = None
+    with pytest.raises(ValueError, match=r"draft_tokens must be an integer in \[1, "):  # (serve: --draft-tokens)
+        build_app(ServerOptions(checkpoint=str(TINY), max_concurrency=1, warmup=True, speculative="mtp",
+                                draft_tokens=99), model=m)
+    assert m.warmup_report is None  # refused before the warm-up ran
+
+
+# ------------------------------------------------------------------------------------------ GPU (run by the lead)
+@pytest.mark.gpu
+def test_gpu_after_a_speculative_warmup_speculation_captures_nothing():
+    """On the graph paths (Triton backend, data/tiny-py, tiers 1 and 2): after ``warmup(draft_tokens=3)`` the
+    decode and prefill graphs hold every key speculation uses, and speculative generations — single, ragged
+    batches, one-token prompts, budgets that end with fewer drafts — capture no graph more and emit the same
+    backend's plain greedy ids."""
+    m = dsv4lab.load(TINY_PY, device="cuda", backend="triton", max_batch=2, max_seq_len=256)
+    assert m.decode_path == "graph" and m.prefill_path == "graph"
+    report = m.warmup(progress=False, draft_tokens=DRAFTS)
+    decode, prefill = m.decoder.graphs, m.prefiller.graphs
+    tiers = decode.tiers
+    want = {(f"speculative K{k}", t) for k in range(1, DRAFTS + 1) for t in tiers}
+    want |= {("tokens T1", t) for t in tiers} | {("mtp", t) for t in tiers}
+    assert want <= set(decode.capture_s) and not decode.uncaptured, (decode.capture_s, decode.uncaptured)
+    assert {("mtp", c) for c in m.prefiller.buckets} <= set(prefill.capture_s), prefill.capture_s
+    assert report.speculative_s.keys() == set(tiers) and report.prefill_mtp_s.keys() == set(m.prefiller.buckets)
+    captured = (set(decode.capture_s), set(prefill.capture_s))
+    golden = json.loads((ROOT / "data" / "golden" / "tiny-py.json").read_text())["oracles"][:2]
+    prompts = [o["prompt_ids"] for o in golden] + [[5], [6]]
+    plain = [m.generate(p, 12) for p in prompts]
+    for p, want_ids in zip(prompts, plain):
+        assert m.generate(p, 12, speculative="mtp", draft_tokens=DRAFTS) == want_ids
+    for rows in ((0, 1), (2, 3)):
+        outs, _ = generate_speculative(m, [prompts[i] for i in rows], 12, DRAFTS)
+        assert outs == [plain[i] for i in rows]
+    assert (set(decode.capture_s), set(prefill.capture_s)) == captured, m.decode_info()
