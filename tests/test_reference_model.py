@@ -107,7 +107,8 @@ def test_bf16_rows_are_batch_invariant_bit_for_bit():
 
 def test_last_logits_are_the_last_rows_of_all_logits():
     """``logits="last"``: each row's logits at its last valid token, bit for bit those of the all-positions form
-    (the head and ``hc_head`` are row-independent), NaN for an empty row; the MTP form picks the same greedy token."""
+    (the head and ``hc_head`` are row-independent), NaN for an empty row; the MTP form, fed the same greedy token, gives
+    its logits at the last token too: the last row of its all-positions form."""
     m = load_tiny(dtype=torch.bfloat16, max_batch=3)
     lens = [19, 7, 0]
     batch = _prompt(19, 21).repeat(3, 1)
@@ -122,7 +123,8 @@ def test_last_logits_are_the_last_rows_of_all_logits():
     all_pos, mtp_all = m.forward(ids, 0, mtp=True)
     m.reset()
     last_pos, mtp_last = m.forward(ids, 0, mtp=True, logits="last")
-    assert torch.equal(last_pos[:, 0], all_pos[:, -1]) and torch.equal(mtp_last, mtp_all)
+    assert mtp_last.shape == (1, 1, mtp_all.shape[-1])
+    assert torch.equal(last_pos[:, 0], all_pos[:, -1]) and torch.equal(mtp_last[:, 0], mtp_all[:, -1])
     with pytest.raises(ValueError, match="logits must be 'all' or 'last'"):
         m.forward(ids, 12, logits="first")
 

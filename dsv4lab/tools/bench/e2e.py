@@ -43,9 +43,9 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   catalogue entry; the same for each ``--breakdown-batches`` batch (``breakdown_by_batch``: where a batch's step
   spends the time its bytes do not explain).
 
-The parts run in the order warm-up and first prompts, decode rows, breakdown, fusions, verify (and its profile), speculative, TTFT
-(and its per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's wall time is recorded
-(``timing_s``); parts that would start after
+The parts run in the order warm-up and first prompts, decode rows, breakdown, fusions, verify (and its profile),
+speculative, TTFT (and its per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's
+wall time is recorded (``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``), and on one rank a part still running ``--overrun-s`` past the
 budget is stopped and listed under ``failed`` ("timed out"), so the JSON is always written inside a fixed time.
 ``--smoke`` runs the same code on the tiny preset on a CPU
@@ -80,8 +80,9 @@ from dsv4lab.core.provenance import short_commit
 from dsv4lab.core.random_checkpoint import RandomCheckpoint
 from dsv4lab.tools.verify.model import fixed_sequence, trajectory_hash
 from dsv4lab.tools.bench.e2e_parts import Parts, log
+# count_launches: tests import it from here
 from dsv4lab.tools.bench.common import (OP_NAMES, OpTimer, clock_us, count_launches, kernel_profile,  # noqa: F401
-                                        median_copy_us, pdl_off, profiled, top_kernels, write_json)  # count_launches: tests import it here
+                                        median_copy_us, pdl_off, profiled, top_kernels, write_json)
 from dsv4lab.tools.bench.e2e_multitoken import (natural_acceptance, speculative_mismatches, speculative_rows,
                                                 verify_profile, verify_rows)
 from dsv4lab.tools.bench.e2e_report import format_summary, targets
