@@ -258,6 +258,36 @@ def _each_mhc_bound_once():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _gpu_counters_left_at_zero(request):
+    """After every GPU test: each ticket counter (split-K GEMV, attention combine, mHC site:
+    ``kernels/dsv4lab_kernels/tickets.py``) and each indexer arrival counter is back at zero — what every later
+    launch, and every graph captured before, relies on (a counter left at k finishes a tile k programs early, before
+    its partials are stored). A test that leaves one non-zero errors here with the count, and the counters are zeroed
+    so that the tests after it start clean."""
+    yield
+    if "gpu" not in request.keywords:
+        return
+    import torch
+    if not torch.cuda.is_available():
+        return
+    from dsv4lab_kernels import indexer_decode, tickets
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:  # the test's own CUDA error: reported by the test
+        return
+    left = 0
+    for buf in tickets.workspaces() + indexer_decode.arrival_counters():
+        if buf.is_cuda:
+            n = int((buf != 0).sum())
+            if n:
+                left += n
+                buf.zero_()
+    if left:
+        pytest.fail(f"{left} ticket/arrival counter(s) left non-zero after the test: a kernel launch that did not "
+                    "finish its tiles (kernels/dsv4lab_kernels/tickets.py)")
+
+
 @pytest.fixture
 def tiny_copy(tmp_path) -> Path:
     """A private copy of data/tiny that a test may damage."""

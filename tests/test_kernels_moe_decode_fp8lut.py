@@ -70,6 +70,20 @@ def test_fp8lut_stages_within_the_fp8_mma_bound_and_the_interpreters_fp32():
         assert c.ok, c.line()
 
 
+def test_a_launch_without_a_geometry_takes_the_routes_own_k_step():
+    """``routed_moe_decode(..., route="fp8lut")`` with no geometry runs (the defaults' 256-wide K step is refused by
+    the route: the GPU suite's real-width calls failed on it at 3dac085) and equals the launch given that geometry."""
+    x, idx, w, bank = moe_case(2, seed=23)
+    ex = moe.ExpertTensors.of(bank)
+    geo = moe.default_geometry("fp8lut")
+    lut.check_geometry(geo)
+    with pytest.raises(ValueError, match="block_k=256"):
+        lut.check_geometry(moe.MoeGeometry())
+    got = moe.routed_moe_decode(x, idx, w, ex, LIMIT, route="fp8lut")
+    assert torch.equal(got, moe.routed_moe_decode(x, idx, w, ex, LIMIT, route="fp8lut", geometry=geo))
+    assert moe.default_geometry("fma") == moe.MoeGeometry()
+
+
 def test_fp8lut_with_one_scale_reference_per_tile_on_five_rows():
     """Five rows over whole K tiles (D 128, I 64: one tile each), gate/up tiles of 8 columns (16 weight rows, the
     MMA's least), one reference per tile: within the bound; ``auto`` takes tiles here and rows where a NaN byte is in

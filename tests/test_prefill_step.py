@@ -273,3 +273,36 @@ def test_a_warmed_up_graph_prefill_never_waits_for_the_gpu():
         torch.cuda.set_sync_debug_mode(0)
     assert m.prefiller.graphs is not None and not m.prefiller.note, m.prefiller.note
     assert all(torch.equal(_bytes(g), _bytes(w)) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("grown", [False, True])
+def test_gpu_a_prefill_graph_replayed_after_the_decode_graphs_were_captured_gives_its_first_bits(pdl, grown,
+                                                                                               monkeypatch):
+    """The pattern behind four GPU failures at 3dac085 (``data/results/h200/logs/visit_3dac085_tests.log``): a
+    prefill graph replayed after the decode step's graphs were captured — tiny-py's plain ``generate`` non-finite
+    at its second prompt, the graph-vs-static chunk right after a decode step, the Flash-width speculation's first
+    token. The same prompt prefilled before any decode and again after a ``generate`` (which captures the decode
+    tiers): equal bit for bit, and equal to the static step run eagerly on a runner of its own. Both ways of PDL,
+    and with the ticket workspace grown up front (no growth inside the test) or not: which cases fail says where
+    to look (the launch attribute, the shared counters)."""
+    from dsv4lab_kernels import tickets
+
+    monkeypatch.setenv("DSV4LAB_PDL", pdl)
+    if grown:
+        tickets.counters(torch.device("cuda", torch.cuda.current_device()), 1 << 20)
+    kw = dict(device="cuda", backend="triton", max_batch=2, max_seq_len=256, validate=False)
+    graph = dsv4lab.load(TINY, prefill_path="graph", **kw)
+    static = dsv4lab.load(TINY, prefill_path="static", **kw)
+    a, b = _ids(7, 4096, seed=21)[0], _ids(6, 4096, seed=22)[0]
+    first = graph.prefill(b)
+    want = static.prefill(b)
+    graph.generate(a.tolist(), 4, stop_at_eos=False)  # captures the decode tiers, replays the prefill graph
+    static.generate(a.tolist(), 4, stop_at_eos=False)
+    again = graph.prefill(b)
+    assert torch.isfinite(again).all(), "the replay after the decode graphs is not finite"
+    assert torch.equal(_bytes(again), _bytes(first)), f"replay after the decode graphs: max |Δ| " \
+        f"{(again - first).abs().nan_to_num().max():.3g}"
+    assert torch.equal(_bytes(first), _bytes(static.prefill(b))), "graph vs static step after the decode graphs"
+    assert torch.equal(_bytes(first), _bytes(want)), "graph vs static step before the decode graphs"

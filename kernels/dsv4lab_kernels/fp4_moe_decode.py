@@ -144,6 +144,12 @@ class MoeGeometry:
 FMA_SUMS = ("group", "element")
 
 
+def default_geometry(route: str) -> MoeGeometry:
+    """The geometry a launch without one takes: :class:`MoeGeometry`'s defaults, with the ``fp8lut`` route's K step
+    (its activation scale block, 128: the route refuses any other)."""
+    return MoeGeometry(block_k=128) if route == lut_decode.ROUTE else MoeGeometry()
+
+
 def act_qdq(x: torch.Tensor) -> torch.Tensor:
     """:func:`dsv4lab.core.quant.act_qdq_fp8` of a bf16 activation ``[..., K]`` on the device, as exact bf16 values."""
     K = x.shape[-1]
@@ -263,7 +269,7 @@ def moe_gate_up(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None
     ``write_gu`` the act-rounded ``(g, u)`` in fp32 with NaN in such slots (the reference's ``moe_stage1``).
     """
     r = _check_route(route)
-    geo = geometry or MoeGeometry()
+    geo = geometry or default_geometry(route)
     if geo.block_k % 128:
         raise ValueError(f"MoeGeometry.block_k={geo.block_k} must be a multiple of 128 (the activation block)")
     T, D = x.shape
@@ -310,7 +316,7 @@ def moe_down(h: torch.Tensor, idx: torch.Tensor, ex: ExpertTensors, route: str =
     ``combine=False`` (expert-major only): the slot outputs without the combine launch, slots of experts not in the
     bank left unwritten (a consumer that sums them itself reads only the bank's: :class:`MoeOutput`)."""
     r = _check_route(route)
-    geo = geometry or MoeGeometry()
+    geo = geometry or default_geometry(route)
     if geo.block_k % 128:
         raise ValueError(f"MoeGeometry.block_k={geo.block_k} must be a multiple of 128 (the activation block)")
     T, k, I = h.shape
@@ -409,7 +415,7 @@ def routed_moe_decode(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
                       route: str = "dot", geometry: MoeGeometry | None = None, act_quant: bool = True,
                       act_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The whole routed MoE of a decode step: ``Σ_slots w2(act(w1·x, w3·x)·weight)`` → ``[T, D]`` fp32."""
-    geo = geometry or MoeGeometry()
+    geo = geometry or default_geometry(route)
     if geo.prequant and act_quant and act_dtype == torch.bfloat16 and route != lut_decode.ROUTE:
         if route == "int8":
             raise ValueError("MoeGeometry.prequant applies to the FP8-activation routes, not to 'int8'")
@@ -425,7 +431,7 @@ def routed_moe_slots(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, 
     """:func:`routed_moe_decode` up to the slot outputs: ``[T, k, D]`` fp32 (act-rounded; slots of experts not in the
     bank unwritten), the combine left to the consumer (the mHC site after the MoE: :class:`MoeOutput`) — one launch
     fewer. The expert-major down projection only (``slot_split=0``)."""
-    geo = geometry or MoeGeometry()
+    geo = geometry or default_geometry(route)
     if geo.prequant and act_quant and act_dtype == torch.bfloat16 and route != lut_decode.ROUTE:
         if route == "int8":
             raise ValueError("MoeGeometry.prequant applies to the FP8-activation routes, not to 'int8'")

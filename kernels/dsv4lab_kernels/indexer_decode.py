@@ -42,6 +42,11 @@ def _counters(n: int, device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
+def arrival_counters() -> list[torch.Tensor]:
+    """Every per-row arrival counter buffer made in this process (a check that each launch left them at zero)."""
+    return list(_COUNTERS.values())
+
+
 @triton.jit
 def _count_at_least(sc_ptr, n, cand, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
     """How many of the ``n`` stored scores have an order key ``≥ cand``."""
