@@ -35,7 +35,7 @@ from dsv4lab.engine.decode_graph import Decoder
 from dsv4lab.engine.loader import load
 from dsv4lab.engine.speculative import SpeculativeDecoder, max_draft_tokens
 from dsv4lab.engine.speculative_step import run_cycle
-from dsv4lab.tools.bench.common import clock_us, kernel_profile, pdl_off, profiled
+from dsv4lab.tools.bench.common import clock_us, kernel_profile, pdl_off, profiled, top_kernels
 from dsv4lab.tools.perf.costmodel import decode_step, expected_distinct_experts
 from dsv4lab.tools.verify.model import fixed_sequence
 
@@ -134,7 +134,8 @@ def verify_rows(runner, o: dict) -> list[dict]:
 
 def verify_profile(runner, o: dict) -> dict:
     """The module doc's verify profile: ``{"step": {...}, "verify_k1": {...}, ...}``, each with ``total_us``,
-    ``launches``, ``gpu_us`` and ``launches_by_family`` (by kernel family), the verify steps also ``over_step``."""
+    ``launches``, ``gpu_us`` and ``launches_by_family`` (by kernel family), its 25 costliest ``kernels``, the verify
+    steps also ``over_step``."""
     dev = runner.device
     if dev.type != "cuda":
         return {}
@@ -153,9 +154,10 @@ def verify_profile(runner, o: dict) -> dict:
             calls[f"verify_k{k}"] = lambda tokens=tokens, n=n: plain.run(tokens, pos, slots, n, mtp=True)
         for name, fn in calls.items():
             fn()  # captures its graph
-            us, launches = kernel_profile(*profiled(fn, dev))
+            prof, reps = profiled(fn, dev)
+            us, launches = kernel_profile(prof, reps)
             out[name] = dict(total_us=round(sum(us.values()), 1), launches=round(sum(launches.values()), 1),
-                             gpu_us=us, launches_by_family=launches)
+                             gpu_us=us, launches_by_family=launches, kernels=top_kernels(prof, reps, 25))
         del plain, advance, calls
     runner.reset()
     base = out["step"]["gpu_us"]
