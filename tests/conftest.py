@@ -122,9 +122,35 @@ def _map_the_interpreters_dtypes_once() -> None:
     interpreter._patch_lang = patch_lang
 
 
+def _skip_the_interpreters_dead_overflow_checks() -> None:
+    """Triton's interpreter (3.9) builds, for every int32 add, sub and mul, the operation again in int64 and the
+    comparisons with the int32 range (six more interpreted ops) for ``device_assert``, which does nothing unless
+    ``debug`` is set (and the interpreter's options never set it): the result of that work is thrown away. A GPU
+    compile emits the same unused ops and its dead-code elimination drops them; the interpreter runs each one.
+    With ``sanitize_overflow`` off in the interpreter's options they are not built, so no value and no check
+    changes (with ``debug`` on, or another Triton whose assert and check are not these, nothing is touched: the
+    assert would then be real). Measured in this suite: a third of the interpreter's time in index-heavy kernels
+    (the prefill chunk of tiny-py, the MoE decode stages)."""
+    import dataclasses
+    try:
+        from triton.language.semantic import TritonSemantic
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or getattr(options, "debug", True) or not getattr(options, "sanitize_overflow", False):
+        return
+    if (_source_digest(TritonSemantic.device_assert) != "361fee05925913d2"
+            or _source_digest(TritonSemantic.binary_op_sanitize_overflow_impl) != "bdd7f3e24aa645ab"):
+        return  # another Triton: its assert may do something without debug; keep its checks
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _list_the_interpreters_builtins_once()
     _map_the_interpreters_dtypes_once()
+    _skip_the_interpreters_dead_overflow_checks()
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny"

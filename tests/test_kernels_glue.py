@@ -633,17 +633,19 @@ def test_device_probe_runs_once_per_device_and_records_why_not():
     assert DeviceProbe(lambda dev: True, ok_word="available").works("cpu")
 
 
-def _cli_in_process(args: list[str]) -> tuple[int, str]:
-    """``dsv4lab ARGS`` through ``cli.main`` in this process, for a refusal (a subprocess costs ~2 s of start-up
-    for it; an exception escaping ``cli.main`` fails the test as a traceback would): exit status and stderr."""
+def _cli_in_process(args: list[str]) -> tuple[int, str, str]:
+    """``dsv4lab ARGS`` through ``cli.main`` in this process (an exception escaping ``cli.main`` fails the test as a
+    traceback would): exit status, stdout and stderr. For the refusals, and for the suites' smoke runs: in this
+    process their kernels run in the interpreter as patched by conftest (the same values, less of the
+    interpreter's overhead) and no second Python starts (~2 s); the JSON written is what is checked."""
     import contextlib
     import io
 
     from dsv4lab.faces import cli
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = cli.main(args)
-    return rc, err.getvalue()
+    return rc, out.getvalue(), err.getvalue()
 
 
 def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
@@ -653,48 +655,41 @@ def test_decode_suite_checks_and_times_the_mhc_site_and_its_parts(tmp_path):
     GPU) no tuned file is written. A misspelt section is refused naming it (in this process: a refusal needs
     no process of its own)."""
     import json
-    import subprocess
-    import sys
 
-    from conftest import ROOT
     out = tmp_path / "decode.json"
-    r = subprocess.run([sys.executable, "-m", "dsv4lab", "bench", "kernels", "--suite", "decode", "--smoke",
-                        "--sections", "mhc", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                       timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
+    rc, printed, logged = _cli_in_process(["bench", "kernels", "--suite", "decode", "--smoke", "--sections", "mhc",
+                                           "--out", str(out)])
+    assert rc == 0, printed + logged
     doc = json.loads(out.read_text())
     assert doc["sections"] == ["mhc"] and {row["kernel"] for row in doc["rows"]} == {"mhc_site"}
     assert {row["variant"] for row in doc["rows"]} == {"default", "sinkhorn_1_iteration", "head_collapse",
                                                        "mix_finish_pair", "empty_launch"}
     assert len(doc["checks"]) == 4 and all(c["ok"] for c in doc["checks"])
     assert not list(tmp_path.glob("tuned_*.json"))
-    rc, err = _cli_in_process(["bench", "kernels", "--suite", "decode", "--smoke", "--sections", "mhc,glue",
-                               "--out", str(out)])
+    rc, _, err = _cli_in_process(["bench", "kernels", "--suite", "decode", "--smoke", "--sections", "mhc,glue",
+                                  "--out", str(out)])
     assert rc == 2 and "Traceback" not in err, err
     assert "--sections 'mhc,glue': unknown glue; known: moe, gemv, mhc, attention, layer" in err
 
 
 @pytest.mark.slow
 def test_prefill_suite_glue_section_alone(tmp_path):
-    """``bench kernels --suite prefill --sections glue`` (smoke shapes, the interpreter here, ~50 s): only the glue
+    """``bench kernels --suite prefill --sections glue`` (smoke shapes, the interpreter here, ~4 s): only the glue
     rows, the mHC rows kernel checked against the decode kernels and timed per named geometry, the choice naming
     the geometry; no MoE/GEMM/attention checks run. A misspelt section is refused naming the known ones (in this
     process)."""
     import json
-    import subprocess
-    import sys
 
-    from conftest import ROOT
     out = tmp_path / "prefill.json"
-    cmd = [sys.executable, "-m", "dsv4lab", "bench", "kernels", "--suite", "prefill", "--smoke", "--out", str(out)]
-    r = subprocess.run(cmd + ["--sections", "glue"], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
+    cmd = ["bench", "kernels", "--suite", "prefill", "--smoke", "--out", str(out)]
+    rc, printed, logged = _cli_in_process(cmd + ["--sections", "glue"])
+    assert rc == 0, printed + logged
     doc = json.loads(out.read_text())
     assert doc["sections"] == ["glue"] and {row["kernel"] for row in doc["rows"]} == {"glue"}
     assert all(c["name"].startswith(("mhc_rows:", "rope")) for c in doc["checks"]) and doc["checks"]
     geo = doc["choices"]["mhc_rows_geometry"]
     assert {f"{op}:rows_kernel:{geo}" for op in ("hc_pre_norm", "hc_post_pre_norm", "hc_post")} <= {
         row["variant"] for row in doc["rows"]}
-    rc, err = _cli_in_process(cmd[3:] + ["--sections", "glue,mhc"])
+    rc, _, err = _cli_in_process(cmd + ["--sections", "glue,mhc"])
     assert rc == 2 and "Traceback" not in err, err
     assert "--sections 'glue,mhc': unknown mhc; known: moe, chunks, dense, glue, attention" in err
