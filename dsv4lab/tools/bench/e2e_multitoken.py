@@ -99,19 +99,26 @@ def cycle_bytes(runner, o: dict, k: int, context: int) -> float:
 
 
 # ============================================================================================ verify
+def _after_prompt(runner, o: dict):
+    """Slot 0 speculatively prefilled with the verify rows' 16-token prompt: ``(P, its slot state, slots [1],
+    positions [1], the next token [1])``, the last three on the device."""
+    dev = runner.device
+    prompt = fixed_sequence(runner.args, 16, seed=5)
+    spec = SpeculativeDecoder(runner, max(o["draft_tokens"]))
+    spec.prefill([prompt], [0], logits="last")
+    state = spec.slots[0]
+    P = len(prompt)
+    return P, state, torch.tensor([0], device=dev), torch.tensor([P], device=dev), torch.tensor([state.token],
+                                                                                                 device=dev)
+
+
 def verify_rows(runner, o: dict) -> list[dict]:
     """µs of the one-token step, the verify step and the whole cycle at batch 1, and their bytes (module doc)."""
     dev = runner.device
-    prompt = fixed_sequence(runner.args, 16, seed=5)
-    P = len(prompt)
     reps = 5 if dev.type == "cuda" else 1
     rows = []
     with static_path(runner) as decoder:
-        spec = SpeculativeDecoder(runner, max(o["draft_tokens"]))
-        spec.prefill([prompt], [0], logits="last")
-        state = spec.slots[0]
-        slots, pos = torch.tensor([0], device=dev), torch.tensor([P], device=dev)
-        tok = torch.tensor([state.token], device=dev)
+        P, state, slots, pos, tok = _after_prompt(runner, o)
         advance = decoder.stepper(slots)
         step_us = _timed_us(lambda: advance(tok, pos), dev, reps)  # position P rewritten each call
         one = step_bytes(runner, o, 1, P)
@@ -139,13 +146,9 @@ def verify_profile(runner, o: dict) -> dict:
     dev = runner.device
     if dev.type != "cuda":
         return {}
-    prompt = fixed_sequence(runner.args, 16, seed=5)
-    slots, pos = torch.tensor([0], device=dev), torch.tensor([len(prompt)], device=dev)
     out: dict = {}
     with pdl_off():
-        spec = SpeculativeDecoder(runner, max(o["draft_tokens"]))
-        spec.prefill([prompt], [0], logits="last")
-        tok = torch.tensor([spec.slots[0].token], device=dev)
+        _, _, slots, pos, tok = _after_prompt(runner, o)
         plain = Decoder(runner, graphs=True)
         advance = plain.stepper(slots)
         calls = {"step": lambda: advance(tok, pos)}  # position P rewritten each call, as in verify_rows
