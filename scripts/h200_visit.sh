@@ -43,6 +43,8 @@
 #                   the FastAPI stack from the carried .whl/ (scripts/fetch_serve_wheels.sh; carry=[".whl"]);
 #                   written to runs/h200/serve_flash.json
 #   diag_sort (60)  scripts/diag_moe_sort.py: the MoE sorter's event, host-issue and GPU-kernel time at prefill sizes
+#   diag_prefill (240) scripts/diag_prefill_after_decode.py: a prefill before/after decoding on every decode ×
+#                   prefill path × PDL, and the split-K GEMV (jobs) launches repeated and against each other
 #   diag_gemm (90)  scripts/diag_gemm_determinism.py: the prefill GEMM configurations called 20 times each
 set -u
 cd "$(dirname "$0")/.."
@@ -142,6 +144,8 @@ for spec in "$@"; do
                 --backend triton --speculative off,mtp --concurrency 1,8,32 --num-prompts 32 --input-len 128 \
                 --output-len 64 --max-model-len 4096 ${SERVE_ARGS:-} --out "$R/serve_flash.json" ;;
         diag_sort) part diag_sort "${limit:-60}" python3 scripts/diag_moe_sort.py --out "$R/moe_sort_diag.json" ;;
+        diag_prefill) part diag_prefill "${limit:-240}" python3 scripts/diag_prefill_after_decode.py \
+            --out "$R/diag_prefill_after_decode.json" ;;
         diag_gemm) part diag_gemm "${limit:-90}" python3 scripts/diag_gemm_determinism.py \
             --out "$R/gemm_determinism.json" ;;
         spec) part spec "${limit:-150}" python3 scripts/measure_speculative.py --gpu-step-cost --layers 30 \
