@@ -45,6 +45,8 @@
 #   diag_sort (60)  scripts/diag_moe_sort.py: the MoE sorter's event, host-issue and GPU-kernel time at prefill sizes
 #   diag_prefill (240) scripts/diag_prefill_after_decode.py: a prefill before/after decoding on every decode ×
 #                   prefill path × PDL, and the split-K GEMV (jobs) launches repeated and against each other
+#   diag_uninit (200) scripts/diag_uninitialized_reads.py: the static prefill step with every fresh buffer poisoned,
+#                   op by op (which kernel reads bytes it never wrote)
 #   diag_gemm (90)  scripts/diag_gemm_determinism.py: the prefill GEMM configurations called 20 times each
 set -u
 cd "$(dirname "$0")/.."
@@ -146,6 +148,8 @@ for spec in "$@"; do
         diag_sort) part diag_sort "${limit:-60}" python3 scripts/diag_moe_sort.py --out "$R/moe_sort_diag.json" ;;
         diag_prefill) part diag_prefill "${limit:-240}" python3 scripts/diag_prefill_after_decode.py \
             --out "$R/diag_prefill_after_decode.json" ;;
+        diag_uninit) part diag_uninit "${limit:-200}" python3 scripts/diag_uninitialized_reads.py --ints \
+            --out "$R/diag_uninitialized_reads.json" ;;
         diag_gemm) part diag_gemm "${limit:-90}" python3 scripts/diag_gemm_determinism.py \
             --out "$R/gemm_determinism.json" ;;
         spec) part spec "${limit:-150}" python3 scripts/measure_speculative.py --gpu-step-cost --layers 30 \
