@@ -33,6 +33,7 @@ def test_stacking_changes_no_value_and_no_memory():
     """The reference forward gives the same logits before and after every set is stacked; each member's buffers
     are views of its rows of the stack (no copy kept), and stacking twice is a no-op."""
     m = dsv4lab.load(TINY, max_batch=1, max_seq_len=64)
+    _unstack(m.model)  # the runner stacked them when it was built
     ids = torch.randint(2, 4096, (1, 40), generator=torch.Generator().manual_seed(1))
     before = m.forward(ids, 0)
     m.reset()
@@ -49,6 +50,37 @@ def test_stacking_changes_no_value_and_no_memory():
         for lin in lins:
             assert lin.weight._base is g.weight and torch.equal(lin.weight, old[id(lin)])
     assert torch.equal(m.forward(ids, 0), before)
+
+
+def _unstack(model) -> None:
+    """Give every stacked member its own copy of its rows again (a model as the checkpoint loaded it)."""
+    for blk in model.blocks():
+        for lins in step_groups(blk):
+            for lin in lins:
+                lin.__dict__.pop("decode_group", None)
+                for name in ("weight", "scale"):
+                    if lin._buffers.get(name) is not None:
+                        lin._buffers[name] = lin._buffers[name].clone()
+
+
+def test_the_runner_stacks_before_any_step_so_no_step_moves_a_weight():
+    """Stacking frees the members' own weights; a CUDA graph captured before it (a prefill bucket's) kept reading
+    the freed memory — non-finite logits on the GPU once the decode step was built (``data/results/h200/
+    diag_prefill_after_decode_f3de19f.json``). So the runner stacks when it is built: every set that can be stacked
+    is stacked after ``load``, and neither the static decode step nor a prefill moves a weight or a scale."""
+    from dsv4lab.engine.decode_graph import StaticDecodeStep
+    m = dsv4lab.load(TINY, max_batch=1, max_seq_len=64)
+    sets = [lins for b in m.model.blocks() for lins in step_groups(b)]
+    assert sum(group_of(lins) is not None for lins in sets) == sum(groupable(lins) is None for lins in sets) > 0
+
+    def addresses():
+        return {name: t.data_ptr() for name, t in list(m.model.named_parameters()) + list(m.model.named_buffers())}
+
+    before = addresses()
+    StaticDecodeStep(m)
+    m.prefill(torch.randint(2, 4096, (20,), generator=torch.Generator().manual_seed(2)))
+    moved = [name for name, ptr in addresses().items() if before.get(name) != ptr]
+    assert not moved, moved[:5]
 
 
 def test_what_is_not_stacked_and_a_replaced_weight():

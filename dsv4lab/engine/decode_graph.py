@@ -77,7 +77,7 @@ import torch
 
 from dsv4lab.core.model.attention import Attention
 from dsv4lab.core.model.block import Block
-from dsv4lab.engine.decode_groups import group, step_groups
+from dsv4lab.engine.decode_groups import group_projections
 
 TIERS = (1, 2, 4, 8, 16, 32)
 log = logging.getLogger("dsv4lab.decode")
@@ -171,10 +171,7 @@ class StaticDecodeStep:
     def __init__(self, runner):
         self.runner = runner
         self.model, self.args = runner.model, runner.args
-        blocks = self.model.blocks() if hasattr(self.model, "blocks") else self.model.layers  # (a one-layer bench)
-        for blk in blocks:  # projections of one input side by side (same values, same memory)
-            for lins in step_groups(blk):
-                group(lins)
+        group_projections(self.model)  # made by the runner already (a no-op then); a bench's bare model here
         self.max_tokens = step_tokens(self.model)
         # under tensor/expert parallelism: the same cross-rank sums, at the same sites, as Block.forward
         reduce = getattr(runner, "_all_reduce", None)

@@ -118,9 +118,12 @@ def step_groups(blk) -> list[tuple[Linear, ...]]:
 
 
 def group_projections(model) -> int:
-    """Group every set of every block of ``model`` that can be grouped; returns how many groups exist."""
+    """Group every set of every block of ``model`` that can be grouped; returns how many groups exist. The runner
+    does it when it is built (:class:`~dsv4lab.engine.runner.ModelRunner`): stacking allocates the stacks and frees
+    the members' own weights, so it must come before any CUDA graph records a weight's address."""
     made = 0
-    for blk in model.blocks():
+    blocks = model.blocks() if hasattr(model, "blocks") else model.layers  # (a one-layer bench model)
+    for blk in blocks:
         for lins in step_groups(blk):
             made += group(lins) is not None
     return made

@@ -22,6 +22,7 @@ from dsv4lab.core.model.transformer import Transformer
 from dsv4lab.core.tokenizer import load_tokenizer
 from dsv4lab.engine.batch_loop import BatchLoop
 from dsv4lab.engine.decode_graph import Decoder, check_slots
+from dsv4lab.engine.decode_groups import group_projections
 from dsv4lab.engine.finite import NON_FINITE, check_rows, locating_non_finite, non_finite
 from dsv4lab.engine.prefill_step import Prefiller, resolve_prefill_path
 from dsv4lab.engine.sampling import check_generation, sample, trajectory_hash
@@ -73,6 +74,9 @@ class ModelRunner:
         self.max_batch = model.max_batch
         self.spare_slot = getattr(model, "spare_slot", None)
         self.device = model.embed.weight.device
+        # the decode step's stacked projections, made before any graph can be captured: stacking moves those
+        # weights, and a graph captured earlier (a prefill bucket's) would go on reading the freed ones
+        group_projections(model)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long)
         self.mtp_positions = torch.zeros(self.max_batch, dtype=torch.long)
         self.last_speculative_stats = None  # SpeculativeStats of the last generate(speculative=...)
