@@ -355,7 +355,7 @@ class ModelRunner:
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
-        tokens = torch.as_tensor(ids, dtype=torch.long)
+        tokens = torch.as_tensor(ids, dtype=torch.long).cpu()  # host copy: the chunks and rows are planned there
         if tokens.ndim == 1:
             tokens = tokens[None]
         if tokens.ndim != 2 or tokens.shape[1] == 0:
