@@ -65,8 +65,8 @@ def _unstack(model) -> None:
 
 def test_the_runner_stacks_before_any_step_so_no_step_moves_a_weight():
     """Stacking frees the members' own weights; a CUDA graph captured before it (a prefill bucket's) kept reading
-    the freed memory — non-finite logits on the GPU once the decode step was built (``data/results/h200/
-    diag_prefill_after_decode_f3de19f.json``). So the runner stacks when it is built: every set that can be stacked
+    the freed memory — non-finite logits on the GPU once the decode step was built (``data/results/h100/
+    diag_prefill_after_decode_f3de19f.json``: every prefill graph × static or graph decode step). So the runner stacks when it is built: every set that can be stacked
     is stacked after ``load``, and neither the static decode step nor a prefill moves a weight or a scale."""
     from dsv4lab.engine.decode_graph import StaticDecodeStep
     m = dsv4lab.load(TINY, max_batch=1, max_seq_len=64)
