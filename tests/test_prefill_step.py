@@ -285,8 +285,11 @@ def test_gpu_a_prefill_graph_replayed_after_the_decode_graphs_were_captured_give
     at its second prompt, the graph-vs-static chunk right after a decode step, the Flash-width speculation's first
     token. The same prompt prefilled before any decode and again after a ``generate`` (which captures the decode
     tiers): equal bit for bit, and equal to the static step run eagerly on a runner of its own. Both ways of PDL,
-    and with the ticket workspace grown up front (no growth inside the test) or not: which cases fail says where
-    to look (the launch attribute, the shared counters)."""
+    and with the ticket workspace grown up front (no growth inside the test) or not. The cause, found with
+    ``scripts/diag_prefill_after_decode.py`` (``data/results/h100/diag_prefill_after_decode_f3de19f.json``): the
+    decode step stacked its projections when it was first built, freeing the weights that a prefill graph
+    captured before had recorded; the runner now stacks them when it is built. Passed on an H100 at 9e7fb0b
+    (``data/results/h100/logs/visit_9e7fb0b_tests.log``)."""
     from dsv4lab_kernels import tickets
 
     monkeypatch.setenv("DSV4LAB_PDL", pdl)
