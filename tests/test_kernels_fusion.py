@@ -11,10 +11,12 @@ random (never zeros), shapes irregular, memory past every input NaN-poisoned.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from conftest import poisoned_x
+from conftest import ROOT, poisoned_x
 from dsv4lab.core.config import get_preset
 from dsv4lab.core.model.numerics import Numerics
 from dsv4lab.core.model.ops import NON_FINITE, ReferenceOps, greedy_ids
@@ -412,6 +414,26 @@ def test_gemv_jobs_are_their_own_launches_bit_for_bit(M, K, jobs):
     for i, (u, v) in enumerate(zip(_flat(got), want)):
         assert u.shape == v.shape and torch.equal(u, v), f"output {i}: max |Δ| {(u.float() - v.float()).abs().max():.3g}"
     assert not counters(torch.device(DEV), 1).any()
+
+
+def test_each_gemv_job_reduces_in_the_register_layout_of_its_own_launch():
+    """Compiled for sm_90 on this machine (no GPU): the CSA layer's three attention-input projections in one jobs
+    launch sum their K tiles in the layouts they have alone (``scripts/check_gemv_jobs_layouts.py``). Inlined, they
+    did not — the BF16 tile took the FP8 tile's 16-byte layout, another summation order: 1–2 ulp on the H100
+    (``data/results/h100/diag_prefill_after_decode_f3de19f.json``) where the interpreter, one program at a time,
+    saw the same bits."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_gemv_jobs_layouts.py"), "--rows", "1"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    report = json.loads(out.stdout) if out.stdout.startswith("{") else None
+    assert report is not None, out.stderr[-2000:]
+    case = report["cases"][0]
+    assert len(case["alone"]) == 2, case  # the FP8 and the BF16 tiles want different layouts: the check can fail
+    assert report["ok"] and out.returncode == 0, case
 
 
 def test_gemv_jobs_refuse_what_one_launch_cannot_hold():

@@ -1,0 +1,131 @@
+"""Does each projection of a GEMV jobs launch reduce in the register layout of its own launch? (No GPU needed.)
+
+``fp8_gemv_jobs`` promises each projection the bits of its own ``fp8_gemv`` launch. The FMA route sums a
+``[BN, BK]`` tile of products along K with ``tl.sum``, whose order follows the tile's register layout — so the
+promise holds only if the compiler gives each projection's tile in the jobs kernel the layout it gets alone. On the
+H100 it did not (``data/results/h100/diag_prefill_after_decode_f3de19f.json``: the BF16 projection 1–2 ulp off
+beside an FP8 one of the same tile shape; the inlined bodies shared their index ranges and the compiler gave every
+weight load the FP8 load's 16-byte layout). This script compiles — for ``--target`` (sm_90 by default), with
+Triton's own argument specialization, on a machine without a GPU — the CSA layer's attention-input projections
+(``x_projections``: the FP8 q/KV pair, the four BF16 compressor weights, the BF16 head weights) at
+DeepSeek-V4-Flash widths, alone and as one jobs launch, and compares the layouts of their K reductions. Must run
+without ``TRITON_INTERPRET``.
+
+    python scripts/check_gemv_jobs_layouts.py [--rows 1,8] [--target cuda:90]     # exit 1 on a mismatch
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU machine's Triton (3.6) fuses by default
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+REDUCE = re.compile(r'"tt\.reduce"\(%[\w.#]+\) <\{axis = (\d+) : i32\}>')
+OPERAND = re.compile(r'\}\) : \(tensor<([\dx]+)xf32, (#\w+)>\)')
+
+
+class _CompileOnlyDriver:
+    """What the JIT asks of a driver before it compiles, answered for ``target`` (no device, nothing launched)."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def k_reduction_layouts(ttgir: str) -> list[str]:
+    """The layout (its definition) of every 2-D fp32 tile summed along its second axis: the FMA route's K sums."""
+    defs = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    out = []
+    for m in REDUCE.finditer(ttgir):
+        operand = OPERAND.search(ttgir, m.end())  # the op's signature, after its combining region
+        if operand and m.group(1) == "1" and operand.group(1).count("x") == 1:
+            out.append(defs.get(operand.group(2), operand.group(2)))
+    return sorted(out)
+
+
+def compiled(launch, target: GPUTarget) -> list[str]:
+    """Run ``launch()`` with its Triton launches compiled for ``target`` (Triton's own specialization of the
+    arguments, as the GPU's JIT would make it) instead of run; the TTGIR of each, in launch order."""
+    out = []
+    original = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        out.append(original(self, *args, grid=grid, warmup=True, **kwargs).asm["ttgir"])
+
+    previous = driver._active  # (None on a machine without a GPU: no default driver can be made there)
+    driver.set_active(_CompileOnlyDriver(target))
+    JITFunction.run = compile_only
+    try:
+        launch()
+    finally:
+        JITFunction.run = original
+        driver._active = previous
+    return out
+
+
+def projections(rows: int):
+    """The three ``fp8_gemv`` calls of a CSA layer's attention input at the tuned H200 geometries (CPU tensors)."""
+    from dsv4lab.core.config import get_preset
+    from dsv4lab.tools.verify.registry import make_linear
+    from dsv4lab_kernels import fp8_gemv as gemv
+    a = get_preset("flash")
+    d, geo, g = a.head_dim, gemv.GemvGeometry, torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, a.dim, generator=g).to(torch.bfloat16)
+    qkv = make_linear("fp8", a.q_lora_rank + d, a.dim, g)
+    comps = make_linear("bf16", 2 * 2 * d + 2 * 2 * a.index_head_dim, a.dim, g)
+    head_w = make_linear("bf16", a.index_n_heads, a.dim, g)
+    return [dict(x=x, weight=qkv.weight, scale=qkv.scale, segments=(a.q_lora_rank, d),
+                 geometry=geo(block_n=32, block_k=256, split_k=6)),
+            dict(x=x, weight=comps.weight, scale=None, act_quant=False, out_dtype=torch.float32,
+                 segments=(2 * d, 2 * d, 2 * a.index_head_dim, 2 * a.index_head_dim),
+                 geometry=geo(block_n=32, block_k=256, split_k=4)),
+            dict(x=x, weight=head_w.weight, scale=None, act_quant=False, geometry=geo(block_n=32, split_k=16))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,8")
+    p.add_argument("--target", default="cuda:90")
+    args = p.parse_args(argv)
+    backend, arch = args.target.split(":")
+    target = GPUTarget(backend, int(arch), 32 if backend == "cuda" else 64)
+    from dsv4lab_kernels import fp8_gemv as gemv
+    report, ok = [], True
+    for rows in map(int, args.rows.split(",")):
+        calls = projections(rows)
+        # as sets: projections of one specialization share one function in the jobs kernel (its padding job too)
+        alone = sorted({lay for c in calls for ir in compiled(lambda c=c: gemv.fp8_gemv(**c), target)
+                        for lay in k_reduction_layouts(ir)})
+        (jobs_ir,) = compiled(lambda: gemv.fp8_gemv_jobs([gemv.gemv_plan(**c) for c in calls]), target)
+        jobs = sorted(set(k_reduction_layouts(jobs_ir)))
+        report.append(dict(rows=rows, alone=alone, jobs=jobs, same=alone == jobs))
+        ok &= alone == jobs
+    print(json.dumps(dict(target=args.target, ok=ok, cases=report), indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
