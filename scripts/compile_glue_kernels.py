@@ -254,6 +254,12 @@ def flash_calls():
         ("GEMV q/KV alone (fma)", lambda: fp8_gemv.fp8_gemv(**qkv)),
         ("GEMV jobs: q/KV, compressors, head weights (x_projections, CSA)", lambda: fp8_gemv.fp8_gemv_jobs(
             [fp8_gemv.gemv_plan(**c) for c in (qkv, comps, head_w)])),
+        ("GEMV wq_b, 4 rows of a verify step on one weight tile (fma_rows 4)", lambda: fp8_gemv.fp8_gemv(
+            torch.zeros(4, a.q_lora_rank, dtype=bf), *fp8w(a.n_heads * d, a.q_lora_rank),
+            geometry=geo(block_n=16, block_k=128, split_k=2, fma_rows=4))),
+        ("GEMV compressors, 2 rows (fma_rows 2)", lambda: fp8_gemv.fp8_gemv(
+            **(comps | dict(x=torch.zeros(2, D, dtype=bf), geometry=geo(block_n=16, block_k=256, split_k=4,
+                                                                         fma_rows=2))))),
         ("GEMV shared w2 alone", lambda: fp8_gemv.fp8_gemv(
             torch.zeros(1, a.moe_inter_dim, dtype=bf), *fp8w(D, a.moe_inter_dim),
             geometry=geo(block_n=64, block_k=256, split_k=5, num_warps=8))),

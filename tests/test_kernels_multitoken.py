@@ -105,6 +105,60 @@ def test_fp8_gemv_reads_each_weight_once_for_up_to_64_rows(M, N, K, split, rows)
     assert gemv.MULTI_ROW_VARIANTS["dot_rows64"][1].rows_per_program == 64
 
 
+@pytest.mark.parametrize("M,N,K,split,rows,fmt,segments", [(3, 72, 320, 2, 4, "fp8", None),
+                                                             (5, 96, 256, 1, 2, "bf16", None),
+                                                             (2, 256, 384, 3, 2, "fp8", (128, 128)),
+                                                             (4, 48, 200, 2, 4, "bf16", (32, 16))],
+                         ids=["M3-rows4-fp8-split2", "M5-rows2-bf16", "M2-rows2-fp8-segments",
+                              "M4-rows4-bf16-segments"])
+def test_fma_gemv_takes_several_rows_per_weight_tile_each_summed_as_alone(M, N, K, split, rows, fmt, segments):
+    """``GemvGeometry.fma_rows``: one fma program multiplies each weight tile it reads with up to 4 token rows (the
+    grid's row dimension shrinks by that factor), each row with an accumulator of its own — so every row equals
+    the one-row program's result bit for bit (FP8 and BF16 weights, split-K with tickets, stacked segments, rows
+    past M masked), within the fma route's bound of the exact reference, NaN-poisoned memory past the
+    activations, weights and scales never read; fma_rows outside 1, 2, 4 refused."""
+    g = torch.Generator().manual_seed(M * N + rows)
+    lin = make_linear(fmt, N, K, g)
+    x = poisoned_x((torch.randn(M, K, generator=g) * 3).to(torch.bfloat16))
+    fp8 = fmt == "fp8"
+    w = in_poisoned(lin.weight, 0x7F) if fp8 else poisoned_x(lin.weight)
+    s = in_poisoned(lin.scale, 0xFF) if fp8 else None
+    out_dtype = torch.bfloat16 if fp8 else torch.float32
+    kw = dict(act_quant=fp8, out_dtype=out_dtype, route="fma", segments=segments)
+    geo = gemv.GemvGeometry(block_n=16, block_k=128, split_k=split, fma_rows=rows)
+    plan = gemv.gemv_plan(x, w, s, geometry=geo, **kw)
+    tq = min(triton_next_pow2(M), rows)
+    assert plan.consts["TQ"] == tq and plan.grid[2] == -(-M // tq)  # a weight tile is read by ⌈M/TQ⌉ programs
+    got = gemv.fp8_gemv(x, w, s, geometry=geo, **kw)
+    alone = gemv.fp8_gemv(x, w, s, geometry=gemv.GemvGeometry(block_n=16, block_k=128, split_k=split), **kw)
+    got, alone = (torch.cat(t, -1) if isinstance(t, tuple) else t for t in (got, alone))
+    assert torch.equal(got, alone), f"max |Δ| {(got.float() - alone.float()).abs().max():.3g}"
+    res = gemv_bound(got, x, lin.weight, lin.scale if fp8 else None, "fma", fp8, 1, out_dtype, "fma_rows")
+    assert res.ok, res.line()
+    with pytest.raises(ValueError, match="fma_rows"):
+        gemv.fp8_gemv(x, w, s, geometry=gemv.GemvGeometry(fma_rows=3), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [2, 3, 4])
+def test_gpu_fma_gemv_rows_at_every_projection_width(M):
+    """``fma_rows`` 2 and 4 at every Flash projection (wo_a grouped included) and the rows of verify steps: each row
+    the one-row program's bits (the compiled accumulators keep the one-row layout), within the fma bound."""
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    for name, (N, Kg, groups, aq) in projections(get_preset("flash")).items():
+        lin = random_fp8_linear(N, Kg, "cuda", gen, act_quant=aq)
+        x = (torch.randn(M, Kg * groups, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        geo = dict(block_n=16, block_k=256, split_k=2)
+        alone = gemv.fp8_gemv(x, lin.weight, lin.scale, aq, groups=groups, route="fma",
+                              geometry=gemv.GemvGeometry(**geo))
+        for rows in (2, 4):
+            out = gemv.fp8_gemv(x, lin.weight, lin.scale, aq, groups=groups, route="fma",
+                                geometry=gemv.GemvGeometry(**geo, fma_rows=rows))
+            assert torch.equal(out, alone), f"{name} fma_rows={rows}"
+            res = gemv_bound(out, x, lin.weight, lin.scale, "fma", aq, groups, torch.bfloat16, f"{name} r{rows}")
+            assert res.ok, res.line()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [24, 48, 64])
 def test_gpu_fp8_gemv_rows64_at_every_projection_width(M):

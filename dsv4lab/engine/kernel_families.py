@@ -107,11 +107,16 @@ class Family:
 
 # ============================================================================================ decode
 def _gemv(route: str, bn: int, bk: int, warps: int, stages: int = 3, unroll: int = 1, prequant: bool = False,
-          runs: str = "full") -> Variant:
-    """A benchmarked GEMV configuration (K split per shape to about two programs per SM by the benchmark)."""
-    name = f"{route}:n{bn}k{bk}w{warps}p{stages}" + (f"u{unroll}" if unroll > 1 else "") + (":pq" if prequant else "")
-    return variant(name, route, runs, min_rows=2 if prequant else 1, act_quant_only=prequant, block_n=bn,
-                   block_k=bk, num_warps=warps, num_stages=stages, unroll=unroll, prequant=prequant)
+          fma_rows: int = 1, runs: str = "full") -> Variant:
+    """A benchmarked GEMV configuration (K split per shape to about two programs per SM by the benchmark);
+    ``fma_rows`` > 1 applies from ``fma_rows // 2 + 1`` rows (fewer would leave most of its rows empty)."""
+    name = f"{route}:n{bn}k{bk}w{warps}p{stages}" + (f"u{unroll}" if unroll > 1 else "") + (
+        ":pq" if prequant else "") + (f":r{fma_rows}" if fma_rows > 1 else "")
+    geometry = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, unroll=unroll, prequant=prequant)
+    if fma_rows > 1:
+        geometry["fma_rows"] = fma_rows
+    return variant(name, route, runs, min_rows=2 if prequant else fma_rows // 2 + 1, act_quant_only=prequant,
+                   **geometry)
 
 
 GEMV = Family(
@@ -123,13 +128,18 @@ GEMV = Family(
      variant("dot", "dot", "verify", ops=("linear", "linear_f32", "grouped_wo_a")),
      variant("fma_split3", "fma", "verify", ops=("linear",), block_n=32, block_k=128, split_k=3),
      variant("dot_split3", "dot", "verify", ops=("linear",), block_n=32, block_k=128, split_k=3),
+     variant("fma_rows4", "fma", "verify", ops=("linear",), block_n=16, block_k=128, fma_rows=4),
      _gemv("dot", 16, 128, 1, 1, runs="smoke"), _gemv("fma", 32, 128, 4, 1, runs="smoke"),
      _gemv("fma", 16, 128, 4, 1, unroll=2, runs="smoke"), _gemv("dot", 16, 128, 1, 1, prequant=True, runs="smoke"),
+     _gemv("fma", 16, 128, 4, 1, fma_rows=4, runs="smoke"),
      # the quick five: the fma route's tiles and unrolls trade bytes in flight per SM at batch 1; dot plain and
      # with the rows quantized once (prequant, batch > 1)
      _gemv("fma", 32, 256, 4, runs="quick full"), _gemv("fma", 16, 256, 4, unroll=2, runs="quick full"),
      _gemv("fma", 64, 256, 8, runs="quick full"), _gemv("dot", 16, 256, 1, runs="quick full"),
      _gemv("dot", 64, 256, 4, prequant=True, runs="quick full"),
+     # a verify step's 2–4 rows of one sequence: the fma route reading each weight tile once for all of them
+     _gemv("fma", 16, 256, 4, fma_rows=2, runs="quick full"), _gemv("fma", 16, 128, 4, fma_rows=4, runs="quick full"),
+     _gemv("fma", 32, 128, 4, fma_rows=2), _gemv("fma", 16, 256, 8, fma_rows=4),
      _gemv("fma", 32, 512, 4), _gemv("fma", 32, 256, 4, unroll=2), _gemv("fma", 16, 512, 4),
      _gemv("fma", 64, 256, 4, unroll=2), _gemv("dot", 32, 256, 2), _gemv("dot", 64, 256, 4, 4),
      _gemv("dot", 32, 256, 2, prequant=True)))

@@ -65,7 +65,9 @@ class GemvGeometry:
     every program (what a batch costs otherwise: each program quantizes all its rows); ``rows_per_program``
     (``dot``): token rows one program multiplies with each weight tile it reads — a step of up to that many rows
     (a batch, or a speculative verify step's ``b·(k+1)`` rows) reads every weight byte once, more rows split into
-    programs that each read it again (16: one tensor-core operand; up to 64)."""
+    programs that each read it again (16: one tensor-core operand; up to 64); ``fma_rows`` (``fma``): token rows one
+    program multiplies with each weight tile it reads (1, 2 or 4; a verify step's ``k+1`` rows of one sequence read
+    the weights once, each row summed exactly as alone)."""
 
     block_n: int = 32
     block_k: int = 256
@@ -75,6 +77,11 @@ class GemvGeometry:
     unroll: int = 1
     prequant: bool = False
     rows_per_program: int = 16
+    fma_rows: int = 1
+
+
+FMA_ROWS = (1, 2, 4)
+"""Token rows one ``fma`` program may take (:attr:`GemvGeometry.fma_rows`)."""
 
 
 MULTI_ROW_VARIANTS = {"dot_rows64": ("dot", GemvGeometry(rows_per_program=64))}
@@ -142,6 +149,19 @@ def _x_in(x_ptr, u_ptr, m, m_ok, stride_xm, k0, K, limit, ACT_QUANT: tl.constexp
 
 
 @triton.jit
+def _row_in(x_ptr, u_ptr, row0, r: tl.constexpr, M, stride_xm, k0, k_end, limit, sw, W_FP8: tl.constexpr,
+            ACT_QUANT: tl.constexpr, SWIGLU: tl.constexpr, CLAMP: tl.constexpr, ROUND_BF16: tl.constexpr,
+            NB: tl.constexpr, BK: tl.constexpr):
+    """Row ``row0 + r`` as the fma route multiplies it into a weight tile: ``[BK]`` fp32, both power-of-two scales
+    folded in (the activation's and, ``W_FP8``, the weight's ``sw [NB]``); zeros past ``M``."""
+    mr = row0 + r + tl.arange(0, 1)
+    x, sx = _x_in(x_ptr, u_ptr, mr, mr < M, stride_xm, k0, k_end, limit, ACT_QUANT, SWIGLU, CLAMP, ROUND_BF16, NB)
+    if W_FP8:
+        sx = sx * sw[None, :]
+    return tl.reshape(x * sx[:, :, None], (BK,))
+
+
+@triton.jit
 def _xq_block(q_ptr, sq_ptr, m, m_ok, stride_qm, stride_sk, k0, K, NB: tl.constexpr):
     """:func:`_x_block` of rows quantized beforehand (:func:`act_quant_fp8`): E4M3 values ``q [M, K]`` and scales
     ``[K/128, M]`` (``stride_sk`` between 128-blocks)."""
@@ -199,11 +219,17 @@ def _gemv_program(pid_n, pid_k, pid_m, num_n, x_ptr, xs_ptr, w_ptr, s_ptr, out_p
     c_hi = tl.minimum(c_lo + per_split, n_chunks)
 
     if ROUTE == 0:
-        # one token row (TQ == 1): a [BN, BK] weight tile per step; both power-of-two scales are folded into the
-        # activation (q·s_x·s_w, exact), each product exact in fp32, accumulated element-wise, reduced once
+        # TQ token rows (1, 2 or 4): a [BN, BK] weight tile per step, read once for all of them; both power-of-two
+        # scales are folded into the activation (q·s_x·s_w, exact), each product exact in fp32, accumulated
+        # element-wise, reduced once. Each row has an accumulator of its own, fed and summed exactly as the one-row
+        # program's (TQ = 1): a row's result does not depend on the rows beside it
         kk = tl.arange(0, BK)
-        acc = tl.zeros((BN, BK), tl.float32)
+        acc0 = tl.zeros((BN, BK), tl.float32)
+        acc1 = tl.zeros((BN, BK), tl.float32)
+        acc2 = tl.zeros((BN, BK), tl.float32)
+        acc3 = tl.zeros((BN, BK), tl.float32)
         srow = (pid_n * BN) // 128  # FP8: the launcher makes BN divide 128, so the tile has one scale row
+        row0 = pid_m * TQ
         for c0 in range(c_lo, c_hi, KU):
             for u in tl.static_range(KU):  # KU independent tiles per step: their loads are in flight together
                 k0 = (c0 + u) * BK
@@ -211,14 +237,29 @@ def _gemv_program(pid_n, pid_k, pid_m, num_n, x_ptr, xs_ptr, w_ptr, s_ptr, out_p
                 k = k0 + kk
                 w = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
                             other=0.0).to(tl.float32)
-                x, sx = _x_in(xg_ptr, u_ptr, m, m_ok, stride_xm, k0, k_end, limit, ACT_QUANT, SWIGLU, CLAMP, X_BF16, NB)
+                sw = tl.full((NB,), 1.0, tl.float32)
                 if W_FP8:
                     kb = k0 // 128 + tl.arange(0, NB)
-                    sw = tl.load(s_ptr + srow * stride_sn + kb, mask=kb * 128 < k_end, other=127).to(tl.int32)
-                    sx = sx * e8m0_to_f32(sw)[None, :]
-                xs = tl.reshape(x * sx[:, :, None], (BK,))
-                acc += w * xs[None, :]
-        y = tl.reshape(tl.sum(acc, axis=1), (BN, 1))
+                    sw = e8m0_to_f32(tl.load(s_ptr + srow * stride_sn + kb, mask=kb * 128 < k_end,
+                                             other=127).to(tl.int32))
+                acc0 += w * _row_in(xg_ptr, u_ptr, row0, 0, M, stride_xm, k0, k_end, limit, sw, W_FP8, ACT_QUANT,
+                                    SWIGLU, CLAMP, X_BF16, NB, BK)[None, :]
+                if TQ > 1:
+                    acc1 += w * _row_in(xg_ptr, u_ptr, row0, 1, M, stride_xm, k0, k_end, limit, sw, W_FP8, ACT_QUANT,
+                                        SWIGLU, CLAMP, X_BF16, NB, BK)[None, :]
+                if TQ > 2:
+                    acc2 += w * _row_in(xg_ptr, u_ptr, row0, 2, M, stride_xm, k0, k_end, limit, sw, W_FP8, ACT_QUANT,
+                                        SWIGLU, CLAMP, X_BF16, NB, BK)[None, :]
+                    acc3 += w * _row_in(xg_ptr, u_ptr, row0, 3, M, stride_xm, k0, k_end, limit, sw, W_FP8, ACT_QUANT,
+                                        SWIGLU, CLAMP, X_BF16, NB, BK)[None, :]
+        if TQ == 1:
+            y = tl.reshape(tl.sum(acc0, axis=1), (BN, 1))
+        else:  # the rows' sums side by side, [BN, TQ] (selected, not added: a −0 stays −0)
+            tq = tl.arange(0, TQ)[None, :]
+            y = tl.where(tq == 0, tl.sum(acc0, axis=1)[:, None], tl.sum(acc1, axis=1)[:, None])
+            if TQ > 2:
+                y = tl.where(tq == 2, tl.sum(acc2, axis=1)[:, None],
+                             tl.where(tq == 3, tl.sum(acc3, axis=1)[:, None], y))
     else:
         acc = tl.zeros((BN, TP), tl.float32)
         for c in range(c_lo, c_hi):
@@ -392,12 +433,15 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, MP, BLOCK_M: tl.constexpr, PDL:
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def token_blocks(M: int, route: str, rows_per_program: int = 16) -> tuple[int, int]:
+def token_blocks(M: int, route: str, rows_per_program: int = 16, fma_rows: int = 1) -> tuple[int, int]:
     """``(TQ, TP)``: token rows a program quantizes and the rows of its tensor-core operand (≥ 16), at most
-    ``rows_per_program`` (a power of two, 16 to 64). The fma route takes one row per program (more rows multiply
-    its per-weight work: the dot route's job)."""
+    ``rows_per_program`` (a power of two, 16 to 64). The fma route takes up to ``fma_rows`` rows per program (1, 2
+    or 4: each its own accumulator beside the weight tile, read once for them all), TP = TQ."""
     if route == "fma":
-        return 1, 1
+        if fma_rows not in FMA_ROWS:
+            raise ValueError(f"GemvGeometry.fma_rows={fma_rows}: expected one of {FMA_ROWS}")
+        tq = min(triton.next_power_of_2(max(M, 1)), fma_rows)
+        return tq, tq
     if rows_per_program not in (16, 32, 64):
         raise ValueError(f"GemvGeometry.rows_per_program={rows_per_program}: expected 16, 32 or 64")
     tq = min(triton.next_power_of_2(max(M, 1)), rows_per_program)
@@ -497,7 +541,7 @@ def gemv_plan(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         if bounds:
             raise ValueError(f"fp8_gemv: the dot route needs segment sizes that are multiples of 16, got {sizes}")
         block_n = 16
-    tq, tp = token_blocks(M, route, g.rows_per_program)
+    tq, tp = token_blocks(M, route, g.rows_per_program, g.fma_rows)
     out = torch.empty(M * N, dtype=out_dtype, device=x.device)
     split = max(1, min(g.split_k, triton.cdiv(Kg, g.block_k)))
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, tq))

@@ -51,13 +51,26 @@ class GemvVariant:
         return self.variant.fields.get("prequant", False)
 
     @property
+    def fma_rows(self) -> int:
+        return self.variant.fields.get("fma_rows", 1)
+
+    @property
     def structure(self) -> str:
         """What the bound check covers: the code path (geometries of one path differ only in fp32 order)."""
-        return self.route + (f"-u{self.unroll}" if self.unroll > 1 else "") + ("-pq" if self.prequant else "")
+        return self.route + (f"-u{self.unroll}" if self.unroll > 1 else "") + ("-pq" if self.prequant else "") + (
+            f"-r{self.fma_rows}" if self.fma_rows > 1 else "")
 
     def name(self, bn: int, split: int) -> str:
         return (f"{self.route}:n{bn}k{self.block_k}s{split}w{self.num_warps}p{self.num_stages}"
-                + (f"u{self.unroll}" if self.unroll > 1 else "") + (":pq" if self.prequant else ""))
+                + (f"u{self.unroll}" if self.unroll > 1 else "") + (":pq" if self.prequant else "")
+                + (f":r{self.fma_rows}" if self.fma_rows > 1 else ""))
+
+    def geometry(self, block_n: int, split_k: int):
+        """Its :class:`~dsv4lab_kernels.fp8_gemv.GemvGeometry` at a shape's tile width and K split."""
+        from dsv4lab_kernels import fp8_gemv as gemv
+        return gemv.GemvGeometry(block_n=block_n, block_k=self.block_k, split_k=split_k, num_warps=self.num_warps,
+                                 num_stages=self.num_stages, unroll=self.unroll, prequant=self.prequant,
+                                 fma_rows=self.fma_rows)
 
     def applies(self, batch: int, aq: bool) -> bool:
         """Where the family says it applies (``prequant`` only quantizes rows once where there are several)."""
@@ -67,8 +80,9 @@ class GemvVariant:
 def gemv_variants(smoke: bool, quick: bool) -> list[GemvVariant]:
     """The own GEMV's configurations of the run's list in :data:`~dsv4lab.engine.kernel_families.GEMV`: the
     ``fma`` route's tile shapes and unrolls (batch 1: bytes in flight per SM is what they trade), the ``dot`` route
-    plain and with the rows quantized once (``prequant``, batch > 1); a quick run's five are timed on 12
-    projections at batches 1 and 8 (≤ 140 s with the MoE)."""
+    plain and with the rows quantized once (``prequant``, batch > 1), the ``fma`` route with 2 or 4 rows per
+    weight tile (``fma_rows``: a verify step's rows); a quick run's seven are timed on 12 projections at batches 1
+    and 8 (the ``fma_rows`` ones from 2 and 3 rows: at 8)."""
     return [GemvVariant(v) for v in GEMV.runs(run_mode(smoke, quick))]
 
 
@@ -173,12 +187,10 @@ def check_gemv(b: DecodeBench, a, gen, variants) -> dict[str, bool]:
         for impl in impls:
             key = f"{name}:{impl}"
             v = first.get(impl)
-            geo = None if v is None else gemv.GemvGeometry(block_n=min(v.block_n, N // G), block_k=v.block_k,
-                                                           split_k=4, num_warps=v.num_warps,
-                                                           num_stages=v.num_stages, unroll=v.unroll,
-                                                           prequant=v.prequant)
+            geo = None if v is None else v.geometry(min(v.block_n, N // G), 4)
             results = []
-            for rows in (1, 8) if v is None or not v.prequant else (8,):
+            for rows in (8,) if v is not None and v.prequant else (1, 3, 8) if v is not None and v.fma_rows > 1 \
+                    else (1, 8):  # (a program of fma_rows with one row masked)
                 x = (torch.randn(rows, Kg * G, device=dev, generator=gen) * 2).to(torch.bfloat16)
                 results.append((x, weight, scale, rows))
             px, pw, ps = accumulation_probe(N, Kg * G if G == 1 else Kg, 1, dev, bf16_weight=not f8)
@@ -263,8 +275,7 @@ def bench_gemv(b: DecodeBench, a, gen, checks: dict[str, bool], batches, variant
                     continue
                 bn_ = min(v.block_n, N // G) if G > 1 else v.block_n
                 split = split_k_for(N, Kg, bn_, v.block_k, 2 * sms)
-                geo = gemv.GemvGeometry(block_n=bn_, block_k=v.block_k, split_k=split, num_warps=v.num_warps,
-                                        num_stages=v.num_stages, unroll=v.unroll, prequant=v.prequant)
+                geo = v.geometry(bn_, split)
                 calls = [lambda r=r, geo=geo, route=v.route: gemv.fp8_gemv(xs[r], ws[r][0], ws[r][1], aq, out_dtype,
                                                                            G, route, geo) for r in range(n_rot)]
                 t = b.guard(f"gemv {name} {v.name(bn_, split)} b{T}", lambda: b.time_graph_us(calls))
@@ -272,7 +283,7 @@ def bench_gemv(b: DecodeBench, a, gen, checks: dict[str, bool], batches, variant
                     b.add(kernel, v.name(bn_, split), T, t, nbytes, route=v.route, impl="triton",
                           choice=dict(impl="triton", route=v.route, block_n=bn_, block_k=v.block_k, split_k=split,
                                       num_warps=v.num_warps, num_stages=v.num_stages, unroll=v.unroll,
-                                      prequant=v.prequant))
+                                      prequant=v.prequant, **({"fma_rows": v.fma_rows} if v.fma_rows > 1 else {})))
             if checks.get(f"{name}:cublas"):
                 if f8:
                     calls = [lambda r=r: gemv.cublas_linear(xs[r], ws[r][0], ws[r][1], aq, out_dtype,
