@@ -22,8 +22,9 @@ import re
 import sys
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU machine's Triton (3.6) fuses by default
+if __name__ == "__main__":  # before triton and any kernel module are imported: the kernels must compile
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU machine's Triton (3.6) fuses by default
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 

@@ -118,25 +118,13 @@ def chunk_cases(rows: list) -> None:
 
 
 def gemv_cases(rows: list) -> None:
-    from dsv4lab.core.config import get_preset
-    from dsv4lab.tools.verify.registry import make_linear
+    """The CSA layer's attention-input projections (``scripts/check_gemv_jobs_layouts.py``'s) on the device."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from check_gemv_jobs_layouts import projections
     from dsv4lab_kernels import fp8_gemv as gemv
-    a = get_preset("flash")
-    d = a.head_dim
-    geo = gemv.GemvGeometry
     for pdl, M in itertools.product(("1", "0"), (1, 8)):
         os.environ["DSV4LAB_PDL"] = pdl
-        g = torch.Generator().manual_seed(M)
-        x = (torch.randn(M, a.dim, generator=g) * 3).to(torch.bfloat16).to(DEV)
-        qkv = make_linear("fp8", a.q_lora_rank + d, a.dim, g, DEV)
-        comps = make_linear("bf16", 2 * 2 * d + 2 * 2 * a.index_head_dim, a.dim, g, DEV)
-        head_w = make_linear("bf16", a.index_n_heads, a.dim, g, DEV)
-        jobs = [dict(x=x, weight=qkv.weight, scale=qkv.scale, segments=(a.q_lora_rank, d),
-                     geometry=geo(block_n=32, block_k=256, split_k=6)),
-                dict(x=x, weight=comps.weight, scale=None, act_quant=False, out_dtype=torch.float32,
-                     segments=(2 * d, 2 * d, 2 * a.index_head_dim, 2 * a.index_head_dim),
-                     geometry=geo(block_n=32, block_k=256, split_k=4)),
-                dict(x=x, weight=head_w.weight, scale=None, act_quant=False, geometry=geo(block_n=32, split_k=16))]
+        jobs = [{k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in c.items()} for c in projections(M)]
 
         def flat(res):
             return [t.clone() for r in res for t in (r if isinstance(r, tuple) else (r,))]
