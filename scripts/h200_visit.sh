@@ -20,7 +20,8 @@
 #                   faulted runs (must FAIL naming the stage) — scripts/h200_verify.sh models faults
 #   generate (90)   dsv4lab generate (triton, graph-captured decode) on the golden trajectory's prompt: its hash
 #                   must be the golden's
-#   decode (180)    bench kernels --suite decode --quick; its choices go into the visit's tuned file
+#   decode (180)    bench kernels --suite decode --quick (DECODE_SECTIONS / DECODE_BATCHES narrow it as below, e.g.
+#                   DECODE_SECTIONS=gemv DECODE_BATCHES=2,4: a verify step's rows); its choices go into the visit's tuned file
 #                   ($R/tuned_h200.json, over the committed kernels/dsv4lab_kernels/tuned/h200.json), which is copied
 #                   over the committed one: what the backend reads from here on
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=mhc,attention
@@ -117,6 +118,7 @@ for spec in "$@"; do
         generate) part generate "${limit:-90}" python3 scripts/generate_golden.py --checkpoint data/tiny-py \
             --backends triton ;;  # the reference leg (256 tokens at full precision) does not fit a short part
         decode) part decode "${limit:-180}" python3 -m dsv4lab bench kernels --suite decode --quick \
+            ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} \
             --out "$R/decode_kernels_quick.json" --tuned-out "$T" $(tuned_base)
             # the measured choices are what the backend reads from here on
             [ -s "$T" ] && cp "$T" kernels/dsv4lab_kernels/tuned/h200.json ;;
