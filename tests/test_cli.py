@@ -79,6 +79,8 @@ MISTAKES = [
     (["verify", "model", "--checkpoint", str(TINY), "--tiers", "checkpoint,nope"], "nope"),
     (["verify", "kernels", "--op", "nope"], "nope"),
     (["bench", "e2e", "--backend", "cuda"], "invalid choice: 'cuda'"),
+    (["dispatch", "--rows", "0,2"], "--rows"),
+    (["dispatch", "--tuned", "no-such.json"], "no-such.json"),
 ]
 
 
@@ -112,3 +114,27 @@ def test_a_sub_command_whose_module_cannot_be_imported_says_why():
     args = parser.parse_args(["x", "--any-flag", "value"])  # its flags are unknown: the reason comes first
     with pytest.raises(errors.UserError, match="unavailable in this installation .*no_such_module"):
         args._run(args)
+
+
+def test_dispatch_shows_each_choice_and_the_rows_it_was_measured_at(tmp_path, capsys):
+    """``dsv4lab dispatch``: per projection and row count the dispatch's choice and the rows of the tuned entry it
+    came from — an entry serves the row counts up to its own (rows 2 takes the 8-row cuBLAS entry), the last one
+    beyond; a shape without entries gets the GPU default."""
+    import json
+    from test_dispatch import _doc
+    from dsv4lab.engine.dispatch import shape_key
+    wq_b = shape_key(32768, 1024, 1, "fp8", True)
+    fma = dict(impl="triton", route="fma", block_n=32, block_k=256, split_k=2, num_warps=4, fma_rows=2)
+    doc = _doc(**{"decode.gemv": [dict(shape=wq_b, rows=1, choice=fma), dict(shape=wq_b, rows=8,
+                                                                             choice=dict(impl="cublas"))]})
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    assert main(["dispatch", "--tuned", str(tmp_path / "t.json"), "--rows", "1,2,9", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    got = out["choices"]["fp8_gemv_wq_b"]["by_rows"]
+    assert [(got[r]["text"], got[r]["measured_at_rows"]) for r in ("1", "2", "9")] == [
+        ("fma n32k256s2w4:r2", 1), ("cublas", 8), ("cublas", 8)]
+    other = out["choices"]["fp8_gemv_wo_b"]["by_rows"]["1"]
+    assert other["measured_at_rows"] is None and other["where"] == "default" and other["impl"] == "triton"
+    assert main(["dispatch", "--tuned", str(tmp_path / "t.json"), "--rows", "1,2"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("fp8_gemv_wq_b ") and "cublas @8" in line for line in table), table

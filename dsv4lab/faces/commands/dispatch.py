@@ -1,0 +1,102 @@
+"""``dsv4lab dispatch`` — what the Triton backend's dispatch runs for each decode projection, the routed MoE and the
+attention at each row count on a GPU, and where each choice comes from; no GPU needed.
+
+The dispatch (:mod:`dsv4lab.engine.dispatch`) reads the GPU's tuned file (``kernels/dsv4lab_kernels/tuned/<gpu>.json``,
+or ``--tuned FILE``) over the GPU defaults; an entry measured at ``r`` rows serves every row count from the entry
+below it up to ``r`` (the first entry with ``rows ≥`` the step's). A step's rows are ``batch × tokens per sequence``
+— a speculative verify step of ``k`` drafts carries ``k + 1`` per sequence — so ``--rows 1,2,3,4`` shows what a
+verify step runs beside the one-token step::
+
+    dsv4lab dispatch --rows 1,2,4,8            # the H200's committed choices
+    dsv4lab dispatch --tuned runs/h200/tuned_h200.json --json
+"""
+from __future__ import annotations
+
+import json
+
+from dsv4lab.core.config import get_preset
+from dsv4lab.core.errors import UserError
+from dsv4lab.engine.dispatch import GPU_DEFAULTS, Dispatch, load_tuned, read_tuned, shape_key
+from dsv4lab.tools import options
+
+NAME = "dispatch"
+HELP = "show the kernel choice per decode projection, routed MoE and attention at given row counts (no GPU needed)"
+
+
+def add_arguments(p):
+    p.add_argument("--gpu", default="NVIDIA H200", help="the GPU's name as torch reports it (default: %(default)s); "
+                   "its committed tuned file, or the GPU defaults where there is none")
+    p.add_argument("--tuned", metavar="FILE", help="read this tuned file instead of the GPU's committed one")
+    p.add_argument("--rows", default="1,2,3,4,8", help="token rows of a step, comma-separated (default: %(default)s)")
+    options.add_preset(p, "flash", help="the model whose projections are listed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _rows(text: str) -> list[int]:
+    try:
+        rows = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise UserError(f"--rows {text!r}: expected positive integers separated by commas, e.g. 1,2,4,8")
+    return rows
+
+
+def describe_pick(pick) -> str:
+    """A choice in a few characters: ``cublas``, or the route and tile (``fma n32k256s6w4``, ``:pq`` for prequant,
+    ``:r2`` for two rows per fma program), or the MoE/attention's fields."""
+    if pick is None:
+        return "kernel default"
+    if pick.impl.startswith("cublas"):
+        return pick.impl
+    f = pick.fields
+    if "block_n" in f and "block_k" in f:
+        text = f"{pick.route} n{f['block_n']}k{f['block_k']}s{f.get('split_k', 1)}"
+        text += f"w{f['num_warps']}" if "num_warps" in f else ""
+        return text + (":pq" if f.get("prequant") else "") + (f":r{f['fma_rows']}" if f.get("fma_rows", 1) > 1 else "")
+    fields = " ".join(f"{k}={v}" for k, v in sorted(f.items()))
+    return f"{pick.route} {fields}" if pick.route else fields
+
+
+def run(args) -> int:
+    from dsv4lab.tools.bench.decode.gemv import projection_shapes  # (imports torch)
+
+    rows = _rows(args.rows)
+    tuned = read_tuned(args.tuned) if args.tuned else load_tuned(args.gpu)
+    d = Dispatch(tuned, GPU_DEFAULTS)
+
+    def measured(op: str, r: int, shape: str | None = None) -> int | None:
+        e = tuned.lookup(op, r, shape)
+        return None if e is None else e["rows"]
+
+    choices = {}
+    for name, (n, k, groups, weight, aq) in projection_shapes(get_preset(args.preset)).items():
+        key = shape_key(n, k, groups, weight, aq)
+        choices[name] = dict(shape=key, by_rows={r: (d.gemv(n // groups, k, r, groups, weight, aq),
+                                                     measured("decode.gemv", r, key)) for r in rows})
+    choices["routed MoE"] = dict(shape=None, by_rows={r: (d.moe(r), measured("decode.moe", r)) for r in rows})
+    choices["attention"] = dict(shape=None, by_rows={r: (d.attention(r), measured("decode.attention", r))
+                                                     for r in rows})
+    if args.json:
+        print(json.dumps(dict(dispatch=d.describe(), rows=rows, choices={
+            name: dict(shape=c["shape"], by_rows={str(r): dict(
+                text=describe_pick(p), measured_at_rows=at, **({} if p is None else dict(
+                    impl=p.impl, route=p.route, fields=p.fields, where=p.where))) for r, (p, at) in c["by_rows"].items()})
+            for name, c in choices.items()}), indent=1))
+        return 0
+    print(d.describe())
+    print("each cell: the choice, and @N the rows its tuned entry was measured at (an entry serves the row counts "
+          "above the entry before it, up to N); 'default': nothing measured")
+    cells = {name: [f"{describe_pick(p)} {'default' if at is None else f'@{at}'}" for p, at in c["by_rows"].values()]
+             for name, c in choices.items()}
+    width = max(len(name) for name in cells)
+    cw = max([len(f"rows {r}") for r in rows] + [len(x) for name, cs in cells.items() for x in cs
+                                                 if name not in ("routed MoE", "attention")])
+    print(f"{'':{width}}  " + "  ".join(f"{'rows ' + str(r):{cw}}" for r in rows))
+    for name, cs in cells.items():
+        if name in ("routed MoE", "attention"):  # long field lists: one line per row count
+            for r, x in zip(rows, cs):
+                print(f"{name:{width}}  rows {r}: {x}")
+        else:
+            print(f"{name:{width}}  " + "  ".join(f"{x:{cw}}" for x in cs))
+    return 0
