@@ -389,31 +389,31 @@ def _gemv_jobs_kernel(
     p = tl.program_id(0)
     if p < a_programs:
         _gemv_job(p % a_num_n, (p // a_num_n) % a_num_k, p // (a_num_n * a_num_k), a_num_n, a_x_ptr, a_xs_ptr,
-                      a_w_ptr, a_s_ptr, a_out_ptr, a_part_ptr, a_cnt_ptr, a_M, a_N, a_K, a_n_per_group, a_stride_xm,
-                      a_stride_xg, a_stride_xs, a_stride_wn, a_stride_sn, a_SPLIT_K, a_B1, a_B2, a_B3, a_u_ptr,
-                      a_limit, A_W_FP8, A_ACT_QUANT, A_PREQUANT, A_ROUTE, A_OUT_BF16, A_DOT_FP32, A_TQ, A_TP, A_BN,
-                      A_BK, A_KU, A_BLOCK_S, A_SWIGLU, A_CLAMP, A_X_BF16)
+                  a_w_ptr, a_s_ptr, a_out_ptr, a_part_ptr, a_cnt_ptr, a_M, a_N, a_K, a_n_per_group, a_stride_xm,
+                  a_stride_xg, a_stride_xs, a_stride_wn, a_stride_sn, a_SPLIT_K, a_B1, a_B2, a_B3, a_u_ptr,
+                  a_limit, A_W_FP8, A_ACT_QUANT, A_PREQUANT, A_ROUTE, A_OUT_BF16, A_DOT_FP32, A_TQ, A_TP, A_BN,
+                  A_BK, A_KU, A_BLOCK_S, A_SWIGLU, A_CLAMP, A_X_BF16)
     elif p < a_programs + b_programs:
         q = p - (a_programs)
         _gemv_job(q % b_num_n, (q // b_num_n) % b_num_k, q // (b_num_n * b_num_k), b_num_n, b_x_ptr, b_xs_ptr,
-                      b_w_ptr, b_s_ptr, b_out_ptr, b_part_ptr, b_cnt_ptr, b_M, b_N, b_K, b_n_per_group, b_stride_xm,
-                      b_stride_xg, b_stride_xs, b_stride_wn, b_stride_sn, b_SPLIT_K, b_B1, b_B2, b_B3, b_u_ptr,
-                      b_limit, B_W_FP8, B_ACT_QUANT, B_PREQUANT, B_ROUTE, B_OUT_BF16, B_DOT_FP32, B_TQ, B_TP, B_BN,
-                      B_BK, B_KU, B_BLOCK_S, B_SWIGLU, B_CLAMP, B_X_BF16)
+                  b_w_ptr, b_s_ptr, b_out_ptr, b_part_ptr, b_cnt_ptr, b_M, b_N, b_K, b_n_per_group, b_stride_xm,
+                  b_stride_xg, b_stride_xs, b_stride_wn, b_stride_sn, b_SPLIT_K, b_B1, b_B2, b_B3, b_u_ptr,
+                  b_limit, B_W_FP8, B_ACT_QUANT, B_PREQUANT, B_ROUTE, B_OUT_BF16, B_DOT_FP32, B_TQ, B_TP, B_BN,
+                  B_BK, B_KU, B_BLOCK_S, B_SWIGLU, B_CLAMP, B_X_BF16)
     elif p < a_programs + b_programs + c_programs:
         q = p - (a_programs + b_programs)
         _gemv_job(q % c_num_n, (q // c_num_n) % c_num_k, q // (c_num_n * c_num_k), c_num_n, c_x_ptr, c_xs_ptr,
-                      c_w_ptr, c_s_ptr, c_out_ptr, c_part_ptr, c_cnt_ptr, c_M, c_N, c_K, c_n_per_group, c_stride_xm,
-                      c_stride_xg, c_stride_xs, c_stride_wn, c_stride_sn, c_SPLIT_K, c_B1, c_B2, c_B3, c_u_ptr,
-                      c_limit, C_W_FP8, C_ACT_QUANT, C_PREQUANT, C_ROUTE, C_OUT_BF16, C_DOT_FP32, C_TQ, C_TP, C_BN,
-                      C_BK, C_KU, C_BLOCK_S, C_SWIGLU, C_CLAMP, C_X_BF16)
+                  c_w_ptr, c_s_ptr, c_out_ptr, c_part_ptr, c_cnt_ptr, c_M, c_N, c_K, c_n_per_group, c_stride_xm,
+                  c_stride_xg, c_stride_xs, c_stride_wn, c_stride_sn, c_SPLIT_K, c_B1, c_B2, c_B3, c_u_ptr,
+                  c_limit, C_W_FP8, C_ACT_QUANT, C_PREQUANT, C_ROUTE, C_OUT_BF16, C_DOT_FP32, C_TQ, C_TP, C_BN,
+                  C_BK, C_KU, C_BLOCK_S, C_SWIGLU, C_CLAMP, C_X_BF16)
     else:
         q = p - (a_programs + b_programs + c_programs)
         _gemv_job(q % d_num_n, (q // d_num_n) % d_num_k, q // (d_num_n * d_num_k), d_num_n, d_x_ptr, d_xs_ptr,
-                      d_w_ptr, d_s_ptr, d_out_ptr, d_part_ptr, d_cnt_ptr, d_M, d_N, d_K, d_n_per_group, d_stride_xm,
-                      d_stride_xg, d_stride_xs, d_stride_wn, d_stride_sn, d_SPLIT_K, d_B1, d_B2, d_B3, d_u_ptr,
-                      d_limit, D_W_FP8, D_ACT_QUANT, D_PREQUANT, D_ROUTE, D_OUT_BF16, D_DOT_FP32, D_TQ, D_TP, D_BN,
-                      D_BK, D_KU, D_BLOCK_S, D_SWIGLU, D_CLAMP, D_X_BF16)
+                  d_w_ptr, d_s_ptr, d_out_ptr, d_part_ptr, d_cnt_ptr, d_M, d_N, d_K, d_n_per_group, d_stride_xm,
+                  d_stride_xg, d_stride_xs, d_stride_wn, d_stride_sn, d_SPLIT_K, d_B1, d_B2, d_B3, d_u_ptr,
+                  d_limit, D_W_FP8, D_ACT_QUANT, D_PREQUANT, D_ROUTE, D_OUT_BF16, D_DOT_FP32, D_TQ, D_TP, D_BN,
+                  D_BK, D_KU, D_BLOCK_S, D_SWIGLU, D_CLAMP, D_X_BF16)
 
 
 @triton.jit
