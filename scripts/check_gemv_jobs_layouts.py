@@ -1,4 +1,5 @@
-"""Does each projection of a GEMV jobs launch reduce in the register layout of its own launch? (No GPU needed.)
+"""Does each projection of a GEMV jobs launch reduce in the register layout of its own launch, and each row of a
+several-row fma program in the one-row program's? (No GPU needed.)
 
 ``fp8_gemv_jobs`` promises each projection the bits of its own ``fp8_gemv`` launch. The FMA route sums a
 ``[BN, BK]`` tile of products along K with ``tl.sum``, whose order follows the tile's register layout — so the
@@ -8,7 +9,9 @@ beside an FP8 one of the same tile shape; the inlined bodies shared their index 
 weight load the FP8 load's 16-byte layout). This script compiles — for ``--target`` (sm_90 by default), with
 Triton's own argument specialization, on a machine without a GPU — the CSA layer's attention-input projections
 (``x_projections``: the FP8 q/KV pair, the four BF16 compressor weights, the BF16 head weights) at
-DeepSeek-V4-Flash widths, alone and as one jobs launch, and compares the layouts of their K reductions. Must run
+DeepSeek-V4-Flash widths, alone and as one jobs launch, and compares the layouts of their K reductions; and the FP8
+and BF16 ones at 4 rows with ``GemvGeometry.fma_rows`` 2 and 4 against one row per program (each row has an
+accumulator of its own, summed as the one-row program sums: the same layout means the same bits). Must run
 without ``TRITON_INTERPRET``.
 
     python scripts/check_gemv_jobs_layouts.py [--rows 1,8] [--target cuda:90]     # exit 1 on a mismatch
@@ -20,6 +23,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 if __name__ == "__main__":  # before triton and any kernel module are imported: the kernels must compile
@@ -124,7 +128,21 @@ def main(argv=None) -> int:
         jobs = sorted(set(k_reduction_layouts(jobs_ir)))
         report.append(dict(rows=rows, alone=alone, jobs=jobs, same=alone == jobs))
         ok &= alone == jobs
-    print(json.dumps(dict(target=args.target, ok=ok, cases=report), indent=1))
+    fma_rows = []  # the fma route with several rows per program: each row's K sum in the one-row program's layout
+    for c in projections(4)[:2]:  # the FP8 q/KV pair and the BF16 compressors, 4 token rows
+        one = dict(c, geometry=replace(c["geometry"], fma_rows=1))
+        per_row = {r: sorted(set(k_reduction_layouts(compiled(lambda r=r: gemv.fp8_gemv(
+            **dict(c, geometry=replace(c["geometry"], fma_rows=r))), target)[0]))) for r in (2, 4)}
+        single = sorted(set(k_reduction_layouts(compiled(lambda: gemv.fp8_gemv(**one), target)[0])))
+        same = all(v == single for v in per_row.values())
+        fma_rows.append(dict(weight=str(c["weight"].dtype), one_row=single, fma_rows_2=per_row[2],
+                             fma_rows_4=per_row[4], same=same))
+        ok &= same
+    import triton
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    print(json.dumps(dict(target=args.target, triton=triton.__version__, commit=commit.strip() or "unknown", ok=ok,
+                          cases=report, fma_rows=fma_rows), indent=1))
     return 0 if ok else 1
 
 

@@ -418,7 +418,8 @@ def test_gemv_jobs_are_their_own_launches_bit_for_bit(M, K, jobs):
 
 def test_each_gemv_job_reduces_in_the_register_layout_of_its_own_launch():
     """Compiled for sm_90 on this machine (no GPU): the CSA layer's three attention-input projections in one jobs
-    launch sum their K tiles in the layouts they have alone (``scripts/check_gemv_jobs_layouts.py``). Inlined, they
+    launch sum their K tiles in the layouts they have alone, and the rows of an fma program of 2 or 4 rows in the
+    one-row program's (``scripts/check_gemv_jobs_layouts.py``). Inlined, they
     did not — the BF16 tile took the FP8 tile's 16-byte layout, another summation order: 1–2 ulp on the H100
     (``data/results/h100/diag_prefill_after_decode_f3de19f.json``) where the interpreter, one program at a time,
     saw the same bits."""
@@ -434,6 +435,8 @@ def test_each_gemv_job_reduces_in_the_register_layout_of_its_own_launch():
     case = report["cases"][0]
     assert len(case["alone"]) == 2, case  # the FP8 and the BF16 tiles want different layouts: the check can fail
     assert report["ok"] and out.returncode == 0, case
+    # and GemvGeometry.fma_rows: each row of a several-row fma program sums K in the one-row program's layout
+    assert len(report["fma_rows"]) == 2 and all(f["same"] for f in report["fma_rows"]), report["fma_rows"]
 
 
 def test_gemv_jobs_refuse_what_one_launch_cannot_hold():
