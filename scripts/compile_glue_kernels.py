@@ -4,7 +4,9 @@ Each launcher of ``kernels/{mhc,norm_rope_quant,compressor_decode,router,indexer
 long-context ``indexer_split_decode.py`` and ``attention_split_decode.py`` (and the
 prefill kernels that are probed at run time: the mHC rows mix, the inline-PTX FP4 decode) is
 called at DeepSeek-V4-Flash widths on small CPU tensors; its Triton launch is intercepted and the kernel compiled
-(``triton.compile``, the wheel's own ptxas) for ``--target`` instead of run — so a kernel that the interpreter
+(``triton.compile``, the wheel's own ptxas) for ``--target`` instead of run, its arguments specialized as the GPU's JIT
+would (an integer 1 a constant, divisibility by 16 an attribute: ``compile_prefill_moe._source``; a split-K of 1
+then compiles without its split branch, as on the GPU) — so a kernel that the interpreter
 accepts but the GPU compiler rejects (a type mismatch, an op the backend lacks) fails here, in CI, not in a scarce
 GPU session. Must run without ``TRITON_INTERPRET`` (the kernels are imported compiled).
 
@@ -13,47 +15,22 @@ GPU session. Must run without ``TRITON_INTERPRET`` (the kernels are imported com
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from compile_prefill_moe import _source  # noqa: E402 — each launch specialized as the GPU's JIT would
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64", torch.int64: "i64",
-           torch.int32: "i32", torch.uint8: "u8", torch.int8: "i8", torch.float16: "fp16",
-           torch.float8_e4m3fn: "fp8e4nv"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas", "launch_pdl")
-
-
-def _signature(fn: JITFunction, args, kwargs):
-    names = fn.arg_names
-    values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    sig, consts = {}, {}
-    for p in fn.params:
-        if p.name not in values and p.default is not inspect.Parameter.empty:
-            values[p.name] = p.default  # a defaulted constexpr (e.g. PDL = False) the launch left out
-        v = values[p.name]
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + _DTYPES[v.dtype]
-        elif isinstance(v, bool):
-            sig[p.name] = "i1"
-        elif isinstance(v, int):
-            sig[p.name] = "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__}")
-    return sig, consts
 
 
 def _describe(err: BaseException) -> str:
@@ -97,10 +74,9 @@ def compile_launches(target: GPUTarget, calls, registers: bool = True) -> list[d
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
-        sig, consts = _signature(self, args, kwargs)
         t0 = time.perf_counter()
         try:
-            k = triton.compile(ASTSource(self, signature=sig, constexprs=consts), target=target, options=options)
+            k = triton.compile(_source(self, args, kwargs, target), target=target, options=options)
             rows.append(dict(kernel=self.__name__, call=current[0], ok=True,
                              seconds=round(time.perf_counter() - t0, 2),
                              shared=k.metadata.shared, **(_ptxas_usage(k, target) if registers else {})))
@@ -256,7 +232,7 @@ def flash_calls():
             [fp8_gemv.gemv_plan(**c) for c in (qkv, comps, head_w)])),
         ("GEMV wq_b, 4 rows of a verify step on one weight tile (fma_rows 4)", lambda: fp8_gemv.fp8_gemv(
             torch.zeros(4, a.q_lora_rank, dtype=bf), *fp8w(a.n_heads * d, a.q_lora_rank),
-            geometry=geo(block_n=16, block_k=128, split_k=2, fma_rows=4))),
+            geometry=geo(block_n=16, block_k=128, split_k=1, fma_rows=4))),
         ("GEMV compressors, 2 rows (fma_rows 2)", lambda: fp8_gemv.fp8_gemv(
             **(comps | dict(x=torch.zeros(2, D, dtype=bf), geometry=geo(block_n=16, block_k=256, split_k=4,
                                                                          fma_rows=2))))),
