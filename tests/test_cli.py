@@ -81,6 +81,7 @@ MISTAKES = [
     (["bench", "e2e", "--backend", "cuda"], "invalid choice: 'cuda'"),
     (["dispatch", "--rows", "0,2"], "--rows"),
     (["dispatch", "--tuned", "no-such.json"], "no-such.json"),
+    (["dispatch", "--prompt-tokens", "x"], "--prompt-tokens"),
 ]
 
 
@@ -135,6 +136,9 @@ def test_dispatch_shows_each_choice_and_the_rows_it_was_measured_at(tmp_path, ca
         ("fma n32k256s2w4:r2", 1), ("cublas", 8), ("cublas", 8)]
     other = out["choices"]["fp8_gemv_wo_b"]["by_rows"]["1"]
     assert other["measured_at_rows"] is None and other["where"] == "default" and other["impl"] == "triton"
-    assert main(["dispatch", "--tuned", str(tmp_path / "t.json"), "--rows", "1,2"]) == 0
+    assert out["fused_paths"] == {"1": [], "2": [], "9": []}  # the GPU defaults turn none on
+    assert out["prefill"]["4604"]["chunk"] == 4096 and out["prefill"]["1024"]["chunk"] == 1024  # the default chunking
+    assert main(["dispatch", "--tuned", str(tmp_path / "t.json"), "--rows", "1,2", "--prompt-tokens", "5000"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert any(line.startswith("fp8_gemv_wq_b ") and "cublas @8" in line for line in table), table
+    assert any(line.startswith("prefill ") and "5000 tokens: chunk=4096" in line for line in table), table

@@ -1,5 +1,6 @@
-"""``dsv4lab dispatch`` — what the Triton backend's dispatch runs for each decode projection, the routed MoE and the
-attention at each row count on a GPU, and where each choice comes from; no GPU needed.
+"""``dsv4lab dispatch`` — what the Triton backend's dispatch runs for each decode projection, the routed MoE, the
+attention and the mHC site at each row count on a GPU, which fused paths are on, and the prefill settings per prompt
+length; where each choice comes from; no GPU needed.
 
 The dispatch (:mod:`dsv4lab.engine.dispatch`) reads the GPU's tuned file (``kernels/dsv4lab_kernels/tuned/<gpu>.json``,
 or ``--tuned FILE``) over the GPU defaults; an entry measured at ``r`` rows serves every row count from the entry
@@ -17,6 +18,7 @@ import json
 from dsv4lab.core.config import get_preset
 from dsv4lab.core.errors import UserError
 from dsv4lab.engine.dispatch import GPU_DEFAULTS, Dispatch, load_tuned, read_tuned, shape_key
+from dsv4lab.engine.kernel_families import FUSION_NAMES
 from dsv4lab.tools import options
 
 NAME = "dispatch"
@@ -28,18 +30,24 @@ def add_arguments(p):
                    "its committed tuned file, or the GPU defaults where there is none")
     p.add_argument("--tuned", metavar="FILE", help="read this tuned file instead of the GPU's committed one")
     p.add_argument("--rows", default="1,2,3,4,8", help="token rows of a step, comma-separated (default: %(default)s)")
+    p.add_argument("--prompt-tokens", default="1024,4604,65536",
+                   help="prompt lengths whose prefill settings are shown, comma-separated (default: %(default)s)")
     options.add_preset(p, "flash", help="the model whose projections are listed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _rows(text: str) -> list[int]:
+def _counts(text: str, flag: str) -> list[int]:
     try:
         rows = [int(r) for r in text.split(",") if r.strip()]
     except ValueError:
         rows = []
     if not rows or min(rows) < 1:
-        raise UserError(f"--rows {text!r}: expected positive integers separated by commas, e.g. 1,2,4,8")
+        raise UserError(f"{flag} {text!r}: expected positive integers separated by commas, e.g. 1,2,4,8")
     return rows
+
+
+PREFILL_SHOWN = ("chunk", "moe_route", "moe_tag", "moe_rows", "gemm_backend", "weight_gemm_backend", "mhc_rows")
+"""The prefill settings shown per prompt length (:data:`~dsv4lab.engine.dispatch.PREFILL_SETTINGS`)."""
 
 
 def describe_pick(pick) -> str:
@@ -58,10 +66,18 @@ def describe_pick(pick) -> str:
     return f"{pick.route} {fields}" if pick.route else fields
 
 
+def _pick_json(pick, measured_at: int | None) -> dict:
+    out = dict(text=describe_pick(pick), measured_at_rows=measured_at)
+    if pick is not None:
+        out.update(impl=pick.impl, route=pick.route, fields=pick.fields, where=pick.where)
+    return out
+
+
 def run(args) -> int:
     from dsv4lab.tools.bench.decode.gemv import projection_shapes  # (imports torch)
 
-    rows = _rows(args.rows)
+    rows = _counts(args.rows, "--rows")
+    prompts = _counts(args.prompt_tokens, "--prompt-tokens")
     tuned = read_tuned(args.tuned) if args.tuned else load_tuned(args.gpu)
     d = Dispatch(tuned, GPU_DEFAULTS)
 
@@ -77,12 +93,15 @@ def run(args) -> int:
     choices["routed MoE"] = dict(shape=None, by_rows={r: (d.moe(r), measured("decode.moe", r)) for r in rows})
     choices["attention"] = dict(shape=None, by_rows={r: (d.attention(r), measured("decode.attention", r))
                                                      for r in rows})
+    choices["mHC site"] = dict(shape=None, by_rows={r: (d.mhc_site(r), measured("decode.mhc_site", r)) for r in rows})
+    fused = {r: [name for name in FUSION_NAMES if d.fused(name, r)] for r in rows}
+    prefill = {n: {name: (d.chunk(n) if name == "chunk" else d.prefill(name, n)) for name in PREFILL_SHOWN}
+               for n in prompts}
     if args.json:
         print(json.dumps(dict(dispatch=d.describe(), rows=rows, choices={
-            name: dict(shape=c["shape"], by_rows={str(r): dict(
-                text=describe_pick(p), measured_at_rows=at, **({} if p is None else dict(
-                    impl=p.impl, route=p.route, fields=p.fields, where=p.where))) for r, (p, at) in c["by_rows"].items()})
-            for name, c in choices.items()}), indent=1))
+            name: dict(shape=c["shape"], by_rows={str(r): _pick_json(p, at) for r, (p, at) in c["by_rows"].items()})
+            for name, c in choices.items()}, fused_paths={str(r): v for r, v in fused.items()},
+            prefill={str(n): v for n, v in prefill.items()}), indent=1))
         return 0
     print(d.describe())
     print("each cell: the choice, and @N the rows its tuned entry was measured at (an entry serves the row counts "
@@ -90,13 +109,21 @@ def run(args) -> int:
     cells = {name: [f"{describe_pick(p)} {'default' if at is None else f'@{at}'}" for p, at in c["by_rows"].values()]
              for name, c in choices.items()}
     width = max(len(name) for name in cells)
-    cw = max([len(f"rows {r}") for r in rows] + [len(x) for name, cs in cells.items() for x in cs
-                                                 if name not in ("routed MoE", "attention")])
+    cw = max([len(f"rows {r}") for r in rows]
+             + [len(x) for name, cs in cells.items() for x in cs if name not in LONG])
     print(f"{'':{width}}  " + "  ".join(f"{'rows ' + str(r):{cw}}" for r in rows))
     for name, cs in cells.items():
-        if name in ("routed MoE", "attention"):  # long field lists: one line per row count
+        if name in LONG:  # long field lists: one line per row count
             for r, x in zip(rows, cs):
                 print(f"{name:{width}}  rows {r}: {x}")
         else:
             print(f"{name:{width}}  " + "  ".join(f"{x:{cw}}" for x in cs))
+    for r in rows:
+        print(f"{'fused paths':{width}}  rows {r}: {', '.join(fused[r]) or 'none'}")
+    for n in prompts:
+        print(f"{'prefill':{width}}  {n} tokens: "
+              + "  ".join(f"{k}={'-' if v in ('', None) else v}" for k, v in prefill[n].items()))
     return 0
+
+
+LONG = ("routed MoE", "attention", "mHC site")
