@@ -31,33 +31,15 @@ if __name__ == "__main__":  # before triton and any kernel module are imported: 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU machine's Triton (3.6) fuses by default
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 REDUCE = re.compile(r'"tt\.reduce"\(%[\w.#]+\) <\{axis = (\d+) : i32\}>')
 OPERAND = re.compile(r'\}\) : \(tensor<([\dx]+)xf32, (#\w+)>\)')
-
-
-class _CompileOnlyDriver:
-    """What the JIT asks of a driver before it compiles, answered for ``target`` (no device, nothing launched)."""
-
-    def __init__(self, target: GPUTarget):
-        self.target = target
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
 
 
 def k_reduction_layouts(ttgir: str) -> list[str]:
@@ -72,22 +54,21 @@ def k_reduction_layouts(ttgir: str) -> list[str]:
 
 
 def compiled(launch, target: GPUTarget) -> list[str]:
-    """Run ``launch()`` with its Triton launches compiled for ``target`` (Triton's own specialization of the
-    arguments, as the GPU's JIT would make it) instead of run; the TTGIR of each, in launch order."""
+    """Run ``launch()`` with its Triton launches compiled for ``target`` instead of run, each specialized as the
+    GPU's JIT would (``compile_prefill_moe._source``); the TTGIR of each, in launch order."""
+    from compile_prefill_moe import _OPTIONS, _source  # (imported here: importing it pops TRITON_INTERPRET)
     out = []
     original = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
-        out.append(original(self, *args, grid=grid, warmup=True, **kwargs).asm["ttgir"])
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
+        out.append(triton.compile(_source(self, args, kwargs, target), target=target, options=options).asm["ttgir"])
 
-    previous = driver._active  # (None on a machine without a GPU: no default driver can be made there)
-    driver.set_active(_CompileOnlyDriver(target))
     JITFunction.run = compile_only
     try:
         launch()
     finally:
         JITFunction.run = original
-        driver._active = previous
     return out
 
 
@@ -138,10 +119,8 @@ def main(argv=None) -> int:
         fma_rows.append(dict(weight=str(c["weight"].dtype), one_row=single, fma_rows_2=per_row[2],
                              fma_rows_4=per_row[4], same=same))
         ok &= same
-    import triton
-    import subprocess
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    print(json.dumps(dict(target=args.target, triton=triton.__version__, commit=commit.strip() or "unknown", ok=ok,
+    from dsv4lab.core.provenance import short_commit
+    print(json.dumps(dict(target=args.target, triton=triton.__version__, commit=short_commit() or "unknown", ok=ok,
                           cases=report, fma_rows=fma_rows), indent=1))
     return 0 if ok else 1
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 
 from dsv4lab.core.config import get_preset
-from dsv4lab.core.errors import UserError
 from dsv4lab.engine.dispatch import GPU_DEFAULTS, Dispatch, load_tuned, read_tuned, shape_key
 from dsv4lab.engine.kernel_families import FUSION_NAMES
 from dsv4lab.tools import options
@@ -34,16 +33,6 @@ def add_arguments(p):
                    help="prompt lengths whose prefill settings are shown, comma-separated (default: %(default)s)")
     options.add_preset(p, "flash", help="the model whose projections are listed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _counts(text: str, flag: str) -> list[int]:
-    try:
-        rows = [int(r) for r in text.split(",") if r.strip()]
-    except ValueError:
-        rows = []
-    if not rows or min(rows) < 1:
-        raise UserError(f"{flag} {text!r}: expected positive integers separated by commas, e.g. 1,2,4,8")
-    return rows
 
 
 PREFILL_SHOWN = ("chunk", "moe_route", "moe_tag", "moe_rows", "gemm_backend", "weight_gemm_backend", "mhc_rows")
@@ -76,8 +65,8 @@ def _pick_json(pick, measured_at: int | None) -> dict:
 def run(args) -> int:
     from dsv4lab.tools.bench.decode.gemv import projection_shapes  # (imports torch)
 
-    rows = _counts(args.rows, "--rows")
-    prompts = _counts(args.prompt_tokens, "--prompt-tokens")
+    rows = options.positive_ints(args.rows, "--rows")
+    prompts = options.positive_ints(args.prompt_tokens, "--prompt-tokens")
     tuned = read_tuned(args.tuned) if args.tuned else load_tuned(args.gpu)
     d = Dispatch(tuned, GPU_DEFAULTS)
 
