@@ -4,7 +4,7 @@ several-row fma program in the one-row program's? (No GPU needed.)
 ``fp8_gemv_jobs`` promises each projection the bits of its own ``fp8_gemv`` launch. The FMA route sums a
 ``[BN, BK]`` tile of products along K with ``tl.sum``, whose order follows the tile's register layout — so the
 promise holds only if the compiler gives each projection's tile in the jobs kernel the layout it gets alone. On the
-H100 it did not (``data/results/h100/diag_prefill_after_decode_f3de19f.json``: the BF16 projection 1–2 ulp off
+H100 it did not (``data/results/h100/diag_prefill_after_decode_f3de19f.json``: the BF16 projection off by up to 1.9e-6
 beside an FP8 one of the same tile shape; the inlined bodies shared their index ranges and the compiler gave every
 weight load the FP8 load's 16-byte layout). This script compiles — for ``--target`` (sm_90 by default), with
 Triton's own argument specialization, on a machine without a GPU — the CSA layer's attention-input projections
