@@ -142,3 +142,15 @@ def test_dispatch_shows_each_choice_and_the_rows_it_was_measured_at(tmp_path, ca
     table = capsys.readouterr().out.splitlines()
     assert any(line.startswith("fp8_gemv_wq_b ") and "cublas @8" in line for line in table), table
     assert any(line.startswith("prefill ") and "5000 tokens: chunk=4096" in line for line in table), table
+
+
+def test_dispatch_takes_the_gpu_by_its_tuned_files_name(capsys):
+    """``--gpu h200`` names the committed H200 file as ``--gpu "NVIDIA H200"`` does (the file records the name torch
+    reports; a short name used to fall through to the defaults without a word)."""
+    import json
+    tables = []
+    for gpu in ("h200", "NVIDIA H200"):
+        assert main(["dispatch", "--gpu", gpu, "--rows", "1,2", "--json"]) == 0
+        tables.append(json.loads(capsys.readouterr().out))
+    assert tables[0] == tables[1]
+    assert tables[0]["choices"]["fp8_gemv_wq_b"]["by_rows"]["1"]["measured_at_rows"] == 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from dsv4lab.core.config import get_preset
-from dsv4lab.engine.dispatch import GPU_DEFAULTS, Dispatch, load_tuned, read_tuned, shape_key
+from dsv4lab.engine.dispatch import GPU_DEFAULTS, Dispatch, load_tuned, read_tuned, shape_key, tuned_path
 from dsv4lab.engine.kernel_families import FUSION_NAMES
 from dsv4lab.tools import options
 
@@ -25,8 +25,8 @@ HELP = "show the kernel choice per decode projection, routed MoE and attention a
 
 
 def add_arguments(p):
-    p.add_argument("--gpu", default="NVIDIA H200", help="the GPU's name as torch reports it (default: %(default)s); "
-                   "its committed tuned file, or the GPU defaults where there is none")
+    p.add_argument("--gpu", default="NVIDIA H200", help="the GPU's name as torch reports it, or its tuned file's name "
+                   "(h200) (default: %(default)s); its committed tuned file, or the GPU defaults where there is none")
     p.add_argument("--tuned", metavar="FILE", help="read this tuned file instead of the GPU's committed one")
     p.add_argument("--rows", default="1,2,3,4,8", help="token rows of a step, comma-separated (default: %(default)s)")
     p.add_argument("--prompt-tokens", default="1024,4604,65536",
@@ -62,12 +62,19 @@ def _pick_json(pick, measured_at: int | None) -> dict:
     return out
 
 
+def _gpu_name(gpu: str) -> str:
+    """The name the GPU's tuned file records, when ``gpu`` names that file ("h200", "nvidia h200"): the dispatch
+    uses a file only for the GPU it was measured on, and a short name must not fall back to the defaults."""
+    p = tuned_path(gpu)
+    return (read_tuned(p).gpu or gpu) if p.is_file() else gpu
+
+
 def run(args) -> int:
     from dsv4lab.tools.bench.decode.gemv import projection_shapes  # (imports torch)
 
     rows = options.positive_ints(args.rows, "--rows")
     prompts = options.positive_ints(args.prompt_tokens, "--prompt-tokens")
-    tuned = read_tuned(args.tuned) if args.tuned else load_tuned(args.gpu)
+    tuned = read_tuned(args.tuned) if args.tuned else load_tuned(_gpu_name(args.gpu))
     d = Dispatch(tuned, GPU_DEFAULTS)
 
     def measured(op: str, r: int, shape: str | None = None) -> int | None:
