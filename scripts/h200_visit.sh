@@ -25,8 +25,8 @@
 #                   must be the golden's
 #   decode (180)    bench kernels --suite decode --quick (DECODE_SECTIONS / DECODE_BATCHES narrow it as below, e.g.
 #                   DECODE_SECTIONS=gemv DECODE_BATCHES=2,4: a verify step's rows); its choices go into the visit's tuned file
-#                   ($R/tuned_h200.json, over the committed kernels/dsv4lab_kernels/tuned/h200.json), which is copied
-#                   over the committed one: what the backend reads from here on
+#                   ($R/tuned_h200.json, over the GPU's committed kernels/dsv4lab_kernels/tuned/<gpu>.json), which
+#                   is copied over the committed one: what the backend reads from here on
 #   decode_full     bench kernels --suite decode (full, --budget-s = limit − 30; DECODE_SECTIONS=mhc,attention
 #                   narrows it to those sections, DECODE_BATCHES=16,32 to those rows; the visit's tuned file keeps the
 #                   entries it does not measure)
@@ -70,6 +70,10 @@ fi
 '| triton', triton.__version__, '|', torch.cuda.get_device_name())";   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader; } \
     | tee "$R/versions.log"
 echo "commit ${DSV4LAB_COMMIT:-unknown}" >> "$R/versions.log"
+# the committed tuned file of this GPU (h200.json on an H200, h100_80gb_hbm3.json on an H100): what a decode part
+# replaces with its measured choices
+GPU_TUNED=$(python3 -c "import torch; from dsv4lab.engine.dispatch import tuned_path
+print(tuned_path(torch.cuda.get_device_name()))" 2>/dev/null)
 
 tuned_base() {  # the base a bench part merges over: the visit's tuned file once a part wrote it
     [ -f "$T" ] && echo "--tuned-base $T"
@@ -131,7 +135,7 @@ for spec in "$@"; do
             ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} \
             --out "$R/decode_kernels_quick.json" --tuned-out "$T" $(tuned_base)
             # the measured choices are what the backend reads from here on
-            [ -s "$T" ] && cp "$T" kernels/dsv4lab_kernels/tuned/h200.json ;;
+            [ -s "$T" ] && [ -n "$GPU_TUNED" ] && cp "$T" "$GPU_TUNED" ;;
         decode_full) part decode_full "${limit:-420}" python3 -m dsv4lab bench kernels --suite decode \
             ${DECODE_SECTIONS:+--sections "$DECODE_SECTIONS"} ${DECODE_BATCHES:+--batches "$DECODE_BATCHES"} \
             --budget-s $(( ${limit:-420} - 30 )) \
