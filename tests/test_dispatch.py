@@ -337,8 +337,8 @@ def test_rebuild_script_takes_some_ops_and_sets_a_choice_by_hand(tmp_path):
     assert (d.prefill("mhc_rows"), d.prefill("mhc_rows_geometry")) == (False, "m64d4w4")
     assert d.prefill("gemm_backend") == "triton" and d.prefill("moe_route") == committed.prefill("moe_route")
     doc = json.loads(out.read_text())
-    assert doc["ops"]["prefill.mhc_rows"][0]["source"] == "f00d/prefill-quick"
-    assert doc["sources"]["f00d/prefill-quick"]["command"].endswith("--quick --sections glue")
+    assert doc["ops"]["prefill.mhc_rows"][0]["source"] == "f00d/prefill-quick:glue"
+    assert doc["sources"]["f00d/prefill-quick:glue"]["command"].endswith("--quick --sections glue")
     assert doc["ops"]["prefill.gemm"][0]["source"] == "set-by-hand" and doc["ops"]["decode.gemv"] == json.loads(
         H200.read_text())["ops"]["decode.gemv"]
     fresh.write_text(json.dumps(dict(json.loads(fresh.read_text()), gpu="NVIDIA A100-SXM4-80GB")))
@@ -348,6 +348,27 @@ def test_rebuild_script_takes_some_ops_and_sets_a_choice_by_hand(tmp_path):
     r = subprocess.run(script + [str(H200), "--set", "prefill.gemm", "--out", str(tmp_path / "x.json")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "expected OP.FIELD=VALUE" in r.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_two_narrowed_runs_of_one_commit_keep_their_own_sources():
+    """A ``--sections gemv --batches 1,2,4`` run and a ``--sections moe --batches 1,8`` run of the same commit
+    merged into one tuned file: each entry still names the command that measured it (one id for both used to
+    give the gemv entries the moe run's command)."""
+    from dsv4lab.tools.bench.tuned import merge_tuned, source_of, tuned_doc
+    base = dict(suite="decode", gpu="NVIDIA H100 80GB HBM3", commit="f00d", torch="2.11", triton="3.6", quick=True)
+    gemv_id, gemv_info = source_of(dict(base, sections=["gemv"], batches=[1, 2, 4]), "decode")
+    moe_id, moe_info = source_of(dict(base, sections=["moe"], batches=[1, 8]), "decode")
+    assert gemv_id != moe_id and source_of(dict(base), "decode")[0] == "f00d/decode-quick"
+    assert moe_info["command"] == "dsv4lab bench kernels --suite decode --quick --sections moe --batches 1,8"
+    moe = dict(route="fma", block_n_up=8, block_n_down=8)
+    gemv = dict(impl="cublas")
+    shape = shape_key(32768, 1024, 1, "fp8", True)
+    a = tuned_doc(base["gpu"], {gemv_id: gemv_info}, {"decode.gemv": [dict(shape=shape, rows=2, choice=gemv,
+                                                                           source=gemv_id)]})
+    b = tuned_doc(base["gpu"], {moe_id: moe_info}, {"decode.moe": [dict(rows=8, choice=moe, source=moe_id)]})
+    merged = merge_tuned(a, b)
+    assert merged["sources"] == {gemv_id: gemv_info, moe_id: moe_info}
+    assert merged["ops"]["decode.gemv"][0]["source"] == gemv_id and merged["ops"]["decode.moe"][0]["source"] == moe_id
 
 
 def test_family_lists_reach_the_benchmarks():

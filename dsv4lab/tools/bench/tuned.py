@@ -29,17 +29,24 @@ PREFILL_CHOICE_OPS = {"prefill.moe": "moe", "prefill.moe_rows": "moe", "prefill.
 
 
 def source_of(doc: dict, suite: str) -> tuple[str, dict]:
-    """The id (``<commit>/<suite>[-quick]``) and the provenance of a benchmark result: commit, command, GPU name,
-    torch and triton versions."""
+    """The id (``<commit>/<suite>[-quick]``, then ``:<sections>`` and ``@<batches>`` where the run was narrowed
+    to them) and the provenance of a benchmark result: commit, command, GPU name, torch and triton versions. Two
+    narrowed runs of one commit (``--sections gemv``, then ``--sections moe``) get two ids, so merging one into
+    the other's file keeps each entry's own command."""
     quick = bool(doc.get("quick")) or doc.get("mode") == "quick"
     command = f"dsv4lab bench kernels --suite {suite}" + (" --quick" if quick else "")
+    sid = f"{doc.get('commit')}/{suite}" + ("-quick" if quick else "")
     default = {"decode": ("moe", "gemv", "mhc") if quick else ("moe", "gemv", "mhc", "attention", "layer"),
                "prefill": ("moe", "chunks", "dense", "glue", "attention")}[suite]
     if doc.get("sections") and set(doc["sections"]) != set(default):
         command += " --sections " + ",".join(doc["sections"])
+        sid += ":" + ",".join(doc["sections"])
+    if doc.get("batches"):
+        command += " --batches " + ",".join(str(b) for b in doc["batches"])
+        sid += "@" + ",".join(str(b) for b in doc["batches"])
     info = dict(commit=doc.get("commit"), command=command, gpu=doc.get("gpu"), torch=doc.get("torch"),
                 triton=doc.get("triton"))
-    return f"{doc.get('commit')}/{suite}" + ("-quick" if quick else ""), info
+    return sid, info
 
 
 def tuned_doc(gpu: str, sources: dict, ops: dict) -> dict:

@@ -57,6 +57,8 @@ def run_suite(args) -> int:
     doc = run_header(b, args, smoke) | dict(quick=quick)
     out = output_path(args, "decode")
     doc["sections"] = list(chosen)
+    if asked:
+        doc["batches"] = list(asked)  # (the tuned entries' source names them: two narrowed runs stay apart)
     # read (and a base from another GPU refused) before the run
     tuned = TunedWriter(args, out, doc["gpu"], b.cuda and not smoke and bool({"moe", "gemv", "mhc", "attention"}
                                                                               & set(chosen)))
