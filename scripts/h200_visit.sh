@@ -8,8 +8,8 @@
 # against 2 / 2 / 3 s with the cache warm) and of its GPU suite: the visit packs its cache — binaries and metadata
 # only, the IR text (.ttir/.ttgir/.llir/.ptx/.source) left out: a cache hit reads the metadata and the binary alone
 # (Triton 3.6, compiler.py) — into $OUT/triton_cache.txz.partNN (15 MiB pieces; nothing when the whole is over
-# 20 MiB, which with the ~43 MiB working tree would pass the 64 MiB a call may carry), and unpacks
-# .carry/triton_cache.t{xz,gz}* first when the call carried them — copy the returned pieces there (and nothing
+# 16 MiB, which with the ~44 MiB working tree and the 6.7 MB of .whl/ would pass the 64 MiB a call may carry), and
+# unpacks .carry/triton_cache.t{xz,gz}* first when the call carried them — copy the returned pieces there (and nothing
 # else) and pass carry=[".carry"] (the cache is keyed by each kernel's source and options: a changed kernel
 # recompiles). The files go in sorted by name — the cubins of one kernel's specializations side by side — through
 # xz: the f3de19f visit's cache (2,467 files) is 4.4 MB so against 20.3 MB through gzip, whose window sees one cubin
@@ -43,8 +43,9 @@
 #                   on by default on sm_90+; E2E_NOPDL_ARGS adds options), written to e2e_1gpu_nopdl.json
 #   spec (150)      scripts/measure_speculative.py --gpu-step-cost --layers 30
 #   serve (300)     bench serve with the openai client against an in-process server of the generated 30-layer cut
-#                   (triton, concurrency 1/8/32, speculation off and mtp; SERVE_ARGS adds options), after installing
-#                   the FastAPI stack from the carried .whl/ (scripts/fetch_serve_wheels.sh; carry=[".whl"]);
+#                   (triton, concurrency 1/8/32, speculation off and mtp; SERVE_ARGS adds options), with the FastAPI
+#                   stack the visit installs from the carried .whl/ first (scripts/fetch_serve_wheels.sh;
+#                   carry=[".carry", ".whl"]: the tests part's serve tests need it too, else they skip);
 #                   written to runs/h200/serve_flash.json
 #   diag_sort (60)  scripts/diag_moe_sort.py: the MoE sorter's event, host-issue and GPU-kernel time at prefill sizes
 #   diag_prefill (240) scripts/diag_prefill_after_decode.py: a prefill before/after decoding on every decode ×
@@ -59,6 +60,10 @@ T=$R/tuned_h200.json  # the visit's tuned file: every bench part merges its choi
 mkdir -p "$R"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/runs/triton-cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1
+if compgen -G ".whl/*.whl" > /dev/null; then  # the FastAPI stack for serve and its tests (no internet there)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve-site .whl/*.whl \
+        >> "$R/install.log" 2>&1 && export PYTHONPATH=/tmp/serve-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if compgen -G ".carry/triton_cache.txz*" > /dev/null; then  # one file or its pieces, in name order
     cat .carry/triton_cache.txz* | xz -dc | tar xf - -C runs \
         && echo "triton cache: $(find runs/triton-cache -type f | wc -l) files carried in" >> "$R/install.log"
@@ -106,13 +111,13 @@ pack() {
             tar cf - -C runs -T runs/triton_cache.files 2>/dev/null | $squeeze > "runs/triton_cache.$ext"
             local size
             size=$(stat -c %s "runs/triton_cache.$ext")
-            if [ "$size" -le $((20 * 1024 * 1024)) ]; then
+            if [ "$size" -le $((16 * 1024 * 1024)) ]; then
                 rm -f "$OUT"/triton_cache.t*
                 split -b 15M -d "runs/triton_cache.$ext" "$OUT/triton_cache.$ext.part"
                 echo "triton cache: $size bytes packed ($(find runs/triton-cache -type f | wc -l) files)" \
                     > "$R/cache_pack.txt"
             else  # an earlier part's pack, if any, stays: the cache of the parts before this one
-                echo "triton cache: $size bytes after part $name, over 20 MiB: the last pack kept" >> "$R/cache_pack.txt"
+                echo "triton cache: $size bytes after part $name, over 16 MiB: the last pack kept" >> "$R/cache_pack.txt"
             fi
             cat "$R/cache_pack.txt" >> "$OUT/summary.txt"
         fi
@@ -154,11 +159,7 @@ for spec in "$@"; do
         e2e_nopdl) [ -f "$T" ] && [ -z "${DSV4LAB_TUNED:-}" ] && export DSV4LAB_TUNED="$PWD/$T"
             part e2e_nopdl "${limit:-300}" python3 -m dsv4lab bench e2e --nproc 1 --layers 30 --no-pdl \
             --budget-s $(( ${limit:-300} - 40 )) ${E2E_NOPDL_ARGS:-} --out "$R/e2e_1gpu_nopdl.json" ;;
-        serve) if compgen -G ".whl/*.whl" > /dev/null; then  # no internet there: the wheels came with the call
-                python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve-site .whl/*.whl \
-                    >> "$R/install.log" 2>&1 && export PYTHONPATH=/tmp/serve-site${PYTHONPATH:+:$PYTHONPATH}
-            fi
-            part serve "${limit:-300}" python3 -m dsv4lab bench serve --generate flash --layers 30 --model-seed 0 \
+        serve) part serve "${limit:-300}" python3 -m dsv4lab bench serve --generate flash --layers 30 --model-seed 0 \
                 --backend triton --speculative off,mtp --concurrency 1,8,32 --num-prompts 32 --input-len 128 \
                 --output-len 64 --max-model-len 4096 ${SERVE_ARGS:-} --out "$R/serve_flash.json" ;;
         diag_sort) part diag_sort "${limit:-60}" python3 scripts/diag_moe_sort.py --out "$R/moe_sort_diag.json" ;;
