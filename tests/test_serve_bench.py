@@ -35,6 +35,21 @@ def test_bench_serve_smoke_on_a_generated_model_writes_every_field(tmp_path, cap
         assert all(len(itl) == 2 for itl in run["itls"])  # a tokenizer-less server: one chunk of ids per token
     mtp = [r for r in doc["runs"] if r["speculative"] == "mtp"]
     assert all(r["draft_tokens"] == 1 and r["drafted_tokens"] > 0 for r in mtp)
+    assert doc["meta"]["client"] == "own process"
+    for run in doc["runs"]:  # the engine thread's side: this run's counters only (the warm-up request excluded)
+        e = run["engine"]
+        assert e["generated_tokens"] == 6 and e["prefill_tokens"] == 8 and 1 <= e["prefill_forwards"] <= 2
+        assert e["decode_steps"] >= 2 and e["decode_s"] > 0 and e["prefill_s"] > 0
+        assert 0 < e["decode_share"] + e["prefill_share"] <= 1
+        assert e["decode_step_ms"] == pytest.approx(1000 * e["decode_s"] / e["decode_steps"], rel=1e-3, abs=1e-3)
+
+
+def test_bench_serve_can_run_its_client_in_the_server_process(tmp_path):
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--generate", "tiny", "--num-prompts", "1", "--input-len", "4", "--output-len",
+                 "2", "--concurrency", "1", "--device", "cpu", "--client-in-server-process", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["client"] == "the server's process" and doc["runs"][0]["completed"] == 1
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -64,3 +79,13 @@ def test_speculation_asked_of_a_model_without_an_mtp_block_is_refused():
         build_app(ServerOptions(checkpoint=None, generate="tiny", speculative="mtp"), model=model)
     with pytest.raises(UserError, match="exactly one of --checkpoint"):
         build_app(ServerOptions(checkpoint="data/tiny", generate="tiny"))
+
+
+def test_an_existing_committed_result_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    from dsv4lab.tools.bench import serve as bench_serve
+    monkeypatch.setattr(bench_serve, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench_serve, "load_model", lambda opts: pytest.fail("the model must not load"))
+    (tmp_path / "serve.json").write_text("{}")
+    assert main(["bench", "serve", "--generate", "tiny", "--device", "cpu", "--out", str(tmp_path / "serve.json")]) == 2
+    err = capsys.readouterr().err
+    assert "exists (a committed result): pass --force" in err and "Traceback" not in err

@@ -22,20 +22,19 @@ random words. The JSON result keeps every per-request array (``ttfts``, ``itls``
 **In-process servers.** ``--checkpoint DIR`` or ``--generate PRESET --layers N --model-seed S`` (the model
 ``bench e2e`` measures, generated in memory) loads the model once and serves it on loopback once per
 ``--speculative`` mode (``off,mtp``: plain decoding, then MTP self-speculation), each run recording its mode
-(``runs[].speculative``). On a GPU the result goes to ``data/results/<gpu>/serve_<model>.json`` (``h200`` on an
+(``runs[].speculative``). The client runs in a process of its own, as vLLM's does: in the server's process its
+Python would hold the interpreter lock the engine thread needs to launch each step (``--client-in-server-process``
+measures that setup). Each run also records the engine thread's side (``runs[].engine``: prefills, decode steps,
+the wall time of each phase, the mean step and the rows it carried), the difference of the scheduler's counters
+over the run. On a GPU the result goes to ``data/results/<gpu>/serve_<model>.json`` (``h200`` on an
 H200; an existing file is kept unless ``--force``); elsewhere to ``runs/bench_serve/<time>.json``.
 """
 from __future__ import annotations
 
-import asyncio
 import random
-import statistics
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import openai
 import torch
 
@@ -43,11 +42,11 @@ from dsv4lab.core.config import PRESETS
 from dsv4lab.core.errors import UserError
 from dsv4lab.core.paths import RESULTS_DIR
 from dsv4lab.core.provenance import identity, result_path, write_json
+from dsv4lab.tools.bench.serve_client import PERCENTILES, ClientProcess, level as client_level
 from dsv4lab.tools.options import add_backend, add_device, add_dtype, float_range, int_range
 from dsv4lab.tools.serve.server import BackgroundServer, ServerOptions, build_app, load_model
 
 HELP = "HTTP benchmark of an OpenAI-compatible server (vLLM bench serve metrics: TTFT, TPOT, ITL, E2E)"
-PERCENTILES = (50, 90, 99)
 
 
 def add_arguments(p):
@@ -78,6 +77,9 @@ def add_arguments(p):
                    help="let requests stop at EOS (default: ignore_eos so every request yields --output-len)")
     p.add_argument("--vocab-size", type=int_range(2), default=None,
                    help="id range for random prompts (default: the server's or 4096)")
+    p.add_argument("--client-in-server-process", action="store_true",
+                   help="in-process server: run the client in the server's process too (default: a process of its "
+                        "own, so that its Python does not take the interpreter lock from the engine thread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float_range(0, lo_open=True), default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="JSON result path (default: data/results/<gpu>/serve_<model>.json "
@@ -85,128 +87,22 @@ def add_arguments(p):
     p.add_argument("--force", action="store_true", help="replace an existing result under data/results/")
 
 
-@dataclass
-class RequestResult:
-    """One request as the client saw it (times in seconds)."""
-    success: bool = False
-    prompt_len: int = 0
-    output_len: int = 0
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0
-    error: str = ""
+ENGINE_COUNTERS = ("prefill_forwards", "prefill_tokens", "decode_steps", "generated_tokens", "prefill_s", "decode_s")
+"""The scheduler's counters a run reports the difference of (:meth:`Scheduler.stats`)."""
 
 
-async def _one_request(client, model: str, endpoint: str, prompt, prompt_len: int, output_len: int,
-                       ignore_eos: bool) -> RequestResult:
-    """One streamed request through the ``openai`` client; a chunk counts as output when it carries text or, from
-    a server without a tokenizer, token ids (``return_token_ids``)."""
-    result = RequestResult(prompt_len=prompt_len)
-    extra = {"ignore_eos": ignore_eos, "return_token_ids": True}
-    common = dict(model=model, max_tokens=output_len, temperature=0.0, stream=True,
-                  stream_options={"include_usage": True}, extra_body=extra)
-    start = last = time.perf_counter()
-    chunks = 0
-    usage_tokens = None
-    try:
-        if endpoint == "chat":
-            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
-        else:
-            stream = await client.completions.create(prompt=prompt, **common)
-        async for chunk in stream:
-            if chunk.usage is not None and not chunk.choices:
-                usage_tokens = chunk.usage.completion_tokens
-                continue
-            for choice in chunk.choices:
-                if endpoint == "chat":
-                    delta = choice.delta
-                    carries = bool(delta.content or getattr(delta, "reasoning_content", None))
-                else:
-                    carries = bool(choice.text)
-                if carries or getattr(choice, "token_ids", None):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    chunks += 1
-        result.latency = last - start
-        result.output_len = usage_tokens if usage_tokens is not None else chunks
-        result.success = chunks > 0
-        if not result.success:
-            result.error = "no generated output in the stream"
-    except Exception as err:  # a failed request is a data point, not a crash
-        result.error = f"{type(err).__name__}: {str(err)[:300]}"
-    return result
-
-
-def _stats(values: list[float], scale: float = 1000.0) -> dict:
-    """mean / median / std / p90 / p99 in milliseconds (0 for an empty list, as vLLM reports)."""
-    if not values:
-        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{q}": 0.0 for q in PERCENTILES}}
-    xs = sorted(v * scale for v in values)
-    return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
-            "std": statistics.pstdev(xs), **{f"p{q}": _percentile(xs, q) for q in PERCENTILES}}
-
-
-
-def _percentile(sorted_xs: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), so results match vLLM's."""
-    if len(sorted_xs) == 1:
-        return sorted_xs[0]
-    pos = (len(sorted_xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
-
-
-def summarize(results: list[RequestResult], duration: float, concurrency: int) -> dict:
-    """vLLM's aggregate metrics for one run, with the per-request arrays."""
-    ok = [r for r in results if r.success]
-    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
-    itls = [x for r in ok for x in r.itl]
-    total_in = sum(r.prompt_len for r in ok)
-    total_out = sum(r.output_len for r in ok)
-    return {
-        "concurrency": concurrency, "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": total_out / duration if duration else 0.0,
-        "tok_s": total_out / duration if duration else 0.0,  # output tokens per second, the name e2e rows use
-        "total_token_throughput": (total_in + total_out) / duration if duration else 0.0,
-        "ttft_ms": _stats([r.ttft for r in ok]), "tpot_ms": _stats(tpots), "itl_ms": _stats(itls),
-        "e2el_ms": _stats([r.latency for r in ok]),
-        "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_len for r in results],
-        "ttfts": [r.ttft for r in results], "tpots": [(r.latency - r.ttft) / (r.output_len - 1)
-                                                       if r.success and r.output_len > 1 else None for r in results],
-        "itls": [r.itl for r in results], "e2els": [r.latency for r in results],
-        "errors": [r.error for r in results],
-    }
-
-
-async def run_level(url: str, model: str, endpoint: str, prompts: list, prompt_lens: list[int], output_len: int,
-                    concurrency: int, request_rate: float, ignore_eos: bool, api_key: str | None, timeout: float,
-                    seed: int) -> dict:
-    """One benchmark run: every prompt once, at most ``concurrency`` in flight."""
-    limits = httpx.Limits(max_connections=max(concurrency, 1) + 4, max_keepalive_connections=max(concurrency, 1))
-    rng = random.Random(seed)
-    gate = asyncio.Semaphore(concurrency)
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "unused", max_retries=0, timeout=timeout,
-                                  http_client=httpx.AsyncClient(timeout=timeout, limits=limits)) as client:
-        async def limited(prompt, n):
-            async with gate:
-                return await _one_request(client, model, endpoint, prompt, n, output_len, ignore_eos)
-
-        start = time.perf_counter()
-        tasks = []
-        for prompt, n in zip(prompts, prompt_lens):
-            tasks.append(asyncio.create_task(limited(prompt, n)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(list(results), duration, concurrency)
+def engine_section(before: dict, after: dict, duration: float, sequences: int) -> dict:
+    """The engine thread's side of one run from the scheduler's counters before and after it: prefills, decode
+    steps, the wall time of each phase (and its share of the run), the mean decode step and the rows it carried
+    (each sequence's first token comes from its prefill, the rest from decode steps)."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ENGINE_COUNTERS}
+    steps = d["decode_steps"]
+    out = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
+    out.update(prefill_share=round(d["prefill_s"] / duration, 4) if duration else None,
+               decode_share=round(d["decode_s"] / duration, 4) if duration else None,
+               decode_step_ms=round(1000 * d["decode_s"] / steps, 3) if steps else None,
+               rows_per_step=round((d["generated_tokens"] - sequences) / steps, 3) if steps else None)
+    return out
 
 
 def make_prompts(endpoint: str, num: int, input_len: int, vocab_size: int, seed: int) -> tuple[list, list[int]]:
@@ -271,6 +167,17 @@ def default_out(model: str, in_process: bool, device: torch.device) -> Path:
     return result_path(None, "bench_serve")
 
 
+def _check_out(out: Path | None, name: str, in_process: bool, args) -> None:
+    """An existing result under ``data/results/`` is kept unless ``--force`` (``out`` None: the default path of
+    an in-process server, on the GPU it will load on)."""
+    if out is None:
+        asked = getattr(args, "device", None) or "auto"
+        dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if asked == "auto" else asked)
+        out = default_out(name, in_process, dev)
+    if out.exists() and out.resolve().is_relative_to(RESULTS_DIR.resolve()) and not args.force:
+        raise UserError(f"{out} exists (a committed result): pass --force to replace it, or --out elsewhere")
+
+
 def run(args) -> int:
     in_process = args.checkpoint is not None or args.generate is not None
     if (args.url is None) == (not in_process) or (args.checkpoint is not None and args.generate is not None):
@@ -290,6 +197,9 @@ def run(args) -> int:
                          seed=args.model_seed, max_concurrency=max(levels), api_key=args.api_key,
                          backend=args.backend, device=args.device, dtype=args.dtype,
                          max_model_len=args.max_model_len, draft_tokens=args.draft_tokens)
+    if args.out or in_process:  # a committed result is refused before the run, not after it
+        _check_out(Path(args.out) if args.out else None, args.model or (opts.model_name if in_process else ""),
+                   in_process, args)
     model = None
     if in_process:
         print(f"loading {args.checkpoint or opts.model_name} ...", file=sys.stderr)
@@ -298,46 +208,74 @@ def run(args) -> int:
         except ValueError as err:
             raise UserError(str(err)) from None
     runs, name, url = [], None, args.url.rstrip("/") if args.url else None
-    for mode in modes:
-        server = None
-        if model is not None:
-            opts.speculative = mode
-            try:
-                app, scheduler = build_app(opts, model=model)
-            except ValueError as err:  # no MTP block, --draft-tokens above what the model supports
-                raise UserError(str(err).replace("draft_tokens", "--draft-tokens")) from None
-            server = BackgroundServer(app, scheduler=scheduler).start()
-            url = server.url
-        try:
-            try:
-                info = _discover(url, args.api_key)
-            except Exception as err:
-                raise UserError(f"cannot list models at {url}/v1/models: {err}") from None
-            name = args.model or info["id"]
-            vocab = args.vocab_size or (model.args.vocab_size if model is not None else 4096)
-            prompts, lens = make_prompts(args.endpoint, args.num_prompts, args.input_len, vocab, args.seed)
-            # One request first, as vLLM does: it checks the setup and keeps start-up costs out of the numbers.
-            warm = asyncio.run(run_level(url, name, args.endpoint, prompts[:1], lens[:1], min(args.output_len, 4), 1,
-                                         float("inf"), ignore_eos, args.api_key, args.timeout, args.seed))
-            if warm["failed"]:
-                raise UserError(f"the warm-up request failed: {warm['errors'][0]}")
-            for level in levels:
-                print(f"{'speculative ' + mode if mode else 'plain'} decoding, concurrency {level}: "
-                      f"{args.num_prompts} requests ...", file=sys.stderr)
-                result = asyncio.run(run_level(url, name, args.endpoint, prompts, lens, args.output_len, level,
-                                               args.request_rate, ignore_eos, args.api_key, args.timeout, args.seed))
-                result["speculative"] = mode or "off"
-                if mode:
-                    result["draft_tokens"] = args.draft_tokens
-                    counters = scheduler.stats()
-                    result["accepted_tokens"], result["drafted_tokens"] = (counters.get("accepted_tokens", 0),
-                                                                           counters.get("drafted_tokens", 0))
-                runs.append(result)
-                print(format_table(result, name))
-        finally:
-            if server is not None:
-                server.stop()
+    own_process = in_process and not args.client_in_server_process
+    client = ClientProcess() if own_process else None
 
+    def level(**kwargs) -> dict:  # one run of the client, in its own process where it has one
+        return client(**kwargs) if client is not None else client_level(kwargs)
+
+    try:
+        for mode in modes:
+            server = None
+            if model is not None:
+                opts.speculative = mode
+                try:
+                    app, scheduler = build_app(opts, model=model)
+                except ValueError as err:  # no MTP block, --draft-tokens above what the model supports
+                    raise UserError(str(err).replace("draft_tokens", "--draft-tokens")) from None
+                server = BackgroundServer(app, scheduler=scheduler).start()
+                url = server.url
+            try:
+                name = _measure_mode(args, url, model, mode, levels, ignore_eos, level, runs,
+                                     scheduler if server is not None else None)
+            finally:
+                if server is not None:
+                    server.stop()
+    finally:
+        if client is not None:
+            client.close()
+    _write(args, runs, name, model, in_process, ignore_eos, own_process)
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def _measure_mode(args, url: str, model, mode: str | None, levels: list[int], ignore_eos: bool, level, runs: list,
+                  scheduler) -> str:
+    """Every concurrency level against the server at ``url`` (one decoding ``mode``), appended to ``runs``;
+    returns the model's name."""
+    try:
+        info = _discover(url, args.api_key)
+    except Exception as err:
+        raise UserError(f"cannot list models at {url}/v1/models: {err}") from None
+    name = args.model or info["id"]
+    vocab = args.vocab_size or (model.args.vocab_size if model is not None else 4096)
+    prompts, lens = make_prompts(args.endpoint, args.num_prompts, args.input_len, vocab, args.seed)
+    common = dict(url=url, model=name, endpoint=args.endpoint, ignore_eos=ignore_eos, api_key=args.api_key,
+                  timeout=args.timeout, seed=args.seed)
+    # One request first, as vLLM does: it checks the setup and keeps start-up costs out of the numbers.
+    warm = level(prompts=prompts[:1], prompt_lens=lens[:1], output_len=min(args.output_len, 4), concurrency=1,
+                 request_rate=float("inf"), **common)
+    if warm["failed"]:
+        raise UserError(f"the warm-up request failed: {warm['errors'][0]}")
+    for c in levels:
+        print(f"{'speculative ' + mode if mode else 'plain'} decoding, concurrency {c}: "
+              f"{args.num_prompts} requests ...", file=sys.stderr)
+        before = scheduler.stats() if scheduler is not None else None
+        result = level(prompts=prompts, prompt_lens=lens, output_len=args.output_len, concurrency=c,
+                       request_rate=args.request_rate, **common)
+        result["speculative"] = mode or "off"
+        if scheduler is not None:
+            after = scheduler.stats()
+            result["engine"] = engine_section(before, after, result["duration_s"], result["completed"])
+            if mode:  # this run's drafts (the counters run on over the mode's levels)
+                result["draft_tokens"] = args.draft_tokens
+                for k in ("accepted_tokens", "drafted_tokens"):
+                    result[k] = after.get(k, 0) - before.get(k, 0)
+        runs.append(result)
+        print(format_table(result, name))
+    return name
+
+
+def _write(args, runs: list, name: str, model, in_process: bool, ignore_eos: bool, own_process: bool) -> None:
     device = getattr(model, "device", torch.device("cpu"))
     source = args.url or (f"in-process: {args.checkpoint}" if args.checkpoint else f"in-process: generated "
                           f"{args.generate}, {args.layers or 'all'} layers, seed {args.model_seed}")
@@ -346,11 +284,10 @@ def run(args) -> int:
                     "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                     "request_rate": args.request_rate, "ignore_eos": ignore_eos, "seed": args.seed,
                     "backend": args.backend if in_process else None,
+                    "client": ("own process" if own_process else "the server's process") if in_process else None,
                     "decode_path": model.decode_path if model is not None else None},
            "runs": runs}
     out = Path(args.out) if args.out else default_out(name, in_process, device)
-    if out.exists() and out.resolve().is_relative_to(RESULTS_DIR.resolve()) and not args.force:
-        raise UserError(f"{out} exists (a committed result): pass --force to replace it, or --out elsewhere")
+    _check_out(out, name, in_process, args)
     write_json(out, doc)
     print(f"wrote {out}")
-    return 0 if all(r["failed"] == 0 for r in runs) else 1

@@ -27,6 +27,9 @@ alone is ended. Non-finite logits end their sequence with an error naming the po
 layer (:mod:`dsv4lab.engine.finite`), never a token. Only a failure of the decode step itself (a bug, not a
 request) ends every sequence in that step.
 
+The engine thread's wall time is counted per phase (``stats()``: ``prefill_s``, the admissions' prefills and first
+tokens; ``decode_s``, the steps with their token deliveries), so a benchmark can say where a run's time went.
+
 Tokens go back to the asyncio side through each request's ``asyncio.Queue`` (``call_soon_threadsafe``),
 so the HTTP layer never touches the model. Greedy decoding is ``argmax`` of the same logits ``m.generate``
 uses, and sampled decoding calls :func:`dsv4lab.engine.sampling.sample` with a per-request generator.
@@ -239,8 +242,11 @@ class Scheduler:
                     self._retire(seq, None)
                     self.counters["aborted"] += 1
             if admitted:
+                t0 = time.perf_counter()
                 self._prefill(admitted)
+                self.counters["prefill_s"] += time.perf_counter() - t0
             if self._running or self.batch.busy:
+                t0 = time.perf_counter()
                 try:
                     self._decode()
                 except Exception as err:  # the step itself broke (not one request): fail the sequences in it
@@ -248,6 +254,7 @@ class Scheduler:
                     for seq in list(self._running):
                         self._fail(seq, err)
                     self.batch = BatchLoop(self.model)
+                self.counters["decode_s"] += time.perf_counter() - t0
         for seq in stopping:
             self._fail(seq, RuntimeError("the server is shutting down"))
 
