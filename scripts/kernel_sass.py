@@ -143,13 +143,13 @@ def moe_down(route: str, bn: int, bk: int, warps: int, stages: int, T: int = 1, 
 
 
 def gemv_kernel(route: str, bn: int, bk: int, warps: int, stages: int, M: int = 1, w_fp8: bool = True,
-                act_quant: bool = True, unroll: int = 1, prequant: bool = False):
-    tq, tp = gemv.token_blocks(M, route)
+                act_quant: bool = True, unroll: int = 1, prequant: bool = False, fma_rows: int = 1):
+    tq, tp = gemv.token_blocks(M, route, fma_rows=fma_rows)
     sig = {"x_ptr": "*fp8e4nv" if prequant else "*bf16", "xs_ptr": "*fp32",
            "w_ptr": "*fp8e4nv" if w_fp8 else "*bf16", "s_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "n_per_group": "i32", "stride_xm": "i32",
            "stride_xg": "i32", "stride_xs": "i32", "stride_wn": "i32", "stride_sn": "i32", "SPLIT_K": "i32",
-           "B1": "i32", "B2": "i32", "B3": "i32"}
+           "B1": "i32", "B2": "i32", "B3": "i32", "u_ptr": "*bf16", "limit": "fp32"}
     cx = dict(W_FP8=w_fp8, ACT_QUANT=act_quant and not prequant, PREQUANT=prequant, ROUTE=gemv.ROUTES.index(route),
               OUT_BF16=True, DOT_FP32=False, TQ=tq, TP=tp, BN=bn, BK=bk, KU=unroll, BLOCK_S=16)
     k = _compile(gemv._fp8_gemv_kernel, sig, cx, ("N", "K", "n_per_group", "stride_xm", "stride_xg", "stride_wn",
@@ -186,6 +186,15 @@ CONFIGS = [
     ("gemv fma n64 k256 w8 s3 b1", gemv_kernel, ("fma", 64, 256, 8, 3)),
     ("gemv fma n16 k256 w4 s3 u2 b1", gemv_kernel, ("fma", 16, 256, 4, 3, 1, True, True, 2)),
     ("gemv fma n32 k256 w4 s3 u2 b1", gemv_kernel, ("fma", 32, 256, 4, 3, 1, True, True, 2)),
+    # the fma route with several rows per weight tile (GemvGeometry.fma_rows): the per-row share of the loop
+    ("gemv fma n16 k256 w4 s3 r2 b2", gemv_kernel, ("fma", 16, 256, 4, 3, 2, True, True, 1, False, 2)),
+    ("gemv fma n16 k128 w4 s3 r4 b4", gemv_kernel, ("fma", 16, 128, 4, 3, 4, True, True, 1, False, 4)),
+    ("gemv fma n16 k128 w4 s3 b1", gemv_kernel, ("fma", 16, 128, 4, 3)),
+    ("gemv fma n64 k256 w8 s3 r2 b2", gemv_kernel, ("fma", 64, 256, 8, 3, 2, True, True, 1, False, 2)),
+    ("gemv fma n32 k256 w4 s3 r2 b2", gemv_kernel, ("fma", 32, 256, 4, 3, 2, True, True, 1, False, 2)),
+    ("gemv fma n64 k256 w8 s3 r4 b4", gemv_kernel, ("fma", 64, 256, 8, 3, 4, True, True, 1, False, 4)),
+    ("gemv fma n32 k256 w8 s3 r4 b4", gemv_kernel, ("fma", 32, 256, 8, 3, 4, True, True, 1, False, 4)),
+    ("gemv fma n64 k128 w4 s3 r4 b4", gemv_kernel, ("fma", 64, 128, 4, 3, 4, True, True, 1, False, 4)),
     ("gemv dot n16 k256 w1 s3 b1", gemv_kernel, ("dot", 16, 256, 1, 3)),
     ("gemv dot n64 k256 w4 s4 b1", gemv_kernel, ("dot", 64, 256, 4, 4)),
     ("gemv dot n64 k256 w4 s3 b8", gemv_kernel, ("dot", 64, 256, 4, 3, 8)),
