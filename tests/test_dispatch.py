@@ -378,7 +378,7 @@ def test_family_lists_reach_the_benchmarks():
     from dsv4lab.tools.bench.prefill import plan_variants
     assert [(v.route, v.block_n, v.prequant, v.fma_rows) for v in gemv_variants(False, True)] == [
         ("fma", 32, False, 1), ("fma", 16, False, 1), ("fma", 64, False, 1), ("dot", 16, False, 1),
-        ("dot", 64, True, 1), ("fma", 16, False, 2), ("fma", 16, False, 4)]
+        ("dot", 64, True, 1), ("fma", 32, False, 2), ("fma", 64, False, 2)]
     assert [n for _, n, _ in moe_variants(False, True)] == [
         "n32k256w2s3", "n8k256w1s2", "n8k256w1s2:bytewise:prequant", "n16k256w1s2", "n16k256w1s2", "n64k128w4s3",
         "n32x64k128w4s3:tile"]  # the last two: the fp8lut route's
