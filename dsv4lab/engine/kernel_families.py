@@ -139,8 +139,9 @@ GEMV = Family(
      _gemv("dot", 64, 256, 4, prequant=True, runs="quick full"),
      # a verify step's 2–4 rows of one sequence: the fma route reading each weight tile once for all of them.
      # Quick: the wider tiles, whose per-row activation work is shared by more weight rows — compiled for sm_90
-     # (scripts/kernel_sass.py, Triton 3.9; instruction counts, not times) n32k256w4 / n64k256w8 at 2 rows 6.3 / 5.9
-     # SASS per weight byte against 8.7 for n16k256w4 (4.3 / 4.1 at one row); every 4-row tile counted 12.9–20.8
+     # (scripts/kernel_sass.py, data/results/host/logs/kernel_sass_gemv_1a5b918.log; instruction counts, not
+     # times) n32k256w4 / n64k256w8 at 2 rows 6.3 / 5.9 SASS per weight byte against 8.7 for n16k256w4 (4.3 / 4.1
+     # at one row); every 4-row tile counted 12.9–20.8
      # (shuffles through shared memory, or spills), and n16k128w4 r4 measured 2× the one-row kernel run per row
      # on an H100 (decode_kernels_a008e9d_gemv_quick.json): full runs only
      _gemv("fma", 32, 256, 4, fma_rows=2, runs="quick full"), _gemv("fma", 64, 256, 8, fma_rows=2, runs="quick full"),
