@@ -23,6 +23,7 @@ def test_bench_serve_smoke_on_a_generated_model_writes_every_field(tmp_path, cap
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "Output token throughput (tok/s):" in printed and f"wrote {out}" in printed
+    assert printed.count("Rows per decode step:") == 4  # the engine thread's lines, one block per run
     doc = json.loads(out.read_text())
     assert doc["meta"]["model"] == "tiny-seed0" and "generated tiny" in doc["meta"]["url"]
     assert [(r["speculative"], r["concurrency"]) for r in doc["runs"]] == [("off", 1), ("off", 2), ("mtp", 1),

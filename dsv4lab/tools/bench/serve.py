@@ -138,8 +138,21 @@ def format_table(run: dict, model: str) -> str:
         lines.append(f"{'Median ' + short + ' (ms):':<40}{s['median']:>20.2f}")
         for q in PERCENTILES[1:]:
             lines.append(f"{'P' + str(q) + ' ' + short + ' (ms):':<40}{s['p' + str(q)]:>20.2f}")
+    e = run.get("engine")
+    if e:  # an in-process server: where the engine thread's time went
+        rows = [("Prefills (forwards / tokens):", f"{e['prefill_forwards']} / {e['prefill_tokens']}"),
+                ("Prefill time (s, share of the run):", _share(e["prefill_s"], e["prefill_share"])),
+                ("Decode time (s, share of the run):", _share(e["decode_s"], e["decode_share"])),
+                ("Decode steps / mean step (ms):", f"{e['decode_steps']} / {e['decode_step_ms']}"),
+                ("Rows per decode step:", str(e["rows_per_step"]))]
+        lines.append(f"{' Engine thread ':-^60}")
+        lines.extend(f"{title:<40}{value:>20}" for title, value in rows)
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def _share(seconds: float, share: float | None) -> str:
+    return f"{seconds:.2f}" + (f" ({share:.0%})" if share is not None else "")
 
 
 def _discover(url: str, api_key: str | None) -> dict:
