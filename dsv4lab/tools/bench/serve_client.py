@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -157,8 +158,10 @@ class ClientProcess:
     run's summary out (``{"error": ...}`` when the run itself could not start)."""
 
     def __init__(self):
+        # the parent's import path, so that the child finds this package wherever the parent found it
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "dsv4lab.tools.bench.serve_client"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def __call__(self, **kwargs) -> dict:
         self.proc.stdin.write(json.dumps(kwargs) + "\n")
