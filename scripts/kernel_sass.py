@@ -8,7 +8,8 @@ instructions per clock per SM and must retire ~16 weight bytes per clock per SM 
 measured there (4.2 TB/s over 132 SMs at ~1.98 GHz), so ≲ 8 instructions per byte can keep up and more cannot.
 
     python scripts/kernel_sass.py                 # the table (about a minute)
-    python scripts/kernel_sass.py --check         # exit 1 if a kernel fails to compile (CI, no GPU needed)
+    python scripts/kernel_sass.py --check         # exit 1 if a kernel fails to compile (no GPU needed)
+    python scripts/kernel_sass.py --signatures    # each configuration's arguments against its kernel (CI: seconds)
     python scripts/kernel_sass.py --only moe_up   # one family
     python scripts/kernel_sass.py --glue          # the mHC site and the attention kernels: every loop's mix
 
@@ -66,6 +67,23 @@ MOE_INTS = ("D", "I", "n_local", "stride_we", "stride_wn", "stride_se", "stride_
 WITH_PDL = False  # --pdl: compile with the programmatic-dependent-launch prologue (kernels/dsv4lab_kernels/launch.py)
 
 
+SIGNATURES_ONLY = False  # --signatures: check each configuration's arguments against its kernel, compile nothing
+
+
+def _check_signature(fn, signature: dict, constexprs: dict) -> None:
+    """Every parameter of ``fn`` named by the configuration and no other name (a kernel that gained a parameter
+    would otherwise fail to compile only when this script is run), in the kernel's order (the divisibility hints
+    are given by position)."""
+    params = {p.name for p in fn.params}
+    given = set(signature) | set(constexprs)
+    missing, unknown = sorted(params - given), sorted(given - params)
+    if missing or unknown:
+        raise ValueError(f"{fn.__name__}: missing {missing}, unknown {unknown}")
+    order = [p.name for p in fn.params if p.name in signature]
+    if list(signature) != order:
+        raise ValueError(f"{fn.__name__}: arguments out of the kernel's order: {list(signature)} against {order}")
+
+
 def _compile(fn, signature: dict, constexprs: dict, div16, num_warps: int, num_stages: int):
     names = list(signature)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -76,6 +94,8 @@ def _compile(fn, signature: dict, constexprs: dict, div16, num_warps: int, num_s
     for p in fn.params:  # constexpr parameters with a default (e.g. PDL = False) take it
         if p.is_constexpr and p.name not in constexprs and p.default is not inspect.Parameter.empty:
             constexprs[p.name] = p.default
+    if SIGNATURES_ONLY:
+        return _check_signature(fn, signature, constexprs)
     for c in constexprs:
         signature[c] = "constexpr"
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
@@ -213,9 +233,11 @@ def mhc_site(splits: int = 128, block_d: int = 32, block_dn: int = 2048, warps: 
     mhc = _kernels("mhc")
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "xn_ptr": "*bf16",
            "fn_ptr": "*fp32", "part_ptr": "*fp64", "cnt_ptr": "*i32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
-           "w_ptr": "*bf16", "y_ptr": "*bf16", "post_out_ptr": "*fp32", "comb_out_ptr": "*fp32", "D": "i32",
+           "w_ptr": "*bf16", "y_ptr": "*bf16", "post_out_ptr": "*fp32", "comb_out_ptr": "*fp32",
+           "slot_ptr": "*bf16", "idx_ptr": "*bf16", "sh_ptr": "*bf16", "D": "i32",  # (the MoE-output pointers: unused)
            "NMIX": "i32", "SPLITS": "i32", "PER": "i32", "ITERS": "i32", "norm_eps": "fp32", "hc_eps_bits": "i64",
-           "sx_m": "i32", "sx_s": "i32", "so_m": "i32", "sxn_m": "i32", "sxn_s": "i32", "sfn": "i32", "sy_m": "i32"}
+           "sx_m": "i32", "sx_s": "i32", "so_m": "i32", "sxn_m": "i32", "sxn_s": "i32", "sfn": "i32", "sy_m": "i32",
+           "M": "i32", "n_shared": "i32", "expert_offset": "i32", "n_local": "i32"}
     cx = dict(APPLY_POST=True, HEAD=False, NORM=True, ROUND_BF16=True, HC=4, BLOCK_D=block_d, BLOCK_J=32,
               BLOCK_S=triton.next_power_of_2(splits), BLOCK_DN=block_dn, SPLIT_TAIL=split_tail)
     return _compile(mhc._mhc_site_kernel, sig, cx, MHC_INTS, warps, 1)
@@ -248,7 +270,8 @@ def attention(block_h: int = 16, block_r: int = 32, warps: int = 8, two_pass: bo
            "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
            "H": "i32", "D": "i32", "Ka": "i32", "Kb": "i32", "scale": "fp32", "R": "i32", "s_cos": "i32",
            "RATIO_B": "i32", "stride_qr": "i32", "stride_qh": "i32", "stride_ba": "i32", "stride_na": "i32",
-           "stride_bb": "i32", "stride_nb": "i32", "stride_ra": "i32", "stride_rb": "i32", "SPLITS": "i32"}
+           "stride_bb": "i32", "stride_nb": "i32", "stride_ra": "i32", "stride_rb": "i32", "SPLITS": "i32",
+           "cnt_ptr": "*i32"}
     cx = dict(ROUND_ACT=True, DOT_FP32=False, TWO_PASS=two_pass, ROPE=True, PREFIX_B=True, BLOCK_H=block_h,
               BLOCK_R=block_r, BLOCK_D=512)
     return _compile(attn._attn_decode_kernel, sig, cx, ATTN_INTS, warps, 3)
@@ -347,10 +370,30 @@ def main() -> int:
     p.add_argument("--glue", action="store_true", help="the mHC site and attention kernels: every loop's mix")
     p.add_argument("--pdl", action="store_true", help="with the PDL prologue: where its wait (ACQBULK) sits against "
                    "the first global load, per kernel")
+    p.add_argument("--signatures", action="store_true", help="only check that each configuration names every "
+                   "parameter of its kernel (no compilation: seconds; CI)")
     a = p.parse_args()
+    if a.signatures:
+        return check_signatures()
     if a.pdl:
         return report_pdl()
     return report_glue() if a.glue else report(a.only, a.check)
+
+
+def check_signatures() -> int:
+    """Each configuration's arguments against its kernel's parameters, nothing compiled: one line per mismatch."""
+    global SIGNATURES_ONLY
+    SIGNATURES_ONLY = True
+    bad = 0
+    for name, build, args in CONFIGS + GLUE:
+        try:
+            build(*args)
+        except Exception as err:  # noqa: BLE001 — every configuration is reported
+            bad += 1
+            print(f"{name}: {type(err).__name__}: {err}")
+    print(f"{len(CONFIGS) + len(GLUE) - bad} of {len(CONFIGS) + len(GLUE)} configurations name their kernel's "
+          "parameters")
+    return 1 if bad else 0
 
 
 def report_pdl() -> int:

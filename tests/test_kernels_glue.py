@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import re
+
 import pytest
 import torch
 
@@ -617,6 +619,23 @@ def test_glue_kernels_compile_for_gpu_targets(target):
                          capture_output=True, text=True, env=env, cwd=root, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert out.stdout.count("ok ") >= 20
+
+
+def test_the_sass_counter_names_every_parameter_of_each_kernel():
+    """``scripts/kernel_sass.py --signatures``: each configuration the instruction counter compiles names every
+    parameter of its kernel, in order (kernels that gained parameters had left its GEMV, mHC-site and attention
+    configurations failing to compile, unnoticed outside CI)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(root / "scripts" / "kernel_sass.py"), "--signatures"],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    named, total = re.match(r"(\d+) of (\d+) configurations", out.stdout.splitlines()[-1]).groups()
+    assert named == total and int(total) >= 50, out.stdout[-2000:]
 
 
 def test_device_probe_runs_once_per_device_and_records_why_not():
