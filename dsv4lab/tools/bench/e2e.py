@@ -43,8 +43,9 @@ replay of the fused static step, :mod:`dsv4lab.engine.decode_graph`), the one ``
   catalogue entry; the same for each ``--breakdown-batches`` batch (``breakdown_by_batch``: where a batch's step
   spends the time its bytes do not explain).
 
-The parts run in the order warm-up and first prompts, decode rows, breakdown, fusions, verify (and its profile),
-speculative, TTFT (and its per-op breakdown), ABBA, contexts — what a tight budget should keep first. Every part's
+The parts run in the order warm-up and first prompts, decode rows, verify, speculative, TTFT — the headline rows,
+seconds each — then the profiles that explain them (breakdown, fusions, the verify step's profile, the prefill's
+per-op breakdown: tens of seconds each), ABBA, contexts — what a tight budget should keep first. Every part's
 wall time is recorded (``timing_s``); parts that would start after
 ``--budget-s`` are skipped and listed (``skipped``), and on one rank a part still running ``--overrun-s`` past the
 budget is stopped and listed under ``failed`` ("timed out"), so the JSON is always written inside a fixed time.
@@ -338,8 +339,26 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
         if row is not None:
             doc["decode"].append(row)
             log(rank, f"decode b={b}: {row['tok_s']:.1f} tok/s ({row['path']}), MBU {row['mbu']}")
-    # the parts in the order a tight budget should keep them: the step's breakdown and the TTFT before the long
-    # context prompts (a 65,536-token prefill at full width takes about a minute)
+    # the parts in the order a tight budget should keep them: the headline rows first (verify and speculative, the
+    # TTFT: seconds each), then the profiles that explain them (the step's breakdowns, the fused paths' A/B, the
+    # verify step's and the prefill's profiles: tens of seconds each), the long contexts last (a 65,536-token
+    # prefill at full width takes about a minute)
+    if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
+        doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
+        doc["speculative"], doc["speculative_natural"] = parts.run(
+            "speculative", lambda: speculative_rows(runner, clock, o, decode_round)) or ([], [])
+        if o["smoke"]:
+            doc["speculative_natural"] += parts.run("speculative_tiny_py",
+                                                    lambda: natural_acceptance(DATA_DIR / "tiny-py", o)) or []
+        differ = speculative_mismatches(doc["speculative"] + doc["speculative_natural"])
+        if differ:  # greedy speculation is lossless by construction: an output unlike plain greedy's is a failure
+            parts.failed["speculative"] = "output differs from plain greedy: " + ", ".join(differ)
+            log(rank, f"SPECULATIVE: {parts.failed['speculative']}")
+    doc["prefill"] = parts.run("ttft", lambda: prefill_rows(runner, clock, o)) or []
+    if doc["prefill"]:
+        best = min(doc["prefill"], key=lambda r: r["ttft_s"])
+        doc["ttft"] = dict(prompt_tokens=o["prompt_tokens"], ttft_s=best["ttft_s"], chunk=best["chunk"])
+        log(rank, f"TTFT {best['ttft_s']:.3f} s for {o['prompt_tokens']} tokens (chunk {best['chunk']})")
     if device.type == "cuda":
         doc["breakdown"] = parts.run("breakdown", lambda: breakdown(runner, o, device))
         doc["breakdown_by_batch"] = {}
@@ -358,26 +377,11 @@ def worker(rank: int, world: int, o: dict) -> dict | None:
             if why:  # the fused paths claim the unfused step's bits and must run: a failure either way
                 parts.failed["fusions"] = "; ".join(why)
                 log(rank, f"FUSIONS: {parts.failed['fusions']}")
-    if world == 1 and o["draft_tokens"]:  # (the multi-token steps are measured on one rank)
-        doc["verify"] = parts.run("verify", lambda: verify_rows(runner, o)) or []
-        if device.type == "cuda":  # (a profile of GPU kernels)
-            doc["verify_profile"] = parts.run("verify_profile", lambda: verify_profile(runner, o)) or {}
-        doc["speculative"], doc["speculative_natural"] = parts.run(
-            "speculative", lambda: speculative_rows(runner, clock, o, decode_round)) or ([], [])
-        if o["smoke"]:
-            doc["speculative_natural"] += parts.run("speculative_tiny_py",
-                                                    lambda: natural_acceptance(DATA_DIR / "tiny-py", o)) or []
-        differ = speculative_mismatches(doc["speculative"] + doc["speculative_natural"])
-        if differ:  # greedy speculation is lossless by construction: an output unlike plain greedy's is a failure
-            parts.failed["speculative"] = "output differs from plain greedy: " + ", ".join(differ)
-            log(rank, f"SPECULATIVE: {parts.failed['speculative']}")
-    doc["prefill"] = parts.run("ttft", lambda: prefill_rows(runner, clock, o)) or []
+    if world == 1 and o["draft_tokens"] and device.type == "cuda":  # (a profile of GPU kernels)
+        doc["verify_profile"] = parts.run("verify_profile", lambda: verify_profile(runner, o)) or {}
     if doc["prefill"]:
-        best = min(doc["prefill"], key=lambda r: r["ttft_s"])
-        doc["ttft"] = dict(prompt_tokens=o["prompt_tokens"], ttft_s=best["ttft_s"], chunk=best["chunk"])
-        log(rank, f"TTFT {best['ttft_s']:.3f} s for {o['prompt_tokens']} tokens (chunk {best['chunk']})")
         doc["prefill_breakdown"] = parts.run("prefill_breakdown",
-                                             lambda: prefill_breakdown(runner, o, best["chunk"]))
+                                             lambda: prefill_breakdown(runner, o, doc["ttft"]["chunk"]))
     if world > 1 and o["abba"]:
         doc["abba"] = parts.run("abba", lambda: abba(runner, clock, o, device))
     doc["contexts"] = []
