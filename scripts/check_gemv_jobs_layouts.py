@@ -10,7 +10,8 @@ weight load the FP8 load's 16-byte layout). This script compiles — for ``--tar
 Triton's own argument specialization, on a machine without a GPU — the CSA layer's attention-input projections
 (``x_projections``: the FP8 q/KV pair, the four BF16 compressor weights, the BF16 head weights) at
 DeepSeek-V4-Flash widths, alone and as one jobs launch, and compares the layouts of their K reductions; and the FP8
-and BF16 ones at 4 rows with ``GemvGeometry.fma_rows`` 2 and 4 against one row per program (each row has an
+and BF16 ones (and the FP8 pair at the GEMV quick list's 64-row, 8-warp tile) at 4 rows with
+``GemvGeometry.fma_rows`` 2 and 4 against one row per program (each row has an
 accumulator of its own, summed as the one-row program sums: the same layout means the same bits). Must run
 without ``TRITON_INTERPRET``.
 
@@ -110,13 +111,16 @@ def main(argv=None) -> int:
         report.append(dict(rows=rows, alone=alone, jobs=jobs, same=alone == jobs))
         ok &= alone == jobs
     fma_rows = []  # the fma route with several rows per program: each row's K sum in the one-row program's layout
-    for c in projections(4)[:2]:  # the FP8 q/KV pair and the BF16 compressors, 4 token rows
+    qkv = projections(4)[0]  # and the q/KV pair at the GEMV quick list's widest 2-row tile (64 rows, 8 warps)
+    wide = dict(qkv, geometry=replace(qkv["geometry"], block_n=64, num_warps=8))
+    for c in projections(4)[:2] + [wide]:  # the FP8 q/KV pair and the BF16 compressors, 4 token rows
         one = dict(c, geometry=replace(c["geometry"], fma_rows=1))
         per_row = {r: sorted(set(k_reduction_layouts(compiled(lambda r=r: gemv.fp8_gemv(
             **dict(c, geometry=replace(c["geometry"], fma_rows=r))), target)[0]))) for r in (2, 4)}
         single = sorted(set(k_reduction_layouts(compiled(lambda: gemv.fp8_gemv(**one), target)[0])))
         same = all(v == single for v in per_row.values())
-        fma_rows.append(dict(weight=str(c["weight"].dtype), one_row=single, fma_rows_2=per_row[2],
+        fma_rows.append(dict(weight=str(c["weight"].dtype), block_n=c["geometry"].block_n, one_row=single,
+                             fma_rows_2=per_row[2],
                              fma_rows_4=per_row[4], same=same))
         ok &= same
     from dsv4lab.core.provenance import short_commit
