@@ -217,9 +217,11 @@ def test_the_openai_client_sees_the_refusals(server):
 
 
 # ------------------------------------------------------------------------------------------ nothing stalls
-def _health_during(url: str, work, min_samples: int, max_rounds: int) -> tuple[list[float], list]:
+def _health_during(url: str, work, min_samples: int, max_rounds: int,
+                   answers: list | None = None) -> tuple[list[float], list]:
     """``/health`` latencies measured while ``work()`` (one request) runs in another thread, repeated until
-    ``min_samples`` latencies fell inside a request (or ``max_rounds`` requests were made); and the results."""
+    ``min_samples`` latencies fell inside a request (or ``max_rounds`` requests were made); and the results.
+    ``answers`` (a list) also gets each ``/health``'s (sent, answered) ``perf_counter`` times."""
     during, results = [], []
     with httpx.Client(timeout=30) as client:
         for _ in range(max_rounds):
@@ -229,6 +231,8 @@ def _health_during(url: str, work, min_samples: int, max_rounds: int) -> tuple[l
             while worker.is_alive():
                 t0 = time.perf_counter()
                 assert client.get(url + "/health").json()["status"] == "ok"
+                if answers is not None:
+                    answers.append((t0, time.perf_counter()))
                 if worker.is_alive():  # the request was still in flight when /health answered
                     during.append(time.perf_counter() - t0)
                 time.sleep(0.005)
@@ -283,20 +287,12 @@ def test_tokenization_runs_off_the_event_loop(server):
     one answers every few milliseconds (a latency threshold instead flaked on a loaded 2-core machine)."""
     cfg = ServeConfig(served_model_name=MODEL, max_model_len=4096)
     slow = SlowTokenizer(server.tokenizer, 1.0)
+    answers: list = []  # (sent, answered) of each /health
     with BackgroundServer(create_app(server.scheduler, slow, cfg)) as s:
-        box: dict = {}
-        worker = threading.Thread(target=lambda: box.update(status=httpx.post(
-            s.url + COMPLETIONS, json={"prompt": "def f(", "max_tokens": 1}, timeout=60).status_code))
-        answers = []  # (sent, answered) of each /health
-        with httpx.Client(timeout=30) as client:
-            worker.start()
-            while worker.is_alive():
-                t0 = time.perf_counter()
-                assert client.get(s.url + "/health").json()["status"] == "ok"
-                answers.append((t0, time.perf_counter()))
-                time.sleep(0.005)
-        worker.join()
-    assert box.get("status") == 200 and slow.windows, (box, slow.windows)
+        def one():
+            return httpx.post(s.url + COMPLETIONS, json={"prompt": "def f(", "max_tokens": 1}, timeout=60).status_code
+        _, results = _health_during(s.url, one, min_samples=5, max_rounds=1, answers=answers)
+    assert results == [200] and slow.windows, (results, slow.windows)
     inside = [a for a in answers if any(w0 <= a[0] and a[1] <= w1 for w0, w1 in slow.windows)]
     assert len(inside) >= 5, f"{len(inside)} of {len(answers)} /health answers completed inside the encode"
 
